@@ -1,0 +1,1 @@
+"""Backends behind one interface: ours (zmq) and torch.distributed's (gloo, nccl)."""

@@ -1,0 +1,63 @@
+"""The interface every backend implements for one process group, and tensor preparation."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from .. import dtypes
+from ..collectives.reduce_ops import ReduceOp
+from ..work import Work
+
+
+class Backend(Protocol):
+    """One process group's communication; ranks here are group ranks."""
+    name: str
+
+    def all_reduce(self, tensor, op: ReduceOp, async_op: bool) -> Work | None: ...
+    def reduce_scatter_tensor(self, output, input, op: ReduceOp, async_op: bool) -> Work | None: ...
+    def all_gather_into_tensor(self, output, input, async_op: bool) -> Work | None: ...
+    def broadcast(self, tensor, src: int, async_op: bool) -> Work | None: ...
+    def reduce(self, tensor, dst: int, op: ReduceOp, async_op: bool) -> Work | None: ...
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          async_op: bool) -> Work | None: ...
+    def barrier(self, async_op: bool) -> Work | None: ...
+    def isend(self, tensor, dst: int, tag: int) -> Work: ...
+    def irecv(self, tensor, src: int, tag: int) -> Work: ...
+    def close(self) -> None: ...
+
+
+def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input."""
+    t = dtypes.as_tensor(obj)
+    dtypes.code_of(t.dtype)
+    if t.device.type != "cpu":
+        raise TypeError(f"{what} is on {t.device}; this backend takes CPU tensors")
+    if t.is_contiguous():
+        return t.reshape(-1), None
+    flat = t.contiguous().reshape(-1)
+    return flat, lambda: t.copy_(flat.view(t.shape))
+
+
+def check_same_dtype(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+
+
+def split_bounds(numel: int, rows: int, splits, size: int, what: str) -> list[tuple[int, int]]:
+    """Element bounds of all_to_all blocks from dim-0 split sizes (None = equal split)."""
+    row = numel // rows if rows else 0
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"all_to_all_single: {what} dim 0 ({rows}) is not divisible by "
+                             f"world size {size}; pass split sizes")
+        splits = [rows // size] * size
+    splits = list(splits)
+    if len(splits) != size or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"all_to_all_single: {what} split sizes {splits} must be {size} "
+                         f"non-negative numbers summing to dim 0 ({rows})")
+    bounds, start = [], 0
+    for s in splits:
+        bounds.append((start, start + s * row))
+        start += s * row
+    return bounds

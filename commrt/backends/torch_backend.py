@@ -1,0 +1,108 @@
+"""gloo and nccl through torch.distributed process groups, behind our Backend interface.
+
+Ranks given to this class are group ranks (like ours); torch wants global ones, so they are
+mapped back. AVG runs as SUM followed by the division our backend uses, so that integer AVG
+(which floors) agrees across backends. numpy arrays are viewed as tensors, so results land in place.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as tdist
+
+from ..collectives.reduce_ops import ReduceOp, finish_avg_
+from ..dtypes import as_tensor
+from ..work import Work
+from .base import split_bounds
+
+_OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
+        ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT, ReduceOp.MIN: tdist.ReduceOp.MIN,
+        ReduceOp.MAX: tdist.ReduceOp.MAX}
+
+
+class TorchWork(Work):
+    """Wraps a torch Work; runs ``after`` (e.g. AVG's division) once it completes."""
+
+    def __init__(self, name: str, inner, after=None):
+        super().__init__(name)
+        self._inner, self._after = inner, after
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_completed():
+            try:
+                if timeout is None:
+                    self._inner.wait()
+                else:
+                    self._inner.wait(datetime.timedelta(seconds=timeout))
+                if self._after is not None:
+                    self._after()
+                self._finish(None, None)
+            except BaseException as exc:
+                self._finish(None, exc)
+        return super().wait(0)
+
+    def is_completed(self) -> bool:
+        return super().is_completed()
+
+
+class TorchBackend:
+    def __init__(self, name: str, pg, ranks: list[int], rank: int):
+        self.name, self.pg, self.ranks, self.rank, self.size = name, pg, ranks, rank, len(ranks)
+
+    def _finish(self, name: str, work, async_op: bool, after=None):
+        if async_op:
+            return TorchWork(name, work, after)
+        if after is not None:
+            after()
+        return None
+
+    def _avg(self, t: torch.Tensor, op: ReduceOp):
+        return (lambda: finish_avg_(t, self.size)) if op == ReduceOp.AVG else None
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        t = as_tensor(tensor)
+        w = tdist.all_reduce(t, _OPS[op], group=self.pg, async_op=async_op)
+        return self._finish("all_reduce", w, async_op, self._avg(t, op))
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
+        out, inp = as_tensor(output), as_tensor(input)
+        w = tdist.reduce_scatter_tensor(out, inp, _OPS[op], group=self.pg, async_op=async_op)
+        return self._finish("reduce_scatter_tensor", w, async_op, self._avg(out, op))
+
+    def all_gather_into_tensor(self, output, input, async_op=False):
+        out, inp = as_tensor(output), as_tensor(input)
+        w = tdist.all_gather_into_tensor(out, inp, group=self.pg, async_op=async_op)
+        return self._finish("all_gather_into_tensor", w, async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        w = tdist.broadcast(as_tensor(tensor), self.ranks[src], group=self.pg, async_op=async_op)
+        return self._finish("broadcast", w, async_op)
+
+    def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
+        t = as_tensor(tensor)
+        after = self._avg(t, op) if self.rank == dst else None
+        w = tdist.reduce(t, self.ranks[dst], _OPS[op], group=self.pg, async_op=async_op)
+        return self._finish("reduce", w, async_op, after)
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          async_op=False):
+        out, inp = as_tensor(output), as_tensor(input)
+        for t, s, what in ((out, output_split_sizes, "output"), (inp, input_split_sizes, "input")):
+            split_bounds(t.numel(), t.shape[0] if t.dim() else 1, s, self.size, what)
+        w = tdist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
+                                    group=self.pg, async_op=async_op)
+        return self._finish("all_to_all_single", w, async_op)
+
+    def barrier(self, async_op=False):
+        w = tdist.barrier(group=self.pg, async_op=async_op)
+        return self._finish("barrier", w, async_op)
+
+    def isend(self, tensor, dst: int, tag: int = 0) -> Work:
+        return TorchWork("send", tdist.isend(as_tensor(tensor), self.ranks[dst], group=self.pg, tag=tag))
+
+    def irecv(self, tensor, src: int, tag: int = 0) -> Work:
+        return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,160 @@
+"""Setting up the world group and sub-groups for each backend.
+
+The zmq world: rank 0 serves the bootstrap store, every rank opens its sockets, publishes its
+addresses in a hello (with protocol version and config digest), connects to everyone, and a
+barrier proves the data plane works before init returns. gloo/nccl: the same hello exchange
+validates the job, then a torch TCPStore (its port handed out through our store) bootstraps
+torch.distributed, so one init serves both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import msgpack
+import torch
+import zmq
+
+from . import rendezvous
+from .backends.torch_backend import TorchBackend
+from .backends.zmq_backend import ZmqBackend
+from .config import Config
+from .errors import ConfigError
+from .group import NON_GROUP_MEMBER, ProcessGroup
+from .store import StoreClient, StoreServer, TorchStore, wait_for
+
+log = logging.getLogger(__name__)
+
+ADDR_BYTES = 256  # room for one rank's msgpack'd addresses in the new_group exchange
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Everything init_process_group created, so destroy_process_group can undo it."""
+    config: Config
+    world: ProcessGroup
+    zctx: zmq.Context
+    store: object
+    store_server: StoreServer | None
+    groups: list = dataclasses.field(default_factory=list)
+    next_group_id: int = 1
+
+
+def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
+    """(backend, why). ``auto`` takes NCCL only if every local rank can have its own GPU."""
+    if requested != "auto":
+        return requested, "requested in config"
+    if not torch.cuda.is_available():
+        return "zmq", "CUDA is not available"
+    if not torch.distributed.is_nccl_available():
+        return "zmq", "this torch build has no NCCL"
+    gpus = torch.cuda.device_count()
+    if gpus < local_world_size:
+        return "zmq", f"{local_world_size} local ranks but only {gpus} GPUs"
+    return "nccl", f"CUDA with {gpus} GPUs for {local_world_size} local ranks"
+
+
+def _open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float):
+    if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
+        tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
+                                            timeout=datetime.timedelta(seconds=timeout_s))
+        return TorchStore(tstore), None
+    server = StoreServer(zctx, spec.host, spec.port) if spec.rank == 0 else None
+    return StoreClient(zctx, spec.host, spec.port, timeout_s), server
+
+
+def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ) -> Runtime:
+    local = int(environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+    name, why = choose_backend(cfg.comm.backend, local)
+    log.info("rank %d: backend %s (%s)", spec.rank, name, why)
+    timeout = cfg.comm.timeout_s
+    zctx = zmq.Context()
+    store, server = _open_store(zctx, spec, timeout)
+    try:
+        hello = {"config": cfg.digest(), "backend": name}
+        if name == "zmq":
+            backend = ZmqBackend(zctx, cfg, spec.rank, spec.world_size, group_id=0)
+            table = rendezvous.exchange(store, spec.rank, spec.world_size,
+                                        {**hello, "addr": backend.addresses}, timeout)
+            backend.connect([peer["addr"] for peer in table])
+            backend.barrier()
+        elif name in ("gloo", "nccl"):
+            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout)
+            backend = _init_torch(name, store, spec, timeout)
+        else:
+            raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
+    except BaseException:
+        if server is not None:
+            server.close()
+        store.close()
+        zctx.destroy(linger=0)
+        raise
+    world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
+    return Runtime(cfg, world, zctx, store, server)
+
+
+def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float) -> TorchBackend:
+    td = datetime.timedelta(seconds=timeout_s)
+    if spec.rank == 0:
+        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False)
+        store.set("torch/port", str(tstore.port).encode())
+    else:
+        port = int(wait_for(store, ["torch/port"], timeout_s, "torch store port")[0])
+        tstore = torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
+    if name == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)) % torch.cuda.device_count())
+    torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
+                                         rank=spec.rank, world_size=spec.world_size, timeout=td)
+    return TorchBackend(name, torch.distributed.group.WORLD, list(range(spec.world_size)), spec.rank)
+
+
+def new_group(rt: Runtime, ranks: list[int]):
+    """Every world rank calls this in the same order (as with torch); members get a group."""
+    world = rt.world
+    members = tuple(sorted(set(ranks)))
+    if not members or members[0] < 0 or members[-1] >= world.size():
+        raise ValueError(f"new_group: ranks {ranks} must be a non-empty subset of 0..{world.size() - 1}")
+    gid = rt.next_group_id
+    rt.next_group_id += 1
+    me = world.rank
+    if isinstance(world.backend, TorchBackend):
+        pg = torch.distributed.new_group(list(members))
+        if me not in members:
+            return NON_GROUP_MEMBER
+        backend = TorchBackend(world.backend.name, pg, list(members), members.index(me))
+    else:
+        backend = None
+        mine = torch.zeros(ADDR_BYTES, dtype=torch.uint8)
+        if me in members:
+            backend = ZmqBackend(rt.zctx, rt.config, members.index(me), len(members), gid)
+            packed = msgpack.packb(backend.addresses)
+            mine[:len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+        table = torch.empty(ADDR_BYTES * world.size(), dtype=torch.uint8)
+        world.backend.all_gather_into_tensor(table, mine)
+        if backend is None:
+            return NON_GROUP_MEMBER
+        rows = table.view(world.size(), ADDR_BYTES)
+        backend.connect([_unpack_addr(rows[r]) for r in members])
+    group = ProcessGroup(members, members.index(me), backend, gid)
+    rt.groups.append(group)
+    return group
+
+
+def _unpack_addr(row: torch.Tensor) -> list[str]:
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=ADDR_BYTES)
+    unpacker.feed(bytes(row.numpy()))
+    return next(unpacker)
+
+
+def shutdown(rt: Runtime) -> None:
+    for group in rt.groups:
+        group.backend.close()
+    rt.world.backend.close()
+    if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    rt.store.close()
+    if rt.store_server is not None:
+        rt.store_server.close()
+    rt.zctx.destroy(linger=0)

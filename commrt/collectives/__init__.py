@@ -1,0 +1,1 @@
+"""Collective algorithms: pure schedules (algorithms.py) and their execution (ops.py)."""

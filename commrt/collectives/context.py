@@ -1,0 +1,98 @@
+"""OpContext: what one running collective needs to talk to its peers, with every incoming
+message checked against what this rank is running (so divergent programs fail loudly)."""
+from __future__ import annotations
+
+import collections
+import enum
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dtypes
+from ..errors import CollectiveMismatch
+from ..transport import Endpoint
+from ..wire import COLL, Header
+
+# torch.frombuffer warns on read-only buffers; ZeroMQ's receive buffers are read-only by
+# design and we only ever read them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class Coll(enum.IntEnum):
+    """Collective codes on the wire."""
+    ALL_REDUCE = 1
+    REDUCE_SCATTER = 2
+    ALL_GATHER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    ALL_TO_ALL = 6
+    BARRIER = 7
+
+
+def _as_bytes(t: torch.Tensor):
+    """Zero-copy uint8 numpy view of a contiguous 1-D tensor (works for bfloat16 too)."""
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+@dataclass
+class OpContext:
+    ep: Endpoint
+    group: int
+    rank: int
+    size: int
+    seq: int
+    coll: Coll
+    dtype: torch.dtype
+    count: int
+    piece_bytes: int
+    small_bytes: int
+    _sent: collections.Counter = field(default_factory=collections.Counter)
+    _recvd: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def piece_elems(self) -> int:
+        return max(1, self.piece_bytes // self.itemsize)
+
+    @property
+    def name(self) -> str:
+        return self.coll.name.lower()
+
+    def header(self, nbytes: int, step: int) -> Header:
+        return Header(COLL, self.group, self.seq, self.rank, int(self.coll),
+                      dtypes.code_of(self.dtype), self.count, step, nbytes)
+
+    def send(self, dst: int, data: torch.Tensor | None = None) -> None:
+        payload = b"" if data is None else _as_bytes(data)
+        step = self._sent[dst]
+        self._sent[dst] += 1
+        self.ep.send(dst, self.header(len(payload), step), payload, op=self.name)
+
+    def recv(self, src: int, numel: int = 0) -> torch.Tensor:
+        """Next piece from ``src``, as a read-only tensor view of the received frame."""
+        msg = self.ep.recv(src, op=self.name, seq=self.seq)
+        step = self._recvd[src]
+        self._recvd[src] += 1
+        h, want = msg.header, self.header(numel * self.itemsize, step)
+        if (h.kind, h.seq, h.op, h.dtype, h.count) != (want.kind, want.seq, want.op, want.dtype, want.count):
+            raise CollectiveMismatch(self.name, self.seq, self._describe(want), self._describe(h),
+                                     peer=src, rank=self.rank)
+        if (h.step, h.nbytes) != (want.step, want.nbytes):
+            raise CollectiveMismatch(
+                self.name, self.seq, {**self._describe(want), "step": step, "bytes": want.nbytes},
+                {**self._describe(h), "step": h.step, "bytes": h.nbytes}, peer=src, rank=self.rank)
+        if numel == 0:
+            return torch.empty(0, dtype=self.dtype)
+        return torch.frombuffer(msg.payload.buffer, dtype=self.dtype)
+
+    @staticmethod
+    def _describe(h: Header) -> dict:
+        op = Coll(h.op).name.lower() if h.op in Coll._value2member_map_ else f"op{h.op}"
+        return {"seq": h.seq, "op": op, "dtype": dtypes.name_of(h.dtype), "count": h.count}
+
+    def flush(self) -> None:
+        self.ep.flush(self.name, self.seq)

@@ -1,0 +1,175 @@
+"""The public API, mirroring torch.distributed so users already know it.
+
+``src``/``dst`` arguments are global ranks (as in torch); ``group=None`` means the world.
+Collectives on a process that is not a member of ``group`` return None, as torch's do.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+from . import bootstrap, rendezvous
+from .collectives.reduce_ops import ReduceOp, parse_op
+from .config import Config, load_config
+from .errors import CommError
+from .group import NON_GROUP_MEMBER, ProcessGroup
+from .work import Work
+
+log = logging.getLogger(__name__)
+_runtime: bootstrap.Runtime | None = None
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       rank: int | None = None, world_size: int | None = None,
+                       timeout: float | datetime.timedelta | None = None,
+                       config: Config | str | os.PathLike | None = None) -> None:
+    """Join the job. Arguments override the config file and environment (see README)."""
+    global _runtime
+    if _runtime is not None:
+        raise CommError("init_process_group called twice; call destroy_process_group first")
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    overrides = {"comm": {"backend": backend, "timeout_s": timeout}}
+    if isinstance(config, Config):
+        cfg = load_config(None, overrides={"comm": {**_fields(config.comm), **_drop_none(overrides["comm"])},
+                                           "cluster": _fields(config.cluster),
+                                           "security": _fields(config.security)}, environ={})
+    else:
+        cfg = load_config(config, overrides)
+    spec = rendezvous.resolve(
+        init_method or cfg.cluster.rendezvous,
+        rank if rank is not None else (cfg.cluster.rank if cfg.cluster.rank >= 0 else None),
+        world_size or cfg.cluster.world_size or None)
+    _runtime = bootstrap.init_world(cfg, spec)
+
+
+def _fields(section) -> dict:
+    return {k: getattr(section, k) for k in section.__dataclass_fields__}
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _rt() -> bootstrap.Runtime:
+    if _runtime is None:
+        raise CommError("commrt is not initialized; call commrt.init_process_group() first")
+    return _runtime
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    global _runtime
+    rt = _rt()
+    if group is None or group is rt.world:
+        _runtime = None
+        bootstrap.shutdown(rt)
+    elif isinstance(group, ProcessGroup):
+        group.backend.close()
+        rt.groups.remove(group)
+
+
+def _group(group) -> ProcessGroup | None:
+    if group is None:
+        return _rt().world
+    if group is NON_GROUP_MEMBER:
+        return None
+    return group
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    g = _group(group)
+    return -1 if g is None else g.rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    g = _group(group)
+    return -1 if g is None else g.size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend actually in use (``auto`` resolved)."""
+    g = _group(group)
+    return "" if g is None else g.backend.name
+
+
+def get_config() -> Config:
+    return _rt().config
+
+
+def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: str | None = None):
+    """All processes call this in the same order; non-members get NON_GROUP_MEMBER."""
+    rt = _rt()
+    if backend not in (None, rt.world.backend.name):
+        raise CommError(f"new_group: backend {backend!r} differs from the world's {rt.world.backend.name!r}")
+    return bootstrap.new_group(rt, list(range(rt.world.size())) if ranks is None else list(ranks))
+
+
+def _op(op) -> ReduceOp:
+    return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.all_reduce(tensor, _op(op), async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.reduce_scatter_tensor(output, input, _op(op), async_op)
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.all_gather_into_tensor(output, input, async_op)
+
+
+def broadcast(tensor, src: int, group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op)
+
+
+def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.reduce(tensor, g.group_rank(dst, "dst"), _op(op), async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, async_op)
+
+
+def barrier(group=None, async_op=False) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.barrier(async_op)
+
+
+def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.isend(tensor, g.group_rank(dst, "dst"), tag)
+
+
+def irecv(tensor, src: int, group=None, tag: int = 0) -> Work | None:
+    g = _group(group)
+    return None if g is None else g.backend.irecv(tensor, g.group_rank(src, "src"), tag)
+
+
+def send(tensor, dst: int, group=None, tag: int = 0) -> None:
+    work = isend(tensor, dst, group, tag)
+    if work is not None:
+        work.wait()
+
+
+def recv(tensor, src: int, group=None, tag: int = 0) -> int:
+    """Returns the sender's rank, like torch."""
+    work = irecv(tensor, src, group, tag)
+    if work is not None:
+        work.wait()
+    return src

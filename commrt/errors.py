@@ -1,0 +1,41 @@
+"""Typed errors. Each says what was expected, what arrived, and who is to blame."""
+from __future__ import annotations
+
+
+class CommError(RuntimeError):
+    """Base class of every error commrt raises on purpose."""
+
+
+class ConfigError(CommError, ValueError):
+    """A configuration value is unknown or invalid; the message lists what is valid."""
+
+
+class RendezvousError(CommError):
+    """Ranks could not agree on who is who (missing, duplicate or incompatible ranks)."""
+
+
+class ProtocolError(CommError):
+    """A message on the wire is malformed, truncated, oversized or of an unknown version."""
+
+
+class PeerLost(CommError):
+    """A peer died, went silent or closed its connection while an operation needed it."""
+
+    def __init__(self, rank: int, op: str, seq: int, reason: str):
+        self.rank, self.op, self.seq, self.reason = rank, op, seq, reason
+        super().__init__(f"lost peer rank {rank} during {op} (seq {seq}): {reason}")
+
+
+class CollectiveMismatch(CommError):
+    """Ranks called different collectives (or with different dtype/size) at the same point."""
+
+    def __init__(self, op: str, seq: int, mine: dict, theirs: dict, peer: int, rank: int):
+        self.op, self.seq, self.mine, self.theirs, self.peer = op, seq, mine, theirs, peer
+        super().__init__(
+            f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, "
+            f"rank {peer} runs {_fmt(theirs)}"
+        )
+
+
+def _fmt(d: dict) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in d.items()) + "}"

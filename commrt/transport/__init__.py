@@ -1,0 +1,4 @@
+"""Transport layer: ZeroMQ sockets, framing, deadlines. Knows nothing about collectives."""
+from .endpoint import Endpoint, Message
+
+__all__ = ["Endpoint", "Message"]
