@@ -38,6 +38,7 @@ class Runtime:
     zctx: zmq.Context
     store: object
     store_server: StoreServer | None
+    owns_store: bool = True
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
 
@@ -56,7 +57,8 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     return "nccl", f"CUDA with {gpus} GPUs for {local_world_size} local ranks"
 
 
-def _open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float):
+def open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float):
+    """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -65,43 +67,49 @@ def _open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: f
     return StoreClient(zctx, spec.host, spec.port, timeout_s), server
 
 
-def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ) -> Runtime:
+def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
+               store: tuple | None = None, namespace: str = "") -> Runtime:
+    """Create the world group. ``store``/``namespace`` let several runtimes (e.g. the benchmark's
+    backends side by side) share one bootstrap store."""
     local = int(environ.get("LOCAL_WORLD_SIZE", spec.world_size))
     name, why = choose_backend(cfg.comm.backend, local)
     log.info("rank %d: backend %s (%s)", spec.rank, name, why)
     timeout = cfg.comm.timeout_s
     zctx = zmq.Context()
-    store, server = _open_store(zctx, spec, timeout)
+    owns_store = store is None
+    store, server = open_store(zctx, spec, timeout) if owns_store else store
     try:
         hello = {"config": cfg.digest(), "backend": name}
         if name == "zmq":
             backend = ZmqBackend(zctx, cfg, spec.rank, spec.world_size, group_id=0)
             table = rendezvous.exchange(store, spec.rank, spec.world_size,
-                                        {**hello, "addr": backend.addresses}, timeout)
+                                        {**hello, "addr": backend.addresses}, timeout, namespace)
             backend.connect([peer["addr"] for peer in table])
             backend.barrier()
         elif name in ("gloo", "nccl"):
-            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout)
-            backend = _init_torch(name, store, spec, timeout)
+            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
+            backend = _init_torch(name, store, spec, timeout, namespace)
         else:
             raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
     except BaseException:
-        if server is not None:
-            server.close()
-        store.close()
+        if owns_store:
+            if server is not None:
+                server.close()
+            store.close()
         zctx.destroy(linger=0)
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, zctx, store, server)
+    return Runtime(cfg, world, zctx, store, server, owns_store)
 
 
-def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float) -> TorchBackend:
+def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
+                namespace: str) -> TorchBackend:
     td = datetime.timedelta(seconds=timeout_s)
     if spec.rank == 0:
         tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False)
-        store.set("torch/port", str(tstore.port).encode())
+        store.set(f"{namespace}torch/port", str(tstore.port).encode())
     else:
-        port = int(wait_for(store, ["torch/port"], timeout_s, "torch store port")[0])
+        port = int(wait_for(store, [f"{namespace}torch/port"], timeout_s, "torch store port")[0])
         tstore = torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
     if name == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)) % torch.cuda.device_count())
@@ -148,13 +156,14 @@ def _unpack_addr(row: torch.Tensor) -> list[str]:
     return next(unpacker)
 
 
-def shutdown(rt: Runtime) -> None:
+def shutdown(rt: Runtime, keep_store: bool = False) -> None:
     for group in rt.groups:
         group.backend.close()
     rt.world.backend.close()
     if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    rt.store.close()
-    if rt.store_server is not None:
-        rt.store_server.close()
+    if rt.owns_store and not keep_store:
+        rt.store.close()
+        if rt.store_server is not None:
+            rt.store_server.close()
     rt.zctx.destroy(linger=0)

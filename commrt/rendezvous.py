@@ -15,9 +15,6 @@ from .errors import ConfigError, RendezvousError
 from .store import Store, wait_for
 from .wire import VERSION
 
-ABORT_KEY = "rdzv/abort"
-
-
 @dataclass(frozen=True)
 class RendezvousSpec:
     """Where the bootstrap store lives, and who we are."""
@@ -65,21 +62,24 @@ def resolve(init_method: str | None, rank: int | None, world_size: int | None,
     return RendezvousSpec(socket.gethostbyname(host), port, rank_v, world, agent)
 
 
-def exchange(store: Store, rank: int, world_size: int, info: dict, timeout_s: float) -> list[dict]:
+def exchange(store: Store, rank: int, world_size: int, info: dict, timeout_s: float,
+             namespace: str = "") -> list[dict]:
     """Publish this rank's ``info``; return every rank's, index = rank."""
+    ns = namespace + "rdzv/"
+    abort_key = ns + "abort"
     hello = {**info, "rank": rank, "world_size": world_size, "version": VERSION,
              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-    claim = store.add(f"rdzv/claim/{rank}", 1)
-    store.set(f"rdzv/hello/{rank}/{claim}", msgpack.packb(hello))
+    claim = store.add(f"{ns}claim/{rank}", 1)
+    store.set(f"{ns}hello/{rank}/{claim}", msgpack.packb(hello))
     if claim > 1:
-        first = msgpack.unpackb(wait_for(store, [f"rdzv/hello/{rank}/1"], timeout_s, "rendezvous")[0])
+        first = msgpack.unpackb(wait_for(store, [f"{ns}hello/{rank}/1"], timeout_s, "rendezvous")[0])
         msg = (f"duplicate rank {rank}: already taken by {_who(first)}; "
                f"refused {_who(hello)}")
-        store.set(ABORT_KEY, msg.encode())
+        store.set(abort_key, msg.encode())
         raise RendezvousError(msg)
-    keys = [f"rdzv/hello/{r}/1" for r in range(world_size)]
+    keys = [f"{ns}hello/{r}/1" for r in range(world_size)]
     try:
-        raw = wait_for(store, keys, timeout_s, "rendezvous", abort_key=ABORT_KEY)
+        raw = wait_for(store, keys, timeout_s, "rendezvous", abort_key=abort_key)
     except RendezvousError as exc:
         if "still missing" not in str(exc):
             raise

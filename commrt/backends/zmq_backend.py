@@ -11,7 +11,7 @@ import zmq
 from .. import dtypes
 from ..collectives import ops
 from ..collectives.context import Coll, OpContext
-from ..collectives.reduce_ops import ReduceOp
+from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
 from ..errors import CollectiveMismatch, CommError, PeerLost
 from ..transport import Endpoint
@@ -153,7 +153,7 @@ class ZmqBackend:
                         "recv", seq, {"tag": tag, "dtype": dtypes.name_of(code), "count": flat.numel()},
                         {"tag": h.op, "dtype": dtypes.name_of(h.dtype), "count": h.count}, peer=src, rank=self.rank)
                 if piece.numel():
-                    piece.copy_(torch.frombuffer(msg.payload.buffer, dtype=flat.dtype))
+                    copy_(piece, torch.frombuffer(msg.payload.buffer, dtype=flat.dtype))
             if wb is not None:
                 wb()
         return self._recv_exec.submit("recv", run)

@@ -18,7 +18,7 @@ import torch
 from .algorithms import (chain_order, chunk_bounds, dissemination_steps, pairwise_exchange_steps,
                          pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
 from .context import OpContext
-from .reduce_ops import ReduceOp, combine_, combine_into, finish_avg_
+from .reduce_ops import ReduceOp, combine_, combine_into, copy_, finish_avg_
 
 Forward = Callable[[int, int, int, torch.Tensor], torch.Tensor]
 
@@ -66,7 +66,7 @@ def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
             got = _direct_gather(ctx, flat, peers, peers, numel)
             result = _rank_order_reduce([got.get(p, flat) for p in range(n)], op)
             ctx.flush()  # flat was handed to ZeroMQ: only now may it change
-            flat.copy_(result)
+            copy_(flat, result)
         else:
             chunks = chunk_bounds(numel, n)
             steps = ring_reduce_scatter_steps(ctx.rank, n) + ring_all_gather_steps(ctx.rank, n)
@@ -76,7 +76,7 @@ def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
                 if k < reducing:
                     combine_(flat[a:b], incoming, op)
                 else:
-                    flat[a:b].copy_(incoming)
+                    copy_(flat[a:b], incoming)
                 return flat[a:b]
             _ring(ctx, steps, chunks, flat, handle)
     if op == ReduceOp.AVG:
@@ -90,13 +90,13 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
     if n == 1 or m == 0:
-        out.copy_(inp)
+        copy_(out, inp)
     elif n * m * ctx.itemsize <= ctx.small_bytes:
         for dst in range(n):
             if dst != ctx.rank:
                 ctx.send(dst, inp[chunks[dst][0]:chunks[dst][1]])
         parts = [inp[own:own + m] if src == ctx.rank else ctx.recv(src, m) for src in range(n)]
-        out.copy_(_rank_order_reduce(parts, op))
+        copy_(out, _rank_order_reduce(parts, op))
     else:
         scratch = torch.empty_like(inp)  # intermediate sums; inp stays untouched
         last = n - 2
@@ -115,15 +115,15 @@ def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     """``out`` (n*m) gets every rank's ``inp`` (m) in rank order."""
     n, m = ctx.size, inp.numel()
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
-    out[chunks[ctx.rank][0]:chunks[ctx.rank][1]].copy_(inp)
+    copy_(out[chunks[ctx.rank][0]:chunks[ctx.rank][1]], inp)
     if n > 1 and m:
         if n * m * ctx.itemsize <= ctx.small_bytes:
             peers = [p for p in range(n) if p != ctx.rank]
             for src, piece in _direct_gather(ctx, inp, peers, peers, m).items():
-                out[chunks[src][0]:chunks[src][1]].copy_(piece)
+                copy_(out[chunks[src][0]:chunks[src][1]], piece)
         else:
             def handle(k, a, b, incoming):
-                out[a:b].copy_(incoming)
+                copy_(out[a:b], incoming)
                 return out[a:b]
             _ring(ctx, ring_all_gather_steps(ctx.rank, n), chunks, out, handle)
     ctx.flush()
@@ -139,7 +139,7 @@ def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
                 if dst != src:
                     ctx.send(dst, flat)
         else:
-            flat.copy_(ctx.recv(src, numel))
+            copy_(flat, ctx.recv(src, numel))
     else:
         chain = chain_order(src, n)
         pos = chain.index(ctx.rank)
@@ -147,7 +147,7 @@ def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
         nxt = chain[pos + 1] if pos + 1 < n else None
         for a, b in pieces(0, numel, ctx.piece_elems):
             if prev is not None:
-                flat[a:b].copy_(ctx.recv(prev, b - a))
+                copy_(flat[a:b], ctx.recv(prev, b - a))
             if nxt is not None:
                 ctx.send(nxt, flat[a:b])
     ctx.flush()
@@ -162,7 +162,7 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
                 ctx.send(dst, flat)
             else:
                 parts = [flat if r == dst else ctx.recv(r, numel) for r in range(n)]
-                flat.copy_(_rank_order_reduce(parts, op))
+                copy_(flat, _rank_order_reduce(parts, op))
         else:
             _ring_reduce_to(ctx, flat, dst, op)
     if op == ReduceOp.AVG and ctx.rank == dst:
@@ -187,7 +187,7 @@ def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) 
         return
     for src in range(n):
         for a, b in pieces(*chunks[src], ctx.piece_elems):
-            flat[a:b].copy_(scratch[a:b] if src == dst else ctx.recv(src, b - a))
+            copy_(flat[a:b], scratch[a:b] if src == dst else ctx.recv(src, b - a))
 
 
 def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
@@ -195,14 +195,14 @@ def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
     """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``."""
     lo, hi = in_bounds[ctx.rank]
     olo, ohi = out_bounds[ctx.rank]
-    out[olo:ohi].copy_(inp[lo:hi])
+    copy_(out[olo:ohi], inp[lo:hi])
     steps = pairwise_exchange_steps(ctx.rank, ctx.size)
     for dst, _ in steps:
         for a, b in pieces(*in_bounds[dst], ctx.piece_elems):
             ctx.send(dst, inp[a:b])
     for _, src in steps:
         for a, b in pieces(*out_bounds[src], ctx.piece_elems):
-            out[a:b].copy_(ctx.recv(src, b - a))
+            copy_(out[a:b], ctx.recv(src, b - a))
     ctx.flush()
 
 

@@ -1,0 +1,1 @@
+"""``commrt bench``: nccl-tests-style bandwidth measurements of every backend, side by side."""

@@ -1,0 +1,74 @@
+"""Benchmark arithmetic, as in nccl-tests (doc/PERFORMANCE.md there): pure and unit-tested.
+
+algbw = size / time. busbw rescales algbw by how much data each rank must move over its
+link in an optimal algorithm, so that it is comparable with the link's bandwidth:
+all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast, reduce and
+sendrecv 1.
+"""
+from __future__ import annotations
+
+import torch
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def bus_factor(collective: str, n: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective '{collective}'; valid: {list(COLLECTIVES)}")
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """GB/s (10^9 bytes, as nccl-tests)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def busbw(collective: str, n: int, alg: float) -> float:
+    return alg * bus_factor(collective, n)
+
+
+def parse_size(text: str | int) -> int:
+    """'4K' -> 4096, '64M' -> 67108864, '1G', '128' (powers of 1024, like nccl-tests)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper()
+    digits = s.rstrip("KMGIB")
+    unit = s[len(digits):]
+    if not digits or unit not in _UNITS:
+        raise ValueError(f"cannot read size '{text}'; use e.g. 4096, 4K, 64M, 1G")
+    return int(float(digits) * _UNITS[unit])
+
+
+def size_series(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    if min_bytes <= 0 or max_bytes < min_bytes or factor <= 1:
+        raise ValueError(f"need 0 < minbytes <= maxbytes and factor > 1, got {min_bytes}, {max_bytes}, {factor}")
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(int(s))
+        s *= factor
+    return out
+
+
+def count_wrong(got: torch.Tensor, expected: torch.Tensor) -> int:
+    """Elements off by more than the dtype's rounding allows (exact for integers)."""
+    g, e = got.reshape(-1), expected.reshape(-1)
+    if g.numel() != e.numel():
+        return max(g.numel(), e.numel())
+    if g.is_floating_point():
+        tol = {torch.float16: 1e-2, torch.bfloat16: 2e-2}.get(g.dtype, 1e-5)
+        close = torch.isclose(g.double(), e.double(), rtol=tol, atol=tol)
+        return int((~close).sum())
+    return int((g != e).sum())
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,66 @@
+"""The raw TCP ceiling of a ring on these hosts: every rank sends to its right neighbour and
+receives from its left at the same time over plain sockets, as a ring step does. Per-link
+GB/s from this is what busbw can at best reach (``--physical``)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+
+from ..collectives.reduce_ops import ReduceOp
+from ..store import wait_for
+
+
+class TcpRing:
+    def __init__(self, out_sock: socket.socket | None, in_sock: socket.socket | None):
+        self.out, self.inp = out_sock, in_sock
+
+    @classmethod
+    def open(cls, store, rank: int, n: int, host: str, timeout_s: float = 30.0) -> "TcpRing":
+        if n == 1:
+            return cls(None, None)
+        listener = socket.create_server((host, 0))
+        listener.settimeout(timeout_s)
+        store.set(f"tcp/port/{rank}", str(listener.getsockname()[1]).encode())
+        right = (rank + 1) % n
+        port = int(wait_for(store, [f"tcp/port/{right}"], timeout_s, "tcp ring")[0])
+        out = socket.create_connection((host, port), timeout=timeout_s)
+        inp, _ = listener.accept()
+        listener.close()
+        for s in (out, inp):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(timeout_s)
+        return cls(out, inp)
+
+    def measure(self, be, nbytes: int, iters: int, warmup: int) -> float:
+        """Per-link GB/s of the slowest rank moving ``nbytes`` per iteration."""
+        if self.out is None:
+            return float("inf")
+        send_buf, recv_buf = bytearray(nbytes), bytearray(nbytes)
+        view = memoryview(recv_buf)
+
+        def step(count: int) -> None:
+            sender = threading.Thread(target=lambda: [self.out.sendall(send_buf) for _ in range(count)])
+            sender.start()
+            for _ in range(count):
+                got = 0
+                while got < nbytes:
+                    k = self.inp.recv_into(view[got:], nbytes - got)
+                    if k == 0:
+                        raise ConnectionError("tcp ring peer closed")
+                    got += k
+            sender.join()
+        step(warmup)
+        be.barrier(False)
+        start = time.perf_counter()
+        step(iters)
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        be.all_reduce(t, ReduceOp.MAX, False)
+        return nbytes * iters / float(t[0]) / 1e9
+
+    def close(self) -> None:
+        for s in (self.out, self.inp):
+            if s is not None:
+                s.close()

@@ -1,0 +1,144 @@
+"""The ``commrt`` command: launch, bench, config."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from . import launch as launcher
+from .errors import CommError
+
+PROGRESS = "#progress "
+
+
+def _launch(args) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise SystemExit("commrt launch: give the command to run after --")
+    result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout)
+    if result.returncode != 0:
+        print(f"commrt launch: {result.describe()}", file=sys.stderr)
+    return result.returncode
+
+
+class _ProgressOut:
+    """Shows the ranks' ``#progress`` lines in place on a terminal; passes everything else."""
+
+    def __init__(self, stream):
+        self.stream, self.tty, self.dirty = stream, stream.isatty(), False
+
+    def write(self, text: str) -> None:
+        if text.startswith(PROGRESS):
+            if self.tty:
+                self.stream.write("\r\033[K" + text[len(PROGRESS):].rstrip("\n"))
+                self.dirty = True
+            return
+        if self.dirty:
+            self.stream.write("\r\033[K")
+            self.dirty = False
+        self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _bench(args) -> int:
+    from .bench import metrics
+    from .bench.runner import BenchSpec
+    backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    if args.collective == "ps":
+        raise SystemExit("commrt bench ps: the parameter server is not built yet")
+    spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
+                     metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
+                     args.datatype, args.op, args.physical)
+    metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _bench_rank(spec, args)
+    cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
+    result = launcher.launch(args.nproc, cmd, out=_ProgressOut(sys.stdout), prefix=False)
+    if result.returncode != 0:
+        print(f"commrt bench: {result.describe()}", file=sys.stderr)
+    return result.returncode
+
+
+def _bench_rank(spec, args) -> int:
+    from .bench import report, runner
+    rank, nproc = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    progress = (lambda msg: print(PROGRESS + msg, flush=True)) if rank == 0 else None
+    rows = runner.run(spec, progress)
+    if rank == 0:
+        print(report.table(spec, nproc, rows), flush=True)
+        command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
+        if args.json:
+            report.write_json(args.json, report.to_json(spec, nproc, rows, command))
+        if args.plot:
+            report.plot(args.plot, spec, nproc, rows)
+    wrong = sum(r[b]["wrong"] for r in rows for b in spec.backends)
+    return 1 if wrong else 0
+
+
+def _config(args) -> int:
+    from .config import env_table, load_config
+    if args.env_table:
+        print("| variable | default | setting |\n|---|---|---|")
+        for var, default, meaning in env_table():
+            print(f"| `{var}` | `{default}` | {meaning} |")
+        return 0
+    cfg = load_config(args.file)
+    for section in ("comm", "cluster", "security"):
+        print(f"[{section}]")
+        for key, value in vars(getattr(cfg, section)).items():
+            print(f"{key} = {value!r}")
+    print(f"# digest {cfg.digest()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commrt", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lp = sub.add_parser("launch", help="start N local ranks (torchrun-style environment)")
+    lp.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True)
+    lp.add_argument("--config", help="TOML config handed to every rank (COMMRT_CONFIG)")
+    lp.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
+    lp.set_defaults(fn=_launch)
+
+    bp = sub.add_parser("bench", help="nccl-tests-style bandwidth benchmark")
+    bp.add_argument("collective", choices=["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                           "reduce", "all_to_all", "sendrecv", "ps"])
+    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved)")
+    bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
+    bp.add_argument("-b", "--minbytes", default="4K")
+    bp.add_argument("-e", "--maxbytes", default="64M")
+    bp.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    bp.add_argument("-n", "--iters", type=int, default=20)
+    bp.add_argument("-w", "--warmup", type=int, default=5)
+    bp.add_argument("-d", "--datatype", default="float32")
+    bp.add_argument("-o", "--op", default="sum")
+    bp.add_argument("--physical", action="store_true", help="also measure the raw TCP ring ceiling")
+    bp.add_argument("--json", help="write all results to this file")
+    bp.add_argument("--plot", help="draw busbw against size to this PNG (needs matplotlib)")
+    bp.set_defaults(fn=_bench)
+
+    cp = sub.add_parser("config", help="validate a config file and print the resolved settings")
+    cp.add_argument("file", nargs="?")
+    cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
+    cp.set_defaults(fn=_config)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CommError as exc:
+        print(f"commrt {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``commrt launch``: start N local ranks with the torchrun environment, prefix their output
+with the rank, and stop everyone as soon as one rank fails.
+
+Only processes this launcher started are signalled, by PID (each rank leads its own process
+group so that its children go with it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import IO, Sequence
+
+GRACE_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    returncode: int
+    failed_rank: int | None
+    tails: dict[int, list[str]]
+    """The last lines each rank printed (for error reports)."""
+
+    def describe(self) -> str:
+        if self.failed_rank is None:
+            return "all ranks finished" if self.returncode == 0 else f"launch ended with {self.returncode}"
+        tail = "\n".join(f"    {line}" for line in self.tails.get(self.failed_rank, [])[-20:])
+        return f"rank {self.failed_rank} failed with exit code {self.returncode}; its last lines:\n{tail}"
+
+
+def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, config: str | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if config:
+        env["COMMRT_CONFIG"] = os.path.abspath(config)
+    return env
+
+
+def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        tail.append(line)
+        with lock:
+            out.write(f"[rank {rank}] {line}\n" if prefix else line + "\n")
+            out.flush()
+    stream.close()
+
+
+def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)  # the rank's own group: it was started with a new session
+            except ProcessLookupError:
+                pass
+
+
+def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
+    _signal_all(procs, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_all(procs, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,
+           timeout_s: float | None = None, env: dict | None = None, prefix: bool = True,
+           port: int | None = None) -> LaunchResult:
+    """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    out = out or sys.stdout
+    port = port or free_port()
+    lock = threading.Lock()
+    tails = {r: deque(maxlen=200) for r in range(nproc)}
+    procs, pumps = [], []
+    try:
+        for r in range(nproc):
+            p = subprocess.Popen(list(cmd), env=rank_env(r, nproc, port, env, config), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(r, p.stdout, out, lock, tails[r], prefix), daemon=True)
+            t.start()
+            pumps.append(t)
+        code, failed = _watch(procs, timeout_s)
+    except BaseException:  # KeyboardInterrupt included: never leave ranks behind
+        _stop_all(procs)
+        raise
+    if failed is not None or code != 0:
+        _stop_all(procs)
+    for t in pumps:
+        t.join(2.0)
+    return LaunchResult(code, failed, {r: list(t) for r, t in tails.items()})
+
+
+def _watch(procs: list[subprocess.Popen], timeout_s: float | None) -> tuple[int, int | None]:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        pending = False
+        for rank, p in enumerate(procs):
+            rc = p.poll()
+            if rc is None:
+                pending = True
+            elif rc != 0:
+                return (128 - rc if rc < 0 else rc), rank
+        if not pending:
+            return 0, None
+        if deadline is not None and time.monotonic() > deadline:
+            return 124, None
+        time.sleep(0.02)
