@@ -82,6 +82,8 @@ class TorchBackend:
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         t = as_tensor(tensor)
         after = self._avg(t, op) if self.rank == dst else None
+        if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged
+            t = t.clone()
         w = tdist.reduce(t, self.ranks[dst], _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce", w, async_op, after)
 

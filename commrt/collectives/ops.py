@@ -79,9 +79,9 @@ def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
                     copy_(flat[a:b], incoming)
                 return flat[a:b]
             _ring(ctx, steps, chunks, flat, handle)
+    ctx.flush()  # the last pieces may still be on their way out of flat
     if op == ReduceOp.AVG:
         finish_avg_(flat, n)
-    ctx.flush()
 
 
 def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
@@ -106,9 +106,9 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
             combine_into(target, inp[a:b], incoming, op)
             return target
         _ring(ctx, ring_reduce_scatter_steps(ctx.rank, n), chunks, inp, handle)
+    ctx.flush()
     if op == ReduceOp.AVG:
         finish_avg_(out, n)
-    ctx.flush()
 
 
 def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -165,9 +165,9 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
                 copy_(flat, _rank_order_reduce(parts, op))
         else:
             _ring_reduce_to(ctx, flat, dst, op)
+    ctx.flush()
     if op == ReduceOp.AVG and ctx.rank == dst:
         finish_avg_(flat, n)
-    ctx.flush()
 
 
 def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:

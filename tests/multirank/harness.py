@@ -1,0 +1,28 @@
+"""Spawn real ranks on loopback (through our launcher) and surface the failing rank's output."""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+from commrt.launch import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_ranks(nproc: int, program: str, *args: str, timeout_s: float = 90.0,
+              env: dict | None = None, expect_fail: bool = False):
+    """Run ``python -m tests.multirank.programs.<program> args`` as ``nproc`` ranks."""
+    out = io.StringIO()
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "COMMRT_COMM_TIMEOUT_S": os.environ.get("COMMRT_COMM_TIMEOUT_S", "30"), **(env or {})}
+    cmd = [sys.executable, "-m", f"tests.multirank.programs.{program}", *args]
+    result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env)
+    text = out.getvalue()
+    if result.returncode == 124:
+        raise AssertionError(f"{program} x{nproc} timed out after {timeout_s}s; output:\n{text[-6000:]}")
+    if not expect_fail and result.returncode != 0:
+        raise AssertionError(f"{program} x{nproc}: {result.describe()}\n--- all output ---\n{text[-6000:]}")
+    if expect_fail and result.returncode == 0:
+        raise AssertionError(f"{program} x{nproc} was expected to fail but succeeded:\n{text[-3000:]}")
+    return result, text

@@ -1,0 +1,58 @@
+"""Helpers for rank programs: an independent numpy/torch reference and value patterns."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import commrt
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          torch.int8, torch.uint8, torch.int32, torch.int64]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+
+
+def values(numel: int, rank: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
+    """Small integers (exact in every dtype, so results must match the reference exactly)."""
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if op == "PRODUCT":
+        v = rng.choice([1, 2] if dtype == torch.uint8 else [-1, 1, 2], size=numel)
+    else:
+        v = rng.integers(0 if dtype == torch.uint8 else -8, 9, size=numel)
+    return torch.from_numpy(v.astype(np.int64)).to(dtype)
+
+
+def reference(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    """What a single process computes: numpy on float64/int64, then cast back."""
+    dtype = parts[0].dtype
+    wide = np.stack([(p.double() if p.is_floating_point() else p.long()).numpy() for p in parts])
+    if op in ("SUM", "AVG"):
+        r = wide.sum(0)
+        if op == "AVG":
+            r = r / len(parts) if dtype.is_floating_point else np.floor_divide(r, len(parts))
+    elif op == "PRODUCT":
+        r = wide.prod(0)
+    elif op == "MAX":
+        r = wide.max(0)
+    else:
+        r = wide.min(0)
+    return torch.from_numpy(np.ascontiguousarray(r)).to(dtype)
+
+
+def assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.reshape(-1), want.reshape(-1)
+    if got.dtype != want.dtype or got.numel() != want.numel():
+        raise AssertionError(f"{what}: got {got.dtype}[{got.numel()}], want {want.dtype}[{want.numel()}]")
+    if want.is_floating_point():
+        tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-6
+        ok = torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+    else:
+        ok = torch.equal(got, want)
+    if not ok:
+        bad = (got.double() - want.double()).abs().argmax().item() if got.numel() else 0
+        raise AssertionError(f"{what}: mismatch at {bad}: got {got[bad].item()}, want {want[bad].item()} "
+                             f"(first values got {got[:6].tolist()}, want {want[:6].tolist()})")
+
+
+def init() -> tuple[int, int]:
+    commrt.init_process_group()
+    return commrt.get_rank(), commrt.get_world_size()
