@@ -94,7 +94,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     except BaseException:
         if owns_store:
             if server is not None:
-                server.close()
+                server.close(linger_s=1.0)
             store.close()
         zctx.destroy(linger=0)
         raise

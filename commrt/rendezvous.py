@@ -85,8 +85,9 @@ def exchange(store: Store, rank: int, world_size: int, info: dict, timeout_s: fl
             raise
         values = store.mget(keys)
         missing = [r for r, v in enumerate(values) if v is None]
-        raise RendezvousError(f"ranks {missing} never joined within {timeout_s:g}s "
-                              f"(world_size {world_size}; rank {rank} waited)") from None
+        msg = f"ranks {missing} never joined within {timeout_s:g}s (world_size {world_size})"
+        store.set(abort_key, msg.encode())  # everyone who did join gets the same answer
+        raise RendezvousError(msg) from None
     table = [msgpack.unpackb(v) for v in raw]
     for peer in table:
         _check_compatible(hello, peer)

@@ -93,7 +93,11 @@ class StoreServer:
             raise ValueError(f"store is full ({MAX_KEYS} keys)")
         self._data[key] = value
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop serving; ``linger_s`` keeps answering a little longer (after a failed
+        rendezvous, so the other ranks can still read why)."""
+        if linger_s:
+            time.sleep(linger_s)
         self._stop.set()
         self._thread.join(2.0)
 
