@@ -1,0 +1,63 @@
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+from commrt.launch import free_port, launch
+from tests.multirank.harness import ROOT
+
+PROBE = [sys.executable, "-m", "tests.multirank.programs.launcher_probe"]
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+def test_launch_sets_torchrun_env_and_prefixes_output():
+    out = io.StringIO()
+    result = launch(3, PROBE, out=out, env=ENV, timeout_s=30)
+    assert result.returncode == 0 and result.failed_rank is None
+    lines = out.getvalue().splitlines()
+    for r in range(3):
+        assert any(l.startswith(f"[rank {r}] env RANK={r} WORLD_SIZE=3 LOCAL_RANK={r}") for l in lines), lines
+
+
+def test_failed_rank_stops_the_rest():
+    out = io.StringIO()
+    started = time.monotonic()
+    result = launch(3, PROBE + ["fail"], out=out, env=ENV, timeout_s=50)
+    assert time.monotonic() - started < 20  # the sleeping ranks were stopped, not waited for
+    assert result.failed_rank == 1 and result.returncode == 7
+    assert "failing on purpose" in result.describe()
+
+
+def test_cli_launch_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "-n", "2", "--", *PROBE, "fail"],
+                          env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7
+    assert "rank 1 failed with exit code 7" in proc.stderr
+
+
+def test_torchrun_can_launch_commrt():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "tests.multirank.programs.torchrun_job"],
+                          env={**ENV, "COMMRT_COMM_TIMEOUT_S": "30"}, capture_output=True, text=True,
+                          timeout=90, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("torchrun job passed") == 2
+
+
+def test_bench_json_is_complete(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "bench", "all_reduce", "--backend", "zmq,gloo",
+                           "--nproc", "2", "-b", "1K", "-e", "256K", "-f", "16", "-n", "2", "-w", "1",
+                           "--physical", "--json", str(path)],
+                          env=ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["backends"] == ["zmq", "gloo"] and doc["nproc"] == 2
+    assert [r["zmq"]["size"] for r in doc["rows"]] == [1024, 16384, 262144]
+    for row in doc["rows"]:
+        assert row["ceiling"] > 0
+        for b in ("zmq", "gloo"):
+            assert row[b]["wrong"] == 0 and row[b]["time_us"] > 0 and row[b]["busbw"] > 0
+    assert "# Avg bus bandwidth" in proc.stdout and "ratio" in proc.stdout

@@ -1,0 +1,70 @@
+import pytest
+
+from commrt.config import Config, CommConfig, env_table, load_config
+from commrt.errors import ConfigError
+
+
+def test_defaults_are_secure_and_valid():
+    cfg = load_config(environ={})
+    assert cfg.cluster.bind_host == "127.0.0.1"
+    assert cfg.comm.backend == "auto" and cfg.security.allow_insecure is False
+
+
+def test_toml_env_and_overrides_in_order(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[comm]\nbackend = "gloo"\ntimeout_s = 10\n[cluster]\nworld_size = 4\n[train]\nstage = 3\n')
+    cfg = load_config(f, environ={})
+    assert (cfg.comm.backend, cfg.comm.timeout_s, cfg.cluster.world_size) == ("gloo", 10.0, 4)
+    cfg = load_config(f, environ={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "5"})
+    assert (cfg.comm.backend, cfg.comm.timeout_s) == ("zmq", 5.0)
+    cfg = load_config(f, overrides={"comm": {"backend": "nccl"}}, environ={"COMMRT_COMM_BACKEND": "zmq"})
+    assert cfg.comm.backend == "nccl"
+
+
+def test_config_file_from_environment(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[comm]\nchunk_bytes = 65536\n')
+    assert load_config(environ={"COMMRT_CONFIG": str(f)}).comm.chunk_bytes == 65536
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[comm]\nbackend = "mpi"\n', "valid: ['auto', 'zmq', 'gloo', 'nccl']"),
+    ('[comm]\nbakend = "zmq"\n', "unknown key 'bakend' in [comm]; valid:"),
+    ('[comm]\ntimeout_s = -1\n', "must be > 0"),
+    ('[comm]\ntimeout_s = "soon"\n', "expected float"),
+    ('[comm]\nchunk_bytes = 1048576\nmax_frame_bytes = 1048576\n', "must exceed chunk_bytes"),
+    ('[cluster]\nrendezvous = "http://x"\n', "valid: 'env://' or 'tcp://host:port'"),
+    ('[security]\nmode = "tls"\n', "valid: ['none', 'curve']"),
+    ('[security]\nallow_insecure = "maybe"\n', "valid: true/false"),
+    ('comm = 3\n', "must be a table"),
+    ('[comm\n', "not valid TOML"),
+])
+def test_bad_values_say_what_is_valid(tmp_path, text, needle):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(f, environ={})
+    assert needle in str(info.value)
+
+
+def test_bad_env_value():
+    with pytest.raises(ConfigError, match="COMMRT|expected int|chunk_bytes"):
+        load_config(environ={"COMMRT_COMM_CHUNK_BYTES": "lots"})
+
+
+def test_digest_covers_shared_settings_only():
+    a = Config()
+    b = Config(comm=CommConfig(chunk_bytes=1 << 16))
+    assert a.digest() != b.digest()
+    c = load_config(overrides={"cluster": {"rank": 3, "bind_host": "127.0.0.2"}}, environ={})
+    assert c.digest() == a.digest()
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        Config().comm.backend = "zmq"
+
+
+def test_env_table_lists_every_setting():
+    names = [row[0] for row in env_table()]
+    assert "COMMRT_COMM_BACKEND" in names and "COMMRT_SECURITY_MODE" in names

@@ -1,0 +1,49 @@
+"""Standing checks on the source tree: no unsafe deserialisation, layers import downward."""
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CODE = [p for d in ("commrt", "servers", "workers") for p in (ROOT / d).rglob("*.py")]
+UNSAFE = re.compile(r"import pickle|from pickle|cPickle|recv_pyobj|send_pyobj|\beval\(|\bexec\(|torch\.load\(")
+
+# a module may import only from its own layer or the ones listed below it
+LAYERS = ["errors", "wire", "config", "dtypes", "transport", "store", "work", "collectives",
+          "backends", "rendezvous", "group", "bootstrap", "distributed", "bench", "launch", "cli"]
+ALLOWED = {
+    "transport": {"errors", "wire", "config"},
+    "collectives": {"errors", "wire", "dtypes", "transport", "config"},
+    "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
+}
+
+
+def test_no_unsafe_deserialisation():
+    hits = [f"{p.relative_to(ROOT)}:{i + 1}" for p in CODE
+            for i, line in enumerate(p.read_text().splitlines())
+            if UNSAFE.search(line) and "weights_only=True" not in line]
+    assert not hits, f"unsafe deserialisation: {hits}"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = (node.module or "").split(".")
+            rel = path.relative_to(ROOT / "commrt").parts
+            depth = len(rel) - node.level  # package depth the import resolves to
+            base = list(rel[:depth]) + [p for p in parts if p]
+            if base:
+                names.add(base[0])
+            else:
+                names.update(a.name for a in node.names)
+    return names
+
+
+def test_layers_import_downward_only():
+    bad = []
+    for layer, allowed in ALLOWED.items():
+        for path in (ROOT / "commrt" / layer).rglob("*.py"):
+            for name in _imports(path) - allowed - {layer}:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
