@@ -3,7 +3,8 @@ NCCL and gloo behind one torch.distributed-style API)."""
 from .collectives.reduce_ops import ReduceOp
 from .config import Config, load_config
 from .distributed import (all_gather_into_tensor, all_reduce, all_to_all_single, barrier, broadcast,
-                          destroy_process_group, get_backend, get_config, get_rank, get_world_size,
+                          destroy_process_group, get_backend, get_config, get_rank, get_world_group,
+                          get_world_size,
                           init_process_group, irecv, is_initialized, isend, new_group, recv, reduce,
                           reduce_scatter_tensor, send)
 from .errors import (CollectiveMismatch, CommError, ConfigError, PeerLost, ProtocolError,
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ReduceOp", "Config", "load_config", "init_process_group", "destroy_process_group",
-    "is_initialized", "get_rank", "get_world_size", "get_backend", "get_config", "new_group",
+    "is_initialized", "get_world_group", "get_rank", "get_world_size", "get_backend", "get_config", "new_group",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",

@@ -17,7 +17,7 @@ import msgpack
 import torch
 import zmq
 
-from . import rendezvous
+from . import rendezvous, security
 from .backends.torch_backend import TorchBackend
 from .backends.zmq_backend import ZmqBackend
 from .config import Config
@@ -75,6 +75,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     name, why = choose_backend(cfg.comm.backend, local)
     log.info("rank %d: backend %s (%s)", spec.rank, name, why)
     timeout = cfg.comm.timeout_s
+    security.check_bind(cfg, [cfg.cluster.bind_host] + ([spec.host] if spec.rank == 0 else []))
     zctx = zmq.Context()
     owns_store = store is None
     store, server = open_store(zctx, spec, timeout) if owns_store else store

@@ -98,6 +98,11 @@ def get_backend(group: ProcessGroup | None = None) -> str:
     return "" if g is None else g.backend.name
 
 
+def get_world_group() -> ProcessGroup:
+    """The default group (``torch.distributed.group.WORLD``)."""
+    return _rt().world
+
+
 def get_config() -> Config:
     return _rt().config
 

@@ -68,3 +68,14 @@ def test_config_is_frozen():
 def test_env_table_lists_every_setting():
     names = [row[0] for row in env_table()]
     assert "COMMRT_COMM_BACKEND" in names and "COMMRT_SECURITY_MODE" in names
+
+
+def test_plaintext_beyond_loopback_is_refused_unless_allowed():
+    from commrt.security import check_bind
+    check_bind(Config(), ["127.0.0.1", "localhost", "127.0.0.5"])
+    with pytest.raises(ConfigError, match="allow_insecure"):
+        check_bind(Config(), ["127.0.0.1", "198.18.0.1"])
+    allowed = load_config(overrides={"security": {"allow_insecure": True}}, environ={})
+    check_bind(allowed, ["198.18.0.1"])
+    with pytest.raises(ConfigError, match="curve"):
+        check_bind(load_config(overrides={"security": {"mode": "curve"}}, environ={}), ["127.0.0.1"])

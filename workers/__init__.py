@@ -1,0 +1,1 @@
+"""Worker process entry points (thin: parse arguments, call into commrt)."""
