@@ -123,14 +123,10 @@ class ZmqBackend:
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        flat, _ = flat_view(tensor)
-        seq = self._next_p2p("send", dst, tag)
-        code = dtypes.code_of(flat.dtype)
-        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
+        flat, _, seq, code, steps = self._p2p_plan(tensor, "send", dst, tag)
 
         def run() -> None:
-            for step, a in enumerate(range(0, max(flat.numel(), 1), pe)):
-                piece = flat[a:a + pe]
+            for step, piece in enumerate(steps):
                 payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
                 h = Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step, len(payload))
                 self._p2p.send(dst, h, payload, op="send")
@@ -138,25 +134,28 @@ class ZmqBackend:
         return self._send_exec.submit("send", run)
 
     def irecv(self, tensor, src: int, tag: int = 0) -> Work:
-        flat, wb = flat_view(tensor)
-        seq = self._next_p2p("recv", src, tag)
-        code = dtypes.code_of(flat.dtype)
-        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
+        flat, wb, seq, code, steps = self._p2p_plan(tensor, "recv", src, tag)
 
         def run() -> None:
-            for step, a in enumerate(range(0, max(flat.numel(), 1), pe)):
-                piece = flat[a:a + pe]
-                msg = self._p2p.recv(src, tag=tag, op="recv", seq=seq)
-                h = msg.header
+            for step, piece in enumerate(steps):
+                h, payload = self._p2p.recv(src, tag=tag, op="recv", seq=seq)
                 if (h.seq, h.dtype, h.count, h.step, h.nbytes) != (seq, code, flat.numel(), step, piece.nbytes):
                     raise CollectiveMismatch(
                         "recv", seq, {"tag": tag, "dtype": dtypes.name_of(code), "count": flat.numel()},
                         {"tag": h.op, "dtype": dtypes.name_of(h.dtype), "count": h.count}, peer=src, rank=self.rank)
                 if piece.numel():
-                    copy_(piece, torch.frombuffer(msg.payload.buffer, dtype=flat.dtype))
+                    copy_(piece, torch.frombuffer(payload.buffer, dtype=flat.dtype))
             if wb is not None:
                 wb()
         return self._recv_exec.submit("recv", run)
+
+    def _p2p_plan(self, tensor, direction: str, peer: int, tag: int):
+        """(flat, write-back, sequence number, dtype code, pieces) of one point-to-point transfer."""
+        flat, wb = flat_view(tensor)
+        seq = self._next_p2p(direction, peer, tag)
+        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
+        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
+        return flat, wb, seq, dtypes.code_of(flat.dtype), steps
 
     def _next_p2p(self, direction: str, peer: int, tag: int) -> int:
         if not 0 <= peer < self.size or peer == self.rank:
