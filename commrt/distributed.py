@@ -6,7 +6,6 @@ Collectives on a process that is not a member of ``group`` return None, as torch
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from typing import Any
 
@@ -17,7 +16,6 @@ from .errors import CommError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import Work
 
-log = logging.getLogger(__name__)
 _runtime: bootstrap.Runtime | None = None
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import ProtocolError
-
 # code -> (name, torch dtype); codes are part of the wire format: never renumber.
 _TABLE = {
     1: ("float32", torch.float32),
@@ -18,7 +16,6 @@ _TABLE = {
     8: ("int64", torch.int64),
 }
 _CODE_OF = {tdt: code for code, (_, tdt) in _TABLE.items()}
-ITEMSIZE = {code: torch.empty(0, dtype=tdt).element_size() for code, (_, tdt) in _TABLE.items()}
 NAMES = {code: name for code, (name, _) in _TABLE.items()}
 BY_NAME = {name: tdt for name, tdt in _TABLE.values()}
 
@@ -29,13 +26,6 @@ def code_of(dtype: torch.dtype) -> int:
     except KeyError:
         valid = [name for name, _ in _TABLE.values()]
         raise TypeError(f"dtype {dtype} is not supported; valid: {valid}") from None
-
-
-def torch_dtype(code: int) -> torch.dtype:
-    try:
-        return _TABLE[code][1]
-    except KeyError:
-        raise ProtocolError(f"dtype code {code} is not in the whitelist") from None
 
 
 def name_of(code: int) -> str:

@@ -22,12 +22,6 @@ class Work:
         self._error: BaseException | None = None
         self._result: Any = None
 
-    @classmethod
-    def completed(cls, name: str, result: Any = None) -> "Work":
-        work = cls(name)
-        work._finish(result, None)
-        return work
-
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._done.set()

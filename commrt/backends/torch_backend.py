@@ -42,9 +42,6 @@ class TorchWork(Work):
                 self._finish(None, exc)
         return super().wait(0)
 
-    def is_completed(self) -> bool:
-        return super().is_completed()
-
 
 class TorchBackend:
     def __init__(self, name: str, pg, ranks: list[int], rank: int):

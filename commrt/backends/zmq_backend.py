@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Callable
 
 import torch
@@ -18,8 +17,6 @@ from ..transport import Endpoint
 from ..wire import P2P, Header
 from ..work import Executor, Work
 from .base import check_same_dtype, flat_view, split_bounds
-
-log = logging.getLogger(__name__)
 
 
 class ZmqBackend:
