@@ -5,6 +5,7 @@ Collectives on a process that is not a member of ``group`` return None, as torch
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from typing import Any
@@ -29,26 +30,16 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise CommError("init_process_group called twice; call destroy_process_group first")
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    overrides = {"comm": {"backend": backend, "timeout_s": timeout}}
+    comm = {k: v for k, v in (("backend", backend), ("timeout_s", timeout)) if v is not None}
     if isinstance(config, Config):
-        cfg = load_config(None, overrides={"comm": {**_fields(config.comm), **_drop_none(overrides["comm"])},
-                                           "cluster": _fields(config.cluster),
-                                           "security": _fields(config.security)}, environ={})
+        cfg = dataclasses.replace(config, comm=dataclasses.replace(config.comm, **comm))
     else:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, {"comm": comm})
     spec = rendezvous.resolve(
         init_method or cfg.cluster.rendezvous,
         rank if rank is not None else (cfg.cluster.rank if cfg.cluster.rank >= 0 else None),
         world_size or cfg.cluster.world_size or None)
     _runtime = bootstrap.init_world(cfg, spec)
-
-
-def _fields(section) -> dict:
-    return {k: getattr(section, k) for k in section.__dataclass_fields__}
-
-
-def _drop_none(d: dict) -> dict:
-    return {k: v for k, v in d.items() if v is not None}
 
 
 def _rt() -> bootstrap.Runtime:

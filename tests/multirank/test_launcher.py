@@ -61,3 +61,9 @@ def test_bench_json_is_complete(tmp_path):
         for b in ("zmq", "gloo"):
             assert row[b]["wrong"] == 0 and row[b]["time_us"] > 0 and row[b]["busbw"] > 0
     assert "# Avg bus bandwidth" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_init_with_config_object_and_overrides():
+    from tests.multirank.harness import run_ranks
+    _, out = run_ranks(2, "config_object")
+    assert out.count("ok") == 2
