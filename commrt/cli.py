@@ -1,4 +1,4 @@
-"""The ``commrt`` command: launch, bench, config."""
+"""The ``commrt`` command: launch, bench, config, server, server-status."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,8 @@ def _launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
-    result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout)
+    result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
+                             servers=args.servers)
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
@@ -78,6 +79,19 @@ def _bench_rank(spec, args) -> int:
     return 1 if wrong else 0
 
 
+def _server_status(args) -> int:
+    import json
+
+    from .config import load_config
+    from .ps import PSClient
+    client = PSClient(load_config(args.config), worker=0)
+    try:
+        print(json.dumps(client.stats(), indent=2))
+    finally:
+        client.close()
+    return 0
+
+
 def _config(args) -> int:
     from .config import env_table, load_config
     if args.env_table:
@@ -86,7 +100,7 @@ def _config(args) -> int:
             print(f"| `{var}` | `{default}` | {meaning} |")
         return 0
     cfg = load_config(args.file)
-    for section in ("comm", "cluster", "security"):
+    for section in ("comm", "cluster", "security", "ps"):
         print(f"[{section}]")
         for key, value in vars(getattr(cfg, section)).items():
             print(f"{key} = {value!r}")
@@ -102,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True)
     lp.add_argument("--config", help="TOML config handed to every rank (COMMRT_CONFIG)")
     lp.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    lp.add_argument("--servers", type=int, default=0,
+                    help="also start this many parameter-server shards (COMMRT_PS_SERVERS is set)")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     lp.set_defaults(fn=_launch)
 
@@ -122,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--plot", help="draw busbw against size to this PNG (needs matplotlib)")
     bp.set_defaults(fn=_bench)
 
+    sub.add_parser("server", help="run one parameter-server shard: --config F --index I [--resume]")
+    tp = sub.add_parser("server-status", help="print every parameter server's counters as JSON")
+    tp.add_argument("--config")
+    tp.set_defaults(fn=_server_status)
+
     cp = sub.add_parser("config", help="validate a config file and print the resolved settings")
     cp.add_argument("file", nargs="?")
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
@@ -130,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["server"]:  # its own parser (servers/ps.py), shared with python -m servers.ps
+        from servers.ps import main as server_main
+        return server_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

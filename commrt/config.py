@@ -99,11 +99,76 @@ class SecurityConfig:
         _check_choice("security", "mode", self.mode, ("none", "curve"))
 
 
+PS_MODES = ("sync", "async", "ssp")
+PS_OPTIMIZERS = ("sgd", "adamw", "lamb")
+
+
+@dataclass(frozen=True)
+class PsConfig:
+    servers: tuple[str, ...] = ()
+    """One ``tcp://host:port`` per server shard; ``commrt server --index I`` serves entry I.
+    In the environment: a comma-separated list."""
+    workers: int = 0
+    """How many workers push to the servers (the servers wait for all of them in sync mode)."""
+    mode: str = "sync"
+    """sync: apply step t once every worker pushed it; async: apply each push as it arrives;
+    ssp: like async, but no worker may run more than ``staleness`` steps ahead of the slowest."""
+    staleness: int = 0
+    """The SSP bound s (ssp mode only)."""
+    optimizer: str = "sgd"
+    """Server-side optimizer: sgd | adamw | lamb."""
+    lr: float = 0.01
+    momentum: float = 0.0
+    """SGD momentum (0 disables the buffer)."""
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    """SGD: L2 added to the gradient; AdamW and LAMB: decoupled decay."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_segment_bytes: int = 4 << 20
+    """Tensors are split into key ranges of at most this many bytes (one frame each)."""
+    timeout_s: float = 60.0
+    """A server silent this long (no reply, no answer to a ping) is declared lost."""
+    retry_s: float = 0.5
+    """A client waiting on a reply pings the server this often; a restarted server answers
+    'unknown' and the request is sent again (exactly-once makes that safe)."""
+    worker_timeout_s: float = 30.0
+    """How long a server waits for a lagging worker before applying ``on_worker_loss``."""
+    on_worker_loss: str = "error"
+    """error: waiting workers get PeerLost naming the missing worker; continue: drop it (logged)
+    and go on with the rest."""
+    checkpoint_dir: str = ""
+    """Where servers keep their checkpoint and write-ahead log; empty disables durability."""
+    checkpoint_every: int = 100
+    """Updates between checkpoints (the write-ahead log covers the updates in between)."""
+    fsync: bool = False
+    """fsync the log before acknowledging (survives a machine crash, not only a process crash)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("ps", "mode", self.mode, PS_MODES)
+        _check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
+        _check_choice("ps", "on_worker_loss", self.on_worker_loss, ("error", "continue"))
+        for name in ("lr", "max_segment_bytes", "timeout_s", "retry_s", "worker_timeout_s",
+                     "checkpoint_every"):
+            _check_positive("ps", name, getattr(self, name))
+        for name in ("workers", "staleness", "momentum", "weight_decay", "eps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"[ps] {name} = {getattr(self, name)!r} is invalid; must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"[ps] {name} = {getattr(self, name)!r} is invalid; must be in [0, 1)")
+        for addr in self.servers:
+            if not addr.startswith("tcp://") or ":" not in addr[6:]:
+                raise ConfigError(f"[ps] servers entry {addr!r} is invalid; expected 'tcp://host:port'")
+
+
 @dataclass(frozen=True)
 class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
 
     def digest(self) -> str:
         """Hash of the settings every rank must agree on (not rank-specific ones)."""
@@ -111,7 +176,8 @@ class Config:
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig}
+_SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,
+                  "ps": PsConfig}
 
 
 def env_var(section: str, name: str) -> str:
@@ -127,7 +193,13 @@ def env_table() -> list[tuple[str, str, str]]:
     return rows
 
 
-def _coerce(section: str, name: str, typ: type, value: Any) -> Any:
+def _coerce(section: str, name: str, typ: Any, value: Any) -> Any:
+    if typing.get_origin(typ) is tuple:  # tuple[str, ...]: a TOML list or "a,b,c"
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"[{section}] {name} = {value!r} is invalid; expected a list of strings")
+        return tuple(value)
     if isinstance(value, str) and typ is not str:
         text = value.strip().lower()
         if typ is bool:
@@ -169,7 +241,7 @@ def load_config(
     """Build a Config from a TOML file, the environment and explicit overrides.
 
     ``path`` defaults to ``$COMMRT_CONFIG`` when set. Sections not belonging to the runtime
-    (e.g. ``[train]``, ``[ps]``) are left for their own layers and ignored here.
+    (e.g. ``[train]``) are left for their own layers and ignored here.
     """
     environ = os.environ if environ is None else environ
     path = path or environ.get("COMMRT_CONFIG") or None

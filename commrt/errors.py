@@ -21,9 +21,18 @@ class ProtocolError(CommError):
 class PeerLost(CommError):
     """A peer died, went silent or closed its connection while an operation needed it."""
 
-    def __init__(self, rank: int, op: str, seq: int, reason: str):
-        self.rank, self.op, self.seq, self.reason = rank, op, seq, reason
-        super().__init__(f"lost peer rank {rank} during {op} (seq {seq}): {reason}")
+    def __init__(self, rank: int, op: str, seq: int, reason: str, role: str = "peer rank"):
+        self.rank, self.op, self.seq, self.reason, self.role = rank, op, seq, reason, role
+        super().__init__(f"lost {role} {rank} during {op} (seq {seq}): {reason}")
+
+
+class RequestRejected(CommError):
+    """A parameter server refused a request (unknown key, wrong shape or dtype, stale step);
+    the server's state is unchanged."""
+
+    def __init__(self, server: int, op: str, reason: str):
+        self.server, self.op, self.reason = server, op, reason
+        super().__init__(f"server {server} rejected {op}: {reason}")
 
 
 class CollectiveMismatch(CommError):

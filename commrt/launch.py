@@ -36,8 +36,9 @@ class LaunchResult:
     def describe(self) -> str:
         if self.failed_rank is None:
             return "all ranks finished" if self.returncode == 0 else f"launch ended with {self.returncode}"
+        who = f"rank {self.failed_rank}" if self.failed_rank >= 0 else f"server {-1 - self.failed_rank}"
         tail = "\n".join(f"    {line}" for line in self.tails.get(self.failed_rank, [])[-20:])
-        return f"rank {self.failed_rank} failed with exit code {self.returncode}; its last lines:\n{tail}"
+        return f"{who} failed with exit code {self.returncode}; its last lines:\n{tail}"
 
 
 def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, config: str | None = None) -> dict:
@@ -51,12 +52,12 @@ def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, config:
     return env
 
 
-def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
+def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
         with lock:
-            out.write(f"[rank {rank}] {line}\n" if prefix else line + "\n")
+            out.write(f"[{label}] {line}\n" if prefix else line + "\n")
             out.flush()
     stream.close()
 
@@ -80,37 +81,70 @@ def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
         p.wait()
 
 
+def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
+    """Environment naming ``servers`` fresh loopback parameter-server addresses."""
+    env = dict(os.environ if base is None else base)
+    env["COMMRT_PS_SERVERS"] = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(servers))
+    env["COMMRT_PS_WORKERS"] = str(workers)
+    return env
+
+
+def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: threading.Lock,
+           tail: deque, prefix: bool) -> tuple[subprocess.Popen, threading.Thread]:
+    p = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    t = threading.Thread(target=_pump, args=(label, p.stdout, out, lock, tail, prefix), daemon=True)
+    t.start()
+    return p, t
+
+
 def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,
            timeout_s: float | None = None, env: dict | None = None, prefix: bool = True,
-           port: int | None = None) -> LaunchResult:
-    """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all."""
+           port: int | None = None, servers: int = 0, server_args: Sequence[str] = ()) -> LaunchResult:
+    """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
+
+    With ``servers`` > 0, that many parameter-server shards (``python -m servers.ps``) start
+    first on free loopback ports, every process gets their addresses (COMMRT_PS_SERVERS), and
+    they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     out = out or sys.stdout
     port = port or free_port()
+    base = server_env(servers, nproc, env) if servers else env
     lock = threading.Lock()
     tails = {r: deque(maxlen=200) for r in range(nproc)}
-    procs, pumps = [], []
+    stails = {i: deque(maxlen=200) for i in range(servers)}
+    procs, services, pumps = [], [], []
     try:
-        for r in range(nproc):
-            p = subprocess.Popen(list(cmd), env=rank_env(r, nproc, port, env, config), stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            procs.append(p)
-            t = threading.Thread(target=_pump, args=(r, p.stdout, out, lock, tails[r], prefix), daemon=True)
-            t.start()
+        for i in range(servers):
+            senv = rank_env(0, nproc, port, base, config)
+            p, t = _start([sys.executable, "-m", "servers.ps", "--index", str(i), *server_args], senv,
+                          f"server {i}", out, lock, stails[i], prefix)
+            services.append(p)
             pumps.append(t)
-        code, failed = _watch(procs, timeout_s)
+        for r in range(nproc):
+            p, t = _start(cmd, rank_env(r, nproc, port, base, config), f"rank {r}", out, lock, tails[r], prefix)
+            procs.append(p)
+            pumps.append(t)
+        code, failed = _watch(procs, timeout_s, services)
     except BaseException:  # KeyboardInterrupt included: never leave ranks behind
-        _stop_all(procs)
+        _stop_all(procs + services)
         raise
     if failed is not None or code != 0:
         _stop_all(procs)
+    _stop_all(services)
     for t in pumps:
         t.join(2.0)
+    if failed is not None and failed < 0:
+        tails[failed] = stails[-1 - failed]
     return LaunchResult(code, failed, {r: list(t) for r, t in tails.items()})
 
 
-def _watch(procs: list[subprocess.Popen], timeout_s: float | None) -> tuple[int, int | None]:
+def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
+           services: Sequence[subprocess.Popen] = ()) -> tuple[int, int | None]:
+    """Wait for the ranks; a failed rank (or a service that exits early) ends the wait.
+    Services are reported as rank -1 - index."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = False
@@ -122,6 +156,10 @@ def _watch(procs: list[subprocess.Popen], timeout_s: float | None) -> tuple[int,
                 return (128 - rc if rc < 0 else rc), rank
         if not pending:
             return 0, None
+        for i, p in enumerate(services):
+            rc = p.poll()
+            if rc is not None:
+                return (128 - rc if rc < 0 else rc) or 1, -1 - i
         if deadline is not None and time.monotonic() > deadline:
             return 124, None
         time.sleep(0.02)

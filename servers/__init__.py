@@ -1,2 +1,2 @@
-"""Server process entry points (thin: parse arguments, call into commrt). The parameter-server
-shard (issue 5) lands here as ``python -m servers.ps``."""
+"""Server process entry points (thin: parse arguments, call into commrt):
+``python -m servers.ps --index I`` (or ``commrt server``) runs one parameter-server shard."""

@@ -1,0 +1,117 @@
+"""Parameter-server messages: a msgpack header frame, then raw tensor frames.
+
+    request: [version, op, worker, step, req_id, body]      + one frame per segment
+    reply:   [version, status, req_id, body]                 + one frame per segment
+
+``body`` is a short list whose shape depends on the op (checked here, field by field). Headers
+are decoded with hard limits and no extension types; payload frames are never deserialised,
+only reinterpreted as a whitelisted dtype after their byte count was checked.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgpack
+
+from ..dtypes import NAMES as DTYPE_NAMES
+from ..errors import ProtocolError
+
+VERSION = 1
+MAX_HEADER_BYTES = 4 << 20
+MAX_SEGMENTS = 1 << 16
+MAX_NAME = 1024
+_INT_MAX = 1 << 62
+
+# ops
+INIT, PUSH, PULL, PUSHPULL, PING, STATS = 1, 2, 3, 4, 5, 6
+OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSHPULL: "push_pull", PING: "ping",
+            STATS: "stats"}
+# reply statuses
+OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE = 0, 1, 2, 3, 4, 5
+
+
+class Request(NamedTuple):
+    op: int
+    worker: int
+    step: int
+    req_id: int
+    body: list
+
+
+class Reply(NamedTuple):
+    status: int
+    req_id: int
+    body: Any
+
+
+def _no_ext(code: int, data: bytes):
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpack(buf, max_map: int) -> Any:
+    if len(buf) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return msgpack.unpackb(buf, raw=False, max_str_len=MAX_NAME, max_bin_len=0,
+                               max_array_len=MAX_SEGMENTS, max_map_len=max_map, max_ext_len=0,
+                               ext_hook=_no_ext, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(f"undecodable header: {type(exc).__name__}: {exc}") from None
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < _INT_MAX
+
+
+def _check_ids(body: list) -> None:
+    if not all(_is_count(i) for i in body):
+        raise ProtocolError("segment ids must be non-negative integers")
+
+
+def _check_init(body: list) -> None:
+    if len(body) != 2 or type(body[0]) is not bool or not isinstance(body[1], list):
+        raise ProtocolError("init body must be [seed: bool, segments: list]")
+    for seg in body[1]:
+        if (not isinstance(seg, list) or len(seg) != 4 or not isinstance(seg[0], str)
+                or not all(_is_count(v) for v in seg[1:]) or seg[1] > seg[2]
+                or seg[3] not in DTYPE_NAMES):
+            raise ProtocolError(f"bad segment description {seg!r}: expected [name, start, stop, dtype]")
+
+
+def encode_request(op: int, worker: int, step: int, req_id: int, body: list) -> bytes:
+    return msgpack.packb([VERSION, op, worker, step, req_id, body], use_bin_type=True)
+
+
+def decode_request(buf) -> Request:
+    msg = _unpack(buf, max_map=0)
+    if not isinstance(msg, list) or len(msg) != 6:
+        raise ProtocolError("request must be [version, op, worker, step, req_id, body]")
+    if msg[0] != VERSION:
+        raise ProtocolError(f"protocol version {msg[0]!r} received, this build speaks {VERSION}")
+    req = Request(*msg[1:])
+    if req.op not in OP_NAMES:
+        raise ProtocolError(f"unknown op {req.op!r}")
+    if not all(_is_count(v) for v in (req.worker, req.step, req.req_id)) or not isinstance(req.body, list):
+        raise ProtocolError("worker, step and req_id must be non-negative integers; body a list")
+    if req.op == INIT:
+        _check_init(req.body)
+    elif req.op in (PUSH, PULL, PUSHPULL):
+        _check_ids(req.body)
+    elif req.body:
+        raise ProtocolError(f"{OP_NAMES[req.op]} takes an empty body")
+    return req
+
+
+def encode_reply(status: int, req_id: int, body: Any) -> bytes:
+    return msgpack.packb([VERSION, status, req_id, body], use_bin_type=True)
+
+
+def decode_reply(buf) -> Reply:
+    msg = _unpack(buf, max_map=4096)
+    if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
+        raise ProtocolError("reply must be [version, status, req_id, body]")
+    if msg[1] not in (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE) or not _is_count(msg[2]):
+        raise ProtocolError(f"bad reply status/id {msg[1:3]!r}")
+    return Reply(*msg[1:])

@@ -1,0 +1,124 @@
+"""What one server shard holds: its segments' values, optimizer state, and who pushed what.
+
+No sockets here: the request logic (``core``) and recovery (checkpoint + log replay) both call
+``apply`` and ``record``, so a replayed run performs exactly the arithmetic of the original.
+"""
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .. import optim
+from ..dtypes import BY_NAME, NAMES
+from .durable import load_checkpoint, save_checkpoint
+
+RECENT = 64  # per-worker applied steps remembered for de-duplicating re-sent pushes
+FLOAT_CODES = (1, 2)  # float32, float64: the server keeps full-precision master values
+
+
+class SegInfo(NamedTuple):
+    name: str
+    start: int
+    stop: int
+    dtype: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BY_NAME[NAMES[self.dtype]].itemsize
+
+
+class ShardState:
+    def __init__(self, spec: optim.OptimSpec, workers: int):
+        self.spec, self.workers = spec, workers
+        self.segs: list[SegInfo] = []
+        self.params: list[torch.Tensor] = []
+        self.opt: list[dict[str, torch.Tensor]] = []
+        self.steps: list[int] = []  # updates applied to each segment (Adam's t)
+        self.version = 0
+        self.clocks = [0] * workers
+        self.recent = [collections.deque(maxlen=RECENT) for _ in range(workers)]
+        self.dropped: set[int] = set()
+        self.staleness: collections.Counter = collections.Counter()
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.segs)
+
+    def active(self) -> list[int]:
+        return [w for w in range(self.workers) if w not in self.dropped]
+
+    def min_clock(self) -> int:
+        live = [self.clocks[w] for w in self.active()]
+        return min(live) if live else max(self.clocks)
+
+    def seed(self, segs: list[SegInfo], values: list[np.ndarray]) -> None:
+        self.segs = list(segs)
+        self.params = [torch.from_numpy(v.copy()) for v in values]
+        self.opt = [optim.init_state(self.spec, p) for p in self.params]
+        self.steps = [0] * len(segs)
+
+    def apply(self, ids: list[int], grads: list[torch.Tensor]) -> None:
+        """One optimizer update of the given segments (LAMB: norms per whole tensor)."""
+        for i in ids:
+            self.steps[i] += 1
+        if self.spec.kind != "lamb":
+            for i, g in zip(ids, grads):
+                optim.step_(self.params[i], g, self.opt[i], self.spec, self.steps[i])
+            return
+        by_name: dict[str, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
+        for i, g in zip(ids, grads):
+            r = optim.lamb_direction_(self.params[i], g, self.opt[i], self.spec, self.steps[i])
+            by_name[self.segs[i].name].append((i, r))
+        for parts in by_name.values():
+            w_norm = sum(float(self.params[i].double().square().sum()) for i, _ in parts) ** 0.5
+            r_norm = sum(float(r.double().square().sum()) for _, r in parts) ** 0.5
+            trust = optim.trust_ratio(w_norm, r_norm)
+            for i, r in parts:
+                optim.lamb_apply_(self.params[i], r, trust, self.spec)
+
+    def record(self, contributions: list[tuple[int, int]], gap: int | None = None) -> None:
+        """Mark (worker, step) pushes as applied; one more version."""
+        for w, step in contributions:
+            self.clocks[w] = step + 1
+            self.recent[w].append(step)
+        self.version += 1
+        if gap is not None:
+            self.staleness[gap] += 1
+
+    # -- persistence ------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        names = optim.state_names(self.spec)
+        arrays = [p.numpy() for p in self.params] + [o[n].numpy() for o in self.opt for n in names]
+        codes = [s.dtype for s in self.segs] + [s.dtype for s in self.segs for _ in names]
+        meta = {"segs": [list(s) for s in self.segs], "steps": self.steps, "version": self.version,
+                "clocks": self.clocks, "recent": [list(r) for r in self.recent],
+                "dropped": sorted(self.dropped), "optimizer": self.spec.kind,
+                "staleness": {str(k): v for k, v in self.staleness.items()}}
+        save_checkpoint(path, meta, arrays, codes)
+
+    def load(self, path: str) -> None:
+        meta, arrays = load_checkpoint(path)
+        if meta.get("optimizer") != self.spec.kind or len(meta.get("clocks", [])) != self.workers:
+            raise ValueError(f"{path} was written for optimizer {meta.get('optimizer')!r} and "
+                             f"{len(meta.get('clocks', []))} workers, not {self.spec.kind!r} and {self.workers}")
+        segs = [SegInfo(*s) for s in meta["segs"]]
+        n, names = len(segs), optim.state_names(self.spec)
+        if len(arrays) != n * (1 + len(names)):
+            raise ValueError(f"{path}: expected {n * (1 + len(names))} arrays, found {len(arrays)}")
+        self.seed(segs, arrays[:n])
+        for k, name in enumerate(names):
+            for i in range(n):
+                self.opt[i][name].copy_(torch.from_numpy(arrays[n + i * len(names) + k]))
+        self.steps, self.version = list(meta["steps"]), int(meta["version"])
+        self.clocks = list(meta["clocks"])
+        for w, steps in enumerate(meta["recent"]):
+            self.recent[w].extend(steps)
+        self.dropped = set(meta["dropped"])
+        self.staleness = collections.Counter({int(k): v for k, v in meta["staleness"].items()})
