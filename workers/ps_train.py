@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--classes", type=int, default=8)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--straggler", type=int, default=-1, help="this worker is slow (simulated)...")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="...by this much per step")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)  # the same initial weights everywhere; worker 0's are the ones kept
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
     start, window_start, first_loss = time.perf_counter(), time.perf_counter(), None
     for step in range(client.step, args.steps):
         x, y = next(data)
+        if worker == args.straggler:
+            time.sleep(args.delay_ms / 1000)
         model.zero_grad(set_to_none=False)
         loss = loss_fn(model(x), y)
         loss.backward()

@@ -91,7 +91,7 @@ def decode_request(buf) -> Request:
     if msg[0] != VERSION:
         raise ProtocolError(f"protocol version {msg[0]!r} received, this build speaks {VERSION}")
     req = Request(*msg[1:])
-    if req.op not in OP_NAMES:
+    if type(req.op) is not int or req.op not in OP_NAMES:
         raise ProtocolError(f"unknown op {req.op!r}")
     if not all(_is_count(v) for v in (req.worker, req.step, req.req_id)) or not isinstance(req.body, list):
         raise ProtocolError("worker, step and req_id must be non-negative integers; body a list")
@@ -112,6 +112,6 @@ def decode_reply(buf) -> Reply:
     msg = _unpack(buf, max_map=4096)
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError("reply must be [version, status, req_id, body]")
-    if msg[1] not in (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE) or not _is_count(msg[2]):
+    if type(msg[1]) is not int or msg[1] not in (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE) or not _is_count(msg[2]):
         raise ProtocolError(f"bad reply status/id {msg[1:3]!r}")
     return Reply(*msg[1:])

@@ -11,13 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_ranks(nproc: int, program: str, *args: str, timeout_s: float = 90.0,
-              env: dict | None = None, expect_fail: bool = False):
+              env: dict | None = None, expect_fail: bool = False, servers: int = 0):
     """Run ``python -m tests.multirank.programs.<program> args`` as ``nproc`` ranks."""
     out = io.StringIO()
     full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "COMMRT_COMM_TIMEOUT_S": os.environ.get("COMMRT_COMM_TIMEOUT_S", "30"), **(env or {})}
     cmd = [sys.executable, "-m", f"tests.multirank.programs.{program}", *args]
-    result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env)
+    result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env, servers=servers)
     text = out.getvalue()
     if result.returncode == 124:
         raise AssertionError(f"{program} x{nproc} timed out after {timeout_s}s; output:\n{text[-6000:]}")

@@ -14,6 +14,8 @@ ALLOWED = {
     "transport": {"errors", "wire", "config"},
     "collectives": {"errors", "wire", "dtypes", "transport", "config"},
     "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
+    # the parameter server sits beside the collectives: it never reaches into them
+    "ps": {"errors", "config", "dtypes", "work", "optim", "security"},
 }
 
 

@@ -1,0 +1,208 @@
+"""The parameter server with real server and worker processes on loopback: sync training equals
+single-process training, crash-and-resume ends where an uninterrupted run ends, lost workers
+and bad requests get the promised errors."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from commrt import optim
+from commrt.launch import launch, server_env
+from tests.multirank.harness import ROOT, run_ranks
+from tests.multirank.programs.ps_job import batch, loss_of, make_params
+
+STEPS = 6
+
+
+def reference(kind: str, workers: int, steps: int, **hp) -> np.ndarray:
+    """Single-process training on the global batch (every worker's batch for the step)."""
+    params = {k: v.clone().requires_grad_(True) for k, v in make_params().items()}
+    if kind == "lamb":
+        spec = optim.OptimSpec("lamb", **hp)
+        state = {k: optim.init_state(spec, v) for k, v in params.items()}
+    else:
+        opt = (torch.optim.SGD(params.values(), **hp) if kind == "sgd"
+               else torch.optim.AdamW(params.values(), foreach=False, **hp))
+    for step in range(steps):
+        xs, ys = zip(*(batch(w, step) for w in range(workers)))
+        for v in params.values():
+            v.grad = None
+        loss_of(params, torch.cat(xs), torch.cat(ys)).backward()
+        if kind == "lamb":
+            with torch.no_grad():
+                for k, v in params.items():
+                    optim.step_(v.data, v.grad, state[k], spec, step + 1)
+        else:
+            opt.step()
+    return np.concatenate([v.detach().numpy().ravel() for v in params.values()])
+
+
+def ps_env(kind: str, **extra) -> dict:
+    hp = {"sgd": dict(COMMRT_PS_LR="0.1", COMMRT_PS_MOMENTUM="0.9"),
+          "adamw": dict(COMMRT_PS_LR="0.01", COMMRT_PS_WEIGHT_DECAY="0.1"),
+          "lamb": dict(COMMRT_PS_LR="0.05", COMMRT_PS_WEIGHT_DECAY="0.01")}[kind]
+    return {"COMMRT_PS_OPTIMIZER": kind, "COMMRT_PS_MAX_SEGMENT_BYTES": "128", "COMMRT_PS_TIMEOUT_S": "20",
+            **hp, **{f"COMMRT_PS_{k.upper()}": str(v) for k, v in extra.items()}}
+
+
+REF_HP = {"sgd": dict(lr=0.1, momentum=0.9), "adamw": dict(lr=0.01, weight_decay=0.1),
+          "lamb": dict(lr=0.05, weight_decay=0.01)}
+
+
+def run_job(tmp_path, workers: int, servers: int, env: dict, *args: str, expect_fail=False):
+    return run_ranks(workers, "ps_job", str(tmp_path), *args, env=env, servers=servers,
+                     timeout_s=60, expect_fail=expect_fail)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "lamb"])
+@pytest.mark.parametrize("servers,workers", [(1, 2), (2, 3)])
+def test_sync_equals_single_process(tmp_path, kind, servers, workers):
+    run_job(tmp_path, workers, servers, ps_env(kind), str(STEPS))
+    ref = reference(kind, workers, STEPS, **REF_HP[kind])
+    for w in range(workers):
+        got = np.load(tmp_path / f"params-{w}.npy", allow_pickle=False)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6, err_msg=f"worker {w}")
+    assert not np.allclose(ref, np.concatenate([v.numpy().ravel() for v in make_params().values()]))
+
+
+def test_dead_worker_in_sync_mode_is_named(tmp_path):
+    env = ps_env("sgd", worker_timeout_s=1)
+    _, out = run_job(tmp_path, 3, 2, env, "10", "--die-at", "3")
+    caught = re.findall(r"CAUGHT (\w+): (.*)", out)
+    assert len(caught) == 2 and all(k == "PeerLost" for k, _ in caught), out
+    assert all("lost worker 2 during ps.push_pull (seq 3)" in m for _, m in caught), out
+    for seconds in re.findall(r"detected after ([\d.]+)s", out):
+        assert float(seconds) < 1 + 2, out
+
+
+def test_dead_worker_can_be_left_behind(tmp_path):
+    env = ps_env("sgd", worker_timeout_s=1, on_worker_loss="continue")
+    _, out = run_job(tmp_path, 3, 1, env, "8", "--die-at", "3")
+    assert "CAUGHT" not in out and "dropping worker(s) [2]" in out, out
+    assert (tmp_path / "params-0.npy").exists() and (tmp_path / "params-1.npy").exists()
+
+
+def test_async_keeps_serving_the_rest(tmp_path):
+    env = ps_env("sgd", mode="async", worker_timeout_s=1)
+    _, out = run_job(tmp_path, 2, 2, env, "12", "--die-at", "3")
+    assert "CAUGHT" not in out, out
+    stats = out[out.index("STATS"):]
+    assert "'version': 15" in stats, stats  # 12 pushes of worker 0 + 3 of worker 1, per server
+
+
+@pytest.mark.parametrize("mode,extra", [("async", {}), ("ssp", {"COMMRT_PS_STALENESS": "2"})])
+def test_async_and_ssp_converge_within_the_bound(mode, extra):
+    env = {"COMMRT_PS_MODE": mode, "COMMRT_PS_LR": "0.05", "COMMRT_PS_MOMENTUM": "0.9",
+           "COMMRT_PS_PRINT_STATS": "1", **extra}
+    out = io.StringIO()
+    cmd = [sys.executable, "-m", "workers.ps_train", "--steps", "150", "--log-every", "50",
+           "--straggler", "2", "--delay-ms", "4"]
+    result = launch(3, cmd, out=out, timeout_s=90, servers=2, env={**os.environ, **env})
+    text = out.getvalue()
+    assert result.returncode == 0, text[-4000:]
+    for first, last in re.findall(r"loss ([\d.]+) -> ([\d.]+)", text):
+        assert float(last) < 0.6 * float(first), text[-3000:]
+    gaps = [int(g) for hist in re.findall(r"staleness (\{[^}]*\})", text)
+            for g in re.findall(r"'(\d+)'", hist)]
+    assert gaps, text[-3000:]
+    if mode == "ssp":
+        assert max(gaps) == 2, gaps  # the straggler pushes the others right up to the bound, never past
+
+
+def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path):
+    steps, finals = 24, []
+    for crash in (False, True):
+        work = tmp_path / ("crash" if crash else "clean")
+        work.mkdir()
+        env = {**os.environ, **ps_env("adamw", checkpoint_dir=work / "ckpt", checkpoint_every=4),
+               "PYTHONPATH": ROOT}
+        env = server_env(2, 2, env)
+        servers = [_start_server(env, i) for i in range(2)]
+        out = io.StringIO()
+        job = threading.Thread(target=lambda: out.write(str(launch(
+            2, [sys.executable, "-m", "tests.multirank.programs.ps_job", str(work), str(steps),
+                "--marker-at", "10", "--sleep", "0.05"], out=out, env=env, timeout_s=90).returncode)))
+        job.start()
+        try:
+            if crash:
+                deadline = time.monotonic() + 30
+                while not (work / "marker").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.12)
+                servers[1].send_signal(signal.SIGKILL)
+                servers[1].wait()
+                servers[1] = _start_server(env, 1, "--resume")
+            job.join(90)
+        finally:
+            logs = _stop_servers(servers)
+        assert out.getvalue().endswith("0"), out.getvalue()[-3000:] + logs
+        if crash:
+            resumed = re.search(r"server 1 resumed at version (\d+) \((\d+) updates replayed", logs)
+            assert resumed and 0 < int(resumed.group(1)) < steps, logs
+        finals.append([np.load(work / f"params-{w}.npy", allow_pickle=False) for w in range(2)])
+    for clean, crashed in zip(*finals):
+        assert np.array_equal(clean, crashed)
+
+
+def _start_server(env: dict, index: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "servers.ps", "--index", str(index), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def _stop_servers(procs: list[subprocess.Popen]) -> str:
+    logs = []
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            logs.append(p.communicate(timeout=10)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0])
+    return "\n".join(logs)
+
+
+def _connect_when_listening(host: str, port: int, within_s: float = 20.0) -> socket.socket:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_bad_requests_and_strangers_leave_the_server_serving(tmp_path):
+    env = server_env(1, 1, {**os.environ, **ps_env("sgd"), "PYTHONPATH": ROOT})
+    server = _start_server(env, 0)
+    addr = env["COMMRT_PS_SERVERS"]
+    try:
+        host, port = addr[len("tcp://"):].rsplit(":", 1)
+        with _connect_when_listening(host, int(port)) as raw:  # not even ZMTP
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(256))
+        ctx = zmq.Context.instance()
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(addr)
+        for junk in ([b"\xc1\xc1"], [b"\x96" + os.urandom(40)], [os.urandom(5000), b"x"]):
+            stranger.send_multipart(junk)
+        _, out = run_ranks(1, "ps_probe", env={k: env[k] for k in env if k.startswith("COMMRT_PS")}, timeout_s=40)
+        assert "PROBE OK" in out, out
+        assert re.search(r"'malformed': [1-9]", out) and re.search(r"'rejected': [1-9]", out), out
+        stranger.close()
+    finally:
+        logs = _stop_servers([server])
+    assert "dropped a malformed request" in logs and "rejected push" in logs, logs
