@@ -48,8 +48,6 @@ def _bench(args) -> int:
     from .bench import metrics
     from .bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
-    if args.collective == "ps":
-        raise SystemExit("commrt bench ps: the parameter server is not built yet")
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
                      args.datatype, args.op, args.physical)
@@ -155,6 +153,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["server"]:  # its own parser (servers/ps.py), shared with python -m servers.ps
         from servers.ps import main as server_main
         return server_main(argv[1:])
+    if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
+        from .bench.ps import main as bench_ps
+        return bench_ps(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

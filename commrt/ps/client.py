@@ -142,7 +142,9 @@ class PSClient:
         sel = self._selected(grads)
         flats = {name: _flat(g).contiguous() for name, g in grads.items()}
         reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[self.segments[g].name], self.segments[g])
-                                                 for _, g in pairs]) for k, pairs in sel.items() if pairs}
+                                                 for _, g in pairs]) for k, pairs in sel.items()}
+        # every server hears of every step (if need be with no segments): a worker's step is one
+        # clock across all shards, which is what exactly-once and the sync/SSP rules count
         replies = self._exchange(P.PUSHPULL if into is not None else P.PUSH, self.step, reqs)
         self.step += 1
         if into is not None:

@@ -187,7 +187,7 @@ class ServerCore:
 
     def _check_ids(self, ids: list[int], payload: list, with_data: bool) -> None:
         n = len(self.state.segs)
-        if not ids or len(set(ids)) != len(ids) or max(ids) >= n:
+        if len(set(ids)) != len(ids) or (ids and max(ids) >= n):
             raise ProtocolError(f"segment ids must be distinct and below {n}")
         if not with_data:
             return
