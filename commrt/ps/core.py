@@ -57,6 +57,8 @@ class ServerCore:
         self.counters = dict(pushes=0, pulls=0, duplicates=0, rejected=0, malformed=0,
                              bytes_in=0, bytes_out=0)
         self.wal: WriteAheadLog | None = None
+        self._snapshot: dict[int, bytes] = {}
+        self._snapshot_version = -1
         self.ckpt_path = ""
         if cfg.checkpoint_dir:
             os.makedirs(cfg.checkpoint_dir, exist_ok=True)
@@ -261,7 +263,13 @@ class ServerCore:
 
     def _serve_pull(self, p: Parked) -> Reply:
         ids = p.req.body
-        values = [self.state.params[i].numpy().tobytes() for i in ids]  # a copy: later updates must not race the send
+        if self._snapshot_version != self.state.version:
+            self._snapshot, self._snapshot_version = {}, self.state.version
+        # a copy (later updates must not race the send), made once per version for all pullers
+        for i in ids:
+            if i not in self._snapshot:
+                self._snapshot[i] = self.state.params[i].numpy().tobytes()
+        values = [self._snapshot[i] for i in ids]
         self.counters["bytes_out"] += sum(len(v) for v in values)
         return _reply(p.ident, P.OK, p.req.req_id, [self.state.version, ids], values)
 
@@ -294,8 +302,8 @@ class ServerCore:
         by_seg = [dict(zip(p.req.body, p.grads)) for p in group]
         for i in ids:
             parts = [g[i] for g in by_seg if i in g]
-            total = parts[0].copy()
-            for part in parts[1:]:
+            total = np.add(parts[0], parts[1]) if len(parts) > 1 else parts[0].copy()
+            for part in parts[2:]:
                 total += part
             if len(parts) > 1:
                 total /= len(parts)
