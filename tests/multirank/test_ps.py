@@ -78,13 +78,14 @@ def test_sync_equals_single_process(tmp_path, kind, servers, workers):
 
 
 def test_dead_worker_in_sync_mode_is_named(tmp_path):
-    env = ps_env("sgd", worker_timeout_s=1)
+    env = ps_env("sgd", worker_timeout_s=3)  # generous: a slow live worker must not be blamed
     _, out = run_job(tmp_path, 3, 2, env, "10", "--die-at", "3")
     caught = re.findall(r"CAUGHT (\w+): (.*)", out)
     assert len(caught) == 2 and all(k == "PeerLost" for k, _ in caught), out
-    assert all("lost worker 2 during ps.push_pull (seq 3)" in m for _, m in caught), out
+    assert all("lost worker 2 during ps.push_pull (seq 3)" in m and "for worker(s) [2]" in m
+               for _, m in caught), out
     for seconds in re.findall(r"detected after ([\d.]+)s", out):
-        assert float(seconds) < 1 + 2, out
+        assert float(seconds) < 3 + 2, out
 
 
 def test_dead_worker_can_be_left_behind(tmp_path):

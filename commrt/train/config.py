@@ -1,0 +1,98 @@
+"""The training engine's configuration, read from DeepSpeed's keys so its users need nothing new.
+
+``TrainConfig.from_dict`` takes the same dict as ``deepspeed.initialize(config=...)`` (or the
+``[train]`` table of the TOML file) and refuses unknown keys with the list of valid ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+from ..optim import OptimSpec
+
+_ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+              "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter"}
+_TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
+             "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads"}
+_OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "lamb": "lamb", "sgd": "sgd"}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 0
+    """0: data parallel; 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
+    reduce_bucket_size: int = 25_000_000
+    """Elements per gradient bucket (stages 0-2): a bucket is reduced as soon as it is full."""
+    allgather_bucket_size: int = 25_000_000
+    """Kept for DeepSpeed compatibility; parameters are gathered per bucket (stages 1-2)."""
+    overlap_comm: bool = True
+    """Start each bucket's reduction from the gradient hooks while backward is still running."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: gather the next module ahead while this one runs (0 disables prefetch)."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_optimization.stage = {self.stage!r} is invalid; valid: [0, 1, 2, 3]")
+        if self.reduce_bucket_size < 1:
+            raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimSpec = field(default_factory=lambda: OptimSpec("adamw", lr=1e-3))
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm (over all shards) to this value; 0 disables."""
+    bf16: bool = False
+    """bf16 compute and communication with fp32 master weights and optimizer state."""
+    non_finite_grads: str = "skip"
+    """A NaN/inf in any rank's gradients: 'skip' the step on every rank (counted), or 'raise'
+    an error naming the ranks. Parameters never receive a non-finite update."""
+
+    def __post_init__(self) -> None:
+        if self.gradient_accumulation_steps < 1:
+            raise ConfigError("gradient_accumulation_steps must be >= 1")
+        if self.gradient_clipping < 0:
+            raise ConfigError("gradient_clipping must be >= 0")
+        if self.non_finite_grads not in ("skip", "raise"):
+            raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "TrainConfig":
+        raw = dict(raw or {})
+        _only(raw, _TOP_KEYS, "the training config")
+        zero = dict(raw.get("zero_optimization", {}))
+        _only(zero, _ZERO_KEYS, "zero_optimization")
+        zero.pop("contiguous_gradients", None)
+        zero.pop("reduce_scatter", None)
+        return cls(zero=ZeroConfig(**{k: _int_or_bool(v) for k, v in zero.items()}),
+                   optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
+                   gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
+                   gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
+                   bf16=bool(dict(raw.get("bf16", {})).get("enabled", False)),
+                   non_finite_grads=str(raw.get("non_finite_grads", "skip")))
+
+
+def _only(raw: Mapping, valid: set, where: str) -> None:
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {sorted(valid)}")
+
+
+def _int_or_bool(v):
+    return v if isinstance(v, bool) else int(v)
+
+
+def _optimizer(raw: Mapping) -> OptimSpec:
+    kind = _OPTIMIZERS.get(str(raw.get("type", "")).lower())
+    if kind is None:
+        raise ConfigError(f"optimizer type {raw.get('type')!r} is invalid; valid: AdamW, LAMB, SGD")
+    params = dict(raw.get("params", {}))
+    betas = params.pop("betas", None)
+    if betas is not None:
+        params["beta1"], params["beta2"] = float(betas[0]), float(betas[1])
+    valid = {"lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps"}
+    _only(params, valid | {"torch_adam", "adam_w_mode", "bias_correction"}, "optimizer.params")
+    return OptimSpec(kind, **{k: v for k, v in params.items() if k in valid})

@@ -1,0 +1,96 @@
+"""``DataParallel``: torch DDP's contract over commrt collectives, for users who keep their own
+optimizer.
+
+Gradients are copied into buckets (parameters in reverse registration order, about the order
+backward produces them) and each bucket's all-reduce starts from the gradient hooks as soon as
+it is full, so communication overlaps the rest of backward. At the end of backward (an autograd
+callback, as torch DDP does) the reductions are waited for and the averaged gradients written
+back to ``p.grad``, before the optimizer step.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from ..collectives.reduce_ops import ReduceOp
+from .layout import buckets
+
+
+class DataParallel(nn.Module):
+    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25,
+                 comm_dtype: torch.dtype | None = None, broadcast_buffers: bool = True):
+        super().__init__()
+        self.module, self.group = module, group
+        self.comm_dtype = comm_dtype
+        self.broadcast_buffers = broadcast_buffers
+        self._src = group.ranks[0] if group is not None else 0
+        with torch.no_grad():  # all replicas start equal
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, self._src, group)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        cap = max(1, int(bucket_cap_mb * (1 << 20)) // 4)
+        self._buckets = [[self._params[i] for i in u.params]
+                         for u in buckets([p.numel() for p in self._params], cap, 1)]
+        self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
+        self._pending: list[int] = []
+        self._inflight: list = []
+        self._queued = False
+        self.require_sync = True
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.require_sync:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, self._src, self.group)
+        self._pending = [len(ps) for ps in self._buckets]
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally; the first backward after the block reduces the sum."""
+        old, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = old
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        if not self._queued:  # wait for everything once backward has finished
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        b = self._bucket_of[id(p)]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._reduce(b)
+
+    def _reduce(self, b: int) -> None:
+        params = self._buckets[b]
+        dtype = self.comm_dtype or params[0].dtype
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                          for p in params])
+        self._pending[b] = -1  # reduced
+        self._inflight.append((dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True), b, flat))
+
+    def _finish(self) -> None:
+        for b, left in enumerate(self._pending):
+            if left > 0:  # some parameters got no gradient this time: reduce zeros for them
+                self._reduce(b)
+        for work, b, flat in self._inflight:
+            work.wait()
+            offset = 0
+            for p in self._buckets[b]:
+                n = p.numel()
+                g = flat[offset:offset + n].view(p.shape).to(p.dtype)  # back to fp32 for accumulation
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                offset += n
+        self._inflight, self._queued = [], False

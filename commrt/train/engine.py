@@ -1,0 +1,196 @@
+"""``commrt.train.initialize(model=..., config=...)``: DeepSpeed's engine interface over commrt.
+
+    engine = commrt.train.initialize(model=model, config={"zero_optimization": {"stage": 2},
+                                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from ..collectives.reduce_ops import ReduceOp
+from ..errors import CommError
+from . import checkpoint
+from .config import TrainConfig
+from .zero import UnitState, Zero
+
+
+class NonFiniteGradients(CommError):
+    """A rank produced NaN or inf gradients and the policy is 'raise'."""
+
+
+def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None = None,
+               group=None) -> "Engine":
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    return Engine(model, cfg, group)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
+        self.module, self.cfg, self.group = model, cfg, group
+        self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        src = group.ranks[0] if group is not None else 0
+        with torch.no_grad():  # every replica starts from rank 0's values
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point() and t.dtype != self.dtype:
+                    t.data = t.data.to(self.dtype)
+                dist.broadcast(t.data, src, group)
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        z = cfg.zero
+        self.zero = Zero(model, self.params, z.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
+                         group, overlap=z.overlap_comm, prefetch=z.stage3_prefetch_bucket_size > 0)
+        self.global_steps = 0      # optimizer steps taken
+        self.skipped_steps = 0     # boundaries skipped for non-finite gradients
+        self.micro_steps = 0
+        self._no_sync = False
+        self._sync_now = True
+        self._hooks = []
+        self._unit_of = {}
+        for u in self.zero.units:
+            for p in u.params:
+                self._unit_of[id(p)] = u
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if z.stage == 3:
+            self._install_gather_hooks(model)
+
+    # -- forward / backward / step ----------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.dtype != torch.float32:
+            args = tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps``; bucket reductions start inside."""
+        stage = self.zero.stage
+        self._sync_now = stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
+        for u in self.zero.units:
+            u.pending = len(u.params)
+        (loss / self.cfg.gradient_accumulation_steps).backward()
+        if self._sync_now:  # units whose parameters got no gradient still take part
+            for u in self.zero.units:
+                if 0 < u.pending:
+                    self.zero.reduce(u)
+                    u.pending = 0
+        self.zero.wait()
+        self.micro_steps += 1
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._sync_now:
+            return  # accumulate locally (no_sync, or not yet the accumulation boundary)
+        u = self._unit_of[id(p)]
+        u.pending -= 1
+        if u.pending == 0:
+            self.zero.reduce(u)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient reduction for the backward passes inside (stages 0-1; stages 2-3
+        still reduce-scatter every micro-step into the shards, which is what keeps their
+        gradient memory at 1/N: the accumulated result is the same)."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; returns whether a step was taken."""
+        if self.micro_steps % self.cfg.gradient_accumulation_steps or self._no_sync:
+            return False
+        self.zero.wait()
+        bad, norm = self._check_gradients()
+        if bad:
+            for u in self.zero.units:
+                u.grad.zero_()
+            if self.cfg.non_finite_grads == "raise":
+                raise NonFiniteGradients(f"non-finite gradients on rank(s) {bad} before step "
+                                         f"{self.global_steps + 1}; no update was applied")
+            self.skipped_steps += 1
+            return False
+        clip = self.cfg.gradient_clipping
+        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # as torch.nn.utils.clip_grad_norm_
+        self.global_steps += 1
+        self.zero.update(self.global_steps, coef)
+        self.last_grad_norm = norm
+        return True
+
+    def _check_gradients(self) -> tuple[list[int], float]:
+        """One all-reduce: which ranks saw non-finite gradients, and the global squared norm."""
+        z = self.zero
+        vec = torch.zeros(z.world + 1, dtype=torch.float64)
+        vec[z.rank] = float(z.nonfinite)
+        vec[z.world] = sum(float(z.shard_grad(u).double().square().sum()) for u in z.units)
+        dist.all_reduce(vec, ReduceOp.SUM, self.group)
+        z.nonfinite = False
+        bad = [r for r in range(z.world) if vec[r] > 0]
+        total = float(vec[z.world])
+        return bad, math.sqrt(total) if math.isfinite(total) else math.inf
+
+    # -- stage 3 hooks ----------------------------------------------------------------------
+    def _install_gather_hooks(self, model: nn.Module) -> None:
+        order = [m for m in model.modules() if any(id(p) in self._unit_of for p in m.parameters(recurse=False))]
+        unit_of_mod = {id(m): self._unit_of[id(next(p for p in m.parameters(recurse=False)
+                                                    if id(p) in self._unit_of))] for m in order}
+        units = [unit_of_mod[id(m)] for m in order]
+        nxt = {id(a): b for a, b in zip(units, units[1:])}
+        prv = {id(b): a for a, b in zip(units, units[1:])}
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for m in order:
+            u = unit_of_mod[id(m)]
+            self._hooks.append(m.register_forward_pre_hook(lambda *_, u=u: self._use(u, nxt)))
+            self._hooks.append(m.register_forward_hook(lambda *_, u=u: self.zero.release(u)))
+            self._hooks.append(m.register_full_backward_pre_hook(lambda *_, u=u: self._use(u, prv)))
+
+    def _use(self, u: UnitState, ahead: dict) -> None:
+        self.zero.gather(u)
+        if self.zero.prefetch_on and id(u) in ahead:
+            self.zero.start_gather(ahead[id(u)])
+
+    # -- state ------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 parameters by name (a collective: every rank must call it)."""
+        out = {n: p.detach().clone() for n, p in self.module.named_parameters() if not p.requires_grad}
+        for u in self.zero.units:
+            flat = self.zero.full_master(u)
+            for i, shape, off, n in zip(u.layout.params, u.shapes, u.layout.offsets, u.layout.numels):
+                out[self.names[i]] = flat[off:off + n].view(shape).clone()
+        return out
+
+    def state_dict(self) -> dict:
+        return checkpoint.shard_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        checkpoint.load_shard_states(self, [state])
+
+    def save_checkpoint(self, directory: str) -> str:
+        return checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        checkpoint.load(self, directory)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        z = self.zero
+        params = sum(u.master.numel() * 4 for u in z.units if z.stage == 3 or self.dtype != torch.float32)
+        if z.stage < 3:
+            params += sum(u.full.numel() * u.full.element_size() for u in z.units)
+        grads = sum(u.grad.numel() * u.grad.element_size() for u in z.units)
+        state = sum(t.numel() * t.element_size() for u in z.units for t in u.state.values())
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
+        return {"parameters": params + frozen, "gradients": grads, "optimizer_state": state,
+                "gathered_peak": z.peak_live_bytes, "total": params + frozen + grads + state}

@@ -1,0 +1,223 @@
+"""ZeRO stages 0-3 over commrt collectives (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", 2020).
+
+Every trainable parameter belongs to a unit (``layout.Unit``): one flat buffer, sharded evenly.
+
+    stage 0  every rank keeps everything; gradients all-reduced; every rank steps everything
+    stage 1  + optimizer state and the fp32 master values only for the own shard; gradients
+             all-reduced, each rank steps its shard, then the units are all-gathered
+    stage 2  + gradients: each bucket is reduce-scattered from the gradient hooks (during
+             backward) into the owner's shard; no rank keeps a full gradient after its bucket
+    stage 3  + parameters: a module's unit is all-gathered just before its forward and again
+             before its backward, freed after each, the next one prefetched
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from .. import optim
+from ..collectives.reduce_ops import ReduceOp
+from ..errors import ConfigError
+from .layout import Unit, buckets, make_unit, pieces
+
+
+class UnitState:
+    """One unit's tensors on this rank."""
+
+    def __init__(self, layout: Unit, params: list[nn.Parameter], own: tuple[int, int]):
+        self.layout, self.params, self.own = layout, params, own
+        self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters between uses
+        self.full: torch.Tensor | None = None     # gathered values in the compute dtype
+        self.master: torch.Tensor | None = None   # fp32 values of the own range (what the optimizer steps)
+        self.grad: torch.Tensor | None = None     # fp32: full (stages 0-1) or own shard (2-3)
+        self.state: dict[str, torch.Tensor] = {}
+        self.pending = 0
+        self.gathering = None  # (work, buffer) of an all-gather in flight
+
+    def views(self, flat: torch.Tensor) -> None:
+        for p, shape, off, n in zip(self.params, self.shapes, self.layout.offsets, self.layout.numels):
+            p.data = flat[off:off + n].view(shape)
+
+
+def make_units(model: nn.Module, params: list[nn.Parameter], stage: int, cap: int,
+               world: int) -> list[list[int]]:
+    """Parameter indices per unit: buckets (stages 0-2) or one unit per owning module (stage 3)."""
+    if stage < 3:
+        return [list(u.params) for u in buckets([p.numel() for p in params], cap, world)]
+    index = {id(p): i for i, p in enumerate(params)}
+    units, seen = [], set()
+    for mod in model.modules():
+        mine = [index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index]
+        if set(mine) & seen:
+            raise ConfigError(f"stage 3 cannot shard a parameter shared between modules "
+                              f"({type(mod).__name__}); untie it or use stage 2")
+        seen.update(mine)
+        if mine:
+            units.append(mine)
+    return units
+
+
+class Zero:
+    """The per-rank state and communication of one ZeRO-sharded model (used by ``Engine``)."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, spec: optim.OptimSpec,
+                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True, prefetch: bool = True):
+        self.stage, self.spec, self.dtype, self.group = stage, spec, dtype, group
+        self.overlap, self.prefetch_on = overlap, prefetch
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.works: list = []
+        self.nonfinite = False
+        self.live_bytes = self.peak_live_bytes = 0
+        self.units: list[UnitState] = []
+        for idx in make_units(model, params, stage, cap, self.world):
+            lay = make_unit(idx, [params[i].numel() for i in idx], self.world)
+            own = (0, lay.padded) if stage == 0 else lay.shard(self.rank, self.world)
+            self.units.append(self._build(lay, [params[i] for i in idx], own))
+
+    # -- construction -----------------------------------------------------------------------
+    def _build(self, lay: Unit, params: list[nn.Parameter], own: tuple[int, int]) -> UnitState:
+        u = UnitState(lay, params, own)
+        flat = torch.zeros(lay.padded, dtype=torch.float32)
+        for p, off, n in zip(params, lay.offsets, lay.numels):
+            flat[off:off + n].copy_(p.detach().reshape(-1))
+        lo, hi = own
+        if self.stage < 3:
+            u.full = flat if self.dtype == torch.float32 else flat.to(self.dtype)
+            u.master = u.full[lo:hi] if self.dtype == torch.float32 else flat[lo:hi].clone()
+            u.views(u.full)
+        else:
+            u.master = flat[lo:hi].clone()
+            self.release(u)
+        u.grad = torch.zeros(lay.padded if self.stage < 2 else hi - lo)
+        u.state = optim.init_state(self.spec, u.master)
+        return u
+
+    # -- gradients --------------------------------------------------------------------------
+    def reduce(self, u: UnitState) -> None:
+        """Hand the unit's local gradients to the collective (from a hook, or a final flush)."""
+        flat = torch.zeros(u.layout.padded, dtype=self.dtype)
+        for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
+            if p.grad is not None:
+                flat[off:off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        if not bool(torch.isfinite(flat).all()):
+            self.nonfinite = True  # noted before the reduction mixes it into every rank
+        if self.stage < 2:
+            work = dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+            self._track(work, lambda: u.grad.copy_(flat))
+        else:
+            out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
+            work = dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.group, async_op=True)
+            self._track(work, lambda: u.grad.add_(out))
+            if self.stage == 3:
+                self.release(u)
+
+    def _track(self, work, then) -> None:
+        self.works.append((work, then))
+        if not self.overlap:
+            self.wait()
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work, then in works:
+            work.wait()
+            then()
+
+    def own_grad(self, u: UnitState) -> torch.Tensor:
+        return u.grad[u.own[0]:u.own[1]] if self.stage < 2 else u.grad
+
+    def shard_grad(self, u: UnitState) -> torch.Tensor:
+        """This rank's 1/world of the gradient (for norms: every element counted once)."""
+        if self.stage >= 2:
+            return u.grad
+        lo, hi = u.layout.shard(self.rank, self.world)
+        return u.grad[lo:hi]
+
+    # -- stage 3 gathering ------------------------------------------------------------------
+    def start_gather(self, u: UnitState) -> None:
+        if u.full is not None or u.gathering is not None:
+            return
+        buf = torch.empty(u.layout.padded, dtype=self.dtype)
+        send = u.master.to(self.dtype, copy=True)
+        u.gathering = (dist.all_gather_into_tensor(buf, send, self.group, async_op=True), buf)
+
+    def gather(self, u: UnitState) -> None:
+        self.start_gather(u)
+        if u.gathering is None:
+            return
+        work, buf = u.gathering
+        work.wait()
+        u.gathering, u.full = None, buf
+        u.views(buf)
+        self.live_bytes += buf.numel() * buf.element_size()
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def release(self, u: UnitState) -> None:
+        if u.full is not None:
+            self.live_bytes -= u.full.numel() * u.full.element_size()
+        u.full = None
+        for p in u.params:
+            p.data = torch.empty(0, dtype=self.dtype)
+
+    # -- the optimizer step -----------------------------------------------------------------
+    def update(self, step: int, clip_coef: float) -> None:
+        lamb = []
+        for u in self.units:
+            g = self.own_grad(u)
+            if clip_coef < 1.0:
+                g.mul_(clip_coef)
+            if self.spec.kind == "lamb":
+                lamb.append((u, optim.lamb_direction_(u.master, g, u.state, self.spec, step)))
+            else:
+                optim.step_(u.master, g, u.state, self.spec, step)
+        if lamb:
+            self._lamb_apply(lamb)
+        self._publish()
+        for u in self.units:
+            u.grad.zero_()
+
+    def _lamb_apply(self, lamb: list) -> None:
+        """Trust ratio per original parameter from the partial norms of every rank's shard."""
+        norms = []
+        for u, r in lamb:
+            sq = torch.zeros(len(u.params), 2, dtype=torch.float64)
+            for k, a, b, _ in pieces(u.layout, *u.own):
+                sq[k, 0] = u.master[a:b].double().square().sum()
+                sq[k, 1] = r[a:b].double().square().sum()
+            norms.append(sq)
+        flat = torch.cat(norms) if norms else torch.zeros(0, 2, dtype=torch.float64)
+        if self.stage > 0:
+            dist.all_reduce(flat, ReduceOp.SUM, self.group)
+        row = 0
+        for (u, r), sq in zip(lamb, norms):
+            part = flat[row:row + len(sq)].sqrt()
+            row += len(sq)
+            for k, a, b, _ in pieces(u.layout, *u.own):
+                trust = optim.trust_ratio(float(part[k, 0]), float(part[k, 1]))
+                optim.lamb_apply_(u.master[a:b], r[a:b], trust, self.spec)
+
+    def _publish(self) -> None:
+        """Make the new values visible to the model (stages 0-2; stage 3 gathers on use)."""
+        if self.stage == 0:
+            if self.dtype != torch.float32:
+                for u in self.units:
+                    u.full.copy_(u.master)
+            return
+        if self.stage == 3:
+            return
+        for u in self.units:
+            send = u.master.to(self.dtype, copy=True)
+            self.works.append((dist.all_gather_into_tensor(u.full, send, self.group, async_op=True),
+                               lambda: None))
+        self.wait()
+
+    # -- consolidated values ----------------------------------------------------------------
+    def full_master(self, u: UnitState) -> torch.Tensor:
+        """The whole unit's fp32 values (a collective for stages 1-3)."""
+        if self.stage == 0:
+            return u.master.clone()
+        out = torch.empty(u.layout.padded)
+        dist.all_gather_into_tensor(out, u.master.clone(), self.group)
+        return out

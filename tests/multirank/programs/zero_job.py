@@ -1,0 +1,209 @@
+"""ZeRO and DataParallel against single-process training on the global batch, at this world size.
+
+Every case prints 'OK <case>' or raises; the reference is plain torch (torch.optim.AdamW, or the
+whole-tensor LAMB step, which the unit tests check against the paper) run locally on the
+concatenation of every rank's batch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+from torch import nn
+
+import commrt
+from commrt import optim
+from commrt.train import DataParallel, NonFiniteGradients, initialize
+
+STEPS, BATCH = 3, 4
+OPT = {"adamw": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+       "lamb": {"type": "LAMB", "params": {"lr": 0.02, "weight_decay": 0.01}},
+       "sgd": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+
+
+def make_model(width: int = 13) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, width), nn.Tanh(), nn.LayerNorm(width), nn.Linear(width, 5))
+    m[2].bias.requires_grad_(False)  # a frozen parameter
+    return m
+
+
+def data(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 5, generator=g)
+
+
+def reference(kind: str, world, steps: int, clip: float = 0.0, micro: int = 1) -> dict:
+    """``world``: the world size, or one per step (a run resumed at another size)."""
+    worlds = world if isinstance(world, list) else [world] * steps
+    model = make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    hp = OPT[kind]["params"]
+    if kind == "adamw":
+        opt = torch.optim.AdamW(params, foreach=False, **hp)
+    elif kind == "sgd":
+        opt = torch.optim.SGD(params, foreach=False, **hp)
+    else:
+        spec = optim.OptimSpec("lamb", **hp)
+        states = [optim.init_state(spec, p) for p in params]
+    for step in range(steps):
+        xs, ys = zip(*(data(r, step, m) for m in range(micro) for r in range(worlds[step])))
+        model.zero_grad()
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        if clip:
+            nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        if kind == "lamb":
+            with torch.no_grad():
+                for p, s in zip(params, states):
+                    optim.step_(p.data, p.grad, s, spec, step + 1)
+        else:
+            opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def train(engine, rank: int, steps: int, micro: int = 1) -> None:
+    for step in range(steps):
+        for m in range(micro):
+            x, y = data(rank, step, m)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def compare(got: dict, ref: dict, what: str, atol: float = 1e-5) -> None:
+    for name, want in ref.items():
+        err = (got[name] - want).abs().max().item()
+        if err > atol:
+            raise AssertionError(f"{what}: {name} differs from single-process training by {err:.3g}")
+    print(f"OK {what}", flush=True)
+
+
+def engine_for(stage: int, kind: str, **extra):
+    return initialize(make_model(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+                                     "optimizer": OPT[kind], **extra})
+
+
+def zero_cases(rank: int, world: int) -> None:
+    for stage in (0, 1, 2, 3):
+        for kind in ("adamw", "lamb"):
+            engine = engine_for(stage, kind)
+            train(engine, rank, STEPS)
+            compare(engine.full_state_dict(), reference(kind, world, STEPS), f"stage {stage} {kind}")
+        engine = engine_for(stage, "sgd", gradient_accumulation_steps=2, gradient_clipping=0.05)
+        train(engine, rank, STEPS, micro=2)
+        compare(engine.full_state_dict(), reference("sgd", world, STEPS, clip=0.05, micro=2),
+                f"stage {stage} accumulation+clipping")
+
+
+def checkpoint_case(rank: int, world: int, directory: str) -> None:
+    """Save after 2 steps at stage 2, resume at stage 3 for the last step: equals 3 straight steps."""
+    engine = engine_for(2, "adamw")
+    train(engine, rank, 2)
+    engine.save_checkpoint(directory)
+    resumed = engine_for(3, "adamw")
+    resumed.load_checkpoint(directory)
+    x, y = data(rank, 2)
+    resumed.backward(nn.functional.mse_loss(resumed(x), y))
+    resumed.step()
+    compare(resumed.full_state_dict(), reference("adamw", world, 3), "checkpoint stage 2 -> stage 3")
+
+
+def reshard_case(rank: int, world: int, directory: str) -> None:
+    """Load a checkpoint written at another world size (values and optimizer state), go on."""
+    engine = engine_for(1, "adamw")
+    engine.load_checkpoint(directory)
+    old_world = int(os.listdir(directory)[0].split("-of-")[1][:5])
+    x, y = data(rank, 2)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    compare(engine.full_state_dict(), reference("adamw", [old_world, old_world, world], 3),
+            f"resharded {old_world} -> {world} ranks")
+
+
+def memory_case(rank: int, world: int) -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    P = sum(p.numel() for p in model.parameters())
+    expect = {1: 4 * P + 4 * P + 8 * P / world, 2: 4 * P + 12 * P / world, 3: 16 * P / world}
+    for stage, want in expect.items():
+        rep = initialize(model, {"zero_optimization": {"stage": stage}}).memory_report()
+        got = rep["total"]
+        if abs(got - want) > 0.03 * want:
+            raise AssertionError(f"stage {stage} memory {rep} vs ZeRO accounting {want:.0f}")
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    print("OK memory accounting", flush=True)
+
+
+def nonfinite_case(rank: int, world: int) -> None:
+    for policy in ("skip", "raise"):
+        engine = engine_for(2, "adamw", non_finite_grads=policy)
+        before = engine.full_state_dict()
+        x, y = data(rank, 0)
+        if rank == world - 1:
+            x[0, 0] = float("nan")
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        try:
+            took = engine.step()
+        except NonFiniteGradients as exc:
+            assert policy == "raise" and f"rank(s) [{world - 1}]" in str(exc), exc
+        else:
+            assert policy == "skip" and not took and engine.skipped_steps == 1
+        compare(engine.full_state_dict(), before, f"non-finite gradients: {policy}", atol=0)
+
+
+def ddp_case(rank: int, world: int) -> None:
+    model = DataParallel(make_model(), bucket_cap_mb=0.0001)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False,
+                            **OPT["adamw"]["params"])
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    compare(dict(model.module.named_parameters()), reference("adamw", world, STEPS), "DataParallel")
+    model = DataParallel(make_model())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT["sgd"]["params"])
+    for step in range(STEPS):
+        opt.zero_grad()
+        with model.no_sync():
+            x, y = data(rank, step, 0)
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        x, y = data(rank, step, 1)
+        (nn.functional.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+    compare(dict(model.module.named_parameters()), reference("sgd", world, STEPS, micro=2), "DataParallel no_sync")
+    model = DataParallel(make_model(), comm_dtype=torch.bfloat16)
+    x, y = data(rank, 0)
+    nn.functional.mse_loss(model(x), y).backward()
+    ref = make_model()
+    xs, ys = zip(*(data(r, 0) for r in range(world)))
+    nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+    compare({n: p.grad for n, p in model.module.named_parameters() if p.grad is not None},
+            {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, "DataParallel bf16 gradients",
+            atol=2e-2)
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    commrt.init_process_group()
+    rank, world = commrt.get_rank(), commrt.get_world_size()
+    which = sys.argv[1:] or ["zero", "checkpoint", "memory", "nonfinite", "ddp"]
+    if "zero" in which:
+        zero_cases(rank, world)
+    if "checkpoint" in which:
+        directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
+        checkpoint_case(rank, world, directory)
+    if "reshard" in which:
+        reshard_case(rank, world, os.path.join(os.environ["COMMRT_TEST_TMP"], f"ckpt-{world}"))
+    if "memory" in which:
+        memory_case(rank, world)
+    if "nonfinite" in which:
+        nonfinite_case(rank, world)
+    if "ddp" in which:
+        ddp_case(rank, world)
+    commrt.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
