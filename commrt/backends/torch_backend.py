@@ -11,6 +11,10 @@ import datetime
 import torch
 import torch.distributed as tdist
 
+# torch 2.13 renamed these (the old names warn); older releases only have the old ones
+_ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
 from ..collectives.reduce_ops import ReduceOp, finish_avg_
 from ..dtypes import as_tensor
 from ..work import Work
@@ -64,12 +68,12 @@ class TorchBackend:
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, inp = as_tensor(output), as_tensor(input)
-        w = tdist.reduce_scatter_tensor(out, inp, _OPS[op], group=self.pg, async_op=async_op)
+        w = _REDUCE_SCATTER(out, inp, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce_scatter_tensor", w, async_op, self._avg(out, op))
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, inp = as_tensor(output), as_tensor(input)
-        w = tdist.all_gather_into_tensor(out, inp, group=self.pg, async_op=async_op)
+        w = _ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
         return self._finish("all_gather_into_tensor", w, async_op)
 
     def broadcast(self, tensor, src, async_op=False):

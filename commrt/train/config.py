@@ -5,8 +5,15 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from ..errors import ConfigError
 from ..optim import OptimSpec
@@ -59,6 +66,9 @@ class TrainConfig:
         if self.non_finite_grads not in ("skip", "raise"):
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
 
+    def with_stage(self, stage: int) -> "TrainConfig":
+        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, stage=stage))
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "TrainConfig":
         raw = dict(raw or {})
@@ -96,3 +106,15 @@ def _optimizer(raw: Mapping) -> OptimSpec:
     valid = {"lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps"}
     _only(params, valid | {"torch_adam", "adam_w_mode", "bias_correction"}, "optimizer.params")
     return OptimSpec(kind, **{k: v for k, v in params.items() if k in valid})
+
+
+def load_train_config(path: str | os.PathLike | None) -> TrainConfig:
+    """The ``[train]`` table of a TOML config file (DeepSpeed's keys); defaults without a file."""
+    if not path:
+        return TrainConfig()
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read the [train] table of {path}: {exc}") from None
+    return TrainConfig.from_dict(data.get("train", {}))

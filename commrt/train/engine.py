@@ -87,6 +87,7 @@ class Engine:
                     self.zero.reduce(u)
                     u.pending = 0
         self.zero.wait()
+        self._learn_order()
         self.micro_steps += 1
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -143,28 +144,39 @@ class Engine:
 
     # -- stage 3 hooks ----------------------------------------------------------------------
     def _install_gather_hooks(self, model: nn.Module) -> None:
-        order = [m for m in model.modules() if any(id(p) in self._unit_of for p in m.parameters(recurse=False))]
-        unit_of_mod = {id(m): self._unit_of[id(next(p for p in m.parameters(recurse=False)
-                                                    if id(p) in self._unit_of))] for m in order}
-        units = [unit_of_mod[id(m)] for m in order]
-        nxt = {id(a): b for a, b in zip(units, units[1:])}
-        prv = {id(b): a for a, b in zip(units, units[1:])}
+        """Gather before forward and before backward, free after forward; prefetch along the
+        order the first forward actually ran the modules in (not their registration order)."""
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        for m in order:
-            u = unit_of_mod[id(m)]
-            self._hooks.append(m.register_forward_pre_hook(lambda *_, u=u: self._use(u, nxt)))
+        self._order: list[UnitState] = []
+        self._next: dict[int, UnitState] = {}
+        self._prev: dict[int, UnitState] = {}
+        for m in model.modules():
+            mine = [p for p in m.parameters(recurse=False) if id(p) in self._unit_of]
+            if not mine:
+                continue
+            u = self._unit_of[id(mine[0])]
+            self._hooks.append(m.register_forward_pre_hook(lambda *_, u=u: self._use(u, self._next, True)))
             self._hooks.append(m.register_forward_hook(lambda *_, u=u: self.zero.release(u)))
-            self._hooks.append(m.register_full_backward_pre_hook(lambda *_, u=u: self._use(u, prv)))
+            self._hooks.append(m.register_full_backward_pre_hook(lambda *_, u=u: self._use(u, self._prev)))
 
-    def _use(self, u: UnitState, ahead: dict) -> None:
+    def _use(self, u: UnitState, ahead: dict, forward: bool = False) -> None:
+        if forward and not self._next and all(v is not u for v in self._order):
+            self._order.append(u)  # first pass: learn the execution order
         self.zero.gather(u)
         if self.zero.prefetch_on and id(u) in ahead:
             self.zero.start_gather(ahead[id(u)])
 
+    def _learn_order(self) -> None:
+        if self.zero.stage == 3 and not self._next and self._order:
+            self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
+            self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
+
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 parameters by name (a collective: every rank must call it)."""
-        out = {n: p.detach().clone() for n, p in self.module.named_parameters() if not p.requires_grad}
+        """Consolidated fp32 parameters by name (a collective: every rank must call it); frozen
+        parameters as the model holds them, in fp32."""
+        out = {n: p.detach().float() if p.is_floating_point() else p.detach().clone()
+               for n, p in self.module.named_parameters() if not p.requires_grad}
         for u in self.zero.units:
             flat = self.zero.full_master(u)
             for i, shape, off, n in zip(u.layout.params, u.shapes, u.layout.offsets, u.layout.numels):

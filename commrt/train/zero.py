@@ -163,6 +163,10 @@ class Zero:
 
     # -- the optimizer step -----------------------------------------------------------------
     def update(self, step: int, clip_coef: float) -> None:
+        for u in self.units:  # a prefetch that was never used would hand out pre-step values
+            if u.gathering is not None:
+                u.gathering[0].wait()
+                u.gathering = None
         lamb = []
         for u in self.units:
             g = self.own_grad(u)

@@ -30,6 +30,21 @@ def make_model(width: int = 13) -> nn.Module:
     return m
 
 
+class Swapped(nn.Module):
+    """make_model's network, but its modules registered in another order than they run
+    (stage 3 must prefetch along the execution order, not the registration order)."""
+
+    def __init__(self):
+        super().__init__()
+        ref = make_model()
+        self.second, self.norm, self.first = ref[3], ref[2], ref[0]
+
+    def forward(self, x):
+        return self.second(self.norm(torch.tanh(self.first(x))))
+
+    RENAME = {"first": "0", "norm": "2", "second": "3"}
+
+
 def data(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
     return torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 5, generator=g)
@@ -94,6 +109,23 @@ def zero_cases(rank: int, world: int) -> None:
         train(engine, rank, STEPS, micro=2)
         compare(engine.full_state_dict(), reference("sgd", world, STEPS, clip=0.05, micro=2),
                 f"stage {stage} accumulation+clipping")
+
+
+def bf16_case(rank: int, world: int) -> None:
+    """bf16 compute and communication, fp32 master weights: close to fp32 training."""
+    for stage in (1, 3):
+        engine = engine_for(stage, "sgd", bf16={"enabled": True})
+        train(engine, rank, STEPS)
+        got = engine.full_state_dict()
+        assert all(v.dtype == torch.float32 for v in got.values())
+        compare(got, reference("sgd", world, STEPS), f"stage {stage} bf16", atol=1e-2)
+
+
+def swapped_case(rank: int, world: int) -> None:
+    engine = initialize(Swapped(), {"zero_optimization": {"stage": 3}, "optimizer": OPT["adamw"]})
+    train(engine, rank, STEPS)
+    got = {Swapped.RENAME[k.split(".")[0]] + "." + k.split(".")[1]: v for k, v in engine.full_state_dict().items()}
+    compare(got, reference("adamw", world, STEPS), "stage 3 modules registered out of order")
 
 
 def checkpoint_case(rank: int, world: int, directory: str) -> None:
@@ -190,6 +222,9 @@ def main() -> int:
     which = sys.argv[1:] or ["zero", "checkpoint", "memory", "nonfinite", "ddp"]
     if "zero" in which:
         zero_cases(rank, world)
+    if "zero" in which:
+        swapped_case(rank, world)
+        bf16_case(rank, world)
     if "checkpoint" in which:
         directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
         checkpoint_case(rank, world, directory)
