@@ -139,6 +139,23 @@ def checkpoint_case(rank: int, world: int, directory: str) -> None:
     resumed.backward(nn.functional.mse_loss(resumed(x), y))
     resumed.step()
     compare(resumed.full_state_dict(), reference("adamw", world, 3), "checkpoint stage 2 -> stage 3")
+    for stage in (1, 3):  # same world size and stage: bit-exact continuation, file or state_dict
+        straight = engine_for(stage, "lamb")
+        train(straight, rank, 3)
+        first = engine_for(stage, "lamb")
+        train(first, rank, 2)
+        first.save_checkpoint(f"{directory}-s{stage}")
+        state = first.state_dict()
+        for how in ("file", "state_dict"):
+            again = engine_for(stage, "lamb")
+            if how == "file":
+                again.load_checkpoint(f"{directory}-s{stage}")
+            else:
+                again.load_state_dict(state)
+            x, y = data(rank, 2)
+            again.backward(nn.functional.mse_loss(again(x), y))
+            again.step()
+            compare(again.full_state_dict(), straight.full_state_dict(), f"resume stage {stage} from {how}", atol=0)
 
 
 def reshard_case(rank: int, world: int, directory: str) -> None:
