@@ -32,6 +32,8 @@ class LaunchResult:
     failed_rank: int | None
     tails: dict[int, list[str]]
     """The last lines each rank printed (for error reports)."""
+    pids: list[int] = dataclasses.field(default_factory=list)
+    """Every process this launch started (ranks, then servers); all have exited by now."""
 
     def describe(self) -> str:
         if self.failed_rank is None:
@@ -100,12 +102,15 @@ def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: thread
 
 def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,
            timeout_s: float | None = None, env: dict | None = None, prefix: bool = True,
-           port: int | None = None, servers: int = 0, server_args: Sequence[str] = ()) -> LaunchResult:
+           port: int | None = None, servers: int = 0, server_args: Sequence[str] = (),
+           stop_on_failure: bool = True) -> LaunchResult:
     """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
 
     With ``servers`` > 0, that many parameter-server shards (``python -m servers.ps``) start
     first on free loopback ports, every process gets their addresses (COMMRT_PS_SERVERS), and
     they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
+    ``stop_on_failure=False`` lets the other ranks run on after one fails (fault-injection tests
+    watch how they notice); the first failure is still reported.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -128,6 +133,9 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
             procs.append(p)
             pumps.append(t)
         code, failed = _watch(procs, timeout_s, services)
+        if failed is not None and failed >= 0 and not stop_on_failure:
+            if _watch(procs, timeout_s, services, until_all=True)[0] == 124:
+                code, failed = 124, None  # the others never finished
     except BaseException:  # KeyboardInterrupt included: never leave ranks behind
         _stop_all(procs + services)
         raise
@@ -138,13 +146,14 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
         t.join(2.0)
     if failed is not None and failed < 0:
         tails[failed] = stails[-1 - failed]
-    return LaunchResult(code, failed, {r: list(t) for r, t in tails.items()})
+    return LaunchResult(code, failed, {r: list(t) for r, t in tails.items()},
+                        [p.pid for p in procs + services])
 
 
 def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
-           services: Sequence[subprocess.Popen] = ()) -> tuple[int, int | None]:
-    """Wait for the ranks; a failed rank (or a service that exits early) ends the wait.
-    Services are reported as rank -1 - index."""
+           services: Sequence[subprocess.Popen] = (), until_all: bool = False) -> tuple[int, int | None]:
+    """Wait for the ranks; a failed rank (or a service that exits early) ends the wait, unless
+    ``until_all``. Services are reported as rank -1 - index."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = False
@@ -152,7 +161,7 @@ def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
             rc = p.poll()
             if rc is None:
                 pending = True
-            elif rc != 0:
+            elif rc != 0 and not until_all:
                 return (128 - rc if rc < 0 else rc), rank
         if not pending:
             return 0, None

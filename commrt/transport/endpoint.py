@@ -13,6 +13,7 @@ import time
 from typing import NamedTuple
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import PeerLost, ProtocolError
 from ..wire import P2P, Header, decode_header, encode_header
@@ -47,6 +48,13 @@ class Endpoint:
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.dropped = 0  # malformed messages discarded (see ProtocolError handling)
+        # liveness: a monitor on each outgoing connection reports when a peer's connection drops
+        # (its process died, or it stopped answering ZMTP heartbeats: SIGSTOP, a hung host)
+        self._monitors: dict[zmq.Socket, int] = {}
+        self.down: dict[int, float] = {}  # peer -> when its connection dropped
+        self._grace_s = heartbeat_s
+        self._poller = zmq.Poller()
+        self._poller.register(self.inbound, zmq.POLLIN)
 
     def _tune(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -65,8 +73,23 @@ class Endpoint:
             self._tune(sock)
             sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
             sock.setsockopt(zmq.IMMEDIATE, 0)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._monitors[mon] = peer
+            self._poller.register(mon, zmq.POLLIN)
             sock.connect(addr)
             self._out[peer] = sock
+
+    def _watch_peers(self) -> None:
+        for mon, peer in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.down.setdefault(peer, time.monotonic())
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.down.pop(peer, None)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, dst: int, header: Header, payload, op: str = "?") -> None:
@@ -107,20 +130,45 @@ class Endpoint:
         stash = self._stash.get(key)
         if stash:
             return stash.popleft()
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         while True:
             msg = self._read(zmq.NOBLOCK)
             if msg is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerLost(src, op, seq, f"no message within {self.timeout_s:g}s")
-                self.inbound.poll(max(1, int(remaining * 1000) + 1))
+                self._watch_peers()
+                now = time.monotonic()
+                if src in self.down and now - self.down[src] > self._grace_s:
+                    raise self._lost(src, op, seq, now)
+                if now >= deadline:
+                    raise self._timeout(src, op, seq, limit)
+                wake = deadline if src not in self.down else min(deadline, self.down[src] + self._grace_s)
+                self._poller.poll(max(1, int((wake - now) * 1000) + 1))
                 continue
             h = msg.header
             got = (h.src, h.op if h.kind == P2P else -1)
             if got == key:
                 return msg
             self._stash[got].append(msg)
+
+    def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
+        """``src`` is gone. If another peer dropped shortly before, that one went first and
+        ``src`` most likely gave up because of it (a survivor that raised and exited): name it."""
+        recent = {p: t for p, t in self.down.items() if now - t <= self.timeout_s}
+        first = min(recent, key=recent.get) if recent else src
+        why = "process ended, or stopped answering heartbeats"
+        if first == src:
+            return PeerLost(src, op, seq, f"connection lost {now - self.down[src]:.2f}s ago ({why})")
+        return PeerLost(first, op, seq, f"connection lost {now - self.down[first]:.2f}s ago ({why}); "
+                        f"rank {src}, which this rank was waiting on, dropped after it")
+
+    def _timeout(self, src: int, op: str, seq: int, limit: float) -> PeerLost:
+        """Nothing from ``src`` in time: if another peer's connection dropped, that rank is the
+        likelier culprit (we wait on a neighbour that waits on it), so name it."""
+        gone = sorted(self.down, key=self.down.get)
+        if gone:
+            return PeerLost(gone[0], op, seq, f"no message from rank {src} within {limit:g}s, and rank "
+                            f"{gone[0]}'s connection was lost {time.monotonic() - self.down[gone[0]]:.2f}s ago")
+        return PeerLost(src, op, seq, f"no message within {limit:g}s")
 
     def _read(self, flags: int) -> Message | None:
         try:
@@ -140,6 +188,9 @@ class Endpoint:
         return Message(header, frames[1])
 
     def close(self) -> None:
+        for mon in self._monitors:
+            mon.close(linger=0)
+        self._monitors.clear()
         for sock in self._out.values():
             sock.close(linger=0)
         self.inbound.close(linger=0)

@@ -11,13 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_ranks(nproc: int, program: str, *args: str, timeout_s: float = 90.0,
-              env: dict | None = None, expect_fail: bool = False, servers: int = 0):
+              env: dict | None = None, expect_fail: bool = False, servers: int = 0,
+              stop_on_failure: bool = True):
     """Run ``python -m tests.multirank.programs.<program> args`` as ``nproc`` ranks."""
     out = io.StringIO()
     full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "COMMRT_COMM_TIMEOUT_S": os.environ.get("COMMRT_COMM_TIMEOUT_S", "30"), **(env or {})}
     cmd = [sys.executable, "-m", f"tests.multirank.programs.{program}", *args]
-    result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env, servers=servers)
+    result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env, servers=servers,
+                    stop_on_failure=stop_on_failure)
     text = out.getvalue()
     if result.returncode == 124:
         raise AssertionError(f"{program} x{nproc} timed out after {timeout_s}s; output:\n{text[-6000:]}")

@@ -32,8 +32,8 @@ def test_dead_peer_is_named():
     _, out = run_ranks(3, "failures", "dead", env=ENV, timeout_s=40)
     errors = caught(out)
     assert len(errors) == 2 and all(k == "PeerLost" for k, _ in errors), out
-    # the survivors wait on different peers; at least one names the dead rank 2 directly
-    assert any("rank 2" in m for _, m in errors), out
+    # the survivors wait on different peers, but every one names the dead rank 2
+    assert all("lost peer rank 2" in m for _, m in errors), out
     for seconds in re.findall(r"detected after ([\d.]+)s", out):
         assert float(seconds) < 3 + 2, out
 

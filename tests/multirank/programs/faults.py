@@ -1,0 +1,56 @@
+"""One rank dies (or freezes) in the middle of a large all_reduce; every survivor must raise
+PeerLost naming it, the op and the sequence number, within timeout + 2 s.
+
+    faults MODE   with MODE in exit0 | exit1 | abort | sigkill | sigterm | sigstop
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import commrt
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+VICTIM = 1
+
+
+def die(mode: str) -> None:
+    if mode == "exit0":
+        os._exit(0)
+    if mode == "exit1":
+        os._exit(1)
+    if mode == "abort":
+        os.abort()
+    if mode == "sigstop":  # frozen: the sockets stay open; someone wakes us long after
+        subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    os.kill(os.getpid(), {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}[mode])
+    time.sleep(10)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    commrt.init_process_group()
+    commrt.all_reduce(torch.ones(10))  # seq 2 (the init barrier was seq 1)
+    big = torch.ones(16 << 20)  # 64 MiB: several seconds of ring traffic on this machine
+    if RANK == VICTIM:
+        commrt.all_reduce(big, async_op=True)
+        time.sleep(0.05)
+        die(mode)
+    started = time.monotonic()
+    try:
+        commrt.all_reduce(big)
+        print("NOT CAUGHT: the collective completed without the victim", flush=True)
+    except commrt.PeerLost as exc:
+        print(f"CAUGHT PeerLost: {exc} (detected after {time.monotonic() - started:.2f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
