@@ -41,6 +41,7 @@ class Runtime:
     owns_store: bool = True
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
+    guard: security.Guard | None = None
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -57,14 +58,14 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     return "nccl", f"CUDA with {gpus} GPUs for {local_world_size} local ranks"
 
 
-def open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float):
+def open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float, guard=None):
     """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
         return TorchStore(tstore), None
-    server = StoreServer(zctx, spec.host, spec.port) if spec.rank == 0 else None
-    return StoreClient(zctx, spec.host, spec.port, timeout_s), server
+    server = StoreServer(zctx, spec.host, spec.port, guard) if spec.rank == 0 else None
+    return StoreClient(zctx, spec.host, spec.port, timeout_s, guard), server
 
 
 def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
@@ -77,12 +78,13 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     timeout = cfg.comm.timeout_s
     security.check_bind(cfg, [cfg.cluster.bind_host] + ([spec.host] if spec.rank == 0 else []))
     zctx = zmq.Context()
+    guard = security.Guard(zctx, cfg, f"rank{spec.rank}")  # before any socket binds
     owns_store = store is None
-    store, server = open_store(zctx, spec, timeout) if owns_store else store
+    store, server = open_store(zctx, spec, timeout, guard) if owns_store else store
     try:
         hello = {"config": cfg.digest(), "backend": name}
         if name == "zmq":
-            backend = ZmqBackend(zctx, cfg, spec.rank, spec.world_size, group_id=0)
+            backend = ZmqBackend(zctx, cfg, spec.rank, spec.world_size, 0, guard)
             table = rendezvous.exchange(store, spec.rank, spec.world_size,
                                         {**hello, "addr": backend.addresses}, timeout, namespace)
             backend.connect([peer["addr"] for peer in table])
@@ -97,10 +99,11 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             if server is not None:
                 server.close(linger_s=1.0)
             store.close()
+        guard.close()
         zctx.destroy(linger=0)
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, zctx, store, server, owns_store)
+    return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard)
 
 
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
@@ -137,7 +140,8 @@ def new_group(rt: Runtime, ranks: list[int]):
         backend = None
         mine = torch.zeros(ADDR_BYTES, dtype=torch.uint8)
         if me in members:
-            backend = ZmqBackend(rt.zctx, rt.config, members.index(me), len(members), gid)
+            backend = ZmqBackend(rt.zctx, rt.config, members.index(me), len(members), gid, rt.guard,
+                                 list(members))
             packed = msgpack.packb(backend.addresses)
             mine[:len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
         table = torch.empty(ADDR_BYTES * world.size(), dtype=torch.uint8)
@@ -167,4 +171,6 @@ def shutdown(rt: Runtime, keep_store: bool = False) -> None:
         rt.store.close()
         if rt.store_server is not None:
             rt.store_server.close()
+    if rt.guard is not None:
+        rt.guard.close()
     rt.zctx.destroy(linger=0)

@@ -1,4 +1,4 @@
-"""The ``commrt`` command: launch, bench, config, server, server-status."""
+"""The ``commrt`` command: launch, bench, config, server, server-status, keygen."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +16,9 @@ def _launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
+    env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
     result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
-                             servers=args.servers)
+                             servers=args.servers, env=env)
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
@@ -77,6 +78,16 @@ def _bench_rank(spec, args) -> int:
     return 1 if wrong else 0
 
 
+def _keygen(args) -> int:
+    from .security import keygen
+    names = [f"rank{r}" for r in range(args.ranks)] + [f"server{i}" for i in range(args.servers)]
+    keygen(args.directory, names)
+    print(f"wrote {len(names)} key pairs (mode 0600) and allow.txt to {args.directory}; give every "
+          f"process [security] mode = 'curve', keys_dir = '{args.directory}' (each reads only its own "
+          ".key file: copy rank<r>.key to rank r's host only)")
+    return 0
+
+
 def _server_status(args) -> int:
     import json
 
@@ -116,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     lp.add_argument("--servers", type=int, default=0,
                     help="also start this many parameter-server shards (COMMRT_PS_SERVERS is set)")
+    lp.add_argument("--curve", action="store_true",
+                    help="authenticate every socket with CURVE, with throw-away keys for this job")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     lp.set_defaults(fn=_launch)
 
@@ -137,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp.set_defaults(fn=_bench)
 
     sub.add_parser("server", help="run one parameter-server shard: --config F --index I [--resume]")
+    kp = sub.add_parser("keygen", help="write CURVE key pairs and the allow-list for a job")
+    kp.add_argument("directory")
+    kp.add_argument("-n", "--ranks", type=int, required=True, help="key pairs rank0..rank{n-1}")
+    kp.add_argument("-s", "--servers", type=int, default=0, help="key pairs server0..server{s-1}")
+    kp.set_defaults(fn=_keygen)
     tp = sub.add_parser("server-status", help="print every parameter server's counters as JSON")
     tp.add_argument("--config")
     tp.set_defaults(fn=_server_status)

@@ -91,7 +91,11 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     mode: str = "none"
-    """Peer authentication on the data plane: none | curve."""
+    """Peer authentication on every TCP socket: none | curve (ZeroMQ CURVE: each process holds
+    a key pair, only keys on the job's allow-list get in, and a rank is bound to its key)."""
+    keys_dir: str = ""
+    """For curve: the directory ``commrt keygen`` wrote (allow.txt and one .key per process).
+    ``commrt launch`` makes a throw-away one for its job when this is empty."""
     allow_insecure: bool = False
     """Permit binding a non-loopback interface without authentication (logged loudly)."""
 

@@ -6,12 +6,14 @@ group so that its children go with it).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -116,7 +118,30 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     out = out or sys.stdout
     port = port or free_port()
-    base = server_env(servers, nproc, env) if servers else env
+    base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
+    with _job_keys(base, config, nproc, servers):
+        return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
+                    stop_on_failure)
+
+
+@contextlib.contextmanager
+def _job_keys(env: dict, config: str | None, nproc: int, servers: int):
+    """Under [security] mode = 'curve' without a keys_dir: a throw-away key set for this job
+    (one key pair per rank and server, deleted afterwards)."""
+    from .config import load_config
+    from .security import keygen
+    cfg = load_config(config, environ=env)
+    if cfg.security.mode != "curve" or cfg.security.keys_dir:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="commrt-keys-") as directory:
+        keygen(directory, [f"rank{r}" for r in range(nproc)] + [f"server{i}" for i in range(servers)])
+        env["COMMRT_SECURITY_KEYS_DIR"] = directory
+        yield
+
+
+def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
+         stop_on_failure) -> LaunchResult:
     lock = threading.Lock()
     tails = {r: deque(maxlen=200) for r in range(nproc)}
     stails = {i: deque(maxlen=200) for i in range(servers)}

@@ -44,10 +44,12 @@ def _decode_request(buf: bytes) -> list:
 class StoreServer:
     """Serves the store from a background thread until ``close()``."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int):
+    def __init__(self, ctx: zmq.Context, host: str, port: int, guard=None):
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_VALUE + 4096)
+        if guard is not None:
+            guard.server(self._sock)
         try:
             self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
@@ -103,11 +105,13 @@ class StoreServer:
 
 
 class StoreClient:
-    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float, guard=None):
         self.where = f"{host}:{port}"
         self.timeout_s = timeout_s
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if guard is not None:
+            guard.client(self._sock, "rank0")
         self._sock.connect(f"tcp://{host}:{port}")
         self._lock = threading.Lock()
 

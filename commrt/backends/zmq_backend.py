@@ -22,11 +22,14 @@ from .base import check_same_dtype, flat_view, split_bounds
 class ZmqBackend:
     name = "zmq"
 
-    def __init__(self, zctx: zmq.Context, cfg: Config, rank: int, size: int, group_id: int):
+    def __init__(self, zctx: zmq.Context, cfg: Config, rank: int, size: int, group_id: int,
+                 guard=None, members: list[int] | None = None):
+        """``members``: the global rank of each group rank (the names their keys carry)."""
         self.rank, self.size, self.group_id, self.cfg = rank, size, group_id, cfg
         c, cl = cfg.comm, cfg.cluster
+        names = [f"rank{g}" for g in (members if members is not None else range(size))]
         make = lambda: Endpoint(zctx, rank, cl.bind_host, cl.advertise_host, c.max_frame_bytes,
-                                c.heartbeat_s, c.timeout_s)
+                                c.heartbeat_s, c.timeout_s, guard, names)
         self._coll, self._p2p = make(), make()
         self._exec = Executor(f"group{group_id}")
         self._send_exec = Executor(f"group{group_id}-send")

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import zmq
 
-from .. import bootstrap, rendezvous
+from .. import bootstrap, security, rendezvous
 from ..collectives.reduce_ops import ReduceOp, parse_op
 from ..config import load_config
 from ..dtypes import parse_dtype
@@ -153,7 +153,8 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     dtype, op = parse_dtype(spec.dtype), parse_op(spec.op)
     zctx = zmq.Context()
     cfg = load_config()
-    store, server = bootstrap.open_store(zctx, rdzv, cfg.comm.timeout_s)
+    guard = security.Guard(zctx, cfg, f"rank{rdzv.rank}")
+    store, server = bootstrap.open_store(zctx, rdzv, cfg.comm.timeout_s, guard)
     runtimes = {}
     try:
         for name in spec.backends:
@@ -182,4 +183,5 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
         store.close()
         if server is not None:
             server.close()
+        guard.close()
         zctx.destroy(linger=0)

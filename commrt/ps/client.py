@@ -21,6 +21,7 @@ import zmq
 from ..config import Config, load_config
 from ..dtypes import as_tensor, code_of
 from ..errors import ConfigError, PeerLost, ProtocolError, RequestRejected
+from ..security import Guard
 from ..work import Executor, Work
 from . import protocol as P
 from .partition import Segment, TensorSpec, partition
@@ -50,14 +51,16 @@ class PSClient:
         self._local: list[list[int]] = []  # per server: global segment index of each local id
         self._ids = itertools.count(1)
         self._exec = Executor(f"ps-worker{worker}")
-        self.ctx = zmq.Context.instance()
-        self._socks = [self._connect(addr) for addr in ps.servers]
+        self.ctx = zmq.Context()
+        self.guard = Guard(self.ctx, self.cfg, f"rank{worker}")
+        self._socks = [self._connect(addr, f"server{k}") for k, addr in enumerate(ps.servers)]
         self._poller = zmq.Poller()
         for s in self._socks:
             self._poller.register(s, zmq.POLLIN)
 
-    def _connect(self, addr: str) -> zmq.Socket:
+    def _connect(self, addr: str, name: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
+        self.guard.client(sock, name)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.ps.max_segment_bytes + (4 << 20))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -117,6 +120,8 @@ class PSClient:
         self._exec.close()
         for s in self._socks:
             s.close(linger=0)
+        self.guard.close()
+        self.ctx.term()
 
     # -- requests ---------------------------------------------------------------------------
     def _selected(self, tensors: Tensors) -> dict[int, list[tuple[int, int]]]:

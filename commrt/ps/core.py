@@ -96,7 +96,9 @@ class ServerCore:
             self.wal.append(meta, [a.numpy() for a in arrays], [self.state.segs[i].dtype for i in meta.get("ids", [])])
 
     # -- entry points -----------------------------------------------------------------------
-    def handle(self, ident: bytes, frames: list, now: float) -> list[Reply]:
+    def handle(self, ident: bytes, frames: list, now: float, peer: str | None = None) -> list[Reply]:
+        """``peer``: the authenticated key name of the sender (CURVE), checked against the
+        worker id the request claims; None without authentication."""
         self.counters["bytes_in"] += sum(len(f) for f in frames)
         try:
             req = P.decode_request(frames[0])
@@ -105,6 +107,8 @@ class ServerCore:
             log.warning("server %d: dropped a malformed request: %s", self.index, exc)
             return []
         try:
+            if peer is not None and req.op != P.STATS and peer != f"rank{req.worker}":
+                raise ProtocolError(f"request claims worker {req.worker} but comes with {peer}'s key")
             out = self._dispatch(ident, req, frames[1:], now)
         except ProtocolError as exc:
             self.counters["rejected"] += 1

@@ -15,7 +15,7 @@ import zmq
 from .. import optim
 from ..config import Config
 from ..errors import ConfigError
-from ..security import check_bind
+from ..security import Guard, check_bind
 from .core import ServerCore
 from .state import ShardState
 
@@ -54,8 +54,10 @@ class Server:
             raise ConfigError(f"server {index} has a checkpoint in '{ps.checkpoint_dir}': pass --resume "
                               "to continue from it, or remove it to start afresh")
         self._stop = threading.Event()
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()
+        self.guard = Guard(self.ctx, cfg, f"server{index}")  # before the bind
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.guard.server(self.sock)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, ps.max_segment_bytes + (4 << 20))
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.comm.heartbeat_s * 1000))
@@ -85,13 +87,15 @@ class Server:
                             break
                         if len(frames) >= 2:
                             replies += self.core.handle(frames[0].bytes, [f.buffer for f in frames[1:]],
-                                                        time.monotonic())
+                                                        time.monotonic(), self.guard.peer_of(frames[1]))
                 replies += self.core.tick(time.monotonic())
                 for ident, out in replies:
                     self.sock.send_multipart([ident, *out], copy=len(out) == 1)
         finally:
             self.core.checkpoint()
             self.sock.close()
+            self.guard.close()
+            self.ctx.term()
 
 
 def install_signal_handlers(server: Server) -> None:

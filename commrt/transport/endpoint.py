@@ -33,8 +33,11 @@ class Endpoint:
     """Sockets of one rank in one group. ``op``/``seq`` only label errors."""
 
     def __init__(self, ctx: zmq.Context, rank: int, bind_host: str, advertise_host: str,
-                 max_frame_bytes: int, heartbeat_s: float, timeout_s: float):
+                 max_frame_bytes: int, heartbeat_s: float, timeout_s: float, guard=None,
+                 names: list[str] | None = None):
         self.rank = rank
+        self.guard = guard  # security.Guard: CURVE keys and the sender check (None: plaintext)
+        self.names = names or []  # group rank -> the key name that rank must send with
         self.timeout_s = timeout_s
         self._ctx = ctx
         self._max_frame = max_frame_bytes
@@ -42,6 +45,8 @@ class Endpoint:
         self.inbound = ctx.socket(zmq.PULL)
         self._tune(self.inbound)
         self.inbound.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if guard is not None:
+            guard.server(self.inbound)
         port = self.inbound.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{advertise_host or bind_host}:{port}"
         self._out: dict[int, zmq.Socket] = {}
@@ -73,6 +78,8 @@ class Endpoint:
             self._tune(sock)
             sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
             sock.setsockopt(zmq.IMMEDIATE, 0)
+            if self.guard is not None:
+                self.guard.client(sock, self.names[peer])
             mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._monitors[mon] = peer
             self._poller.register(mon, zmq.POLLIN)
@@ -181,6 +188,11 @@ class Endpoint:
             header = decode_header(frames[0].bytes)
             if header.nbytes != len(frames[1]):
                 raise ProtocolError(f"header says {header.nbytes} payload bytes, frame has {len(frames[1])}")
+            if self.guard is not None and self.guard.active:
+                sender = self.guard.peer_of(frames[0])
+                claimed = self.names[header.src] if header.src < len(self.names) else f"rank index {header.src}"
+                if sender != claimed:
+                    raise ProtocolError(f"a message claiming to be from {claimed} came over {sender}'s key")
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("rank %d dropped a malformed message (%d so far): %s", self.rank, self.dropped, exc)
