@@ -50,6 +50,7 @@ class Endpoint:
         port = self.inbound.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{advertise_host or bind_host}:{port}"
         self._out: dict[int, zmq.Socket] = {}
+        self.peer_addresses: dict[int, str] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.dropped = 0  # malformed messages discarded (see ProtocolError handling)
@@ -71,6 +72,7 @@ class Endpoint:
 
     def connect(self, addresses: dict[int, str]) -> None:
         """Open a PUSH socket to every other member (peers are keyed by group rank)."""
+        self.peer_addresses = dict(addresses)
         for peer, addr in addresses.items():
             if peer == self.rank or peer in self._out:
                 continue

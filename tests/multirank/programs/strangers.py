@@ -1,0 +1,85 @@
+"""Strangers knock on rank 1's data socket just before a collective, each with a message forged to
+look like rank 0's part of it; under CURVE none may get in, and the collective must still give
+the exact answer. Run with [security] mode = "curve" at 3 ranks.
+
+    strangers KIND   with KIND in plaintext | unknown_key | raw_tcp | silent_tcp | other_rank
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+import zmq
+
+import commrt
+from commrt.collectives.context import Coll
+from commrt.wire import COLL, Header, encode_header
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+COUNT = 8
+
+
+def forged(backend) -> list[bytes]:
+    h = Header(COLL, 0, backend._seq + 1, 0, int(Coll.ALL_REDUCE), 1, COUNT, 0, COUNT * 4)
+    return [encode_header(h), np.full(COUNT, 1e6, dtype=np.float32).tobytes()]
+
+
+def knock(kind: str, backend) -> list:
+    """Returns what must stay open until the collective is over."""
+    ep = backend._coll
+    addr = ep.peer_addresses[1]
+    host, port = addr[len("tcp://"):].rsplit(":", 1)
+    keys = os.environ["COMMRT_SECURITY_KEYS_DIR"]
+    allow = dict(line.split() for line in open(os.path.join(keys, "allow.txt")))
+    ctx = zmq.Context.instance()
+    if kind in ("plaintext", "unknown_key", "other_rank"):
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == "unknown_key":
+            public, secret = zmq.curve_keypair()
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.curve_serverkey = allow["rank1"].encode()
+        elif kind == "other_rank":  # rank 2's genuine key, claiming to be rank 0
+            public, secret = open(os.path.join(keys, "rank2.key")).read().split()
+            sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
+            sock.curve_serverkey = allow["rank1"].encode()
+        sock.connect(addr)
+        sock.send_multipart(forged(backend))
+        return [sock]
+    raw = socket.create_connection((host, int(port)), timeout=5)
+    if kind == "raw_tcp":
+        raw.sendall(b"\xff" + os.urandom(64) + b"".join(forged(backend)))
+    return [raw]  # silent_tcp: connected, never says a word
+
+
+def main() -> int:
+    kind = sys.argv[1]
+    commrt.init_process_group()
+    backend = commrt.get_world_group().backend
+    commrt.all_reduce(torch.ones(COUNT))
+    held = []
+    attacker = 2 if kind == "other_rank" else 0
+    if RANK == attacker:
+        held = knock(kind, backend)
+    commrt.barrier()
+    time.sleep(0.5)  # let the forgery arrive (or be refused) before rank 1 reads for real
+    t = torch.full((COUNT,), float(RANK + 1))
+    commrt.all_reduce(t)
+    ok = torch.equal(t, torch.full((COUNT,), float(sum(range(1, WORLD + 1)))))
+    for _ in range(3):  # and the job goes on
+        u = torch.arange(COUNT, dtype=torch.float32)
+        commrt.all_reduce(u)
+        ok = ok and torch.equal(u, torch.arange(COUNT, dtype=torch.float32) * WORLD)
+    print(f"RESULT {'exact' if ok else 'WRONG'} dropped={backend._coll.dropped}", flush=True)
+    for h in held:
+        h.close()
+    commrt.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
