@@ -18,7 +18,7 @@ def _launch(args) -> int:
         raise SystemExit("commrt launch: give the command to run after --")
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
     result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
-                             servers=args.servers, env=env)
+                             servers=args.servers, env=env, max_restarts=args.max_restarts)
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     lp.add_argument("--servers", type=int, default=0,
                     help="also start this many parameter-server shards (COMMRT_PS_SERVERS is set)")
+    lp.add_argument("--max-restarts", type=int, default=0,
+                    help="after a failure, restart the whole group this many times (resume from your checkpoint)")
     lp.add_argument("--curve", action="store_true",
                     help="authenticate every socket with CURVE, with throw-away keys for this job")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")

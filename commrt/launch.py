@@ -36,6 +36,8 @@ class LaunchResult:
     """The last lines each rank printed (for error reports)."""
     pids: list[int] = dataclasses.field(default_factory=list)
     """Every process this launch started (ranks, then servers); all have exited by now."""
+    failures: list[str] = dataclasses.field(default_factory=list)
+    """One line per failed attempt that was followed by a restart (--max-restarts)."""
 
     def describe(self) -> str:
         if self.failed_rank is None:
@@ -105,7 +107,7 @@ def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: thread
 def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,
            timeout_s: float | None = None, env: dict | None = None, prefix: bool = True,
            port: int | None = None, servers: int = 0, server_args: Sequence[str] = (),
-           stop_on_failure: bool = True) -> LaunchResult:
+           stop_on_failure: bool = True, max_restarts: int = 0) -> LaunchResult:
     """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
 
     With ``servers`` > 0, that many parameter-server shards (``python -m servers.ps``) start
@@ -113,6 +115,9 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
     ``stop_on_failure=False`` lets the other ranks run on after one fails (fault-injection tests
     watch how they notice); the first failure is still reported.
+    ``max_restarts``: after a failure, stop every rank and start the whole group again, up to
+    this many times (the program resumes from its own checkpoint; TORCHELASTIC_RESTART_COUNT
+    and COMMRT_RESTART_COUNT tell it which attempt it is). Servers keep running throughout.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -121,7 +126,7 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
     with _job_keys(base, config, nproc, servers):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
-                    stop_on_failure)
+                    stop_on_failure, max_restarts)
 
 
 @contextlib.contextmanager
@@ -141,11 +146,10 @@ def _job_keys(env: dict, config: str | None, nproc: int, servers: int):
 
 
 def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
-         stop_on_failure) -> LaunchResult:
+         stop_on_failure, max_restarts) -> LaunchResult:
     lock = threading.Lock()
-    tails = {r: deque(maxlen=200) for r in range(nproc)}
     stails = {i: deque(maxlen=200) for i in range(servers)}
-    procs, services, pumps = [], [], []
+    services, pumps, pids, failures = [], [], [], []
     try:
         for i in range(servers):
             senv = rank_env(0, nproc, port, base, config)
@@ -153,26 +157,48 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
                           f"server {i}", out, lock, stails[i], prefix)
             services.append(p)
             pumps.append(t)
+        for attempt in range(max_restarts + 1):
+            env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
+            code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix,
+                                           port if attempt == 0 else free_port(), services, stop_on_failure,
+                                           lock, pumps, pids)
+            if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
+                break
+            note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "
+                    f"group ({attempt + 1}/{max_restarts})")
+            failures.append(note)
+            with lock:
+                out.write(f"[launch] {note}\n")
+                out.flush()
+    finally:
+        _stop_all(services)
+    for t in pumps:
+        t.join(2.0)
+    if failed is not None and failed < 0:
+        tails[failed] = list(stails[-1 - failed])
+    return LaunchResult(code, failed, tails, pids + [p.pid for p in services], failures)
+
+
+def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, stop_on_failure,
+             lock, pumps, pids) -> tuple[int, int | None, dict]:
+    tails = {r: deque(maxlen=200) for r in range(nproc)}
+    procs = []
+    try:
         for r in range(nproc):
-            p, t = _start(cmd, rank_env(r, nproc, port, base, config), f"rank {r}", out, lock, tails[r], prefix)
+            p, t = _start(cmd, rank_env(r, nproc, port, env, config), f"rank {r}", out, lock, tails[r], prefix)
             procs.append(p)
+            pids.append(p.pid)
             pumps.append(t)
         code, failed = _watch(procs, timeout_s, services)
         if failed is not None and failed >= 0 and not stop_on_failure:
             if _watch(procs, timeout_s, services, until_all=True)[0] == 124:
                 code, failed = 124, None  # the others never finished
     except BaseException:  # KeyboardInterrupt included: never leave ranks behind
-        _stop_all(procs + services)
+        _stop_all(procs)
         raise
     if failed is not None or code != 0:
         _stop_all(procs)
-    _stop_all(services)
-    for t in pumps:
-        t.join(2.0)
-    if failed is not None and failed < 0:
-        tails[failed] = stails[-1 - failed]
-    return LaunchResult(code, failed, {r: list(t) for r, t in tails.items()},
-                        [p.pid for p in procs + services])
+    return code, failed, {r: list(t) for r, t in tails.items()}
 
 
 def _watch(procs: list[subprocess.Popen], timeout_s: float | None,

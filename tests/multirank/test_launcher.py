@@ -67,3 +67,16 @@ def test_init_with_config_object_and_overrides():
     from tests.multirank.harness import run_ranks
     _, out = run_ranks(2, "config_object")
     assert out.count("ok") == 2
+
+
+def test_max_restarts_resumes_the_group_from_its_checkpoint(tmp_path):
+    out = io.StringIO()
+    env = {**os.environ, "PYTHONPATH": ROOT, "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "5"}
+    result = launch(3, [sys.executable, "-m", "tests.multirank.programs.restart_job", str(tmp_path)],
+                    out=out, env=env, timeout_s=60, max_restarts=1)
+    text = out.getvalue()
+    assert result.returncode == 0, text
+    assert result.failures == ["rank 1 failed with exit code 3 (attempt 1); restarting the group (1/1)"], text
+    assert text.count("attempt 1 resumes at step 5") == 3, text
+    expected = sum(3 * step + 3 for step in range(10))  # sum over ranks of (step + rank)
+    assert text.count(f"FINAL {float(expected)}") == 3, text

@@ -221,3 +221,14 @@ def test_bench_ps_prints_a_checked_table_and_json(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["size"] for r in doc["rows"]] == [4096, 65536]
     assert all(r["ps_wrong"] == 0 and r["ps_time_us"] > 0 and r["allreduce_time_us"] > 0 for r in doc["rows"])
+
+
+def test_ps_under_curve_binds_workers_to_their_keys(tmp_path):
+    env = {**ps_env("sgd"), "COMMRT_SECURITY_MODE": "curve"}
+    run_job(tmp_path, 2, 2, env, str(STEPS))
+    ref = reference("sgd", 2, STEPS, **REF_HP["sgd"])
+    for w in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"params-{w}.npy", allow_pickle=False), ref, rtol=0, atol=1e-6)
+    _, out = run_ranks(1, "ps_probe", "--impersonate", env={**ps_env("sgd"), "COMMRT_SECURITY_MODE": "curve",
+                                                            "COMMRT_PS_WORKERS": "2"}, servers=1, timeout_s=40)
+    assert "PROBE OK" in out and "comes with rank0's key" in out, out

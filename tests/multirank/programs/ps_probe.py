@@ -16,6 +16,15 @@ def main() -> int:
     client = PSClient(load_config())
     params = {"w": torch.arange(10, dtype=torch.float32)}
     client.init(params)
+    if "--impersonate" in sys.argv:  # rank 0's key, a request in worker 1's name
+        client.worker = 1
+        try:
+            client._exchange(P.PULL, 0, {0: ([0], [])})
+            print("PROBE FAILED: a request in another worker's name was served", flush=True)
+            return 1
+        except RequestRejected as exc:
+            print(f"refused as expected: {exc}", flush=True)
+        client.worker = 0
     for body, frames in (([0], [b"\0" * 3]), ([7], [b"\0" * 40]), ([0, 0], [b"\0" * 40] * 2)):
         try:
             client._exchange(P.PUSH, 0, {0: (body, frames)})
@@ -29,6 +38,10 @@ def main() -> int:
         return 1
     except ValueError as exc:
         print(f"refused locally: {exc}", flush=True)
+    if "--impersonate" in sys.argv:
+        print("PROBE OK", flush=True)
+        client.close()
+        return 0
     client.push({"w": torch.ones(10)})
     client.pull(params)
     expected = torch.arange(10, dtype=torch.float32) - client.cfg.ps.lr
