@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # pyzmq copies frames below this size even when asked not to; above it, it sends our memory.
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
+# read ahead for other (peer, channel) pairs before we call it a flood rather than a fast peer
+MAX_STASHED, MAX_STASHED_BYTES = 1_000_000, 4 << 30
 
 
 class Message(NamedTuple):
@@ -51,6 +53,7 @@ class Endpoint:
         self.address = f"tcp://{advertise_host or bind_host}:{port}"
         self._out: dict[int, zmq.Socket] = {}
         self.peer_addresses: dict[int, str] = {}
+        self._stashed = self._stashed_bytes = 0
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.dropped = 0  # malformed messages discarded (see ProtocolError handling)
@@ -138,7 +141,10 @@ class Endpoint:
         key = (src, tag)
         stash = self._stash.get(key)
         if stash:
-            return stash.popleft()
+            msg = stash.popleft()
+            self._stashed -= 1
+            self._stashed_bytes -= msg.header.nbytes
+            return msg
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while True:
@@ -158,6 +164,14 @@ class Endpoint:
             if got == key:
                 return msg
             self._stash[got].append(msg)
+            self._stashed += 1
+            self._stashed_bytes += h.nbytes
+            if self._stashed > MAX_STASHED or self._stashed_bytes > MAX_STASHED_BYTES:
+                self._stash.clear()
+                self._stashed = self._stashed_bytes = 0
+                raise ProtocolError(f"rank {self.rank}: more than {MAX_STASHED} messages or "
+                                    f"{MAX_STASHED_BYTES >> 30} GiB arrived that no operation asked for "
+                                    f"(last from rank {h.src}); refusing to buffer more")
 
     def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
         """``src`` is gone. If another peer dropped shortly before, that one went first and
