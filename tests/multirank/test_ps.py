@@ -114,8 +114,9 @@ def test_async_and_ssp_converge_within_the_bound(mode, extra):
     result = launch(3, cmd, out=out, timeout_s=90, servers=2, env={**os.environ, **env})
     text = out.getvalue()
     assert result.returncode == 0, text[-4000:]
-    for first, last in re.findall(r"loss ([\d.]+) -> ([\d.]+)", text):
-        assert float(last) < 0.6 * float(first), text[-3000:]
+    finals = [float(last) for _, last in re.findall(r"loss ([\d.]+) -> ([\d.]+)", text)]
+    # from ln(8) = 2.08 at the start (a late worker's first loss is already lower in async)
+    assert len(finals) == 3 and sum(finals) / 3 < 1.0, text[-3000:]
     gaps = [int(g) for hist in re.findall(r"staleness (\{[^}]*\})", text)
             for g in re.findall(r"'(\d+)'", hist)]
     assert gaps, text[-3000:]
