@@ -51,6 +51,11 @@ class CommConfig:
     """Largest single frame a socket accepts (ZMQ_MAXMSGSIZE); must exceed chunk_bytes."""
     heartbeat_s: float = 1.0
     """ZMTP heartbeat interval: a peer silent for 3 intervals is declared lost."""
+    check_call_sites: bool = False
+    """Debug aid (like TORCH_DISTRIBUTED_DEBUG=DETAIL): each collective also carries a hash of
+    the source line that called it, so a rank that skipped a collective is caught even when the
+    next one looks the same. Off by default: correct programs may call one collective from
+    different lines on different ranks."""
 
     def __post_init__(self) -> None:
         _check_choice("comm", "backend", self.backend, BACKEND_NAMES)

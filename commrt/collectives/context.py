@@ -47,6 +47,7 @@ class OpContext:
     count: int
     piece_bytes: int
     small_bytes: int
+    site: int = 0  # hash of the calling source line (check_call_sites), 0 when not checked
     _sent: collections.Counter = field(default_factory=collections.Counter)
     _recvd: collections.Counter = field(default_factory=collections.Counter)
 
@@ -63,7 +64,7 @@ class OpContext:
         return self.coll.name.lower()
 
     def header(self, nbytes: int, step: int) -> Header:
-        return Header(COLL, self.group, self.seq, self.rank, int(self.coll),
+        return Header(COLL, self.group, self.seq, self.rank, int(self.coll) | self.site << 8,
                       dtypes.code_of(self.dtype), self.count, step, nbytes)
 
     def send(self, dst: int, data: torch.Tensor | None = None) -> None:
@@ -91,8 +92,12 @@ class OpContext:
 
     @staticmethod
     def _describe(h: Header) -> dict:
-        op = Coll(h.op).name.lower() if h.op in Coll._value2member_map_ else f"op{h.op}"
-        return {"seq": h.seq, "op": op, "dtype": dtypes.name_of(h.dtype), "count": h.count}
+        code, site = h.op & 0xFF, h.op >> 8
+        op = Coll(code).name.lower() if code in Coll._value2member_map_ else f"op{code}"
+        out = {"seq": h.seq, "op": op, "dtype": dtypes.name_of(h.dtype), "count": h.count}
+        if site:
+            out["call site"] = f"{site:06x}"
+        return out
 
     def flush(self) -> None:
         self.ep.flush(self.name, self.seq)

@@ -12,9 +12,11 @@ def caught(out: str) -> list[str]:
     return re.findall(r"CAUGHT (\w+): (.*)", out)
 
 
-@pytest.mark.parametrize("mode", ["dtype", "count", "op"])
+@pytest.mark.parametrize("mode", ["dtype", "count", "op", "skip"])
 def test_collective_mismatch(mode):
-    _, out = run_ranks(2, "failures", mode, env=ENV, timeout_s=40)
+    # a skipped collective followed by one that looks the same needs the call-site check
+    env = {**ENV, "COMMRT_COMM_CHECK_CALL_SITES": "1"} if mode == "skip" else ENV
+    _, out = run_ranks(2, "failures", mode, env=env, timeout_s=40)
     errors = caught(out)
     assert len(errors) == 2, out
     for kind, msg in errors:

@@ -35,6 +35,10 @@ def collective(mode: str) -> None:
         commrt.all_reduce(torch.ones(100, dtype=torch.float32 if RANK == 0 else torch.float64))
     elif mode == "count":
         commrt.all_reduce(torch.ones(100 + (RANK == 0)))
+    elif mode == "skip":  # rank 0 skips one all_reduce; the next ones must not pair up wrongly
+        if RANK != 0:
+            commrt.all_reduce(torch.ones(8))
+        commrt.all_reduce(torch.ones(8))
     elif mode == "op":
         if RANK == 0:
             commrt.all_reduce(torch.ones(8))
