@@ -21,7 +21,7 @@ from . import rendezvous, security
 from .backends.torch_backend import TorchBackend
 from .backends.zmq_backend import ZmqBackend
 from .config import Config
-from .errors import ConfigError
+from .errors import CommError, ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .store import StoreClient, StoreServer, TorchStore, wait_for
 
@@ -89,7 +89,10 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                                         {**hello, "addr": backend.addresses}, timeout, namespace)
             backend.connect([peer["addr"] for peer in table])
             backend.barrier()
-        elif name in ("gloo", "nccl"):
+        elif name == "nccl":
+            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
+            backend = _init_nccl(cfg, store, spec, timeout, namespace, zctx, guard)
+        elif name == "gloo":
             rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
             backend = _init_torch(name, store, spec, timeout, namespace)
         else:
@@ -104,6 +107,36 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
     return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard)
+
+
+def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
+               zctx: zmq.Context, guard):
+    """NCCL through torch, bootstrapped by our store. Every rank reports how its attempt went;
+    if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
+    an explicit ``nccl`` is an error naming the ranks and causes."""
+    try:
+        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace), b""
+    except Exception as exc:  # NCCL missing, no device, driver trouble: all become the cause
+        backend, outcome = None, f"{type(exc).__name__}: {exc}".encode()[:1000]
+    store.set(f"{namespace}nccl/{spec.rank}", outcome or b"ok")
+    keys = [f"{namespace}nccl/{r}" for r in range(spec.world_size)]
+    results = wait_for(store, keys, timeout_s, "NCCL initialisation")
+    failed = {r: v.decode(errors="replace") for r, v in enumerate(results) if v != b"ok"}
+    if not failed:
+        return backend
+    if backend is not None:
+        torch.distributed.destroy_process_group()
+    causes = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+    if cfg.comm.backend == "nccl":
+        raise CommError(f"backend 'nccl' was requested but NCCL initialisation failed ({causes})")
+    log.warning("rank %d: NCCL initialisation failed (%s); falling back to zmq", spec.rank, causes)
+    zcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend="zmq"))
+    fallback = ZmqBackend(zctx, zcfg, spec.rank, spec.world_size, 0, guard)
+    table = rendezvous.exchange(store, spec.rank, spec.world_size, {"config": cfg.digest(), "backend": "zmq",
+                                "addr": fallback.addresses}, timeout_s, namespace + "fallback/")
+    fallback.connect([peer["addr"] for peer in table])
+    fallback.barrier()
+    return fallback
 
 
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,

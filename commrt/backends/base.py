@@ -28,11 +28,15 @@ class Backend(Protocol):
 
 
 def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input."""
+    """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
+    A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""
     t = dtypes.as_tensor(obj)
     dtypes.code_of(t.dtype)
+    if t.device.type == "cuda":
+        from .staging import host_copy
+        return host_copy(t)
     if t.device.type != "cpu":
-        raise TypeError(f"{what} is on {t.device}; this backend takes CPU tensors")
+        raise TypeError(f"{what} is on {t.device}; this backend takes CPU or CUDA tensors")
     if t.is_contiguous():
         return t.reshape(-1), None
     flat = t.contiguous().reshape(-1)

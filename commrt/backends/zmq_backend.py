@@ -19,6 +19,9 @@ from ..transport import Endpoint
 from ..wire import P2P, Header
 from ..work import Executor, Work
 from .base import check_same_dtype, flat_view, split_bounds
+from .staging import Staged
+
+STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 
 
 def _call_site() -> int:
@@ -85,6 +88,11 @@ class ZmqBackend:
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        t = dtypes.as_tensor(tensor)
+        if t.is_cuda:  # pieces staged through pinned memory, copies overlapping the network
+            staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
+            return self._collective(Coll.ALL_REDUCE, t.dtype, t.numel(),
+                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)), async_op)
         flat, wb = flat_view(tensor)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
                                 lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb)

@@ -73,6 +73,11 @@ class Case:
     nbytes: int
 
 
+def device_of(be) -> torch.device:
+    """Where a backend's tensors live: NCCL works on this rank's GPU, the others on the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if be.name == "nccl" else torch.device("cpu")
+
+
 def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp) -> Case:
     n, r = be.size, be.rank
     item = dtype.itemsize
@@ -80,36 +85,38 @@ def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp) -> C
     if coll in ("reduce_scatter", "all_gather", "all_to_all"):
         count = max(n, count // n * n)
     m = count // n
-    pats = [pattern(count, k, dtype, op) for k in range(n)]
+    dev = device_of(be)
+    cpu_pats = [pattern(count, k, dtype, op) for k in range(n)]
+    pats = [p.to(dev) for p in cpu_pats]
     if coll == "all_reduce":
         buf = pats[r].clone()
         return Case(lambda: be.all_reduce(buf, op, False), lambda: buf.copy_(pats[r]), lambda: buf,
-                    reference(pats, op), count, count * item)
+                    reference(cpu_pats, op), count, count * item)
     if coll == "reduce_scatter":
-        out = torch.empty(m, dtype=dtype)
+        out = torch.empty(m, dtype=dtype, device=dev)
         return Case(lambda: be.reduce_scatter_tensor(out, pats[r], op, False), lambda: None, lambda: out,
-                    reference(pats, op)[r * m:(r + 1) * m], count, count * item)
+                    reference(cpu_pats, op)[r * m:(r + 1) * m], count, count * item)
     if coll == "all_gather":
-        out = torch.empty(count, dtype=dtype)
+        out = torch.empty(count, dtype=dtype, device=dev)
         mine = pats[r][:m].clone()
         return Case(lambda: be.all_gather_into_tensor(out, mine, False), lambda: None, lambda: out,
-                    torch.cat([p[:m] for p in pats]), count, count * item)
+                    torch.cat([p[:m] for p in cpu_pats]), count, count * item)
     if coll == "broadcast":
         buf = pats[r].clone()
         return Case(lambda: be.broadcast(buf, 0, False), lambda: buf.copy_(pats[r]), lambda: buf,
-                    pats[0], count, count * item)
+                    cpu_pats[0], count, count * item)
     if coll == "reduce":
         buf = pats[r].clone()
-        exp = reference(pats, op) if r == 0 else pats[r]
+        exp = reference(cpu_pats, op) if r == 0 else cpu_pats[r]
         return Case(lambda: be.reduce(buf, 0, op, False), lambda: buf.copy_(pats[r]), lambda: buf,
                     exp, count, count * item)
     if coll == "all_to_all":
-        out = torch.empty(count, dtype=dtype)
-        exp = torch.cat([pats[k][r * m:(r + 1) * m] for k in range(n)])
+        out = torch.empty(count, dtype=dtype, device=dev)
+        exp = torch.cat([cpu_pats[k][r * m:(r + 1) * m] for k in range(n)])
         return Case(lambda: be.all_to_all_single(out, pats[r], None, None, False), lambda: None,
                     lambda: out, exp, count, count * item)
     if coll == "sendrecv":
-        out = torch.empty(count, dtype=dtype)
+        out = torch.empty(count, dtype=dtype, device=dev)
         right, left = (r + 1) % n, (r - 1) % n
 
         def run():
@@ -119,12 +126,12 @@ def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp) -> C
             works = [be.isend(pats[r], right, 0), be.irecv(out, left, 0)]
             for w in works:
                 w.wait()
-        return Case(run, lambda: None, lambda: out, pats[left], count, count * item)
+        return Case(run, lambda: None, lambda: out, cpu_pats[left], count, count * item)
     raise ValueError(f"unknown collective '{coll}'; valid: {list(metrics.COLLECTIVES)}")
 
 
 def _slowest(be, seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=device_of(be))
     be.all_reduce(t, ReduceOp.MAX, False)
     return float(t[0])
 
@@ -134,13 +141,17 @@ def measure(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, iters:
     for _ in range(warmup):
         case.run()
     be.barrier(False)
+    sync = torch.cuda.synchronize if device_of(be).type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         case.run()
+    sync()  # NCCL returns before the GPU is done
     elapsed = _slowest(be, time.perf_counter() - start) / iters
     case.reset()
     case.run()
-    wrong = torch.tensor([metrics.count_wrong(case.check(), case.expected)], dtype=torch.int64)
+    wrong = torch.tensor([metrics.count_wrong(case.check().cpu(), case.expected)], dtype=torch.int64,
+                         device=device_of(be))
     be.all_reduce(wrong, ReduceOp.SUM, False)
     alg = metrics.algbw(case.nbytes, elapsed)
     return {"size": case.nbytes, "count": case.count, "time_us": elapsed * 1e6, "algbw": alg,

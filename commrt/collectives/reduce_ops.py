@@ -64,7 +64,12 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def finish_avg_(t: torch.Tensor, world_size: int) -> None:
     """Divide a SUM by the world size. Integer AVG floors, like ``sum // n`` (documented)."""
-    if t.dtype == torch.bfloat16:
+    if t.device.type != "cpu":  # CUDA (the NCCL adapter): on the device, in stream order
+        if t.is_floating_point():
+            t.div_(world_size)
+        else:
+            t.copy_(torch.div(t, world_size, rounding_mode="floor"))
+    elif t.dtype == torch.bfloat16:
         for s in range(0, t.numel(), _GRAIN):
             t[s:s + _GRAIN].div_(world_size)
     elif t.is_floating_point():
