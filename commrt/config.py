@@ -41,7 +41,7 @@ class CommConfig:
     CUDA is usable and every local rank has its own GPU, else ZMQ."""
     timeout_s: float = 300.0
     """Deadline for every blocking wait (a receive, a send that cannot drain, init)."""
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
     """Payloads are pipelined in pieces of at most this many bytes (pyzmq slows down on very
     large single messages, and small pieces let send, receive and reduce overlap)."""
     small_bytes: int = 64 << 10
