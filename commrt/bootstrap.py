@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 
 import msgpack
 import torch
@@ -194,12 +195,28 @@ def _unpack_addr(row: torch.Tensor) -> list[str]:
     return next(unpacker)
 
 
+def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
+    """Rank 0 hosts the stores torch's process group talks to: if it exits while another rank is
+    still tearing its group down, that rank can die in C++ (std::terminate). So rank 0 waits,
+    briefly, until every rank has finished its teardown."""
+    try:
+        rt.store.add("shutdown/done", 1)
+        if rt.world.rank != 0:
+            return
+        deadline = time.monotonic() + within_s
+        while rt.store.add("shutdown/done", 0) < rt.world.size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except CommError as exc:  # a peer already gone: nothing left to wait for
+        log.warning("rank %d: shutdown handshake skipped: %s", rt.world.rank, exc)
+
+
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:
     for group in rt.groups:
         group.backend.close()
     rt.world.backend.close()
     if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        _leave_together(rt)
     if rt.owns_store and not keep_store:
         rt.store.close()
         if rt.store_server is not None:

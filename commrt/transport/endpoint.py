@@ -146,7 +146,7 @@ class Endpoint:
             self._stashed_bytes -= msg.header.nbytes
             return msg
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
+        deadline, extended = time.monotonic() + limit, False
         while True:
             msg = self._read(zmq.NOBLOCK)
             if msg is None:
@@ -155,6 +155,11 @@ class Endpoint:
                 if src in self.down and now - self.down[src] > self._grace_s:
                     raise self._lost(src, op, seq, now)
                 if now >= deadline:
+                    if not self.down and not extended:
+                        # nothing dropped yet: give the heartbeats time to name a frozen peer
+                        # (3 missed intervals, then the grace) before blaming whoever we wait on
+                        deadline, extended = now + 4 * self._grace_s, True
+                        continue
                     raise self._timeout(src, op, seq, limit)
                 wake = deadline if src not in self.down else min(deadline, self.down[src] + self._grace_s)
                 self._poller.poll(max(1, int((wake - now) * 1000) + 1))

@@ -1,5 +1,6 @@
 """Fault injection: a rank dies or freezes mid-collective; survivors name it within the bound,
-and no process is left behind. Settings as the issue asks: op timeout 1 s, heartbeat 0.2 s."""
+and no process is left behind. Settings as the issue asks: op timeout 1 s, heartbeat 0.2 s.
+(A silent peer is given 4 heartbeats past the op timeout to be recognised as frozen.)"""
 import os
 import re
 

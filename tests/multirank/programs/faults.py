@@ -38,10 +38,10 @@ def main() -> int:
     mode = sys.argv[1]
     commrt.init_process_group()
     commrt.all_reduce(torch.ones(10))  # seq 2 (the init barrier was seq 1)
-    big = torch.ones(16 << 20)  # 64 MiB: several seconds of ring traffic on this machine
+    big = torch.ones(64 << 20)  # 256 MiB: well over 0.1 s of ring traffic even on a quiet machine
     if RANK == VICTIM:
         commrt.all_reduce(big, async_op=True)
-        time.sleep(0.05)
+        time.sleep(0.01)
         die(mode)
     started = time.monotonic()
     try:
