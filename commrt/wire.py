@@ -25,6 +25,7 @@ _INT_MAX = 1 << 62
 # message kinds
 COLL = 0  # part of a collective
 P2P = 1  # point-to-point send/recv
+ABORT = 2  # "I am giving up because rank <op> is lost" (empty payload), so every survivor names it
 
 
 class Header(NamedTuple):
@@ -68,6 +69,6 @@ def decode_header(buf: bytes | memoryview) -> Header:
     if fields[0] != VERSION:
         raise ProtocolError(f"wire version {fields[0]} received, this build speaks {VERSION}")
     h = Header(*fields[1:])
-    if h.kind not in (COLL, P2P):
+    if h.kind not in (COLL, P2P, ABORT):
         raise ProtocolError(f"unknown message kind {h.kind}")
     return h

@@ -78,6 +78,8 @@ class ZmqBackend:
             except (PeerLost, CollectiveMismatch) as exc:
                 # the stream is now out of step with the peers: no later op could be trusted
                 self._broken = exc
+                if isinstance(exc, PeerLost):
+                    self._coll.tell_peers_lost(exc.rank, self.group_id, ctx.seq)
                 raise
             if writeback is not None:
                 writeback()

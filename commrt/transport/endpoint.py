@@ -16,7 +16,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import PeerLost, ProtocolError
-from ..wire import P2P, Header, decode_header, encode_header
+from ..wire import ABORT, P2P, Header, decode_header, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,8 @@ class Endpoint:
                 self._poller.poll(max(1, int((wake - now) * 1000) + 1))
                 continue
             h = msg.header
+            if h.kind == ABORT:  # a peer gave up on a lost rank: so do we, naming the same rank
+                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
             got = (h.src, h.op if h.kind == P2P else -1)
             if got == key:
                 return msg
@@ -177,6 +179,17 @@ class Endpoint:
                 raise ProtocolError(f"rank {self.rank}: more than {MAX_STASHED} messages or "
                                     f"{MAX_STASHED_BYTES >> 30} GiB arrived that no operation asked for "
                                     f"(last from rank {h.src}); refusing to buffer more")
+
+    def tell_peers_lost(self, culprit: int, group: int, seq: int) -> None:
+        """Best effort, never blocking: tell every other peer which rank we lost, so that ranks
+        waiting elsewhere in the ring name it too instead of us when we leave."""
+        h = encode_header(Header(ABORT, group, seq, self.rank, culprit, 0, 0, 0, 0))
+        for peer, sock in self._out.items():
+            if peer != culprit:
+                try:
+                    sock.send_multipart([h, b""], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
         """``src`` is gone. If another peer dropped shortly before, that one went first and
