@@ -62,6 +62,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, ps.max_segment_bytes + (4 << 20))
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.comm.heartbeat_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * cfg.comm.heartbeat_s * 1000))
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(ps.timeout_s * 1000))  # a silent stranger is dropped
         try:
             self.sock.bind(self.addr)
         except zmq.ZMQError as exc:

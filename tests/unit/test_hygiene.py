@@ -16,6 +16,8 @@ ALLOWED = {
     "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
     # the parameter server sits beside the collectives: it never reaches into them
     "ps": {"errors", "config", "dtypes", "work", "optim", "security"},
+    # training layers: over the public API (distributed), the optimizer math, and the PS file format
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps"},
 }
 
 
