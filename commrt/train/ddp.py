@@ -39,6 +39,7 @@ class DataParallel(nn.Module):
         self._inflight: list = []
         self._queued = False
         self.require_sync = True
+        self.reduced_during_backward = 0  # buckets whose all-reduce a gradient hook started (overlap)
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -69,6 +70,7 @@ class DataParallel(nn.Module):
         self._pending[b] -= 1
         if self._pending[b] == 0:
             self._reduce(b)
+            self.reduced_during_backward += 1
 
     def _reduce(self, b: int) -> None:
         params = self._buckets[b]

@@ -9,7 +9,8 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping"]
          + ["stage 3 modules registered out of order", "stage 1 bf16", "stage 3 bf16", "checkpoint stage 2 -> stage 3",
             "resume stage 1 from file", "resume stage 1 from state_dict", "resume stage 3 from file",
             "resume stage 3 from state_dict", "memory accounting", "non-finite gradients: skip",
-            "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients"])
+            "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients",
+            "DataParallel fp16 gradients"])
 
 
 @pytest.mark.parametrize("backend,nproc", [("zmq", 1), ("zmq", 2), ("zmq", 3), ("zmq", 4), ("gloo", 2)])

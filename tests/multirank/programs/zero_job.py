@@ -210,6 +210,9 @@ def ddp_case(rank: int, world: int) -> None:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     compare(dict(model.module.named_parameters()), reference("adamw", world, STEPS), "DataParallel")
+    # every bucket's all-reduce was started by a gradient hook, i.e. while backward still ran
+    assert len(model._buckets) > 1 and model.reduced_during_backward == STEPS * len(model._buckets), \
+        (model.reduced_during_backward, len(model._buckets))
     model = DataParallel(make_model())
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT["sgd"]["params"])
     for step in range(STEPS):
@@ -221,15 +224,17 @@ def ddp_case(rank: int, world: int) -> None:
         (nn.functional.mse_loss(model(x), y) / 2).backward()
         opt.step()
     compare(dict(model.module.named_parameters()), reference("sgd", world, STEPS, micro=2), "DataParallel no_sync")
-    model = DataParallel(make_model(), comm_dtype=torch.bfloat16)
-    x, y = data(rank, 0)
-    nn.functional.mse_loss(model(x), y).backward()
     ref = make_model()
     xs, ys = zip(*(data(r, 0) for r in range(world)))
     nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
-    compare({n: p.grad for n, p in model.module.named_parameters() if p.grad is not None},
-            {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, "DataParallel bf16 gradients",
-            atol=2e-2)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        model = DataParallel(make_model(), comm_dtype=dtype)
+        x, y = data(rank, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = {n: p.grad for n, p in model.module.named_parameters() if p.grad is not None}
+        assert all(g.dtype == torch.float32 for g in grads.values())  # back in fp32 for accumulation
+        compare(grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None},
+                f"DataParallel {name} gradients", atol=2e-2)
 
 
 def main() -> int:
