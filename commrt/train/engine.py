@@ -52,6 +52,7 @@ class Engine:
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
+        self.reduced_during_backward = 0  # units whose reduction a gradient hook started
         self._no_sync = False
         self._sync_now = True
         self._hooks = []
@@ -97,6 +98,7 @@ class Engine:
         u.pending -= 1
         if u.pending == 0:
             self.zero.reduce(u)
+            self.reduced_during_backward += 1  # started while backward runs: the overlap
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -105,6 +105,8 @@ def zero_cases(rank: int, world: int) -> None:
             engine = engine_for(stage, kind)
             train(engine, rank, STEPS)
             compare(engine.full_state_dict(), reference(kind, world, STEPS), f"stage {stage} {kind}")
+            units = len(engine.zero.units)  # every unit's reduction started inside backward
+            assert units > 1 and engine.reduced_during_backward == STEPS * units, (engine.reduced_during_backward, units)
         engine = engine_for(stage, "sgd", gradient_accumulation_steps=2, gradient_clipping=0.05)
         train(engine, rank, STEPS, micro=2)
         compare(engine.full_state_dict(), reference("sgd", world, STEPS, clip=0.05, micro=2),
