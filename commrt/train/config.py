@@ -36,7 +36,8 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Start each bucket's reduction from the gradient hooks while backward is still running."""
     stage3_prefetch_bucket_size: int = 50_000_000
-    """Stage 3: gather the next module ahead while this one runs (0 disables prefetch)."""
+    """Stage 3: while a module runs, gather the modules after it (in execution order) up to this
+    many elements ahead, at least one (0 disables prefetch)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

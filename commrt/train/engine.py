@@ -48,7 +48,7 @@ class Engine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         z = cfg.zero
         self.zero = Zero(model, self.params, z.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
-                         group, overlap=z.overlap_comm, prefetch=z.stage3_prefetch_bucket_size > 0)
+                         group, overlap=z.overlap_comm)
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
@@ -165,8 +165,13 @@ class Engine:
         if forward and not self._next and all(v is not u for v in self._order):
             self._order.append(u)  # first pass: learn the execution order
         self.zero.gather(u)
-        if self.zero.prefetch_on and id(u) in ahead:
-            self.zero.start_gather(ahead[id(u)])
+        # prefetch the next units in execution order, up to stage3_prefetch_bucket_size elements
+        # (at least one unit when prefetch is on), as DeepSpeed's setting means
+        budget, nxt = self.cfg.zero.stage3_prefetch_bucket_size, ahead.get(id(u))
+        while nxt is not None and budget > 0:
+            self.zero.start_gather(nxt)
+            budget -= nxt.layout.padded
+            nxt = ahead.get(id(nxt))
 
     def _learn_order(self) -> None:
         if self.zero.stage == 3 and not self._next and self._order:

@@ -63,9 +63,9 @@ class Zero:
     """The per-rank state and communication of one ZeRO-sharded model (used by ``Engine``)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, spec: optim.OptimSpec,
-                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True, prefetch: bool = True):
+                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True):
         self.stage, self.spec, self.dtype, self.group = stage, spec, dtype, group
-        self.overlap, self.prefetch_on = overlap, prefetch
+        self.overlap = overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.works: list = []
         self.nonfinite = False

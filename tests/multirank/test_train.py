@@ -18,7 +18,8 @@ def test_training_layers_equal_single_process(tmp_path, backend, nproc):
     _, out = run_ranks(nproc, "zero_job", timeout_s=180,
                        env={"COMMRT_COMM_BACKEND": backend, "COMMRT_TEST_TMP": str(tmp_path)})
     for case in CASES:
-        assert out.count(f"OK {case}\n") == nproc, f"{case!r} missing:\n{out[-4000:]}"
+        want = 3 * nproc if case == "stage 3 modules registered out of order" else nproc  # 3 prefetch sizes
+        assert out.count(f"OK {case}\n") == want, f"{case!r} missing:\n{out[-4000:]}"
 
 
 def test_checkpoint_reshards_to_another_world_size(tmp_path):

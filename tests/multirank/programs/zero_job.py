@@ -124,10 +124,13 @@ def bf16_case(rank: int, world: int) -> None:
 
 
 def swapped_case(rank: int, world: int) -> None:
-    engine = initialize(Swapped(), {"zero_optimization": {"stage": 3}, "optimizer": OPT["adamw"]})
-    train(engine, rank, STEPS)
-    got = {Swapped.RENAME[k.split(".")[0]] + "." + k.split(".")[1]: v for k, v in engine.full_state_dict().items()}
-    compare(got, reference("adamw", world, STEPS), "stage 3 modules registered out of order")
+    for prefetch in (0, 1, 50_000_000):  # none, one module ahead, everything ahead
+        engine = initialize(Swapped(), {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": prefetch},
+                                        "optimizer": OPT["adamw"]})
+        train(engine, rank, STEPS)
+        got = {Swapped.RENAME[k.split(".")[0]] + "." + k.split(".")[1]: v
+               for k, v in engine.full_state_dict().items()}
+        compare(got, reference("adamw", world, STEPS), "stage 3 modules registered out of order")
 
 
 def checkpoint_case(rank: int, world: int, directory: str) -> None:
