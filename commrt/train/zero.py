@@ -142,6 +142,7 @@ class Zero:
         buf = torch.empty(u.layout.padded, dtype=self.dtype)
         send = u.master.to(self.dtype, copy=True)
         u.gathering = (dist.all_gather_into_tensor(buf, send, self.group, async_op=True), buf)
+        self._count_live(buf.numel() * buf.element_size())
 
     def gather(self, u: UnitState) -> None:
         self.start_gather(u)
@@ -151,12 +152,15 @@ class Zero:
         work.wait()
         u.gathering, u.full = None, buf
         u.views(buf)
-        self.live_bytes += buf.numel() * buf.element_size()
+
+    def _count_live(self, nbytes: int) -> None:
+        """Gathered (or being gathered) units' bytes: what stage 3 holds beyond its shards."""
+        self.live_bytes += nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def release(self, u: UnitState) -> None:
         if u.full is not None:
-            self.live_bytes -= u.full.numel() * u.full.element_size()
+            self._count_live(-u.full.numel() * u.full.element_size())
         u.full = None
         for p in u.params:
             p.data = torch.empty(0, dtype=self.dtype)
@@ -166,6 +170,7 @@ class Zero:
         for u in self.units:  # a prefetch that was never used would hand out pre-step values
             if u.gathering is not None:
                 u.gathering[0].wait()
+                self._count_live(-u.gathering[1].numel() * u.gathering[1].element_size())
                 u.gathering = None
         lamb = []
         for u in self.units:
