@@ -11,7 +11,6 @@ rate a power of two, so after k steps every value must be exactly -k*lr: that is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from ..config import PsConfig
-from ..dtypes import BY_NAME, NAMES
+from ..dtypes import NAMES
 from ..errors import ProtocolError
 from . import protocol as P
-from .durable import WriteAheadLog, read_log
+from .durable import NUMPY_DTYPES, WriteAheadLog, read_log
 from .state import FLOAT_CODES, SegInfo, ShardState
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,7 @@ class ServerCore:
         elif seed:
             if len(payload) != len(segs) or any(len(f) != s.nbytes for f, s in zip(payload, segs)):
                 raise ProtocolError("init values do not match the segment descriptions")
-            dtypes = [np.dtype(str(BY_NAME[NAMES[s.dtype]]).replace("torch.", "")) for s in segs]
-            self.state.seed(segs, [np.frombuffer(f, dtype=d) for f, d in zip(payload, dtypes)])
+            self.state.seed(segs, [np.frombuffer(f, dtype=NUMPY_DTYPES[s.dtype]) for f, s in zip(payload, segs)])
             self.checkpoint()
             log.info("server %d: seeded %d segments by worker %d", self.index, len(segs), req.worker)
         self.inits.append(Parked(ident, req, now))
@@ -221,9 +220,7 @@ class ServerCore:
             return self._acknowledge(Parked(ident, req, now), P.DUPLICATE)
         if step - clock > MAX_AHEAD:
             raise ProtocolError(f"push for step {step} is too far ahead of worker {w}'s step {clock}")
-        dtypes = [np.dtype(str(BY_NAME[NAMES[self.state.segs[i].dtype]]).replace("torch.", ""))
-                  for i in req.body]
-        grads = [np.frombuffer(f, dtype=d) for f, d in zip(payload, dtypes)]
+        grads = [np.frombuffer(f, dtype=NUMPY_DTYPES[self.state.segs[i].dtype]) for f, i in zip(payload, req.body)]
         if (w, step) not in self.pushes:
             self.counters["pushes"] += 1
         self.pushes[(w, step)] = Parked(ident, req, now, grads=grads)  # a re-send replaces the routing

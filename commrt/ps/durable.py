@@ -25,9 +25,9 @@ CKPT_MAGIC = b"CMRTCKP1"
 WAL_MAGIC = b"WAL1"
 _WAL_HEAD = struct.Struct("<4sIQI")
 MAX_META = 64 << 20
-_NP = {code: np.dtype(str(BY_NAME[name]).replace("torch.", "")) for code, name in NAMES.items()
+NUMPY_DTYPES = {code: np.dtype(str(BY_NAME[name]).replace("torch.", "")) for code, name in NAMES.items()
        if name != "bfloat16"}
-_NP[4] = np.dtype(np.uint16)  # bfloat16 travels as its raw 16-bit pattern
+NUMPY_DTYPES[4] = np.dtype(np.uint16)  # bfloat16 travels as its raw 16-bit pattern
 
 
 def _describe(arrays: list[np.ndarray], codes: list[int]) -> list[list[int]]:
@@ -37,10 +37,10 @@ def _describe(arrays: list[np.ndarray], codes: list[int]) -> list[list[int]]:
 def _read_arrays(buf: memoryview, layout: list, what: str) -> list[np.ndarray]:
     out, offset = [], 0
     for item in layout:
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in _NP
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in NUMPY_DTYPES
                 and type(item[1]) is int and item[1] >= 0):
             raise ProtocolError(f"{what}: bad array description {item!r}")
-        dt = _NP[item[0]]
+        dt = NUMPY_DTYPES[item[0]]
         n = item[1] * dt.itemsize
         if offset + n > len(buf):
             raise ProtocolError(f"{what}: truncated (needs {offset + n} bytes, has {len(buf)})")
