@@ -16,6 +16,7 @@ from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
 from ..errors import CollectiveMismatch, CommError, PeerLost
 from ..transport import Endpoint
+from ..transport.memory import keep_freed_memory
 from ..wire import P2P, Header
 from ..work import Executor, Work
 from .base import check_same_dtype, flat_view, split_bounds
@@ -41,6 +42,8 @@ class ZmqBackend:
         """``members``: the global rank of each group rank (the names their keys carry)."""
         self.rank, self.size, self.group_id, self.cfg = rank, size, group_id, cfg
         c, cl = cfg.comm, cfg.cluster
+        if c.keep_freed_memory:
+            keep_freed_memory()
         names = [f"rank{g}" for g in (members if members is not None else range(size))]
         make = lambda: Endpoint(zctx, rank, cl.bind_host, cl.advertise_host, c.max_frame_bytes,
                                 c.heartbeat_s, c.timeout_s, guard, names)

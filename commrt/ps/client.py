@@ -22,6 +22,7 @@ from ..config import Config, load_config
 from ..dtypes import as_tensor, code_of
 from ..errors import ConfigError, PeerLost, ProtocolError, RequestRejected
 from ..security import Guard
+from ..transport.memory import keep_freed_memory
 from ..work import Executor, Work
 from . import protocol as P
 from .partition import Segment, TensorSpec, partition
@@ -47,6 +48,8 @@ class PSClient:
         if worker < 0:
             raise ConfigError("the worker id is unknown: pass worker=, set [cluster] rank or RANK")
         self.worker, self.step = worker, 0
+        if self.cfg.comm.keep_freed_memory:
+            keep_freed_memory()  # large pushes and pulls reuse pages
         self.segments: list[Segment] = []
         self._local: list[list[int]] = []  # per server: global segment index of each local id
         self._ids = itertools.count(1)

@@ -16,6 +16,7 @@ from .. import optim
 from ..config import Config
 from ..errors import ConfigError
 from ..security import Guard, check_bind
+from ..transport.memory import keep_freed_memory
 from .core import ServerCore
 from .state import ShardState
 
@@ -42,6 +43,8 @@ class Server:
         if ps.workers < 1:
             raise ConfigError("[ps] workers must be set (COMMRT_PS_WORKERS) for a server")
         self.addr = ps.servers[index]
+        if cfg.comm.keep_freed_memory:
+            keep_freed_memory()  # large pushes and pulls reuse pages
         check_bind(cfg, [split_address(self.addr)[0]])
         self.core = ServerCore(ps, index, ShardState(optim_spec(cfg), ps.workers))
         if resume:

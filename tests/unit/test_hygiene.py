@@ -14,8 +14,9 @@ ALLOWED = {
     "transport": {"errors", "wire", "config"},
     "collectives": {"errors", "wire", "dtypes", "transport", "config"},
     "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
-    # the parameter server sits beside the collectives: it never reaches into them
-    "ps": {"errors", "config", "dtypes", "work", "optim", "security"},
+    # the parameter server sits beside the collectives: it never reaches into them (it uses
+    # the transport layer's process-level memory setting, not its sockets)
+    "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
     # training layers: over the public API (distributed), the optimizer math, and the PS file format
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps"},
 }
