@@ -50,9 +50,32 @@ def main() -> None:
             assert_equal(t, values(numel, src, dtype, "SUM", seed), f"broadcast src={src} {dtype} n={numel}")
         seed += 1
         check_all_to_all(rank, n, dtype, seed)
+    check_zero_copy_sizes(rank, n, seed + 1)
     commrt.barrier()
     commrt.destroy_process_group()
     print(f"rank {rank}: matrix passed on {n} ranks", flush=True)
+
+
+def check_zero_copy_sizes(rank: int, n: int, seed: int) -> None:
+    """Pieces of 1 MiB and more are sent from our own memory (zero-copy): the results must be
+    exact and the inputs untouched, at the default piece size."""
+    numel, m = 1_300_000, 400_000  # every ring piece >= 1 MiB at n <= 4
+    for op in ("SUM", "MAX"):
+        parts = [values(numel, r, torch.float32, op, seed) for r in range(n)]
+        t = parts[rank].clone()
+        commrt.all_reduce(t, op=op)
+        assert_equal(t, reference(parts, op), f"zero-copy all_reduce {op}")
+        shards = [values(m * n, r, torch.float32, op, seed + 1) for r in range(n)]
+        out = torch.zeros(m)
+        commrt.reduce_scatter_tensor(out, shards[rank], op=op)
+        assert_equal(out, reference(shards, op)[rank * m:(rank + 1) * m], f"zero-copy reduce_scatter {op}")
+        assert_equal(shards[rank], values(m * n, rank, torch.float32, op, seed + 1), "zero-copy input untouched")
+    out = torch.zeros(m * n)
+    commrt.all_gather_into_tensor(out, shards[rank][:m])
+    assert_equal(out, torch.cat([s[:m] for s in shards]), "zero-copy all_gather")
+    t = parts[rank].clone()
+    commrt.broadcast(t, src=n - 1)
+    assert_equal(t, parts[n - 1], "zero-copy broadcast")
 
 
 def check_all_to_all(rank: int, n: int, dtype: torch.dtype, seed: int) -> None:
