@@ -98,19 +98,30 @@ class ClusterConfig:
             )
 
 
+SECURITY_MODES = ("secret", "curve", "none")
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
-    mode: str = "none"
-    """Peer authentication on every TCP socket: none | curve (ZeroMQ CURVE: each process holds
-    a key pair, only keys on the job's allow-list get in, and a rank is bound to its key)."""
+    mode: str = "secret"
+    """Peer authentication on every TCP socket:
+    secret (default): ZeroMQ PLAIN checked by a ZAP handler against a job secret; costs one
+    check per connection, nothing per message, but the secret crosses the wire in the clear,
+    so it is for loopback and trusted fabrics. curve: ZeroMQ CURVE, encrypted, each process
+    holds a key pair and only keys on the job's allow-list get in. none: no authentication."""
+    secret_file: str = ""
+    """For secret: where the job secret is read when $COMMRT_JOB_SECRET is not set (``commrt
+    launch`` sets a fresh one per job). Empty: ~/.config/commrt/job_secret, created (mode 0600)
+    on first use, so all of one user's processes on this host share it and other users have none."""
     keys_dir: str = ""
     """For curve: the directory ``commrt keygen`` wrote (allow.txt and one .key per process).
     ``commrt launch`` makes a throw-away one for its job when this is empty."""
     allow_insecure: bool = False
-    """Permit binding a non-loopback interface without authentication (logged loudly)."""
+    """Permit binding a non-loopback interface without encryption (none or secret mode; logged
+    loudly): for a trusted fabric only."""
 
     def __post_init__(self) -> None:
-        _check_choice("security", "mode", self.mode, ("none", "curve"))
+        _check_choice("security", "mode", self.mode, SECURITY_MODES)
 
 
 PS_MODES = ("sync", "async", "ssp")

@@ -124,18 +124,24 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     out = out or sys.stdout
     port = port or free_port()
     base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
-    with _job_keys(base, config, nproc, servers):
+    with _job_credentials(base, config, nproc, servers):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
                     stop_on_failure, max_restarts)
 
 
 @contextlib.contextmanager
-def _job_keys(env: dict, config: str | None, nproc: int, servers: int):
-    """Under [security] mode = 'curve' without a keys_dir: a throw-away key set for this job
-    (one key pair per rank and server, deleted afterwards)."""
+def _job_credentials(env: dict, config: str | None, nproc: int, servers: int):
+    """Under [security] mode = 'secret', when this launch starts every process of the job (no
+    parameter servers started elsewhere) and no secret is set: a fresh secret for this job alone.
+    Otherwise the processes read the per-user secret file, as separately started servers do.
+    Under 'curve' without a keys_dir: a throw-away key set for this job (one key pair per rank
+    and server, deleted afterwards)."""
     from .config import load_config
-    from .security import keygen
+    from .security import SECRET_ENV, keygen, new_secret
     cfg = load_config(config, environ=env)
+    whole_job = servers > 0 or not cfg.ps.servers
+    if cfg.security.mode == "secret" and whole_job and not env.get(SECRET_ENV):
+        env[SECRET_ENV] = new_secret()
     if cfg.security.mode != "curve" or cfg.security.keys_dir:
         yield
         return

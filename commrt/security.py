@@ -1,7 +1,11 @@
-"""Who may talk to us. Two modes:
+"""Who may talk to us. Three modes:
 
-- ``none``: plaintext, and only on loopback unless ``allow_insecure = true`` says the network is
-  trusted (logged loudly).
+- ``secret`` (default): every socket that listens is a ZeroMQ PLAIN server whose ZAP handler
+  admits a connection only if it presents the job secret (compared in constant time); each
+  connection is tagged with the name the client gave (``rank<r>``, ``server<i>``). The check is
+  made once per connection, so the data plane runs at plaintext speed. The secret itself crosses
+  the wire in the clear during the handshake: loopback (or a trusted fabric) only, like ``none``.
+- ``none``: no authentication at all; loopback only unless ``allow_insecure = true``.
 - ``curve``: ZeroMQ's CURVE on every socket. Each process (``rank<r>``, ``server<i>``) has a key
   pair; ``allow.txt`` lists the job's public keys by name. A ZAP handler, started before any
   socket binds (without one libzmq accepts every key), admits only listed keys and tags each
@@ -10,10 +14,13 @@
 """
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import os
+import secrets
 import socket
+import stat
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -25,6 +32,8 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 ALLOW_FILE = "allow.txt"
 DOMAIN = "commrt"
+SECRET_ENV = "COMMRT_JOB_SECRET"  # set by `commrt launch` for its processes (one secret per job)
+DEFAULT_SECRET_FILE = os.path.join("~", ".config", "commrt", "job_secret")
 
 
 def is_loopback(host: str) -> bool:
@@ -35,7 +44,8 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(cfg: Config, hosts: list[str]) -> None:
-    """Refuse to expose unauthenticated sockets beyond this host unless allowed."""
+    """Refuse to expose unencrypted sockets beyond this host unless allowed: off the host, a
+    PLAIN secret could be sniffed, and no authentication at all lets anyone in."""
     if cfg.security.mode == "curve":
         return
     exposed = sorted({h for h in hosts if not is_loopback(h)})
@@ -43,10 +53,56 @@ def check_bind(cfg: Config, hosts: list[str]) -> None:
         return
     if not cfg.security.allow_insecure:
         raise ConfigError(
-            f"refusing to listen on {exposed} without authentication: anyone who can reach these "
-            "addresses could join the job. Use [security] mode = 'curve' (commrt keygen), bind to "
-            "loopback, or set allow_insecure = true (COMMRT_SECURITY_ALLOW_INSECURE=1) on a trusted network")
-    log.warning("listening on %s WITHOUT authentication (allow_insecure = true)", exposed)
+            f"refusing to listen on {exposed} without encryption (security mode "
+            f"'{cfg.security.mode}'): traffic that leaves the host could be read or joined. Use "
+            "[security] mode = 'curve' (commrt keygen), bind to loopback, or set allow_insecure = "
+            "true (COMMRT_SECURITY_ALLOW_INSECURE=1) on a trusted network")
+    what = "with the job secret in the clear" if cfg.security.mode == "secret" else "WITHOUT authentication"
+    log.warning("listening on %s %s (allow_insecure = true)", exposed, what)
+
+
+def new_secret() -> str:
+    """A fresh job secret (256 random bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def _create_secret_file(path: str) -> None:
+    """Write a new secret to ``path`` unless another process got there first: the file appears
+    whole (written under a private name, then linked), so concurrent ranks read one secret."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(new_secret() + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+    finally:
+        os.unlink(tmp)
+
+
+def job_secret(cfg: Config, environ=os.environ) -> bytes:
+    """The job secret: $COMMRT_JOB_SECRET, else the secret file (made, mode 0600, if missing).
+    A secret file that other users can read is refused: it would let them in."""
+    if environ.get(SECRET_ENV):
+        return environ[SECRET_ENV].encode()
+    path = os.path.expanduser(cfg.security.secret_file or DEFAULT_SECRET_FILE)
+    try:
+        if not os.path.exists(path):
+            _create_secret_file(path)
+        st = os.stat(path)
+        with open(path) as fh:
+            value = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read or create the job secret file {path}: {exc}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"the job secret file {path} is readable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
+    if len(value) < 16:
+        raise ConfigError(f"the job secret in {path} is shorter than 16 characters")
+    return value.encode()
 
 
 def keygen(directory: str, names: list[str]) -> None:
@@ -111,39 +167,66 @@ class _Authenticator(ThreadAuthenticator):
         return allowed
 
 
+class _SecretAuthenticator(ThreadAuthenticator):
+    """ZAP handler for PLAIN: admit a connection that presents the job secret; its User-Id is
+    the name the client gave. Never logs the password (pyzmq's own PLAIN path does, at debug)."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes):
+        super().__init__(ctx)
+        self._secret = secret
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        if domain == DOMAIN and hmac.compare_digest(password.encode(), self._secret):
+            return True, b"OK"
+        log.warning("refused a connection claiming to be %r: wrong job secret", username[:32])
+        return False, b"wrong job secret"
+
+
 class Guard:
     """Applies the security mode to the sockets of one zmq.Context."""
 
     def __init__(self, ctx: zmq.Context, cfg: Config, me: str):
+        self.mode, self.me = cfg.security.mode, me
         self.ring: Keyring | None = None
+        self._secret = b""
         self._auth = None
-        if cfg.security.mode != "curve":
-            return
-        self.ring = Keyring(cfg.security.keys_dir, me)
-        self._auth = _Authenticator(ctx, self.ring)
-        self._auth.start()
-        self._auth.configure_curve_callback(DOMAIN, credentials_provider=self._auth)
+        if self.mode == "curve":
+            self.ring = Keyring(cfg.security.keys_dir, me)
+            self._auth = _Authenticator(ctx, self.ring)
+            self._auth.start()
+            self._auth.configure_curve_callback(DOMAIN, credentials_provider=self._auth)
+        elif self.mode == "secret":
+            self._secret = job_secret(cfg)
+            self._auth = _SecretAuthenticator(ctx, self._secret)
+            self._auth.start()  # before any bind: without a ZAP handler libzmq admits anyone
 
     @property
     def active(self) -> bool:
-        return self.ring is not None
+        return self._auth is not None
 
     def server(self, sock: zmq.Socket) -> None:
-        """Before bind: this socket accepts only allow-listed clients."""
+        """Before bind: this socket accepts only clients that authenticate."""
         if self.ring:
             sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN.encode())
             sock.curve_secretkey, sock.curve_publickey = self.ring.secret, self.ring.public
             sock.curve_server = True
+        elif self._secret:
+            sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN.encode())
+            sock.plain_server = True
 
     def client(self, sock: zmq.Socket, peer: str) -> None:
-        """Before connect: talk only to ``peer`` (its public key authenticates it to us)."""
+        """Before connect: authenticate to ``peer`` (under curve its key also authenticates it)."""
         if self.ring:
             sock.curve_secretkey, sock.curve_publickey = self.ring.secret, self.ring.public
             sock.curve_serverkey = self.ring.public_of(peer)
+        elif self._secret:
+            sock.plain_username, sock.plain_password = self.me.encode(), self._secret
 
     def peer_of(self, frame: zmq.Frame) -> str | None:
-        """The authenticated name of whoever sent ``frame`` (None without CURVE)."""
-        return frame.get("User-Id") if self.ring else None
+        """The authenticated name of whoever sent ``frame`` (None without authentication).
+        Under curve it is bound to the sender's key; under secret it is the name the sender
+        gave, which only holders of the job secret could give."""
+        return frame.get("User-Id") if self.active else None
 
     def close(self) -> None:
         if self._auth is not None:

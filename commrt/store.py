@@ -120,7 +120,8 @@ class StoreClient:
             self._sock.send(msgpack.packb(list(req), use_bin_type=True))
             if not self._sock.poll(int(self.timeout_s * 1000)):
                 raise RendezvousError(f"rendezvous store at {self.where} did not answer within "
-                                      f"{self.timeout_s:g}s (is rank 0 running?)")
+                                      f"{self.timeout_s:g}s (is rank 0 running, under the same [security] mode "
+                                      "and job secret or keys? a stranger's handshake is refused silently)")
             reply = msgpack.unpackb(self._sock.recv(), raw=False)
         if reply[0] != "ok":
             raise RendezvousError(f"rendezvous store refused {req[0]}: {reply[1]}")

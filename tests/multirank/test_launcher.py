@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,20 @@ def test_launch_sets_torchrun_env_and_prefixes_output():
         assert any(l.startswith(f"[rank {r}] env RANK={r} WORLD_SIZE=3 LOCAL_RANK={r}") for l in lines), lines
 
 
+def _secrets(env) -> set:
+    out = io.StringIO()
+    assert launch(2, PROBE, out=out, env=env, timeout_s=30).returncode == 0
+    return set(re.findall(r"SECRET=(\w+)", out.getvalue()))
+
+
+def test_each_launched_job_gets_its_own_secret():
+    env = {k: v for k, v in ENV.items() if k != "COMMRT_JOB_SECRET"}
+    first, second = _secrets(env), _secrets(env)
+    assert len(first) == len(second) == 1 and first != second and first != {"none"}
+    # ranks that talk to parameter servers started elsewhere share the per-user secret with them
+    assert _secrets({**env, "COMMRT_PS_SERVERS": "tcp://127.0.0.1:1"}) == {"none"}
+
+
 def test_failed_rank_stops_the_rest():
     out = io.StringIO()
     started = time.monotonic()
@@ -37,13 +52,19 @@ def test_cli_launch_exit_code():
     assert "rank 1 failed with exit code 7" in proc.stderr
 
 
-def test_torchrun_can_launch_commrt():
+def test_torchrun_can_launch_commrt(tmp_path):
+    """No commrt launcher, so no job secret in the environment: the ranks meet through the
+    per-user secret file (here in tmp_path), created by whichever rank comes first."""
+    env = {k: v for k, v in ENV.items() if k != "COMMRT_JOB_SECRET"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "-m", "tests.multirank.programs.torchrun_job"],
-                          env={**ENV, "COMMRT_COMM_TIMEOUT_S": "30"}, capture_output=True, text=True,
+                          env={**env, "COMMRT_COMM_TIMEOUT_S": "30",
+                               "COMMRT_SECURITY_SECRET_FILE": str(tmp_path / "secret")},
+                          capture_output=True, text=True,
                           timeout=90, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("torchrun job passed") == 2
+    assert (tmp_path / "secret").stat().st_mode & 0o077 == 0  # made private, and used
 
 
 def test_bench_json_is_complete(tmp_path):

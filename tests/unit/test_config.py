@@ -34,7 +34,7 @@ def test_config_file_from_environment(tmp_path):
     ('[comm]\ntimeout_s = "soon"\n', "expected float"),
     ('[comm]\nchunk_bytes = 1048576\nmax_frame_bytes = 1048576\n', "must exceed chunk_bytes"),
     ('[cluster]\nrendezvous = "http://x"\n', "valid: 'env://' or 'tcp://host:port'"),
-    ('[security]\nmode = "tls"\n', "valid: ['none', 'curve']"),
+    ('[security]\nmode = "tls"\n', "valid: ['secret', 'curve', 'none']"),
     ('[security]\nallow_insecure = "maybe"\n', "valid: true/false"),
     ('comm = 3\n', "must be a table"),
     ('[comm\n', "not valid TOML"),

@@ -27,3 +27,49 @@ def test_keyring_refuses_a_key_that_is_not_on_the_list(tmp_path):
         Keyring("", "rank0")
     with pytest.raises(ConfigError, match="cannot read"):
         Keyring(str(tmp_path), "rank7")
+
+
+def _secret_cfg(path):
+    from commrt.config import Config, SecurityConfig
+    return Config(security=SecurityConfig(mode="secret", secret_file=str(path)))
+
+
+def test_job_secret_comes_from_the_environment_first(tmp_path):
+    from commrt.security import SECRET_ENV, job_secret
+    assert job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "from-the-launcher"}) == b"from-the-launcher"
+    assert not (tmp_path / "s").exists()
+
+
+def test_job_secret_file_is_made_private_once_and_then_reused(tmp_path):
+    from commrt.security import job_secret
+    path = tmp_path / "dir" / "job_secret"
+    first = job_secret(_secret_cfg(path), {})
+    assert len(first) >= 32 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert job_secret(_secret_cfg(path), {}) == first
+
+
+def test_concurrent_ranks_read_one_secret(tmp_path):
+    """Ranks started together race to create the file: all must read the same secret."""
+    import subprocess
+    import sys
+    path = tmp_path / "job_secret"
+    code = ("import sys; from commrt.config import Config, SecurityConfig; from commrt.security import job_secret; "
+            "print(job_secret(Config(security=SecurityConfig(secret_file=sys.argv[1])), {}).decode())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert len(outs) == 1 and len(outs.pop()) >= 32
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path):
+    from commrt.security import job_secret
+    path = tmp_path / "job_secret"
+    path.write_text("x" * 40)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        job_secret(_secret_cfg(path), {})
+    path.chmod(0o600)
+    path.write_text("short")
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        job_secret(_secret_cfg(path), {})

@@ -22,6 +22,10 @@ def run(mode: str) -> None:
         if RANK == 1:
             os.environ["COMMRT_SECURITY_MODE"] = "none"
         commrt.init_process_group(timeout=3)
+    elif mode == "secret_mix":  # rank 1 holds another secret: it must not get into the job
+        if RANK == 1:
+            os.environ["COMMRT_JOB_SECRET"] = "not-the-secret-of-this-job"
+        commrt.init_process_group(timeout=3)
     elif mode == "config":
         commrt.init_process_group(config=_config_file(chunk=(1 << 20) + RANK * 4096))
     else:

@@ -1,8 +1,9 @@
 """Strangers knock on rank 1's data socket just before a collective, each with a message forged to
-look like rank 0's part of it; under CURVE none may get in, and the collective must still give
-the exact answer. Run with [security] mode = "curve" at 3 ranks.
+look like rank 0's part of it; under the secret (default) and curve modes none may get in, and
+the collective must still give the exact answer. Run at 3 ranks.
 
-    strangers KIND   with KIND in plaintext | unknown_key | raw_tcp | silent_tcp | other_rank
+    strangers KIND   with KIND in plaintext | raw_tcp | silent_tcp (any mode),
+                     unknown_key | other_rank (curve), wrong_secret (secret)
 """
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ def knock(kind: str, backend) -> list:
     ep = backend._coll
     addr = ep.peer_addresses[1]
     host, port = addr[len("tcp://"):].rsplit(":", 1)
-    keys = os.environ["COMMRT_SECURITY_KEYS_DIR"]
-    allow = dict(line.split() for line in open(os.path.join(keys, "allow.txt")))
+    keys = os.environ.get("COMMRT_SECURITY_KEYS_DIR", "")
+    allow = dict(line.split() for line in open(os.path.join(keys, "allow.txt"))) if keys else {}
     ctx = zmq.Context.instance()
-    if kind in ("plaintext", "unknown_key", "other_rank"):
+    if kind in ("plaintext", "unknown_key", "other_rank", "wrong_secret"):
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind == "unknown_key":
+        if kind == "wrong_secret":  # the right protocol and a name from the job, a guessed secret
+            sock.plain_username, sock.plain_password = b"rank0", b"guessed-" + os.urandom(8).hex().encode()
+        elif kind == "unknown_key":
             public, secret = zmq.curve_keypair()
             sock.curve_publickey, sock.curve_secretkey = public, secret
             sock.curve_serverkey = allow["rank1"].encode()
