@@ -110,6 +110,9 @@ class StoreClient:
         self.timeout_s = timeout_s
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER whose only connection was refused (a wrong secret or key) has no pipe left to
+        # queue on, and its send would block for ever: bound it like every other wait
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         if guard is not None:
             guard.client(self._sock, "rank0")
         self._sock.connect(f"tcp://{host}:{port}")
@@ -117,7 +120,12 @@ class StoreClient:
 
     def _call(self, *req):
         with self._lock:
-            self._sock.send(msgpack.packb(list(req), use_bin_type=True))
+            try:
+                self._sock.send(msgpack.packb(list(req), use_bin_type=True))
+            except zmq.Again:
+                raise RendezvousError(f"rendezvous store at {self.where} took no request within "
+                                      f"{self.timeout_s:g}s (is rank 0 running, under the same [security] "
+                                      "mode and job secret or keys? a refused handshake is silent)") from None
             if not self._sock.poll(int(self.timeout_s * 1000)):
                 raise RendezvousError(f"rendezvous store at {self.where} did not answer within "
                                       f"{self.timeout_s:g}s (is rank 0 running, under the same [security] mode "

@@ -2,6 +2,7 @@
 error (printed as 'CAUGHT <type>: <message>') instead of hanging or returning garbage."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ def run(mode: str) -> None:
             os.environ["COMMRT_SECURITY_MODE"] = "none"
         commrt.init_process_group(timeout=3)
     elif mode == "secret_mix":  # rank 1 holds another secret: it must not get into the job
+        faulthandler.dump_traceback_later(30, exit=True)  # a hang shows where, instead of timing out
         if RANK == 1:
             os.environ["COMMRT_JOB_SECRET"] = "not-the-secret-of-this-job"
         commrt.init_process_group(timeout=3)
