@@ -1,4 +1,5 @@
 """Transport layer: ZeroMQ sockets, framing, deadlines. Knows nothing about collectives."""
 from .endpoint import Endpoint, Message
+from .hub import Counters, Transport
 
-__all__ = ["Endpoint", "Message"]
+__all__ = ["Counters", "Endpoint", "Message", "Transport"]
