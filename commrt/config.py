@@ -167,6 +167,9 @@ class PsConfig:
     """Where servers keep their checkpoint and write-ahead log; empty disables durability."""
     checkpoint_every: int = 100
     """Updates between checkpoints (the write-ahead log covers the updates in between)."""
+    max_log_bytes: int = 1 << 30
+    """The log holds whole gradients (about a shard per update): once it grows past this many
+    bytes the server checkpoints early, so its disk use stays near checkpoint + this bound."""
     fsync: bool = False
     """fsync the log before acknowledging (survives a machine crash, not only a process crash)."""
 
@@ -175,7 +178,7 @@ class PsConfig:
         _check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
         _check_choice("ps", "on_worker_loss", self.on_worker_loss, ("error", "continue"))
         for name in ("lr", "max_segment_bytes", "timeout_s", "retry_s", "worker_timeout_s",
-                     "checkpoint_every"):
+                     "checkpoint_every", "max_log_bytes"):
             _check_positive("ps", name, getattr(self, name))
         for name in ("workers", "staleness", "momentum", "weight_decay", "eps"):
             if getattr(self, name) < 0:

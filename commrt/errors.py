@@ -27,12 +27,13 @@ class PeerLost(CommError):
 
 
 class RequestRejected(CommError):
-    """A parameter server refused a request (unknown key, wrong shape or dtype, stale step);
-    the server's state is unchanged."""
+    """A parameter server refused a request (unknown key, wrong shape or dtype, stale step),
+    or the client refused it before sending (``server`` None); the server's state is unchanged."""
 
-    def __init__(self, server: int, op: str, reason: str):
+    def __init__(self, server: int | None, op: str, reason: str):
         self.server, self.op, self.reason = server, op, reason
-        super().__init__(f"server {server} rejected {op}: {reason}")
+        who = f"server {server} rejected {op}" if server is not None else f"{op} refused before sending"
+        super().__init__(f"{who}: {reason}")
 
 
 class CollectiveMismatch(CommError):
