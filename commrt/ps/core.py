@@ -10,16 +10,14 @@ Exactly-once: a push is identified by (worker, step). Each worker's steps are ap
 a re-sent push that was already applied is acknowledged as a duplicate, never applied twice;
 a push is acknowledged only after it was applied (and logged, when durable).
 
-Binding: the seed's init fixes the description (segments, dtypes, full shapes); every other
-init is compared with it, and only workers whose init matched may push or pull (issue 13.11).
+Binding (``binding``): the seed's init fixes the description (segments, dtypes, full shapes);
+every other init is compared with it; only workers whose init matched may push or pull.
 A durable write that fails (a full disk) stops the shard: every waiting worker, and every later
 request, gets a FAILED reply naming the cause (issue 13.14).
 """
 from __future__ import annotations
 
 import logging
-import math
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +28,9 @@ from ..errors import ProtocolError
 from . import protocol as P
 from .durable import NUMPY_DTYPES
 from .parked import Parked, Waiting
+from .binding import Binding
 from .recovery import Durability, StorageFailed
-from .state import FLOAT_CODES, SegInfo, ShardState
+from .state import ShardState
 
 log = logging.getLogger(__name__)
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
@@ -39,16 +38,11 @@ MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
 __all__ = ["MAX_AHEAD", "Reply", "ServerCore", "StorageFailed"]
 
 
-class Reply(NamedTuple):
-    ident: bytes
-    frames: list
+Reply = P.Routed
+_reply = P.routed
 
 
-def _reply(ident: bytes, status: int, req_id: int, body, payload: list | None = None) -> Reply:
-    return Reply(ident, [P.encode_reply(status, req_id, body), *(payload or [])])
-
-
-class ServerCore(Durability):
+class ServerCore(Durability, Binding):
     def __init__(self, cfg: PsConfig, index: int, state: ShardState):
         self.cfg, self.index, self.state = cfg, index, state
         self.waiting = Waiting()
@@ -156,62 +150,6 @@ class ServerCore(Durability):
         if req.op == P.PULL:
             return self._pull(ident, req, payload, now)
         return self._push(ident, req, payload, now)
-
-    def _init(self, ident: bytes, req: P.Request, payload: list, now: float) -> list[Reply]:
-        seed, segs, shapes = req.body
-        segs = [SegInfo(*s) for s in segs]
-        bad = [s.name for s in segs if s.dtype not in FLOAT_CODES]
-        if bad:
-            raise ProtocolError(f"parameters must be float32 or float64; not so: {bad[:5]}")
-        described = {name: tuple(dims) for name, dims in shapes}
-        if len(described) != len(shapes):
-            raise ProtocolError("each tensor's shape must be described once")
-        p = Parked(ident, req, now, init=(segs, described))
-        if self.state.initialized:
-            return [self._answer_init(p)]
-        if not seed:  # wait for the seed, then be checked against it
-            self.waiting.park_init(p)
-            return []
-        self._seed(segs, described, payload, req.worker)
-        return [self._answer_init(p)]  # parked inits are answered by _progress
-
-    def _seed(self, segs: list[SegInfo], shapes: dict, payload: list, worker: int) -> None:
-        if len(payload) != len(segs) or any(len(f) != s.nbytes for f, s in zip(payload, segs)):
-            raise ProtocolError("init values do not match the segment descriptions")
-        short = [s.name for s in segs if s.name not in shapes or s.stop > math.prod(shapes[s.name])]
-        if short:
-            raise ProtocolError(f"segments lie outside their tensor's described shape: {short[:5]}")
-        self.state.seed(segs, [np.frombuffer(f, dtype=NUMPY_DTYPES[s.dtype]) for f, s in zip(payload, segs)],
-                        shapes)
-        self.checkpoint()
-        log.info("server %d: seeded %d segments by worker %d", self.index, len(segs), worker)
-
-    def _answer_init(self, p: Parked) -> Reply:
-        w, why = p.req.worker, self._differs(*p.init)
-        self._join(w, why is None)
-        if why is not None:
-            return self._rejected(p.ident, p.req, f"worker {w} describes different parameters than the "
-                                  f"ones this server holds: {why}")
-        return _reply(p.ident, P.OK, p.req.req_id, [self.state.version, self.state.clocks[w]])
-
-    def _differs(self, segs: list[SegInfo], shapes: dict) -> str | None:
-        """What differs from the seed's description (None: nothing)."""
-        mine = self.state.segs
-        if segs != mine:
-            diff = next((f"{a} here, {b} described" for a, b in zip(mine, segs) if a != b),
-                        f"{len(mine)} segments here, {len(segs)} described")
-            return f"segments differ ({diff})"
-        if self.state.shapes is None:  # a checkpoint from before shapes were recorded
-            self.state.shapes = shapes
-        for name in sorted(set(shapes) | set(self.state.shapes)):
-            if shapes.get(name) != self.state.shapes.get(name):
-                return f"{name} has shape {self.state.shapes.get(name)} here, {shapes.get(name)} described"
-        return None
-
-    def _join(self, worker: int, ok: bool) -> None:
-        if (worker in self.state.joined) != ok:
-            (self.state.joined.add if ok else self.state.joined.discard)(worker)
-            self._log({"k": "j", "w": worker, "on": ok}, [])
 
     def _check_ids(self, ids: list[int], payload: list, with_data: bool) -> None:
         n = len(self.state.segs)

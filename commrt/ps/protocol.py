@@ -118,6 +118,16 @@ def encode_reply(status: int, req_id: int, body: Any) -> bytes:
     return msgpack.packb([VERSION, status, req_id, body], use_bin_type=True)
 
 
+class Routed(NamedTuple):
+    """A reply and the ROUTER identity it goes to."""
+    ident: bytes
+    frames: list
+
+
+def routed(ident: bytes, status: int, req_id: int, body: Any, payload: list | None = None) -> Routed:
+    return Routed(ident, [encode_reply(status, req_id, body), *(payload or [])])
+
+
 def decode_reply(buf) -> Reply:
     msg = _unpack(buf, max_map=4096)
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
