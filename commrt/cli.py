@@ -184,6 +184,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except launcher.Stopped as exc:  # SIGTERM/SIGHUP: everything launched has been stopped
+        print(f"commrt {args.command}: {exc}; stopped every rank and server it started", file=sys.stderr)
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from commrt.launch import free_port, launch
 from tests.multirank.harness import ROOT
@@ -101,3 +104,61 @@ def test_max_restarts_resumes_the_group_from_its_checkpoint(tmp_path):
     assert text.count("attempt 1 resumes at step 5") == 3, text
     expected = sum(3 * step + 3 for step in range(10))  # sum over ranks of (step + rank)
     assert text.count(f"FINAL {float(expected)}") == 3, text
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has ended; only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.add(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return kids
+
+
+def _wait_until(what: str, check, deadline_s: float = 90.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what} after {deadline_s}s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signalled_launcher_stops_its_ranks_and_servers(tmp_path, sig):
+    """As `timeout` or a scheduler does it: the launcher's ranks (and their children) and its
+    --servers shards must all be gone once the launcher has exited, and its exit code says why."""
+    cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "2", "--servers", "1", "--",
+           *PROBE, "hang", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: set[int] = set()
+    try:
+        files = [tmp_path / f"rank{r}.pids" for r in range(2)]
+        _wait_until("both ranks to start", lambda: all(f.exists() for f in files))
+        pids |= {int(p) for f in files for p in f.read_text().split()}
+        server = _wait_until("the server to start", lambda: _children(launcher.pid) - pids)
+        pids |= server
+        assert all(_running(p) for p in pids)
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=60) == 128 + sig
+        _wait_until("every process the launcher started to end",
+                    lambda: not [p for p in pids if _running(p)], deadline_s=60)
+    finally:  # on failure, leave nothing behind: by PID, only what this test started
+        for pid in [launcher.pid, *pids]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
