@@ -170,9 +170,22 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     out = out or sys.stdout
     port = port or free_port()
     base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
+    _reuse_freed_memory(base)
     with _stop_on_signals(), _job_credentials(base, config, nproc, servers):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
                     stop_on_failure, max_restarts)
+
+
+def _reuse_freed_memory(env: dict) -> None:
+    """Start the ranks and servers with glibc's buffer-reuse thresholds (transport/memory.py):
+    the speed of keep_freed_memory without the library changing a user's process.
+    COMMRT_COMM_KEEP_FREED_MEMORY set to a false value in the environment turns it off."""
+    from .config import load_config
+    from .transport.memory import glibc_tunables
+    if "COMMRT_COMM_KEEP_FREED_MEMORY" in env and not load_config(None, environ={
+            "COMMRT_COMM_KEEP_FREED_MEMORY": env["COMMRT_COMM_KEEP_FREED_MEMORY"]}).comm.keep_freed_memory:
+        return
+    env["GLIBC_TUNABLES"] = glibc_tunables(env.get("GLIBC_TUNABLES", ""))
 
 
 @contextlib.contextmanager
