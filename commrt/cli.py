@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["server"]:  # its own parser (servers/ps.py), shared with python -m servers.ps
-        from servers.ps import main as server_main
+    if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
+        from .apps.ps_server import main as server_main
         return server_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from .bench.ps import main as bench_ps

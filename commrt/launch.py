@@ -155,7 +155,7 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
            stop_on_failure: bool = True, max_restarts: int = 0) -> LaunchResult:
     """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
 
-    With ``servers`` > 0, that many parameter-server shards (``python -m servers.ps``) start
+    With ``servers`` > 0, that many parameter-server shards (``python -m commrt.apps.ps_server``, as ``commrt server``) start
     first on free loopback ports, every process gets their addresses (COMMRT_PS_SERVERS), and
     they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
     ``stop_on_failure=False`` lets the other ranks run on after one fails (fault-injection tests
@@ -218,7 +218,7 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
     try:
         for i in range(servers):
             senv = rank_env(0, nproc, port, base, config)
-            p, t = _start([sys.executable, "-m", "servers.ps", "--index", str(i), *server_args], senv,
+            p, t = _start([sys.executable, "-m", "commrt.apps.ps_server", "--index", str(i), *server_args], senv,
                           f"server {i}", out, lock, stails[i], prefix)
             services.append(p)
             pumps.append(t)

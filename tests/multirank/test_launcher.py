@@ -162,3 +162,12 @@ def test_signalled_launcher_stops_its_ranks_and_servers(tmp_path, sig):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait()
+
+
+@pytest.mark.parametrize("module", ["workers.allreduce_check", "workers.train_lm", "workers.ps_train", "servers.ps"])
+def test_entry_folders_still_run_from_the_repository_root(module):
+    """The README's commands (`python -m workers.allreduce_check`, ...) run from a clone: the
+    folders are thin entry points over commrt.apps, which an installed commrt carries."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
