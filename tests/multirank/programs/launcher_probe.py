@@ -19,7 +19,7 @@ if mode == "fail" and rank == 1:
     print("rank 1 is failing on purpose", flush=True)
     sys.exit(7)
 if mode == "fail":
-    time.sleep(60)  # the launcher must stop us long before this
+    time.sleep(600)  # the launcher must stop us: waiting would end in its timeout
 if mode == "hang":  # a child of our own, in our process group: the launcher must stop it too
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     path = os.path.join(sys.argv[2], f"rank{rank}.pids")
