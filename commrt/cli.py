@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -53,6 +54,8 @@ def _bench(args) -> int:
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
                      args.datatype, args.op, args.physical)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
+        raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _bench_rank(spec, args)
     cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
