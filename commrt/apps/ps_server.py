@@ -32,8 +32,7 @@ def main(argv=None) -> int:
         print(f"commrt server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     install_signal_handlers(server)
-    server.serve()
-    return 0
+    return server.serve()  # non-zero when a durable write failed (the workers were told why)
 
 
 if __name__ == "__main__":
