@@ -14,13 +14,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
 from ..errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
 from ..wire import P2P, Header, encode_header
-from ..work import Work
 from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ class Send:
     tag: int
     seq: int
     frames: list  # [(header, payload)] pieces in order
-    work: Work
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
     sent: int = 0
     trackers: list = field(default_factory=list)
     since: float = 0.0  # last progress
@@ -51,7 +50,7 @@ class Recv:
     pieces: list  # one writable destination per expected piece
     land: Callable  # land(piece, frame): copy a received frame into its piece
     done: Callable | None  # after the last piece (write-back), or None
-    work: Work
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
     got: int = 0
     since: float = 0.0
 
@@ -70,7 +69,7 @@ class P2PEngine:
         self._early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._early_bytes: collections.Counter = collections.Counter()
 
-    def post(self, op: Send | Recv) -> Work:
+    def post(self, op: Send | Recv) -> Any:
         with self._lock:
             if self._closing:
                 raise GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
