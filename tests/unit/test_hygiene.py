@@ -8,10 +8,11 @@ CODE = [p for d in ("commrt", "servers", "workers") for p in (ROOT / d).rglob("*
 UNSAFE = re.compile(r"import pickle|from pickle|cPickle|recv_pyobj|send_pyobj|\beval\(|\bexec\(|torch\.load\(")
 
 # a module may import only from its own layer or the ones listed below it
-LAYERS = ["errors", "wire", "config", "dtypes", "transport", "store", "work", "collectives",
+LAYERS = ["errors", "wire", "config", "dtypes", "security", "transport", "store", "work", "collectives",
           "backends", "rendezvous", "group", "bootstrap", "distributed", "bench", "launch", "cli"]
 ALLOWED = {
-    "transport": {"errors", "wire", "config"},
+    # the transport applies the security mode to every socket it makes
+    "transport": {"errors", "wire", "config", "security"},
     "collectives": {"errors", "wire", "dtypes", "transport", "config"},
     "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
     # the parameter server sits beside the collectives: it never reaches into them (it uses
