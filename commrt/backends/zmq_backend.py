@@ -29,7 +29,8 @@ from .staging import Staged
 log = logging.getLogger(__name__)
 
 STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
-READ_AHEAD_OPS = 4  # ops' worth of pieces a peer may be ahead beyond what this rank has issued
+READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
+READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
 
 
 def _call_site() -> int:
@@ -63,6 +64,7 @@ class ZmqBackend:
         self._p2p_seq: collections.Counter = collections.Counter()
         self._p2p_lock = threading.Lock()  # a transfer's number and its posting are one step
         self._broken: BaseException | None = None
+        self._largest = 0  # bytes of the largest collective so far
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
 
     @property
@@ -117,16 +119,18 @@ class ZmqBackend:
             self._budget(-1, -nbytes)
 
     def _budget(self, ops: int, nbytes: int) -> None:
-        """Read ahead a peer may legitimately be: the bytes of every op this rank has issued and
-        not finished (all of an op can reach us early: all_to_all, a reduce root) plus a few
-        ops' worth of pieces for ops not issued here yet, per peer."""
+        """How far a peer may legitimately be ahead, per peer: all the bytes of every op this
+        rank has issued and not finished (all of an op can reach us early: all_to_all, a
+        reduce root) plus a few ops not issued here yet, sized like the largest op so far
+        (programs repeat their ops), never less than READ_AHEAD_FLOOR."""
         p = self._pending
         p[0] += ops
         p[1] += nbytes
+        self._largest = max(self._largest, nbytes)
         c = self.cfg.comm
-        pieces = p[1] // max(1, min(c.chunk_bytes, c.small_bytes)) + 1
-        self._coll.ahead_limit = (pieces + (p[0] + READ_AHEAD_OPS) * (self.size + 8),
-                                  p[1] + READ_AHEAD_OPS * max(c.chunk_bytes, c.small_bytes))
+        ahead = p[1] + max(READ_AHEAD_OPS * max(self._largest, c.chunk_bytes), READ_AHEAD_FLOOR)
+        pieces = ahead // max(1, min(c.chunk_bytes, c.small_bytes)) + 1
+        self._coll.ahead_limit = (pieces + (p[0] + READ_AHEAD_OPS) * (self.size + 8), ahead)
 
     def _check_usable(self) -> None:
         if self._broken is not None:
