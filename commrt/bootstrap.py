@@ -12,11 +12,10 @@ import dataclasses
 import datetime
 import logging
 import os
-import time
+import socket
 
 import msgpack
 import torch
-import zmq
 
 from . import rendezvous, security
 from .backends.torch_backend import TorchBackend
@@ -25,6 +24,8 @@ from .config import Config
 from .errors import CommError, ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .store import StoreClient, StoreServer, TorchStore, wait_for
+from .store_core import OK
+from .transport.hub import Transport
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,13 @@ class Runtime:
     """Everything init_process_group created, so destroy_process_group can undo it."""
     config: Config
     world: ProcessGroup
-    zctx: zmq.Context
+    transport: Transport
+    """This runtime's zmq context, Guard and socket factory (one owner of them all)."""
     store: object
     store_server: StoreServer | None
     owns_store: bool = True
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
-    guard: security.Guard | None = None
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -59,14 +60,28 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     return "nccl", f"CUDA with {gpus} GPUs for {local_world_size} local ranks"
 
 
-def open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float, guard=None):
+def open_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float):
     """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
         return TorchStore(tstore), None
-    server = StoreServer(zctx, spec.host, spec.port, guard) if spec.rank == 0 else None
-    return StoreClient(zctx, spec.host, spec.port, timeout_s, guard), server
+    server = StoreServer(transport, spec.host, spec.port) if spec.rank == 0 else None
+    try:
+        return StoreClient(transport, spec.host, spec.port, timeout_s), server
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+
+
+def _effective(cfg: Config, spec: rendezvous.RendezvousSpec) -> Config:
+    """``cfg`` with the address peers should dial filled in (see rendezvous.advertised_host),
+    after checking that the hosts we bind to resolve and may be exposed."""
+    cl = cfg.cluster
+    security.check_bind(cfg, [cl.bind_host] + ([spec.host] if spec.rank == 0 else []))
+    advertise = rendezvous.advertised_host(cl.bind_host, cl.advertise_host, spec.host)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise))
 
 
 def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
@@ -77,11 +92,15 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     name, why = choose_backend(cfg.comm.backend, local)
     log.info("rank %d: backend %s (%s)", spec.rank, name, why)
     timeout = cfg.comm.timeout_s
-    security.check_bind(cfg, [cfg.cluster.bind_host] + ([spec.host] if spec.rank == 0 else []))
-    zctx = zmq.Context()
-    guard = security.Guard(zctx, cfg, f"rank{spec.rank}")  # before any socket binds
+    cfg = _effective(cfg, spec)
+    transport = Transport(cfg, f"rank{spec.rank}")
+    zctx, guard = transport.ctx, transport.guard
     owns_store = store is None
-    store, server = open_store(zctx, spec, timeout, guard) if owns_store else store
+    try:
+        store, server = open_store(transport, spec, timeout) if owns_store else store
+    except BaseException:
+        transport.close()
+        raise
     try:
         hello = {"config": cfg.digest(), "backend": name}
         if name == "zmq":
@@ -103,11 +122,10 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             if server is not None:
                 server.close(linger_s=1.0)
             store.close()
-        guard.close()
-        zctx.destroy(linger=0)
+        transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard)
+    return Runtime(cfg, world, transport, store, server, owns_store)
 
 
 def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
@@ -140,11 +158,28 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     return fallback
 
 
+def _listening_socket(host: str) -> int:
+    """A TCP socket listening on ``host`` (any free port), handed over as a file descriptor:
+    torch's TCPStore has no bind-address argument and otherwise listens on every interface,
+    so rank 0 gives it a socket bound where our own store is (MASTER_ADDR)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns the descriptor from here on
+
+
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
                 namespace: str) -> TorchBackend:
     td = datetime.timedelta(seconds=timeout_s)
     if spec.rank == 0:
-        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False)
+        fd = _listening_socket(spec.host)
+        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False,
+                                            master_listen_fd=fd, use_libuv=True)
         store.set(f"{namespace}torch/port", str(tstore.port).encode())
     else:
         port = int(wait_for(store, [f"{namespace}torch/port"], timeout_s, "torch store port")[0])
@@ -174,7 +209,8 @@ def new_group(rt: Runtime, ranks: list[int]):
         backend = None
         mine = torch.zeros(ADDR_BYTES, dtype=torch.uint8)
         if me in members:
-            backend = ZmqBackend(rt.zctx, rt.config, members.index(me), len(members), gid, rt.guard,
+            backend = ZmqBackend(rt.transport.ctx, rt.config, members.index(me), len(members), gid,
+                                 rt.transport.guard,
                                  list(members))
             packed = msgpack.packb(backend.addresses)
             mine[:len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
@@ -203,9 +239,8 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
         rt.store.add("shutdown/done", 1)
         if rt.world.rank != 0:
             return
-        deadline = time.monotonic() + within_s
-        while rt.store.add("shutdown/done", 0) < rt.world.size() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
+            log.warning("rank 0: not every rank finished its teardown within %gs", within_s)
     except CommError as exc:  # a peer already gone: nothing left to wait for
         log.warning("rank %d: shutdown handshake skipped: %s", rt.world.rank, exc)
 
@@ -221,6 +256,4 @@ def shutdown(rt: Runtime, keep_store: bool = False) -> None:
         rt.store.close()
         if rt.store_server is not None:
             rt.store_server.close()
-    if rt.guard is not None:
-        rt.guard.close()
-    rt.zctx.destroy(linger=0)
+    rt.transport.close()
