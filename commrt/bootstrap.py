@@ -8,11 +8,15 @@ torch.distributed, so one init serves both.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
+import ipaddress
 import logging
 import os
 import socket
+import struct
 
 import msgpack
 import torch
@@ -114,7 +118,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             backend = _init_nccl(cfg, store, spec, timeout, namespace, zctx, guard)
         elif name == "gloo":
             rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
-            backend = _init_torch(name, store, spec, timeout, namespace)
+            backend = _init_torch(name, store, spec, timeout, namespace, cfg)
         else:
             raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
     except BaseException:
@@ -134,7 +138,7 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
     an explicit ``nccl`` is an error naming the ranks and causes."""
     try:
-        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace), b""
+        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace, cfg), b""
     except Exception as exc:  # NCCL missing, no device, driver trouble: all become the cause
         backend, outcome = None, f"{type(exc).__name__}: {exc}".encode()[:1000]
     store.set(f"{namespace}nccl/{spec.rank}", outcome or b"ok")
@@ -173,8 +177,42 @@ def _listening_socket(host: str) -> int:
     return sock.detach()  # the store owns the descriptor from here on
 
 
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface whose IPv4 address is ``ip`` (any loopback address:
+    the loopback interface), or None."""
+    want_loopback = ipaddress.ip_address(ip).is_loopback
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        addr = ipaddress.ip_address(socket.inet_ntoa(raw[20:24]))
+        if str(addr) == ip or (want_loopback and addr.is_loopback):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_interface(cfg: Config):
+    """Gloo picks its interface from $GLOO_SOCKET_IFNAME, else from the host name, which may be
+    loopback (unreachable from other hosts) or a public interface (beyond our loopback default).
+    While a gloo group is made, point it at the interface of the address we advertise, unless
+    the user chose one; the variable is restored afterwards."""
+    name = None if "GLOO_SOCKET_IFNAME" in os.environ else interface_of(
+        rendezvous.lookup(cfg.cluster.advertise_host or cfg.cluster.bind_host, "[cluster] advertise_host"))
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
-                namespace: str) -> TorchBackend:
+                namespace: str, cfg: Config) -> TorchBackend:
     td = datetime.timedelta(seconds=timeout_s)
     if spec.rank == 0:
         fd = _listening_socket(spec.host)
@@ -186,8 +224,9 @@ def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: fl
         tstore = torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
     if name == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)) % torch.cuda.device_count())
-    torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
-                                         rank=spec.rank, world_size=spec.world_size, timeout=td)
+    with gloo_interface(cfg):
+        torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
+                                             rank=spec.rank, world_size=spec.world_size, timeout=td)
     return TorchBackend(name, torch.distributed.group.WORLD, list(range(spec.world_size)), spec.rank)
 
 
@@ -201,7 +240,8 @@ def new_group(rt: Runtime, ranks: list[int]):
     rt.next_group_id += 1
     me = world.rank
     if isinstance(world.backend, TorchBackend):
-        pg = torch.distributed.new_group(list(members))
+        with gloo_interface(rt.config):
+            pg = torch.distributed.new_group(list(members))
         if me not in members:
             return NON_GROUP_MEMBER
         backend = TorchBackend(world.backend.name, pg, list(members), members.index(me))
