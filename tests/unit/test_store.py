@@ -218,3 +218,20 @@ def test_rank_ranges():
     from commrt.rendezvous import rank_ranges
     assert rank_ranges([]) == "" and rank_ranges([5]) == "5"
     assert rank_ranges([9, 2, 3, 4, 7, 8]) == "2-4, 7-9"
+
+
+def test_a_huge_world_size_gets_the_real_cause(transport):
+    """Issue 13.18: WORLD_SIZE=100000 got the misleading security hint (the old store refused
+    arrays over 1024 entries, so the rank saw a store that 'did not answer')."""
+    server, port = _store(transport)
+    client = StoreClient(transport, "127.0.0.1", port, 30)
+    try:
+        hello = rendezvous.join(client, 0, 100_000, {"config": "d", "backend": "zmq"}, 30, "rdzv/")
+        with pytest.raises(RendezvousError) as err:
+            rendezvous.gather(client, hello, 100_000, 0.2, "rdzv/")
+        msg = str(err.value)
+        assert "99999 of 100000 ranks never joined within 0.2s (WORLD_SIZE 100000); missing: 1-99999" in msg
+        assert "security" not in msg and len(msg) < 300
+    finally:
+        client.close()
+        server.close()
