@@ -8,15 +8,18 @@ torch.distributed, so one init serves both.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
+import ipaddress
 import logging
 import os
-import time
+import socket
+import struct
 
 import msgpack
 import torch
-import zmq
 
 from . import rendezvous, security
 from .backends.torch_backend import TorchBackend
@@ -25,6 +28,7 @@ from .config import Config
 from .errors import CommError, ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .store import StoreClient, StoreServer, TorchStore, wait_for
+from .store_core import OK
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -37,14 +41,13 @@ class Runtime:
     """Everything init_process_group created, so destroy_process_group can undo it."""
     config: Config
     world: ProcessGroup
-    zctx: zmq.Context
+    transport: Transport
+    """This runtime's zmq context, Guard and socket factory (one owner of them all)."""
     store: object
     store_server: StoreServer | None
     owns_store: bool = True
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
-    guard: security.Guard | None = None
-    transport: Transport | None = None
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -61,14 +64,28 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     return "nccl", f"CUDA with {gpus} GPUs for {local_world_size} local ranks"
 
 
-def open_store(zctx: zmq.Context, spec: rendezvous.RendezvousSpec, timeout_s: float, guard=None):
+def open_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float):
     """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
         return TorchStore(tstore), None
-    server = StoreServer(zctx, spec.host, spec.port, guard) if spec.rank == 0 else None
-    return StoreClient(zctx, spec.host, spec.port, timeout_s, guard), server
+    server = StoreServer(transport, spec.host, spec.port) if spec.rank == 0 else None
+    try:
+        return StoreClient(transport, spec.host, spec.port, timeout_s), server
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+
+
+def _effective(cfg: Config, spec: rendezvous.RendezvousSpec) -> Config:
+    """``cfg`` with the address peers should dial filled in (see rendezvous.advertised_host),
+    after checking that the hosts we bind to resolve and may be exposed."""
+    cl = cfg.cluster
+    security.check_bind(cfg, [cl.bind_host] + ([spec.host] if spec.rank == 0 else []))
+    advertise = rendezvous.advertised_host(cl.bind_host, cl.advertise_host, spec.host)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise))
 
 
 def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
@@ -79,11 +96,14 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     name, why = choose_backend(cfg.comm.backend, local)
     log.info("rank %d: backend %s (%s)", spec.rank, name, why)
     timeout = cfg.comm.timeout_s
-    security.check_bind(cfg, [cfg.cluster.bind_host] + ([spec.host] if spec.rank == 0 else []))
-    transport = Transport(cfg, f"rank{spec.rank}")  # its Guard starts before any socket binds
-    zctx, guard = transport.ctx, transport.guard
+    cfg = _effective(cfg, spec)
+    transport = Transport(cfg, f"rank{spec.rank}")
     owns_store = store is None
-    store, server = open_store(zctx, spec, timeout, guard) if owns_store else store
+    try:
+        store, server = open_store(transport, spec, timeout) if owns_store else store
+    except BaseException:
+        transport.close()
+        raise
     try:
         hello = {"config": cfg.digest(), "backend": name}
         if name == "zmq":
@@ -97,7 +117,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             backend = _init_nccl(cfg, store, spec, timeout, namespace, transport)
         elif name == "gloo":
             rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
-            backend = _init_torch(name, store, spec, timeout, namespace)
+            backend = _init_torch(name, store, spec, timeout, namespace, cfg)
         else:
             raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
     except BaseException:
@@ -108,7 +128,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard, transport=transport)
+    return Runtime(cfg, world, transport, store, server, owns_store)
 
 
 def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
@@ -117,7 +137,7 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
     an explicit ``nccl`` is an error naming the ranks and causes."""
     try:
-        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace), b""
+        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace, cfg), b""
     except Exception as exc:  # NCCL missing, no device, driver trouble: all become the cause
         backend, outcome = None, f"{type(exc).__name__}: {exc}".encode()[:1000]
     store.set(f"{namespace}nccl/{spec.rank}", outcome or b"ok")
@@ -141,19 +161,71 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     return fallback
 
 
+def _listening_socket(host: str) -> int:
+    """A TCP socket listening on ``host`` (any free port), handed over as a file descriptor:
+    torch's TCPStore has no bind-address argument and otherwise listens on every interface,
+    so rank 0 gives it a socket bound where our own store is (MASTER_ADDR)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns the descriptor from here on
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface whose IPv4 address is ``ip`` (any loopback address:
+    the loopback interface), or None."""
+    want_loopback = ipaddress.ip_address(ip).is_loopback
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        addr = ipaddress.ip_address(socket.inet_ntoa(raw[20:24]))
+        if str(addr) == ip or (want_loopback and addr.is_loopback):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_interface(cfg: Config):
+    """Gloo picks its interface from $GLOO_SOCKET_IFNAME, else from the host name, which may be
+    loopback (unreachable from other hosts) or a public interface (beyond our loopback default).
+    While a gloo group is made, point it at the interface of the address we advertise, unless
+    the user chose one; the variable is restored afterwards."""
+    name = None if "GLOO_SOCKET_IFNAME" in os.environ else interface_of(
+        rendezvous.lookup(cfg.cluster.advertise_host or cfg.cluster.bind_host, "[cluster] advertise_host"))
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
-                namespace: str) -> TorchBackend:
+                namespace: str, cfg: Config) -> TorchBackend:
     td = datetime.timedelta(seconds=timeout_s)
     if spec.rank == 0:
-        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False)
+        fd = _listening_socket(spec.host)
+        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False,
+                                            master_listen_fd=fd, use_libuv=True)
         store.set(f"{namespace}torch/port", str(tstore.port).encode())
     else:
         port = int(wait_for(store, [f"{namespace}torch/port"], timeout_s, "torch store port")[0])
         tstore = torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
     if name == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)) % torch.cuda.device_count())
-    torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
-                                         rank=spec.rank, world_size=spec.world_size, timeout=td)
+    with gloo_interface(cfg):
+        torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
+                                             rank=spec.rank, world_size=spec.world_size, timeout=td)
     return TorchBackend(name, torch.distributed.group.WORLD, list(range(spec.world_size)), spec.rank)
 
 
@@ -167,7 +239,8 @@ def new_group(rt: Runtime, ranks: list[int]):
     rt.next_group_id += 1
     me = world.rank
     if isinstance(world.backend, TorchBackend):
-        pg = torch.distributed.new_group(list(members))
+        with gloo_interface(rt.config):
+            pg = torch.distributed.new_group(list(members))
         if me not in members:
             return NON_GROUP_MEMBER
         backend = TorchBackend(world.backend.name, pg, list(members), members.index(me))
@@ -204,9 +277,8 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
         rt.store.add("shutdown/done", 1)
         if rt.world.rank != 0:
             return
-        deadline = time.monotonic() + within_s
-        while rt.store.add("shutdown/done", 0) < rt.world.size() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
+            log.warning("rank 0: not every rank finished its teardown within %gs", within_s)
     except CommError as exc:  # a peer already gone: nothing left to wait for
         log.warning("rank %d: shutdown handshake skipped: %s", rt.world.rank, exc)
 

@@ -34,6 +34,16 @@ def _check_positive(section: str, name: str, value: float) -> None:
         raise ConfigError(f"[{section}] {name} = {value!r} is invalid; it must be > 0")
 
 
+MAX_TIMEOUT_S = 1_000_000.0  # ~11.6 days; ZeroMQ takes timeouts as int32 milliseconds (~24.8 days)
+MAX_HEARTBEAT_S = 3600.0  # 3 heartbeats (the timeout) in int32 milliseconds, with room to spare
+
+
+def _check_seconds(section: str, name: str, value: float, most: float) -> None:
+    """Durations become int32 milliseconds in socket options: bound them (inf and NaN fail)."""
+    if not 0 < value <= most:
+        raise ConfigError(f"[{section}] {name} = {value!r} is invalid; it must be > 0 and <= {int(most)}")
+
+
 @dataclass(frozen=True)
 class CommConfig:
     backend: str = "auto"
@@ -66,8 +76,10 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         _check_choice("comm", "backend", self.backend, BACKEND_NAMES)
-        for name in ("timeout_s", "chunk_bytes", "small_bytes", "max_frame_bytes", "heartbeat_s"):
+        for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
             _check_positive("comm", name, getattr(self, name))
+        _check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
+        _check_seconds("comm", "heartbeat_s", self.heartbeat_s, MAX_HEARTBEAT_S)
         if self.max_frame_bytes < self.chunk_bytes + 4096:
             raise ConfigError(
                 f"[comm] max_frame_bytes = {self.max_frame_bytes} is invalid; it must exceed "
@@ -179,9 +191,10 @@ class PsConfig:
         _check_choice("ps", "mode", self.mode, PS_MODES)
         _check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
         _check_choice("ps", "on_worker_loss", self.on_worker_loss, ("error", "continue"))
-        for name in ("lr", "max_segment_bytes", "timeout_s", "retry_s", "worker_timeout_s",
-                     "checkpoint_every", "max_log_bytes"):
+        for name in ("lr", "max_segment_bytes", "checkpoint_every", "max_log_bytes"):
             _check_positive("ps", name, getattr(self, name))
+        for name in ("timeout_s", "retry_s", "worker_timeout_s"):
+            _check_seconds("ps", name, getattr(self, name), MAX_TIMEOUT_S)
         for name in ("workers", "staleness", "momentum", "weight_decay", "eps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"[ps] {name} = {getattr(self, name)!r} is invalid; must be >= 0")
@@ -201,13 +214,20 @@ class Config:
     ps: PsConfig = field(default_factory=PsConfig)
 
     def digest(self) -> str:
-        """Hash of the settings every rank must agree on (not rank-specific ones)."""
-        shared = {"comm": dataclasses.asdict(self.comm), "security": dataclasses.asdict(self.security)}
+        """Hash of the settings every rank must agree on: what decides the algorithms and the
+        wire, and the security mode. Not per-host ones (paths to the secret or keys, timeouts,
+        memory habits): hosts that keep their keys in different places must still meet."""
+        shared = {f"{s}.{n}": getattr(getattr(self, s), n) for s, n in DIGESTED}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"),
+            ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("security", "mode"))
 
 
 _SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,
                   "ps": PsConfig}
+OTHER_SECTIONS = ("train",)  # read by their own layers (commrt/train/config.py)
 
 
 def env_var(section: str, name: str) -> str:
@@ -270,8 +290,8 @@ def load_config(
 ) -> Config:
     """Build a Config from a TOML file, the environment and explicit overrides.
 
-    ``path`` defaults to ``$COMMRT_CONFIG`` when set. Sections not belonging to the runtime
-    (e.g. ``[train]``) are left for their own layers and ignored here.
+    ``path`` defaults to ``$COMMRT_CONFIG`` when set. ``[train]`` is left for its own layer; any
+    other unknown section (a misspelling such as ``[comms]``) is an error.
     """
     environ = os.environ if environ is None else environ
     path = path or environ.get("COMMRT_CONFIG") or None
@@ -285,6 +305,9 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         for section, body in data.items():
+            if section not in _SECTION_TYPES and section not in OTHER_SECTIONS:
+                raise ConfigError(f"{path}: unknown section [{section}]; valid: "
+                                  f"{list(_SECTION_TYPES) + list(OTHER_SECTIONS)}")
             if section in _SECTION_TYPES:
                 if not isinstance(body, dict):
                     raise ConfigError(f"[{section}] must be a table in {path}")

@@ -12,7 +12,8 @@ from urllib.parse import urlparse
 import msgpack
 
 from .errors import ConfigError, RendezvousError
-from .store import Store, wait_for
+from .store import wait_for
+from .store_core import ABORT, TIMEOUT
 from .wire import VERSION
 
 @dataclass(frozen=True)
@@ -59,36 +60,76 @@ def resolve(init_method: str | None, rank: int | None, world_size: int | None,
     if world < 1 or not 0 <= rank_v < world:
         raise ConfigError(f"rank {rank_v} is invalid for world_size {world}")
     agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return RendezvousSpec(socket.gethostbyname(host), port, rank_v, world, agent)
+    return RendezvousSpec(lookup(host, "the rendezvous address (MASTER_ADDR)"), port, rank_v, world, agent)
 
 
-def exchange(store: Store, rank: int, world_size: int, info: dict, timeout_s: float,
+def lookup(host: str, what: str) -> str:
+    """``host``'s IPv4 address, or a ``ConfigError`` saying which setting names an unknown host."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise ConfigError(f"{what} {host!r} cannot be resolved: {exc}") from None
+
+
+WILDCARDS = ("0.0.0.0", "*", "", "::")
+
+
+def advertised_host(bind_host: str, advertise_host: str, master_host: str) -> str:
+    """The address peers should dial to reach sockets bound to ``bind_host``. An explicit
+    ``advertise_host`` wins; a wildcard bind is advertised as the local address of the interface
+    that routes to the rendezvous host (a UDP connect() chooses the route; no packet is sent),
+    since ``0.0.0.0`` would make every peer dial itself."""
+    if advertise_host:
+        return advertise_host
+    if bind_host not in WILDCARDS:
+        return bind_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((master_host, 9))
+            return s.getsockname()[0]
+        except OSError as exc:
+            raise ConfigError(f"bind_host {bind_host!r} needs advertise_host: no route to the "
+                              f"rendezvous host {master_host} to pick an address from ({exc})") from None
+
+
+def exchange(store, rank: int, world_size: int, info: dict, timeout_s: float,
              namespace: str = "") -> list[dict]:
     """Publish this rank's ``info``; return every rank's, index = rank."""
     ns = namespace + "rdzv/"
-    abort_key = ns + "abort"
+    hello = join(store, rank, world_size, info, timeout_s, ns)
+    return gather(store, hello, world_size, timeout_s, ns)
+
+
+def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
+    """Claim ``rank`` and publish its hello (a duplicate claim aborts the whole rendezvous)."""
     hello = {**info, "rank": rank, "world_size": world_size, "version": VERSION,
              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     claim = store.add(f"{ns}claim/{rank}", 1)
     store.set(f"{ns}hello/{rank}/{claim}", msgpack.packb(hello))
     if claim > 1:
         first = msgpack.unpackb(wait_for(store, [f"{ns}hello/{rank}/1"], timeout_s, "rendezvous")[0])
-        msg = (f"duplicate rank {rank}: already taken by {_who(first)}; "
-               f"refused {_who(hello)}")
-        store.set(abort_key, msg.encode())
+        msg = f"duplicate rank {rank}: already taken by {_who(first)}; refused {_who(hello)}"
+        store.set(ns + "abort", msg.encode())
         raise RendezvousError(msg)
+    store.add(ns + "joined", 1)
+    return hello
+
+
+def gather(store, hello: dict, world_size: int, timeout_s: float, ns: str) -> list[dict]:
+    """Wait (in the store: one parked request, no polling) until every rank joined, then read
+    all hellos in one request and check them against ours."""
+    abort_key = ns + "abort"
+    status, value = store.wait_count(ns + "joined", world_size, abort_key, timeout_s)
+    if status == ABORT:
+        raise RendezvousError(bytes(value).decode(errors="replace"))
     keys = [f"{ns}hello/{r}/1" for r in range(world_size)]
-    try:
-        raw = wait_for(store, keys, timeout_s, "rendezvous", abort_key=abort_key)
-    except RendezvousError as exc:
-        if "still missing" not in str(exc):
-            raise
-        values = store.mget(keys)
-        missing = [r for r, v in enumerate(values) if v is None]
-        msg = f"ranks {missing} never joined within {timeout_s:g}s (world_size {world_size})"
+    if status == TIMEOUT:
+        missing = [r for r, v in enumerate(store.mget(keys)) if v is None]
+        msg = (f"{len(missing)} of {world_size} ranks never joined within {timeout_s:g}s "
+               f"(WORLD_SIZE {world_size}); missing: {rank_ranges(missing)}")
         store.set(abort_key, msg.encode())  # everyone who did join gets the same answer
-        raise RendezvousError(msg) from None
-    table = [msgpack.unpackb(v) for v in raw]
+        raise RendezvousError(msg)
+    table = [msgpack.unpackb(v) for v in store.mget(keys)]
     for peer in table:
         _check_compatible(hello, peer)
     return table
@@ -105,3 +146,16 @@ def _check_compatible(mine: dict, theirs: dict) -> None:
             raise RendezvousError(
                 f"rank {theirs.get('rank')} ({_who(theirs)}) has {what} {theirs.get(key)!r}, "
                 f"rank {mine['rank']} has {mine.get(key)!r}")
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``'2-4, 7'``: a missing-ranks list that stays readable at any size."""
+    parts, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(parts)

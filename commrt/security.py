@@ -34,6 +34,7 @@ ALLOW_FILE = "allow.txt"
 DOMAIN = "commrt"
 SECRET_ENV = "COMMRT_JOB_SECRET"  # set by `commrt launch` for its processes (one secret per job)
 DEFAULT_SECRET_FILE = os.path.join("~", ".config", "commrt", "job_secret")
+MIN_SECRET = 16  # characters, from the environment or a file alike
 
 
 def is_loopback(host: str) -> bool:
@@ -43,9 +44,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _resolvable(host: str) -> None:
+    if host in ("0.0.0.0", "*", "", "::"):
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise ConfigError(f"host {host!r} (bind_host or the rendezvous address) cannot be resolved: "
+                          f"{exc}") from None
+
+
 def check_bind(cfg: Config, hosts: list[str]) -> None:
     """Refuse to expose unencrypted sockets beyond this host unless allowed: off the host, a
-    PLAIN secret could be sniffed, and no authentication at all lets anyone in."""
+    PLAIN secret could be sniffed, and no authentication at all lets anyone in. A host that
+    does not resolve is a name-lookup error, not a security one."""
+    for host in hosts:
+        _resolvable(host)
     if cfg.security.mode == "curve":
         return
     exposed = sorted({h for h in hosts if not is_loopback(h)})
@@ -87,7 +101,11 @@ def job_secret(cfg: Config, environ=os.environ) -> bytes:
     """The job secret: $COMMRT_JOB_SECRET, else the secret file (made, mode 0600, if missing).
     A secret file that other users can read is refused: it would let them in."""
     if environ.get(SECRET_ENV):
-        return environ[SECRET_ENV].encode()
+        value = environ[SECRET_ENV]
+        if len(value) < MIN_SECRET:
+            raise ConfigError(f"${SECRET_ENV} is shorter than {MIN_SECRET} characters (use `commrt launch`, "
+                              "which sets a fresh one, or a long random value)")
+        return value.encode()
     path = os.path.expanduser(cfg.security.secret_file or DEFAULT_SECRET_FILE)
     try:
         if not os.path.exists(path):
@@ -100,8 +118,8 @@ def job_secret(cfg: Config, environ=os.environ) -> bytes:
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"the job secret file {path} is readable by others (mode "
                           f"{stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
-    if len(value) < 16:
-        raise ConfigError(f"the job secret in {path} is shorter than 16 characters")
+    if len(value) < MIN_SECRET:
+        raise ConfigError(f"the job secret in {path} is shorter than {MIN_SECRET} characters")
     return value.encode()
 
 

@@ -1,155 +1,151 @@
-"""A small key-value store for bootstrap (like torch's TCPStore), served by rank 0 over ZeroMQ.
+"""A small key-value store for bootstrap (like torch's TCPStore), served by rank 0 over the
+transport's request/reply channel (``transport/rpc.py``); the logic is ``store_core.StoreCore``.
 
-Requests and replies are msgpack arrays with strict limits; values are opaque bytes. The
-client never blocks without a deadline. Under torchrun the agent already serves a TCPStore
-on MASTER_PORT, so ``TorchStore`` adapts that one to the same interface.
+Every request carries the store's incarnation token (drawn when rank 0 starts serving), so a
+client of an earlier ``init_process_group`` cannot talk to a later store, and a re-initialising
+client refuses the previous store while it is still up. Waits are parked in the store and
+answered when they can be, so ranks do not poll. Under torchrun the agent already serves a
+TCPStore on MASTER_PORT; ``TorchStore`` adapts it to the same interface.
 """
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from typing import Protocol
 
-import msgpack
 import zmq
 
-from .errors import ProtocolError, RendezvousError
+from .errors import RendezvousError
+from .store_core import ABORT, MAX_FRAME, OK, TIMEOUT, StoreCore
+from .transport.rpc import DEFER, Call, RpcClient, RpcRejected, RpcServer, RpcTimeout
 
-log = logging.getLogger(__name__)
-
-MAX_KEY = 256
-MAX_VALUE = 64 << 10
-MAX_KEYS = 100_000
-
-
-class Store(Protocol):
-    def set(self, key: str, value: bytes) -> None: ...
-    def mget(self, keys: list[str]) -> list[bytes | None]: ...
-    def add(self, key: str, amount: int) -> int: ...
-    def close(self) -> None: ...
-
-
-def _decode_request(buf: bytes) -> list:
-    try:
-        req = msgpack.unpackb(buf, raw=False, max_str_len=MAX_KEY, max_bin_len=MAX_VALUE,
-                              max_array_len=1024, max_map_len=0, max_ext_len=0)
-    except Exception as exc:
-        raise ProtocolError(f"undecodable store request: {exc}") from None
-    if not isinstance(req, list) or not req or req[0] not in ("set", "mget", "add"):
-        raise ProtocolError("store request must be [op, ...] with op in set|mget|add")
-    return req
-
+# -- over the network ------------------------------------------------------------------------
 
 class StoreServer:
-    """Serves the store from a background thread until ``close()``."""
+    """Serves a ``StoreCore`` on the rpc server's one thread until ``close()``."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int, guard=None):
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_VALUE + 4096)
-        if guard is not None:
-            guard.server(self._sock)
-        try:
-            self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            raise RendezvousError(f"cannot serve rendezvous on {host}:{port}: {exc}") from None
-        self._data: dict[str, bytes | int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="commrt-store", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            if len(frames) != 2:
-                continue
+    def __init__(self, transport, host: str, port: int, bind_within_s: float = 10.0):
+        self.core = StoreCore()
+        deadline = time.monotonic() + bind_within_s
+        while True:
             try:
-                reply = self._handle(_decode_request(frames[1]))
-            except (ProtocolError, TypeError, ValueError) as exc:
-                log.warning("store: rejected a request: %s", exc)
-                reply = ["error", str(exc)]
-            self._sock.send_multipart([frames[0], msgpack.packb(reply, use_bin_type=True)])
-        self._sock.close(linger=0)
+                self._rpc = RpcServer(transport, host, port, self._handle, name="store",
+                                      max_frame=MAX_FRAME, tick=self._tick)
+                return
+            except zmq.ZMQError as exc:
+                # a store closed a moment ago (destroy, then init again) releases its port in
+                # ZeroMQ's I/O thread, asynchronously: give it a little time
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise RendezvousError(f"cannot serve rendezvous on {host}:{port}: {exc}") from None
+                time.sleep(0.05)
 
-    def _handle(self, req: list):
-        op = req[0]
-        if op == "set":
-            _, key, value = req
-            if not isinstance(value, bytes) or not isinstance(key, str):
-                raise TypeError("set needs a str key and a bytes value")
-            self._insert(key, value)
-            return ["ok"]
-        if op == "add":
-            _, key, amount = req
-            value = int(self._data.get(key, 0)) + int(amount)
-            self._insert(key, value)
-            return ["ok", value]
-        return ["ok", [self._data.get(k) if isinstance(k, str) else None for k in req[1]]]
+    def _handle(self, call: Call):
+        reply = self.core.handle(call.method, call.body, call, time.monotonic())
+        self._flush()
+        return DEFER if reply is None else reply
 
-    def _insert(self, key: str, value) -> None:
-        if key not in self._data and len(self._data) >= MAX_KEYS:
-            raise ValueError(f"store is full ({MAX_KEYS} keys)")
-        self._data[key] = value
+    def _tick(self, now: float) -> None:
+        self.core.expire(now)
+        self._flush()
+
+    def _flush(self) -> None:
+        for call, reply in self.core.take_answered():
+            call.reply(reply)
+
+    @property
+    def rejected(self) -> int:
+        return self._rpc.rejected
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop serving; ``linger_s`` keeps answering a little longer (after a failed
         rendezvous, so the other ranks can still read why)."""
         if linger_s:
             time.sleep(linger_s)
-        self._stop.set()
-        self._thread.join(2.0)
+        self._rpc.close()
+
+
+# incarnations of stores this process has finished with, per address: a re-initialising rank
+# must not rejoin the previous store while rank 0 has not yet replaced it (issue 13.4)
+_retired: dict[str, set[int]] = {}
+HELLO_TRY_S = 1.0  # one handshake attempt: short, so a request lost in a closing store is retried
 
 
 class StoreClient:
-    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float, guard=None):
-        self.where = f"{host}:{port}"
-        self.timeout_s = timeout_s
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # a DEALER whose only connection was refused (a wrong secret or key) has no pipe left to
-        # queue on, and its send would block for ever: bound it like every other wait
-        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        if guard is not None:
-            guard.client(self._sock, "rank0")
-        self._sock.connect(f"tcp://{host}:{port}")
-        self._lock = threading.Lock()
+    """Talks to rank 0's store. Construction performs the handshake (bounded by ``timeout_s``)."""
 
-    def _call(self, *req):
-        with self._lock:
+    def __init__(self, transport, host: str, port: int, timeout_s: float):
+        self.where, self.timeout_s = f"{host}:{port}", timeout_s
+        self._rpc = RpcClient(transport, f"tcp://{host}:{port}", "rank0", max_frame=MAX_FRAME,
+                              name=f"rendezvous store at {self.where}")
+        try:
+            self.incarnation = self._handshake()
+        except BaseException:
+            self._rpc.close()
+            raise
+
+    def _handshake(self) -> int:
+        deadline = time.monotonic() + self.timeout_s
+        old = _retired.get(self.where, set())
+        stale = None  # the last answer came from a store this process has finished with
+        while True:
+            left = deadline - time.monotonic()
             try:
-                self._sock.send(msgpack.packb(list(req), use_bin_type=True))
-            except zmq.Again:
-                raise RendezvousError(f"rendezvous store at {self.where} took no request within "
-                                      f"{self.timeout_s:g}s (is rank 0 running, under the same [security] "
-                                      "mode and job secret or keys? a refused handshake is silent)") from None
-            if not self._sock.poll(int(self.timeout_s * 1000)):
-                raise RendezvousError(f"rendezvous store at {self.where} did not answer within "
-                                      f"{self.timeout_s:g}s (is rank 0 running, under the same [security] mode "
-                                      "and job secret or keys? a stranger's handshake is refused silently)")
-            reply = msgpack.unpackb(self._sock.recv(), raw=False)
-        if reply[0] != "ok":
-            raise RendezvousError(f"rendezvous store refused {req[0]}: {reply[1]}")
-        return reply[1] if len(reply) > 1 else None
+                answer = self._rpc.call("hello", [], min(max(left, 0.01), HELLO_TRY_S))[1]
+                if answer not in old:
+                    return answer
+                stale = True
+            except RpcTimeout as exc:
+                stale = exc
+            if time.monotonic() >= deadline:
+                if isinstance(stale, RpcTimeout):
+                    raise RendezvousError(self._unreachable(stale)) from None
+                raise RendezvousError(f"rendezvous store at {self.where} is still the one of an earlier "
+                                      f"init_process_group after {self.timeout_s:g}s (rank 0 has not "
+                                      "re-initialised)")
+            if stale is True:
+                time.sleep(0.05)  # the previous store is still up: rank 0 replaces it soon
+
+    def _unreachable(self, exc: RpcTimeout) -> str:
+        how = "no connection took the request" if exc.phase == "send" else "no reply"
+        return (f"rendezvous store at {self.where} did not answer within {self.timeout_s:g}s ({how}; is "
+                "rank 0 running, under the same [security] mode and job secret or keys? a refused "
+                "handshake is silent)")
+
+    def _call(self, method: str, *args, wait_s: float = 0.0):
+        # a parked wait is answered by the server at its deadline; allow for the trip back
+        budget = wait_s + self.timeout_s
+        try:
+            reply = self._rpc.call(method, [self.incarnation, *args], budget)
+        except RpcTimeout as exc:
+            raise RendezvousError(f"rendezvous store at {self.where} stopped answering ({method}, "
+                                  f"{exc.waited_s:g}s): rank 0 exited or is overloaded") from None
+        except RpcRejected as exc:
+            raise RendezvousError(f"rendezvous store at {self.where} refused {method}: {exc.reason}") from None
+        return reply
 
     def set(self, key: str, value: bytes) -> None:
         self._call("set", key, value)
 
-    def mget(self, keys: list[str]) -> list[bytes | None]:
-        return self._call("mget", keys)
+    def mget(self, keys: list[str]) -> list:
+        return self._call("mget", keys)[1]
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
+        return self._call("add", key, amount)[1]
+
+    def wait(self, keys: list[str], abort_key: str | None, timeout_s: float) -> list:
+        """[ok, values] | [abort, message] | [timeout, missing keys], answered by the store."""
+        return self._call("wait", keys, abort_key, timeout_s, wait_s=timeout_s)
+
+    def wait_count(self, key: str, target: int, abort_key: str | None, timeout_s: float) -> list:
+        """[ok, value] | [abort, message] | [timeout, value]: counter ``key`` reached ``target``."""
+        return self._call("wait_count", key, target, abort_key, timeout_s, wait_s=timeout_s)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        _retired.setdefault(self.where, set()).add(self.incarnation)
+        self._rpc.close()
 
 
 class TorchStore:
-    """Adapter: a torch.distributed Store (e.g. torchrun's agent TCPStore) as our Store."""
+    """Adapter: a torch.distributed Store (e.g. torchrun's agent TCPStore) as our Store. It has
+    no parked waits, so ``wait``/``wait_count`` poll with a growing interval."""
 
     def __init__(self, store, prefix: str = "commrt/"):
         self._store, self._prefix = store, prefix
@@ -164,23 +160,43 @@ class TorchStore:
     def add(self, key: str, amount: int) -> int:
         return self._store.add(self._prefix + key, amount)
 
+    def _poll(self, probe, abort_key: str | None, timeout_s: float) -> list:
+        deadline, pause = time.monotonic() + timeout_s, 0.005
+        while True:
+            if abort_key and self._store.check([self._prefix + abort_key]):
+                return [ABORT, self._store.get(self._prefix + abort_key)]
+            done, value = probe()
+            if done:
+                return [OK, value]
+            if time.monotonic() >= deadline:
+                return [TIMEOUT, value]
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def wait(self, keys: list[str], abort_key: str | None, timeout_s: float) -> list:
+        def probe():
+            values = self.mget(keys)
+            missing = [k for k, v in zip(keys, values) if v is None]
+            return (not missing), (values if not missing else missing)
+        return self._poll(probe, abort_key, timeout_s)
+
+    def wait_count(self, key: str, target: int, abort_key: str | None, timeout_s: float) -> list:
+        def probe():
+            value = self.add(key, 0)
+            return value >= target, value
+        return self._poll(probe, abort_key, timeout_s)
+
     def close(self) -> None:
         pass
 
 
-def wait_for(store: Store, keys: list[str], timeout_s: float, what: str,
-             abort_key: str | None = None) -> list[bytes]:
-    """Poll until every key exists; on timeout, name the missing ones."""
-    deadline = time.monotonic() + timeout_s
-    probe = keys + ([abort_key] if abort_key else [])
-    while True:
-        values = store.mget(probe)
-        if abort_key and values[-1] is not None:
-            raise RendezvousError(values[-1].decode(errors="replace"))
-        values = values[:len(keys)]
-        missing = [k for k, v in zip(keys, values) if v is None]
-        if not missing:
-            return values
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"{what}: still missing after {timeout_s:g}s: {missing}")
-        time.sleep(0.01)
+def wait_for(store, keys: list[str], timeout_s: float, what: str, abort_key: str | None = None) -> list[bytes]:
+    """The values of ``keys`` once they all exist (the store answers when they do); an abort
+    message or the deadline becomes a ``RendezvousError`` naming what is missing."""
+    status, value = store.wait(keys, abort_key, timeout_s)
+    if status == ABORT:
+        raise RendezvousError(bytes(value).decode(errors="replace"))
+    if status == TIMEOUT:
+        shown = ", ".join(value[:8]) + (f" and {len(value) - 8} more" if len(value) > 8 else "")
+        raise RendezvousError(f"{what}: {len(value)} key(s) still missing after {timeout_s:g}s: {shown}")
+    return value

@@ -9,9 +9,9 @@ import time
 from typing import Callable
 
 import torch
-import zmq
 
-from .. import bootstrap, security, rendezvous
+from .. import bootstrap, rendezvous
+from ..transport.hub import Transport
 from ..collectives.reduce_ops import ReduceOp, parse_op
 from ..config import load_config
 from ..dtypes import parse_dtype
@@ -162,10 +162,9 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     """Run in every rank; returns the rows (identical on every rank)."""
     rdzv = rendezvous.resolve("env://", None, None, environ)
     dtype, op = parse_dtype(spec.dtype), parse_op(spec.op)
-    zctx = zmq.Context()
     cfg = load_config()
-    guard = security.Guard(zctx, cfg, f"rank{rdzv.rank}")
-    store, server = bootstrap.open_store(zctx, rdzv, cfg.comm.timeout_s, guard)
+    transport = Transport(cfg, f"rank{rdzv.rank}")
+    store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)
     runtimes = {}
     try:
         for name in spec.backends:
@@ -194,5 +193,4 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
         store.close()
         if server is not None:
             server.close()
-        guard.close()
-        zctx.destroy(linger=0)
+        transport.close()

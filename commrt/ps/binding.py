@@ -23,7 +23,7 @@ log = logging.getLogger("commrt.ps.core")
 class Binding:
     """Mixed into ``ServerCore`` (uses its state, waiting, checkpoint, _log and _rejected)."""
 
-    def _init(self, ident: bytes, req: P.Request, payload: list, now: float) -> list[Reply]:
+    def _init(self, ident: bytes, req: P.Request, payload: list, now: float) -> list[P.Routed]:
         seed, segs, shapes = req.body
         segs = [SegInfo(*s) for s in segs]
         bad = [s.name for s in segs if s.dtype not in FLOAT_CODES]
@@ -52,7 +52,7 @@ class Binding:
         self.checkpoint()
         log.info("server %d: seeded %d segments by worker %d", self.index, len(segs), worker)
 
-    def _answer_init(self, p: Parked) -> Reply:
+    def _answer_init(self, p: Parked) -> P.Routed:
         w, why = p.req.worker, self._differs(*p.init)
         self._join(w, why is None)
         if why is not None:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import zmq
 
 from ..errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
-from ..wire import P2P, Header, encode_header
+from ..wire import P2P, encode_header
 from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class P2PEngine:
                 self._progress(time.monotonic())
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)
-            self._fail_all(lambda op: exc)
+            failure = exc
+            self._fail_all(lambda op: failure)
         finally:
             self._fail_all(lambda op: GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq))
             self._ep.close()  # the owner closes its sockets, after their last use

@@ -44,7 +44,7 @@ def test_missing_rank_is_listed(tmp_path):
     _, out = run_ranks(2, "failures", "missing", env={**ENV, "COMMRT_TEST_START_DIR": str(tmp_path)}, timeout_s=60)
     errors = caught(out)
     assert len(errors) == 2 and all(k == "RendezvousError" for k, _ in errors), out
-    assert all("ranks [2] never joined" in m for _, m in errors), out
+    assert all("1 of 3 ranks never joined" in m and "missing: 2" in m for _, m in errors), out
 
 
 def test_duplicate_rank_names_both():

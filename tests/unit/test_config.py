@@ -78,3 +78,57 @@ def test_plaintext_beyond_loopback_is_refused_unless_allowed():
     allowed = load_config(overrides={"security": {"allow_insecure": True}}, environ={})
     check_bind(allowed, ["198.18.0.1"])
     check_bind(load_config(overrides={"security": {"mode": "curve"}}, environ={}), ["198.18.0.1"])  # authenticated
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[comm]\ntimeout_s = inf\n', "[comm] timeout_s = inf is invalid; it must be > 0 and <= 1000000"),
+    ('[comm]\ntimeout_s = 3e6\n', "[comm] timeout_s = 3000000.0 is invalid; it must be > 0 and <= 1000000"),
+    ('[comm]\ntimeout_s = nan\n', "[comm] timeout_s = nan is invalid"),
+    ('[comm]\nheartbeat_s = inf\n', "[comm] heartbeat_s = inf is invalid; it must be > 0 and <= 3600"),
+    ('[ps]\ntimeout_s = inf\n', "[ps] timeout_s = inf is invalid; it must be > 0 and <= 1000000"),
+    ('[comms]\nbackend = "zmq"\n', "unknown section [comms]; valid: ['comm', 'cluster', 'security', 'ps', 'train']"),
+])
+def test_out_of_range_values_and_unknown_sections_are_config_errors(tmp_path, text, needle):
+    """Issue 13.17: these passed `commrt config` and then crashed init with a raw OverflowError
+    (timeouts become int32 milliseconds in ZeroMQ options), or were silently ignored ([comms])."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f, environ={})
+    assert needle in str(info.value)
+
+
+def test_out_of_range_values_from_the_environment_too():
+    with pytest.raises(ConfigError, match=r"timeout_s = inf is invalid"):
+        load_config(environ={"COMMRT_COMM_TIMEOUT_S": "inf"})
+
+
+def test_the_largest_valid_timeouts_make_valid_zmq_options():
+    """At the bounds, the Transport's socket options (int32 milliseconds) still fit."""
+    from commrt.transport.hub import Transport
+    cfg = load_config(overrides={"comm": {"timeout_s": 1e6, "heartbeat_s": 3600}, "security": {"mode": "none"}},
+                      environ={})
+    t = Transport(cfg, "rank0")
+    try:
+        import zmq
+        sock, _ = t.listen(zmq.ROUTER, "127.0.0.1")
+        sock.close(linger=0)
+    finally:
+        t.close()
+
+
+def test_an_unresolvable_bind_host_is_a_lookup_error_not_a_security_one():
+    from commrt.security import check_bind
+    with pytest.raises(ConfigError, match="'no-such-host.invalid' .*cannot be resolved"):
+        check_bind(Config(), ["no-such-host.invalid"])
+
+
+def test_digest_leaves_out_per_host_paths_and_timeouts():
+    """Hosts that keep the secret file or keys in different places must still agree (issue 12)."""
+    a = Config()
+    b = load_config(overrides={"security": {"secret_file": "/elsewhere/s", "keys_dir": "/other/keys"},
+                               "comm": {"timeout_s": 77.0}}, environ={})
+    assert a.digest() == b.digest()
+    for change in ({"security": {"mode": "curve"}}, {"comm": {"small_bytes": 1}},
+                   {"comm": {"check_call_sites": True}}, {"comm": {"backend": "gloo"}}):
+        assert load_config(overrides=change, environ={}).digest() != a.digest(), change

@@ -73,3 +73,11 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path):
     path.write_text("short")
     with pytest.raises(ConfigError, match="shorter than 16"):
         job_secret(_secret_cfg(path), {})
+
+
+def test_a_short_secret_is_refused_from_the_environment_as_from_a_file(tmp_path):
+    """Issue 13.17: COMMRT_JOB_SECRET=a was accepted while a file needs 16 characters."""
+    from commrt.security import SECRET_ENV, job_secret
+    with pytest.raises(ConfigError, match=r"COMMRT_JOB_SECRET is shorter than 16"):
+        job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "a"})
+    assert job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "x" * 16}) == b"x" * 16
