@@ -19,16 +19,22 @@ from ..errors import ConfigError
 from ..optim import OptimSpec
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-              "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter"}
+              "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter", "sharding_strategy",
+              "zero_hpz_partition_size", "mics_shard_size", "shard_group_size"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads"}
+# FSDP's strategies (torch.distributed.fsdp.ShardingStrategy) as (ZeRO stage, hybrid)
+STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
+              "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
+_NAMED = {"sharding_strategy"}  # keys whose values are names, not numbers
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "lamb": "lamb", "sgd": "sgd"}
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    stage: int = 0
-    """0: data parallel; 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
+    stage: int | None = None
+    """0: data parallel; 1: optimizer state sharded; 2: + gradients; 3: + parameters (default 0,
+    or what ``sharding_strategy`` implies)."""
     reduce_bucket_size: int = 25_000_000
     """Elements per gradient bucket (stages 0-2): a bucket is reduced as soon as it is full."""
     allgather_bucket_size: int = 25_000_000
@@ -39,11 +45,73 @@ class ZeroConfig:
     """Stage 3: while a module runs, gather the modules after it (in execution order) up to this
     many elements ahead, at least one (0 disables prefetch)."""
 
+    sharding_strategy: str | None = None
+    """FSDP's name for the stage, instead of ``stage``: FULL_SHARD (3), SHARD_GRAD_OP (2),
+    NO_SHARD (0), HYBRID_SHARD (stage 3 inside each shard group, replicated across groups),
+    _HYBRID_SHARD_ZERO2 (the same at stage 2), or "auto" (hybrid when the job spans nodes)."""
+    zero_hpz_partition_size: int | str = 1
+    """ZeRO++ hpZ (stage 3): also keep a secondary copy of the parameters sharded over groups of
+    this many ranks (a node); backward gathers read it instead of crossing nodes. 1: off;
+    "auto": the ranks per node when the job spans nodes."""
+    mics_shard_size: int = -1
+    """DeepSpeed MiCS (stage 3): shard over groups of this many ranks, replicated across the
+    groups; the same as HYBRID_SHARD with ``shard_group_size``. -1: off."""
+    shard_group_size: int = 0
+    """HYBRID_SHARD / _HYBRID_SHARD_ZERO2: ranks per shard group; 0: the ranks per node."""
+
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_optimization.stage = {self.stage!r} is invalid; valid: [0, 1, 2, 3]")
+        stage = _stage_of(self)
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_optimization.stage = {stage!r} is invalid; valid: [0, 1, 2, 3]")
+        object.__setattr__(self, "stage", stage)
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
+        _check_groups(self)
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded inside groups and replicated across them (HSDP, MiCS)."""
+        return self.mics_shard_size > 0 or STRATEGIES.get(self.sharding_strategy or "", (0, False))[1]
+
+
+def _stage_of(z: ZeroConfig) -> int:
+    """The stage ``stage`` and ``sharding_strategy`` agree on (giving both, differently, is an error)."""
+    name = z.sharding_strategy
+    if name is None or name == "auto":
+        return 0 if z.stage is None else z.stage
+    if name not in STRATEGIES:
+        raise ConfigError(f"zero_optimization.sharding_strategy = {name!r} is invalid; valid: "
+                          f"{sorted(STRATEGIES) + ['auto']}")
+    implied = STRATEGIES[name][0]
+    if z.stage is not None and z.stage != implied:
+        raise ConfigError(f"zero_optimization.stage = {z.stage} contradicts sharding_strategy = {name!r} "
+                          f"(stage {implied}); give one of them")
+    return implied
+
+
+def _check_groups(z: ZeroConfig) -> None:
+    """What can be checked without knowing the world size."""
+    hpz, mics, size = z.zero_hpz_partition_size, z.mics_shard_size, z.shard_group_size
+    if hpz != "auto" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1):
+        raise ConfigError(f"zero_hpz_partition_size = {hpz!r} is invalid; valid: an int >= 1 (1: off) or 'auto'")
+    if (hpz == "auto" or hpz > 1) and z.stage != 3:
+        raise ConfigError(f"zero_hpz_partition_size = {hpz!r} needs stage 3 (FULL_SHARD), not stage {z.stage}; "
+                          "for stage 2 inside each node use sharding_strategy = '_HYBRID_SHARD_ZERO2'")
+    if mics != -1 and mics < 1:
+        raise ConfigError(f"mics_shard_size = {mics} is invalid; valid: -1 (off) or >= 1")
+    if mics > 0 and (z.stage != 3 or z.sharding_strategy not in (None, "HYBRID_SHARD")):
+        raise ConfigError(f"mics_shard_size needs stage 3 (it is HYBRID_SHARD with shard_group_size = {mics}); "
+                          f"got stage {z.stage}, sharding_strategy {z.sharding_strategy!r}; for stage 2 use "
+                          "sharding_strategy = '_HYBRID_SHARD_ZERO2' with shard_group_size")
+    if mics > 0 and size not in (0, mics):
+        raise ConfigError(f"mics_shard_size = {mics} and shard_group_size = {size} disagree; give one")
+    if size < 0 or (size and not z.hybrid):
+        raise ConfigError(f"shard_group_size = {size} applies only to sharding_strategy HYBRID_SHARD or "
+                          "_HYBRID_SHARD_ZERO2 (must be >= 1); for stage 3 groups inside a node without "
+                          "replicas use zero_hpz_partition_size")
+    if z.hybrid and (hpz == "auto" or hpz > 1):
+        raise ConfigError("zero_hpz_partition_size cannot be combined with hybrid sharding (HYBRID_SHARD, "
+                          "MiCS): parameters already live inside the shard group")
 
 
 @dataclass(frozen=True)
@@ -68,7 +136,8 @@ class TrainConfig:
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
 
     def with_stage(self, stage: int) -> "TrainConfig":
-        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, stage=stage))
+        """This config at another stage (a sharding strategy given by name is dropped with it)."""
+        return dataclasses.replace(self, zero=dataclasses.replace(self.zero, stage=stage, sharding_strategy=None))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "TrainConfig":
@@ -78,7 +147,7 @@ class TrainConfig:
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
-        return cls(zero=ZeroConfig(**{k: _int_or_bool(v) for k, v in zero.items()}),
+        return cls(zero=ZeroConfig(**{k: v if k in _NAMED or v == "auto" else _int_or_bool(v) for k, v in zero.items()}),
                    optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
                    gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
                    gradient_clipping=float(raw.get("gradient_clipping", 0.0)),

@@ -19,7 +19,7 @@ from torch import nn
 from .. import distributed as dist
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import CommError
-from . import checkpoint
+from . import checkpoint, groups, sharding
 from .config import TrainConfig
 from .zero import UnitState, Zero
 
@@ -47,8 +47,9 @@ class Engine:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for p in model.parameters() if p.requires_grad]
         z = cfg.zero
-        self.zero = Zero(model, self.params, z.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
-                         group, overlap=z.overlap_comm)
+        self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node())
+        self.zero = Zero(model, self.params, self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
+                         group, overlap=z.overlap_comm, groups=groups.build(self.plan, group))
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
@@ -61,7 +62,7 @@ class Engine:
             for p in u.params:
                 self._unit_of[id(p)] = u
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if z.stage == 3:
+        if self.plan.stage == 3:
             self._install_gather_hooks(model)
 
     # -- forward / backward / step ----------------------------------------------------------
@@ -137,7 +138,8 @@ class Engine:
         z = self.zero
         vec = torch.zeros(z.world + 1, dtype=torch.float64)
         vec[z.rank] = float(z.nonfinite)
-        vec[z.world] = sum(float(z.shard_grad(u).double().square().sum()) for u in z.units)
+        if z.counts_norm:
+            vec[z.world] = sum(float(z.shard_grad(u).double().square().sum()) for u in z.units)
         dist.all_reduce(vec, ReduceOp.SUM, self.group)
         z.nonfinite = False
         bad = [r for r in range(z.world) if vec[r] > 0]
@@ -208,6 +210,7 @@ class Engine:
         params = sum(u.master.numel() * 4 for u in z.units if z.stage == 3 or self.dtype != torch.float32)
         if z.stage < 3:
             params += sum(u.full.numel() * u.full.element_size() for u in z.units)
+        params += sum(u.secondary.numel() * u.secondary.element_size() for u in z.units if u.secondary is not None)
         grads = sum(u.grad.numel() * u.grad.element_size() for u in z.units)
         state = sum(t.numel() * t.element_size() for u in z.units for t in u.state.values())
         frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)

@@ -10,6 +10,12 @@ Every trainable parameter belongs to a unit (``layout.Unit``): one flat buffer, 
              backward) into the owner's shard; no rank keeps a full gradient after its bucket
     stage 3  + parameters: a module's unit is all-gathered just before its forward and again
              before its backward, freed after each, the next one prefetched
+
+Sharded over a smaller group (``groups.ShardGroups``, see ``sharding``): hybrid sharding keeps
+units sharded inside each shard group and averages each shard's gradient over its replicas;
+hpZ keeps the stage-3 shards over every rank plus a secondary copy inside each node, which a
+unit's gathers read from as long as it is current (from the first gather after a step, which
+reads the primary shards, until the next step).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from .. import distributed as dist
 from .. import optim
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import ConfigError
+from .groups import ShardGroups
 from .layout import Unit, buckets, make_unit, pieces
 
 
@@ -34,7 +41,9 @@ class UnitState:
         self.grad: torch.Tensor | None = None     # fp32: full (stages 0-1) or own shard (2-3)
         self.state: dict[str, torch.Tensor] = {}
         self.pending = 0
-        self.gathering = None  # (work, buffer) of an all-gather in flight
+        self.gathering = None  # (work, buffer, from the primary shards) of an all-gather in flight
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
+        self.fresh = False  # hpZ: the secondary copy holds the values of the last step
 
     def views(self, flat: torch.Tensor) -> None:
         for p, shape, off, n in zip(self.params, self.shapes, self.layout.offsets, self.layout.numels):
@@ -63,17 +72,23 @@ class Zero:
     """The per-rank state and communication of one ZeRO-sharded model (used by ``Engine``)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, spec: optim.OptimSpec,
-                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True):
+                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True,
+                 groups: ShardGroups = ShardGroups()):
         self.stage, self.spec, self.dtype, self.group = stage, spec, dtype, group
         self.overlap = overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.sgroup = groups.shard if groups.shard is not None else group
+        self.rgroup, self.hgroup = groups.replica, groups.secondary
+        self.shard_rank, self.shards = dist.get_rank(self.sgroup), dist.get_world_size(self.sgroup)
+        # with replicas, one copy of each shard counts towards the global gradient norm
+        self.counts_norm = self.rgroup is None or dist.get_rank(self.rgroup) == 0
         self.works: list = []
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
         self.units: list[UnitState] = []
         for idx in make_units(model, params, stage, cap, self.world):
             lay = make_unit(idx, [params[i].numel() for i in idx], self.world)
-            own = (0, lay.padded) if stage == 0 else lay.shard(self.rank, self.world)
+            own = (0, lay.padded) if stage == 0 else lay.shard(self.shard_rank, self.shards)
             self.units.append(self._build(lay, [params[i] for i in idx], own))
 
     # -- construction -----------------------------------------------------------------------
@@ -89,6 +104,8 @@ class Zero:
             u.views(u.full)
         else:
             u.master = flat[lo:hi].clone()
+            if self.hgroup is not None:
+                u.secondary = torch.zeros(lay.padded // dist.get_world_size(self.hgroup), dtype=self.dtype)
             self.release(u)
         u.grad = torch.zeros(lay.padded if self.stage < 2 else hi - lo)
         u.state = optim.init_state(self.spec, u.master)
@@ -109,8 +126,12 @@ class Zero:
             self._track(work, lambda: u.grad.copy_(flat))
         else:
             out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
-            work = dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.group, async_op=True)
-            self._track(work, lambda: u.grad.add_(out))
+            work = dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, async_op=True)
+            if self.rgroup is None:
+                self._track(work, lambda: u.grad.add_(out))
+            else:  # hybrid: the group's average of the shard, then the average over the groups
+                self._track(work, lambda: self._track(dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True),
+                                                      lambda: u.grad.add_(out)))
             if self.stage == 3:
                 self.release(u)
 
@@ -120,8 +141,8 @@ class Zero:
             self.wait()
 
     def wait(self) -> None:
-        works, self.works = self.works, []
-        for work, then in works:
+        while self.works:  # a ``then`` may start a further collective (hybrid's second step)
+            work, then = self.works.pop(0)
             work.wait()
             then()
 
@@ -132,7 +153,7 @@ class Zero:
         """This rank's 1/world of the gradient (for norms: every element counted once)."""
         if self.stage >= 2:
             return u.grad
-        lo, hi = u.layout.shard(self.rank, self.world)
+        lo, hi = u.layout.shard(self.shard_rank, self.shards)
         return u.grad[lo:hi]
 
     # -- stage 3 gathering ------------------------------------------------------------------
@@ -140,18 +161,25 @@ class Zero:
         if u.full is not None or u.gathering is not None:
             return
         buf = torch.empty(u.layout.padded, dtype=self.dtype)
-        send = u.master.to(self.dtype, copy=True)
-        u.gathering = (dist.all_gather_into_tensor(buf, send, self.group, async_op=True), buf)
+        if u.fresh:  # hpZ: inside the node only
+            u.gathering = (dist.all_gather_into_tensor(buf, u.secondary, self.hgroup, async_op=True), buf, False)
+        else:
+            send = u.master.to(self.dtype, copy=True)
+            u.gathering = (dist.all_gather_into_tensor(buf, send, self.sgroup, async_op=True), buf, True)
         self._count_live(buf.numel() * buf.element_size())
 
     def gather(self, u: UnitState) -> None:
         self.start_gather(u)
         if u.gathering is None:
             return
-        work, buf = u.gathering
+        work, buf, primary = u.gathering
         work.wait()
         u.gathering, u.full = None, buf
         u.views(buf)
+        if primary and u.secondary is not None:  # refresh the secondary copy from what arrived
+            lo, hi = u.layout.shard(dist.get_rank(self.hgroup), dist.get_world_size(self.hgroup))
+            u.secondary.copy_(buf[lo:hi])
+            u.fresh = True
 
     def _count_live(self, nbytes: int) -> None:
         """Gathered (or being gathered) units' bytes: what stage 3 holds beyond its shards."""
@@ -198,7 +226,7 @@ class Zero:
             norms.append(sq)
         flat = torch.cat(norms) if norms else torch.zeros(0, 2, dtype=torch.float64)
         if self.stage > 0:
-            dist.all_reduce(flat, ReduceOp.SUM, self.group)
+            dist.all_reduce(flat, ReduceOp.SUM, self.sgroup)
         row = 0
         for (u, r), sq in zip(lamb, norms):
             part = flat[row:row + len(sq)].sqrt()
@@ -215,10 +243,12 @@ class Zero:
                     u.full.copy_(u.master)
             return
         if self.stage == 3:
+            for u in self.units:
+                u.fresh = False  # the next gather reads the new primary shards
             return
         for u in self.units:
             send = u.master.to(self.dtype, copy=True)
-            self.works.append((dist.all_gather_into_tensor(u.full, send, self.group, async_op=True),
+            self.works.append((dist.all_gather_into_tensor(u.full, send, self.sgroup, async_op=True),
                                lambda: None))
         self.wait()
 
@@ -228,5 +258,5 @@ class Zero:
         if self.stage == 0:
             return u.master.clone()
         out = torch.empty(u.layout.padded)
-        dist.all_gather_into_tensor(out, u.master.clone(), self.group)
+        dist.all_gather_into_tensor(out, u.master.clone(), self.sgroup)
         return out

@@ -1,0 +1,52 @@
+"""The process groups a sharding plan needs. Every rank creates every group, in the same order
+(``new_group`` is collective over the world, as in torch), and keeps the ones it belongs to.
+A device mesh ((replicas, shard) over the world) would hand out the same two groups."""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from .. import distributed as dist
+from ..errors import ConfigError
+from .sharding import Plan
+
+
+class ShardGroups(NamedTuple):
+    shard: object = None      # units are sharded over it (None: the engine's group)
+    replica: object = None    # hybrid: the ranks holding the same shard (None: no replicas)
+    secondary: object = None  # hpZ: the in-node group sharing one secondary copy
+
+
+def ranks_per_node() -> int:
+    """torchrun's LOCAL_WORLD_SIZE (``commrt launch`` sets it too); the world when unset."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+
+
+def shard_and_replica_groups(world_size: int, rank: int, shard_size: int):
+    """(this rank's group of ``shard_size`` consecutive ranks, its group of the ranks at the
+    same position in every such group)."""
+    mine = [None, None]
+    for lo in range(0, world_size, shard_size):
+        g = dist.new_group(list(range(lo, lo + shard_size)))
+        if lo <= rank < lo + shard_size:
+            mine[0] = g
+    for pos in range(shard_size):
+        g = dist.new_group(list(range(pos, world_size, shard_size)))
+        if rank % shard_size == pos:
+            mine[1] = g
+    return mine[0], mine[1]
+
+
+def build(p: Plan, group=None) -> ShardGroups:
+    world = dist.get_world_size(group)
+    if p.replicas == 1 and not p.secondary:
+        return ShardGroups()
+    if world != dist.get_world_size():
+        raise ConfigError(f"hybrid sharding and hpZ build their groups over the whole world ({dist.get_world_size()} "
+                          f"ranks), not over a group of {world}; pass group=None")
+    rank = dist.get_rank()
+    if p.secondary:
+        secondary, _ = shard_and_replica_groups(world, rank, p.secondary)
+        return ShardGroups(secondary=secondary)
+    shard, replica = shard_and_replica_groups(world, rank, p.shard)
+    return ShardGroups(shard=shard, replica=replica)

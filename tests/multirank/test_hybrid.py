@@ -1,0 +1,36 @@
+"""Hybrid sharding (FSDP HYBRID_SHARD / _HYBRID_SHARD_ZERO2, DeepSpeed MiCS) and ZeRO++ hpZ at
+4 ranks in shard groups of 2 (a 2x2 layout set by configuration on loopback), against
+single-process training; the checks live in programs/hybrid_job.py and print 'OK <case>'."""
+import pytest
+
+from tests.multirank.harness import run_ranks
+
+FAST = [f"{layout} {kind}" for layout in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ")
+        for kind in ("adamw", "accumulation+clipping")] + [
+    "hpZ prefetch 0", "hpZ prefetch 50000000",
+    "checkpoint HYBRID_SHARD -> hpZ", "checkpoint hpZ -> _HYBRID_SHARD_ZERO2", "checkpoint MiCS -> FULL_SHARD",
+    "checkpoint _HYBRID_SHARD_ZERO2 -> HYBRID_SHARD", "hpZ converges like stage 3", "bytes per step off the shard group",
+    "refused {'sharding_strategy': 'HYBRID_SHARD', 'shard_group_size': 8}",
+    "refused {'stage': 3, 'zero_hpz_partition_size': 3}"]
+GRID = [f"{layout} {kind}" for layout in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                          "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ")
+        for kind in ("adamw", "lamb", "accumulation+clipping")]
+
+
+def _check(out: str, cases: list[str], nproc: int = 4) -> None:
+    for case in cases:
+        assert out.count(f"OK {case}") == nproc, f"{case!r} missing:\n{out[-4000:]}"
+
+
+def test_hybrid_and_hpz_equal_single_process(tmp_path):
+    _, out = run_ranks(4, "hybrid_job", "errors", "hybrid", "checkpoint", "convergence", "bytes", timeout_s=300,
+                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)})
+    _check(out, FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_every_strategy_equals_single_process(tmp_path, backend):
+    _, out = run_ranks(4, "hybrid_job", "strategies", timeout_s=600,
+                       env={"COMMRT_COMM_BACKEND": backend, "COMMRT_TEST_TMP": str(tmp_path)})
+    _check(out, GRID)

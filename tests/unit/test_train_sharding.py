@@ -1,0 +1,76 @@
+"""The training config's sharding keys (FSDP strategies, hpZ, MiCS) and the layout they give
+at a world size: pure, no processes."""
+import pytest
+
+from commrt.errors import ConfigError
+from commrt.train.config import TrainConfig
+from commrt.train.sharding import Plan, plan
+
+
+def zero(**keys):
+    return TrainConfig.from_dict({"zero_optimization": keys}).zero
+
+
+@pytest.mark.parametrize("name,stage,hybrid", [("FULL_SHARD", 3, False), ("SHARD_GRAD_OP", 2, False),
+                                               ("NO_SHARD", 0, False), ("HYBRID_SHARD", 3, True),
+                                               ("_HYBRID_SHARD_ZERO2", 2, True)])
+def test_fsdp_strategies_map_onto_stages(name, stage, hybrid):
+    z = zero(sharding_strategy=name)
+    assert (z.stage, z.hybrid) == (stage, hybrid)
+    assert zero(sharding_strategy=name, stage=stage).stage == stage  # both, consistently: fine
+
+
+def test_stage_alone_and_default():
+    assert zero().stage == 0 and zero(stage=2).stage == 2 and not zero(stage=3).hybrid
+
+
+@pytest.mark.parametrize("keys,says", [
+    ({"stage": 2, "sharding_strategy": "FULL_SHARD"}, "contradicts"),
+    ({"stage": 3, "sharding_strategy": "_HYBRID_SHARD_ZERO2"}, "contradicts"),
+    ({"sharding_strategy": "FULL"}, "valid: ['FULL_SHARD'"),
+    ({"stage": 2, "zero_hpz_partition_size": 2}, "needs stage 3"),
+    ({"sharding_strategy": "SHARD_GRAD_OP", "zero_hpz_partition_size": 4}, "_HYBRID_SHARD_ZERO2"),
+    ({"stage": 3, "zero_hpz_partition_size": 0}, "int >= 1"),
+    ({"stage": 2, "mics_shard_size": 2}, "needs stage 3"),
+    ({"stage": 3, "mics_shard_size": 2, "shard_group_size": 4}, "disagree"),
+    ({"stage": 3, "shard_group_size": 2}, "applies only to"),
+    ({"sharding_strategy": "HYBRID_SHARD", "zero_hpz_partition_size": 2}, "cannot be combined"),
+])
+def test_inconsistent_keys_are_config_errors(keys, says):
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace("(", r"\(")):
+        zero(**keys)
+
+
+def test_plans_at_a_world_size():
+    assert plan(zero(stage=3), 4, 2) == Plan(3, 4, 1, 0)
+    assert plan(zero(stage=3, zero_hpz_partition_size=2), 4, 4) == Plan(3, 4, 1, 2)
+    assert plan(zero(stage=3, zero_hpz_partition_size=4), 4, 4) == Plan(3, 4, 1, 0)  # the node is the world
+    assert plan(zero(sharding_strategy="HYBRID_SHARD"), 6, 3) == Plan(3, 3, 2, 0)  # default: ranks per node
+    assert plan(zero(sharding_strategy="_HYBRID_SHARD_ZERO2", shard_group_size=2), 6, 6) == Plan(2, 2, 3, 0)
+    assert plan(zero(stage=3, mics_shard_size=3), 6, 1) == Plan(3, 3, 2, 0)  # any size dividing the world
+    assert plan(zero(mics_shard_size=2, sharding_strategy="HYBRID_SHARD"), 4, 4) == Plan(3, 2, 2, 0)
+
+
+@pytest.mark.parametrize("keys,world,per_node,says", [
+    ({"stage": 3, "zero_hpz_partition_size": 4}, 6, 6, "does not divide the world of 6 ranks; valid: [1, 2, 3, 6]"),
+    ({"stage": 3, "mics_shard_size": 4}, 6, 6, "mics_shard_size = 4 does not divide"),
+    # instructlab/training 678: a 2-rank job on machines with 8 ranks per node
+    ({"sharding_strategy": "HYBRID_SHARD"}, 2, 8, "larger than the world of 2 rank(s); use a size that divides 2: [1, 2]"),
+    ({"stage": 3, "zero_hpz_partition_size": 8}, 2, 8, "larger than the world of 2"),
+])
+def test_group_sizes_that_do_not_fit_the_world(keys, world, per_node, says):
+    with pytest.raises(ConfigError) as info:
+        plan(zero(**keys), world, per_node)
+    assert says in str(info.value)
+
+
+def test_auto_picks_the_node():
+    assert plan(zero(stage=3, zero_hpz_partition_size="auto"), 8, 4) == Plan(3, 8, 1, 4)
+    assert plan(zero(stage=3, zero_hpz_partition_size="auto"), 4, 4) == Plan(3, 4, 1, 0)  # one node: off
+    assert plan(zero(sharding_strategy="auto"), 8, 4) == Plan(3, 4, 2, 0)
+    assert plan(zero(sharding_strategy="auto"), 4, 4) == Plan(3, 4, 1, 0)
+
+
+def test_with_stage_drops_the_strategy_name():
+    cfg = TrainConfig.from_dict({"zero_optimization": {"sharding_strategy": "FULL_SHARD"}})
+    assert cfg.with_stage(1).zero.stage == 1
