@@ -11,7 +11,7 @@ FAST = [f"{layout} {kind}" for layout in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2",
     "checkpoint HYBRID_SHARD -> hpZ", "checkpoint hpZ -> _HYBRID_SHARD_ZERO2", "checkpoint MiCS -> FULL_SHARD",
     "checkpoint _HYBRID_SHARD_ZERO2 -> HYBRID_SHARD", "hpZ converges like stage 3", "bytes per step off the shard group",
     "refused {'sharding_strategy': 'HYBRID_SHARD', 'shard_group_size': 8}",
-    "refused {'stage': 3, 'zero_hpz_partition_size': 3}"]
+    "refused {'stage': 3, 'zero_hpz_partition_size': 3}", "memory accounting"]
 GRID = [f"{layout} {kind}" for layout in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                           "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ")
         for kind in ("adamw", "lamb", "accumulation+clipping")]

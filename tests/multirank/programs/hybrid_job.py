@@ -60,6 +60,23 @@ def error_cases(rank: int, world: int) -> None:
             raise AssertionError(f"{zero} was accepted at world {world}")
 
 
+def memory_case(rank: int, world: int) -> None:
+    """hpZ holds stage 3's state plus the secondary copy (4 bytes x P / SHARD in fp32); hybrid
+    stage 3 holds stage 3's state over SHARD ranks instead of the world (16 P / SHARD)."""
+    def report(layout):
+        torch.manual_seed(0)
+        return initialize(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]),
+                          {"zero_optimization": LAYOUTS[layout]}).memory_report()
+    P = 6 * (64 * 64 + 64)
+    full, hpz, hybrid = report("FULL_SHARD"), report("hpZ"), report("HYBRID_SHARD")
+    extra = hpz["parameters"] - full["parameters"]
+    if abs(extra - 4 * P / SHARD) > 0.03 * 4 * P / SHARD or hpz["total"] - full["total"] != extra:
+        raise AssertionError(f"hpZ {hpz} vs stage 3 {full}: the secondary copy should add {4 * P / SHARD:.0f}")
+    if abs(hybrid["total"] - 16 * P / SHARD) > 0.03 * 16 * P / SHARD:
+        raise AssertionError(f"HYBRID_SHARD {hybrid} vs {16 * P / SHARD:.0f}")
+    print("OK memory accounting", flush=True)
+
+
 def checkpoint_cases(rank: int, world: int, directory: str) -> None:
     """Save after 2 steps under one layout, take the third step under another: equals 3 steps."""
     for saved, loaded in (("HYBRID_SHARD", "hpZ"), ("hpZ", "_HYBRID_SHARD_ZERO2"), ("MiCS", "FULL_SHARD"),
@@ -156,6 +173,7 @@ def main() -> int:
         strategy_cases(rank, world, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ"], ("adamw",))
     if "errors" in which:
         error_cases(rank, world)
+        memory_case(rank, world)
     if "checkpoint" in which:
         checkpoint_cases(rank, world, os.environ["COMMRT_TEST_TMP"])
     if "convergence" in which:
