@@ -10,7 +10,7 @@ import datetime
 import os
 from typing import Any
 
-from . import bootstrap, rendezvous
+from . import bootstrap, dtypes, rendezvous
 from .collectives.reduce_ops import ReduceOp, parse_op
 from .config import Config, load_config
 from .errors import CommError
@@ -135,9 +135,16 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Wor
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False) -> Work | None:
+    """``output`` may share memory with ``input`` (even be the same tensor): the input is then
+    copied first, on every backend (gloo alone would return wrong blocks)."""
     g = _group(group)
-    return None if g is None else g.backend.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, async_op)
+    if g is None:
+        return None
+    out, inp = dtypes.as_tensor(output), dtypes.as_tensor(input)
+    if out.numel() and dtypes.overlaps(out, inp):
+        inp = inp.clone()
+    return g.backend.all_to_all_single(
+        out, inp, output_split_sizes, input_split_sizes, async_op)
 
 
 def barrier(group=None, async_op=False) -> Work | None:
