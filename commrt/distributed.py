@@ -58,8 +58,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is None or group is rt.world:
         _runtime = None
         bootstrap.shutdown(rt)
-    elif isinstance(group, ProcessGroup):
-        group.backend.close()
+    elif group is not NON_GROUP_MEMBER:
+        _live(rt, group).backend.close()
         rt.groups.remove(group)
 
 
@@ -68,7 +68,18 @@ def _group(group) -> ProcessGroup | None:
         return _rt().world
     if group is NON_GROUP_MEMBER:
         return None
-    return group
+    return _live(_rt(), group)
+
+
+def _live(rt: bootstrap.Runtime, group) -> ProcessGroup:
+    """``group`` if it is one of this runtime's groups; a clear error for a destroyed handle
+    (its sockets are closed: using it used to surface as a bare ``KeyError`` from the endpoint)."""
+    if group is rt.world or any(g is group for g in rt.groups):
+        return group
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup from new_group() or None, got {type(group).__name__}")
+    raise CommError(f"process group {group.group_id} (ranks {list(group.ranks)}) was destroyed by "
+                    "destroy_process_group(); create a new one with new_group()")
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
