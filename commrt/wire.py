@@ -16,6 +16,7 @@ interpreted by a deserializer: it is raw bytes of a whitelisted dtype.
 from __future__ import annotations
 
 import enum
+import threading
 from typing import NamedTuple
 
 import msgpack
@@ -52,7 +53,8 @@ ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8}
 # reduce op codes: the values of commrt.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)
 REDUCE_CODES = range(5)
 _COLLS = frozenset(int(c) for c in Coll)
-_INTS = {int}
+_N_REDUCE = len(REDUCE_CODES)
+_local = threading.local()
 
 
 class Header(NamedTuple):
@@ -70,28 +72,43 @@ class Header(NamedTuple):
 
 
 def problem(h: Header) -> str | None:
-    """What makes ``h`` impossible as a real message, or None. Cheap: it runs per message."""
-    if set(map(type, h)) != _INTS or min(h) < 0 or max(h) >= _INT_MAX:
-        bad = next((f"{n}={v!r}" for n, v in zip(Header._fields, h)
-                    if type(v) is not int or not 0 <= v < _INT_MAX), repr(h))
-        return f"header field {bad} is not an integer in [0, 2**62)"
-    kind = h.kind
-    if kind == ABORT:
-        return None if h.dtype == h.nbytes == 0 else "an ABORT carries no dtype and no payload"
-    if kind != COLL and kind != P2P:
-        return f"unknown message kind {kind}"
+    """What makes ``h`` impossible as a real message, or None. It runs twice per message (at
+    encode and decode), so the common case is one combined test; ``_describe`` says what failed."""
+    for v in h:  # a plain loop measured faster than set(map(type, h)) plus min() and max()
+        if type(v) is not int or v < 0 or v >= _INT_MAX:
+            return _describe(h)
+    kind, _, _, _, op, dtype, _, _, nbytes, reduce, root = h
+    if kind == COLL:
+        size = ITEMSIZE.get(dtype)
+        if size and not nbytes % size and op & 0xFF in _COLLS and not op >> 32 and reduce < _N_REDUCE:
+            return None
+    elif kind == P2P:
+        size = ITEMSIZE.get(dtype)
+        if size and not nbytes % size and reduce == root == 0:
+            return None
+    elif kind == ABORT and dtype == nbytes == 0:
+        return None
+    return _describe(h)
+
+
+def _describe(h: Header) -> str:
+    for name, v in zip(Header._fields, h):
+        if type(v) is not int or not 0 <= v < _INT_MAX:
+            return f"header field {name}={v!r} is not an integer in [0, 2**62)"
+    if h.kind == ABORT:
+        return "an ABORT carries no dtype and no payload"
+    if h.kind not in (COLL, P2P):
+        return f"unknown message kind {h.kind}"
     size = ITEMSIZE.get(h.dtype)
     if size is None:
         return f"unknown dtype code {h.dtype}"
     if h.nbytes % size:
         return f"payload of {h.nbytes} bytes is not a whole number of {size}-byte elements"
-    if kind == P2P:
-        return None if h.reduce == h.root == 0 else "a point-to-point message has no reduce op or root"
-    if h.op & 0xFF not in _COLLS or h.op >> 32:
-        return f"unknown collective code {h.op & 0xFF} (op field {h.op})"
-    if h.reduce not in REDUCE_CODES:
+    if h.kind == P2P:
+        return "a point-to-point message has no reduce op or root"
+    if h.reduce >= _N_REDUCE:
         return f"unknown reduce op code {h.reduce}"
-    return None
+    return f"unknown collective code {h.op & 0xFF} (op field {h.op})"
 
 
 def encode_header(h: Header) -> bytes:
@@ -99,7 +116,11 @@ def encode_header(h: Header) -> bytes:
     why = problem(h)
     if why is not None:
         raise ValueError(f"refusing to send a malformed header ({why}): {h}")
-    return msgpack.packb((VERSION, *h), use_bin_type=True)
+    try:
+        pack = _local.pack
+    except AttributeError:  # one Packer per thread: packb builds a new one per call (~0.7 us)
+        pack = _local.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack((VERSION, *h))
 
 
 def _no_ext(code: int, data: bytes):
