@@ -7,8 +7,8 @@ from .distributed import (all_gather_into_tensor, all_reduce, all_to_all_single,
                           get_world_size,
                           init_process_group, irecv, is_initialized, isend, new_group, recv, reduce,
                           reduce_scatter_tensor, send)
-from .errors import (CollectiveMismatch, CommError, ConfigError, PeerLost, ProtocolError,
-                     RendezvousError)
+from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost, ProtocolError,
+                     RendezvousError, RequestRejected)
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import CommTimeout, Work
 
@@ -20,5 +20,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
-    "ProtocolError", "RendezvousError", "CommTimeout",
+    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
 ]

@@ -25,6 +25,7 @@ from .config import Config
 from .errors import CommError, ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .store import StoreClient, StoreServer, TorchStore, wait_for
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Runtime:
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
     guard: security.Guard | None = None
+    transport: Transport | None = None
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -78,21 +80,21 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     log.info("rank %d: backend %s (%s)", spec.rank, name, why)
     timeout = cfg.comm.timeout_s
     security.check_bind(cfg, [cfg.cluster.bind_host] + ([spec.host] if spec.rank == 0 else []))
-    zctx = zmq.Context()
-    guard = security.Guard(zctx, cfg, f"rank{spec.rank}")  # before any socket binds
+    transport = Transport(cfg, f"rank{spec.rank}")  # its Guard starts before any socket binds
+    zctx, guard = transport.ctx, transport.guard
     owns_store = store is None
     store, server = open_store(zctx, spec, timeout, guard) if owns_store else store
     try:
         hello = {"config": cfg.digest(), "backend": name}
         if name == "zmq":
-            backend = ZmqBackend(zctx, cfg, spec.rank, spec.world_size, 0, guard)
+            backend = ZmqBackend(transport, cfg, spec.rank, spec.world_size, 0)
             table = rendezvous.exchange(store, spec.rank, spec.world_size,
                                         {**hello, "addr": backend.addresses}, timeout, namespace)
             backend.connect([peer["addr"] for peer in table])
             backend.barrier()
         elif name == "nccl":
             rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
-            backend = _init_nccl(cfg, store, spec, timeout, namespace, zctx, guard)
+            backend = _init_nccl(cfg, store, spec, timeout, namespace, transport)
         elif name == "gloo":
             rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
             backend = _init_torch(name, store, spec, timeout, namespace)
@@ -103,15 +105,14 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             if server is not None:
                 server.close(linger_s=1.0)
             store.close()
-        guard.close()
-        zctx.destroy(linger=0)
+        transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard)
+    return Runtime(cfg, world, zctx, store, server, owns_store, guard=guard, transport=transport)
 
 
 def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
-               zctx: zmq.Context, guard):
+               transport: Transport):
     """NCCL through torch, bootstrapped by our store. Every rank reports how its attempt went;
     if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
     an explicit ``nccl`` is an error naming the ranks and causes."""
@@ -132,7 +133,7 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
         raise CommError(f"backend 'nccl' was requested but NCCL initialisation failed ({causes})")
     log.warning("rank %d: NCCL initialisation failed (%s); falling back to zmq", spec.rank, causes)
     zcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend="zmq"))
-    fallback = ZmqBackend(zctx, zcfg, spec.rank, spec.world_size, 0, guard)
+    fallback = ZmqBackend(transport, zcfg, spec.rank, spec.world_size, 0)
     table = rendezvous.exchange(store, spec.rank, spec.world_size, {"config": cfg.digest(), "backend": "zmq",
                                 "addr": fallback.addresses}, timeout_s, namespace + "fallback/")
     fallback.connect([peer["addr"] for peer in table])
@@ -174,7 +175,7 @@ def new_group(rt: Runtime, ranks: list[int]):
         backend = None
         mine = torch.zeros(ADDR_BYTES, dtype=torch.uint8)
         if me in members:
-            backend = ZmqBackend(rt.zctx, rt.config, members.index(me), len(members), gid, rt.guard,
+            backend = ZmqBackend(rt.transport, rt.config, members.index(me), len(members), gid,
                                  list(members))
             packed = msgpack.packb(backend.addresses)
             mine[:len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
@@ -211,9 +212,7 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
 
 
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:
-    for group in rt.groups:
-        group.backend.close()
-    rt.world.backend.close()
+    stopped = [g.backend.close() is not False for g in rt.groups + [rt.world]]
     if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         _leave_together(rt)
@@ -221,6 +220,4 @@ def shutdown(rt: Runtime, keep_store: bool = False) -> None:
         rt.store.close()
         if rt.store_server is not None:
             rt.store_server.close()
-    if rt.guard is not None:
-        rt.guard.close()
-    rt.zctx.destroy(linger=0)
+    rt.transport.close(leaked_sockets=not all(stopped))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -53,6 +54,8 @@ def _bench(args) -> int:
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
                      args.datatype, args.op, args.physical)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
+        raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _bench_rank(spec, args)
     cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
@@ -170,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["server"]:  # its own parser (servers/ps.py), shared with python -m servers.ps
-        from servers.ps import main as server_main
+    if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
+        from .apps.ps_server import main as server_main
         return server_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from .bench.ps import main as bench_ps
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except launcher.Stopped as exc:  # SIGTERM/SIGHUP: everything launched has been stopped
+        print(f"commrt {args.command}: {exc}; stopped every rank and server it started", file=sys.stderr)
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

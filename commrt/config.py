@@ -51,11 +51,13 @@ class CommConfig:
     """Largest single frame a socket accepts (ZMQ_MAXMSGSIZE); must exceed chunk_bytes."""
     heartbeat_s: float = 1.0
     """ZMTP heartbeat interval: a peer silent for 3 intervals is declared lost."""
-    keep_freed_memory: bool = True
+    keep_freed_memory: bool = False
     """Let this process reuse freed multi-MiB buffers instead of returning them to the kernel
     (glibc's malloc thresholds, set once per process): without it every received piece is
     page-faulted in afresh, about a tenth of a rank's CPU at 64 MiB. Freed memory then stays
-    in the process, as with any caching allocator."""
+    in the process, as with any caching allocator. Off by default because it changes the whole
+    process; ``commrt launch`` gives its ranks the same thresholds through GLIBC_TUNABLES
+    (``COMMRT_COMM_KEEP_FREED_MEMORY=0`` in its environment turns that off)."""
     check_call_sites: bool = False
     """Debug aid (like TORCH_DISTRIBUTED_DEBUG=DETAIL): each collective also carries a hash of
     the source line that called it, so a rank that skipped a collective is caught even when the
@@ -167,6 +169,9 @@ class PsConfig:
     """Where servers keep their checkpoint and write-ahead log; empty disables durability."""
     checkpoint_every: int = 100
     """Updates between checkpoints (the write-ahead log covers the updates in between)."""
+    max_log_bytes: int = 1 << 30
+    """The log holds whole gradients (about a shard per update): once it grows past this many
+    bytes the server checkpoints early, so its disk use stays near checkpoint + this bound."""
     fsync: bool = False
     """fsync the log before acknowledging (survives a machine crash, not only a process crash)."""
 
@@ -175,7 +180,7 @@ class PsConfig:
         _check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
         _check_choice("ps", "on_worker_loss", self.on_worker_loss, ("error", "continue"))
         for name in ("lr", "max_segment_bytes", "timeout_s", "retry_s", "worker_timeout_s",
-                     "checkpoint_every"):
+                     "checkpoint_every", "max_log_bytes"):
             _check_positive("ps", name, getattr(self, name))
         for name in ("workers", "staleness", "momentum", "weight_decay", "eps"):
             if getattr(self, name) < 0:

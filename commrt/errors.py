@@ -27,23 +27,37 @@ class PeerLost(CommError):
 
 
 class RequestRejected(CommError):
-    """A parameter server refused a request (unknown key, wrong shape or dtype, stale step);
-    the server's state is unchanged."""
+    """A parameter server refused a request (unknown key, wrong shape or dtype, stale step),
+    or the client refused it before sending (``server`` None); the server's state is unchanged."""
 
-    def __init__(self, server: int, op: str, reason: str):
+    def __init__(self, server: int | None, op: str, reason: str):
         self.server, self.op, self.reason = server, op, reason
-        super().__init__(f"server {server} rejected {op}: {reason}")
+        who = f"server {server} rejected {op}" if server is not None else f"{op} refused before sending"
+        super().__init__(f"{who}: {reason}")
 
 
 class CollectiveMismatch(CommError):
     """Ranks called different collectives (or with different dtype/size) at the same point."""
 
-    def __init__(self, op: str, seq: int, mine: dict, theirs: dict, peer: int, rank: int):
+    def __init__(self, op: str, seq: int, mine: dict, theirs: dict, peer: int, rank: int,
+                 reported_by: int | None = None):
         self.op, self.seq, self.mine, self.theirs, self.peer = op, seq, mine, theirs, peer
+        self.rank, self.reported_by = rank, reported_by  # reported_by: the rank that saw it
+        seen = "" if reported_by is None else f" (reported by rank {reported_by})"
         super().__init__(
             f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, "
-            f"rank {peer} runs {_fmt(theirs)}"
+            f"rank {peer} runs {_fmt(theirs)}{seen}"
         )
+
+
+class GroupClosed(CommError):
+    """The group was destroyed while this operation was queued or running; it was cancelled
+    (its peers see this rank leave). ``seq`` is None for an operation that never started."""
+
+    def __init__(self, group: int, op: str, seq: int | None, reason: str = "the group was closed"):
+        self.group, self.op, self.seq, self.reason = group, op, seq, reason
+        started = "not started" if seq is None else f"seq {seq}"
+        super().__init__(f"group {group}: {op} ({started}) cancelled: {reason}")
 
 
 def _fmt(d: dict) -> str:

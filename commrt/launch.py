@@ -2,7 +2,9 @@
 with the rank, and stop everyone as soon as one rank fails.
 
 Only processes this launcher started are signalled, by PID (each rank leads its own process
-group so that its children go with it).
+group so that its children go with it). SIGTERM and SIGHUP to the launcher (``timeout``, a
+scheduler, a closed terminal) stop everything it started, as SIGINT does, and end it with
+128 + the signal number.
 """
 from __future__ import annotations
 
@@ -20,6 +22,40 @@ from collections import deque
 from typing import IO, Sequence
 
 GRACE_S = 5.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """The launcher got SIGTERM or SIGHUP; every process it started has been stopped.
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turn SIGTERM/SIGHUP into ``Stopped`` in the main thread while a launch runs, so the
+    cleanup that SIGINT gets runs for them too. Only the first one raises: a repeat during the
+    cleanup must not cut it short. A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum, _frame):
+        if not fired:
+            fired.append(signum)
+            raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,6 +113,15 @@ def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
                 pass
 
 
+def _stop_everything(procs: Sequence[subprocess.Popen]) -> None:
+    """``_stop_all`` that a first SIGTERM arriving in the middle cannot leave half done."""
+    try:
+        _stop_all(procs)
+    except Stopped:
+        _stop_all(procs)
+        raise
+
+
 def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
     _signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
@@ -110,7 +155,7 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
            stop_on_failure: bool = True, max_restarts: int = 0) -> LaunchResult:
     """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
 
-    With ``servers`` > 0, that many parameter-server shards (``python -m servers.ps``) start
+    With ``servers`` > 0, that many parameter-server shards (``python -m commrt.apps.ps_server``, as ``commrt server``) start
     first on free loopback ports, every process gets their addresses (COMMRT_PS_SERVERS), and
     they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
     ``stop_on_failure=False`` lets the other ranks run on after one fails (fault-injection tests
@@ -118,15 +163,29 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     ``max_restarts``: after a failure, stop every rank and start the whole group again, up to
     this many times (the program resumes from its own checkpoint; TORCHELASTIC_RESTART_COUNT
     and COMMRT_RESTART_COUNT tell it which attempt it is). Servers keep running throughout.
+    SIGTERM or SIGHUP (in the main thread) stop every rank and server, then raise ``Stopped``.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     out = out or sys.stdout
     port = port or free_port()
     base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
-    with _job_credentials(base, config, nproc, servers):
+    _reuse_freed_memory(base)
+    with _stop_on_signals(), _job_credentials(base, config, nproc, servers):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
                     stop_on_failure, max_restarts)
+
+
+def _reuse_freed_memory(env: dict) -> None:
+    """Start the ranks and servers with glibc's buffer-reuse thresholds (transport/memory.py):
+    the speed of keep_freed_memory without the library changing a user's process.
+    COMMRT_COMM_KEEP_FREED_MEMORY set to a false value in the environment turns it off."""
+    from .config import load_config
+    from .transport.memory import glibc_tunables
+    if "COMMRT_COMM_KEEP_FREED_MEMORY" in env and not load_config(None, environ={
+            "COMMRT_COMM_KEEP_FREED_MEMORY": env["COMMRT_COMM_KEEP_FREED_MEMORY"]}).comm.keep_freed_memory:
+        return
+    env["GLIBC_TUNABLES"] = glibc_tunables(env.get("GLIBC_TUNABLES", ""))
 
 
 @contextlib.contextmanager
@@ -155,11 +214,11 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
          stop_on_failure, max_restarts) -> LaunchResult:
     lock = threading.Lock()
     stails = {i: deque(maxlen=200) for i in range(servers)}
-    services, pumps, pids, failures = [], [], [], []
+    services, ranks, pumps, pids, failures = [], [], [], [], []
     try:
         for i in range(servers):
             senv = rank_env(0, nproc, port, base, config)
-            p, t = _start([sys.executable, "-m", "servers.ps", "--index", str(i), *server_args], senv,
+            p, t = _start([sys.executable, "-m", "commrt.apps.ps_server", "--index", str(i), *server_args], senv,
                           f"server {i}", out, lock, stails[i], prefix)
             services.append(p)
             pumps.append(t)
@@ -167,7 +226,7 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
             code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix,
                                            port if attempt == 0 else free_port(), services, stop_on_failure,
-                                           lock, pumps, pids)
+                                           lock, pumps, pids, ranks)
             if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
                 break
             note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "
@@ -176,8 +235,8 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
             with lock:
                 out.write(f"[launch] {note}\n")
                 out.flush()
-    finally:
-        _stop_all(services)
+    finally:  # every rank of every attempt too: a signal may have cut an attempt short
+        _stop_everything(ranks + services)
     for t in pumps:
         t.join(2.0)
     if failed is not None and failed < 0:
@@ -186,24 +245,26 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
 
 
 def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, stop_on_failure,
-             lock, pumps, pids) -> tuple[int, int | None, dict]:
+             lock, pumps, pids, procs) -> tuple[int, int | None, dict]:
+    """One start of the group; its processes are added to ``procs`` as they start."""
     tails = {r: deque(maxlen=200) for r in range(nproc)}
-    procs = []
+    first = len(procs)
     try:
         for r in range(nproc):
             p, t = _start(cmd, rank_env(r, nproc, port, env, config), f"rank {r}", out, lock, tails[r], prefix)
             procs.append(p)
             pids.append(p.pid)
             pumps.append(t)
-        code, failed = _watch(procs, timeout_s, services)
+        mine = procs[first:]
+        code, failed = _watch(mine, timeout_s, services)
         if failed is not None and failed >= 0 and not stop_on_failure:
-            if _watch(procs, timeout_s, services, until_all=True)[0] == 124:
+            if _watch(mine, timeout_s, services, until_all=True)[0] == 124:
                 code, failed = 124, None  # the others never finished
     except BaseException:  # KeyboardInterrupt included: never leave ranks behind
-        _stop_all(procs)
+        _stop_everything(procs)
         raise
     if failed is not None or code != 0:
-        _stop_all(procs)
+        _stop_everything(procs)
     return code, failed, {r: list(t) for r, t in tails.items()}
 
 

@@ -32,7 +32,7 @@ MAX_TAG = _INT_MAX  # point-to-point tags are in [0, MAX_TAG)
 # message kinds
 COLL = 0  # part of a collective
 P2P = 1  # point-to-point send/recv; ``op`` is the tag
-ABORT = 2  # "I am giving up because rank <op> is lost" (empty payload), so every survivor names it
+ABORT = 2  # "I am giving up": rank <op> is lost (empty payload), or a mismatch report (payload)
 
 
 class Coll(enum.IntEnum):
@@ -86,7 +86,7 @@ def problem(h: Header) -> str | None:
         size = ITEMSIZE.get(dtype)
         if size and not nbytes % size and reduce == root == 0:
             return None
-    elif kind == ABORT and dtype == nbytes == 0:
+    elif kind == ABORT and dtype == reduce == root == 0:  # the payload: empty, or a mismatch report
         return None
     return _describe(h)
 
@@ -96,7 +96,7 @@ def _describe(h: Header) -> str:
         if type(v) is not int or not 0 <= v < _INT_MAX:
             return f"header field {name}={v!r} is not an integer in [0, 2**62)"
     if h.kind == ABORT:
-        return "an ABORT carries no dtype and no payload"
+        return "an ABORT carries no dtype, reduce op or root"
     if h.kind not in (COLL, P2P):
         return f"unknown message kind {h.kind}"
     size = ITEMSIZE.get(h.dtype)

@@ -53,32 +53,58 @@ class Executor:
 
     Synchronous calls run inline in the caller's thread (no thread hop on the latency path)
     once every earlier asynchronous operation has finished; asynchronous calls go to one
-    worker thread. Every group has its own executor, so groups progress independently.
+    worker thread. Whoever runs the current operation owns the group's sockets (hub.py's
+    rules): the "turn" is taken and given back under ``_cv`` together with the queue, so an
+    operation's position, its sequence number (assigned when it starts) and its turn agree.
+    Every group has its own executor, so groups progress independently.
     """
 
     def __init__(self, name: str):
         self.name = name
-        self.lock = threading.Lock()  # held while an operation owns the group's sockets
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[tuple[Work, Callable[[], Any]]] = collections.deque()
-        self._busy = False
-        self._closed = False
+        self._busy = False  # an operation holds the turn
+        self._closed: Callable[[str], BaseException] | None = None
         self._thread: threading.Thread | None = None
+        self.finished = 0  # operations completed: progress that waiting callers watch
 
     def run(self, name: str, fn: Callable[[], Any], timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
+        """Run ``fn`` inline after every earlier operation. Time spent queued behind work that
+        progresses is not anybody's silence: the wait gives up (CommTimeout) only when no
+        earlier operation finished for ``timeout_s`` (each has its own peer deadlines)."""
         with self._cv:
-            while self._queue or self._busy:
-                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
-                    raise CommTimeout(f"{name} waited {timeout_s:g}s for earlier async ops on {self.name}")
-        with self.lock:
+            if self._queue or self._busy:
+                self._wait_turn(name, timeout_s)
+            if self._closed is not None:
+                raise self._closed(name)
+            self._busy = True
+        try:
             return fn()
+        finally:
+            self._done()
+
+    def _wait_turn(self, name: str, timeout_s: float) -> None:
+        last, deadline = self.finished, time.monotonic() + timeout_s
+        while (self._queue or self._busy) and self._closed is None:
+            now = time.monotonic()
+            if self.finished != last:
+                last, deadline = self.finished, now + timeout_s
+            if now >= deadline:
+                raise CommTimeout(f"{name} waited on {self.name}: no earlier operation finished "
+                                  f"within {timeout_s:g}s")
+            self._cv.wait(deadline - now)
+
+    def _done(self) -> None:
+        with self._cv:
+            self._busy = False
+            self.finished += 1
+            self._cv.notify_all()
 
     def submit(self, name: str, fn: Callable[[], Any]) -> Work:
         work = Work(name)
         with self._cv:
-            if self._closed:
-                raise CommError(f"{self.name} is closed")
+            if self._closed is not None:
+                raise self._closed(name)
             self._queue.append((work, fn))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"commrt-{self.name}", daemon=True)
@@ -89,25 +115,41 @@ class Executor:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._busy) and self._closed is None:
                     self._cv.wait()
-                if not self._queue:
+                if self._closed is not None:
                     return
                 work, fn = self._queue.popleft()
                 self._busy = True
             try:
-                with self.lock:
-                    result = fn()
+                result = fn()
                 work._finish(result, None)
             except BaseException as exc:  # handed to the waiter, never lost
                 work._finish(None, exc)
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
+            finally:
+                self._done()
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, error: Callable[[str], BaseException] | None = None, timeout_s: float = 5.0) -> bool:
+        """Refuse new work, fail queued work with ``error(name)``, and wait (bounded) until the
+        running operation (which the caller has cancelled) has given back its turn and the
+        worker thread has ended. Returns whether it stopped: only then may the caller close
+        the sockets the operations used."""
+        error = error or (lambda name: CommError(f"{self.name} is closed; {name} did not run"))
         with self._cv:
-            self._closed = True
+            if self._closed is None:
+                self._closed = error
+            pending = list(self._queue)
+            self._queue.clear()
             self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        for work, _ in pending:
+            work._finish(None, error(work.name))
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._busy and time.monotonic() < deadline:
+                self._cv.wait(deadline - time.monotonic())
+            busy = self._busy
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            return not busy and not thread.is_alive()
+        return not busy

@@ -1,2 +1,2 @@
-"""Server process entry points (thin: parse arguments, call into commrt):
-``python -m servers.ps --index I`` (or ``commrt server``) runs one parameter-server shard."""
+"""Server entry points of this repository (thin: ``python -m servers.ps`` runs
+``commrt.apps.ps_server``, as ``commrt server`` does); not installed with commrt."""

@@ -1,39 +1,11 @@
-"""One parameter-server shard: ``python -m servers.ps [--config F] [--index I] [--resume]``.
+"""One parameter-server shard: ``python -m servers.ps [--config F] [--index I] [--resume]``
+(the same as ``commrt server``).
 
-The same as ``commrt server``. Settings come from the [ps] section of the config (or
-``COMMRT_PS_*`` variables); SIGTERM/SIGINT stop it after a final checkpoint.
+The program lives in ``commrt.apps.ps_server``; this folder is the repository's entry point for it.
 """
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 
-from commrt.config import load_config
-from commrt.errors import CommError
-from commrt.ps.server import Server, install_signal_handlers
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commrt server", description=__doc__)
-    p.add_argument("--config", help="cluster TOML file (default: $COMMRT_CONFIG)")
-    p.add_argument("--index", type=int, default=0, help="which entry of [ps] servers to serve")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint and log")
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s server{args.index} %(levelname)s %(message)s")
-    try:
-        server = Server(load_config(args.config), args.index, resume=args.resume)
-    except CommError as exc:
-        print(f"commrt server: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    install_signal_handlers(server)
-    server.serve()
-    return 0
-
+from commrt.apps.ps_server import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,89 +1,11 @@
-"""Train a small MLP against the parameter servers and print loss and throughput.
+"""Train a small MLP against parameter servers:
+``commrt launch -n 2 --servers 2 -- python -m workers.ps_train --steps 200``.
 
-    commrt launch -n 2 --servers 2 -- python -m workers.ps_train --steps 200
-
-Each worker draws its own batches of a synthetic classification task (labels from a fixed random
-teacher network, so the loss can really fall), pushes its gradients and pulls the new weights;
-the servers run the optimizer chosen in [ps] (COMMRT_PS_OPTIMIZER, COMMRT_PS_MODE, ...).
+The program lives in ``commrt.apps.ps_train``; this folder is the repository's entry point for it.
 """
-from __future__ import annotations
-
-import argparse
-import os
 import sys
-import time
 
-import torch
-from torch import nn
-
-from commrt.config import load_config
-from commrt.ps import PSClient
-
-
-def make_model(dim: int, hidden: int, classes: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, classes))
-
-
-def batches(worker: int, dim: int, classes: int, batch: int):
-    teacher = torch.Generator().manual_seed(1234)
-    w_true = torch.randn(dim, classes, generator=teacher)
-    gen = torch.Generator().manual_seed(100 + worker)
-    while True:
-        x = torch.randn(batch, dim, generator=gen)
-        yield x, (x @ w_true).argmax(dim=1)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--classes", type=int, default=8)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--straggler", type=int, default=-1, help="this worker is slow (simulated)...")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="...by this much per step")
-    args = p.parse_args(argv)
-
-    torch.manual_seed(0)  # the same initial weights everywhere; worker 0's are the ones kept
-    torch.set_num_threads(1)
-    model = make_model(args.dim, args.hidden, args.classes)
-    params = dict(model.named_parameters())
-    weights = {k: v.data for k, v in params.items()}
-    client = PSClient(load_config())
-    client.init(weights)
-    client.pull(weights)
-    worker = client.worker
-    data = batches(worker, args.dim, args.classes, args.batch)
-    loss_fn = nn.CrossEntropyLoss()
-    start, window_start, first_loss = time.perf_counter(), time.perf_counter(), None
-    for step in range(client.step, args.steps):
-        x, y = next(data)
-        if worker == args.straggler:
-            time.sleep(args.delay_ms / 1000)
-        model.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        client.push_pull({k: v.grad for k, v in params.items()}, weights)
-        first_loss = loss.item() if first_loss is None else first_loss
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            now = time.perf_counter()
-            rate = args.log_every * args.batch / (now - window_start)
-            print(f"worker {worker} step {step + 1:5d} loss {loss.item():.4f} "
-                  f"{rate:8.0f} samples/s", flush=True)
-            window_start = now
-    total = time.perf_counter() - start
-    print(f"worker {worker} done: loss {first_loss:.4f} -> {loss.item():.4f}, "
-          f"{args.steps * args.batch / total:.0f} samples/s, {1000 * total / args.steps:.2f} ms/step",
-          flush=True)
-    if worker == 0 and os.environ.get("COMMRT_PS_PRINT_STATS"):
-        for s in client.stats():
-            print(f"server {s['server']}: version {s['version']} pushes {s['pushes']} pulls {s['pulls']} "
-                  f"staleness {s['staleness']}", flush=True)
-    client.close()
-    return 0
-
+from commrt.apps.ps_train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,110 +1,11 @@
-"""Train a small transformer language model with the commrt engine (any ZeRO stage) on synthetic
-data, and print loss, step time and memory per rank.
+"""Train a small transformer LM with the commrt engine:
+``commrt launch -n 2 -- python -m workers.train_lm --stage 3``.
 
-    commrt launch -n 2 -- python -m workers.train_lm --stage 3 --steps 30
-    commrt launch -n 4 --config cluster.toml -- python -m workers.train_lm   # [train] table
-
-The synthetic corpus has structure to learn: each sequence counts upward modulo the vocabulary
-from a random start, so the next token is predictable and the loss falls well below log(vocab).
+The program lives in ``commrt.apps.train_lm``; this folder is the repository's entry point for it.
 """
-from __future__ import annotations
-
-import argparse
-import os
-import resource
 import sys
-import time
 
-import torch
-from torch import nn
-
-import commrt
-from commrt.train import initialize
-from commrt.train.config import load_train_config
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def batch(rank: int, step: int, size: int, seq: int, vocab: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    start = torch.randint(0, vocab, (size, 1), generator=g)
-    return (start + torch.arange(seq + 1)) % vocab
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, help="ZeRO stage (overrides the config's [train])")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--log-every", type=int, default=10)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    commrt.init_process_group()
-    rank, world = commrt.get_rank(), commrt.get_world_size()
-    cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
-    if args.stage is not None:
-        cfg = cfg.with_stage(args.stage)
-    torch.manual_seed(0)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    n_params = sum(p.numel() for p in model.parameters())
-    engine = initialize(model, cfg)
-    loss_fn = nn.CrossEntropyLoss()
-    times = []
-    for step in range(args.steps):
-        tokens = batch(rank, step, args.batch, args.seq, args.vocab)
-        start = time.perf_counter()
-        for _ in range(cfg.gradient_accumulation_steps):
-            logits = engine(tokens[:, :-1])
-            loss = loss_fn(logits.reshape(-1, args.vocab).float(), tokens[:, 1:].reshape(-1))
-            engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - start)
-        if rank == 0 and ((step + 1) % args.log_every == 0 or step == 0):
-            print(f"step {step + 1:4d} loss {loss.item():.4f} step time {1000 * times[-1]:7.1f} ms", flush=True)
-    mem = engine.memory_report()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    steady = sorted(times[len(times) // 3:])[len(times[len(times) // 3:]) // 2]  # median after warm-up
-    print(f"rank {rank}/{world} stage {cfg.zero.stage}: {n_params / 1e6:.2f}M params, median step "
-          f"{1000 * steady:.1f} ms, model state {mem['total'] / 2**20:.1f} MiB (params "
-          f"{mem['parameters'] / 2**20:.1f}, grads {mem['gradients'] / 2**20:.1f}, optimizer "
-          f"{mem['optimizer_state'] / 2**20:.1f}, gathered peak {mem['gathered_peak'] / 2**20:.1f}), "
-          f"peak RSS {rss:.0f} MiB", flush=True)
-    commrt.destroy_process_group()
-    return 0
-
+from commrt.apps.train_lm import main
 
 if __name__ == "__main__":
     sys.exit(main())

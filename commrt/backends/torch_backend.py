@@ -6,7 +6,8 @@ mapped back. AVG runs as SUM followed by the division our backend uses, so that 
 """
 from __future__ import annotations
 
-import datetime
+import threading
+import time
 
 import torch
 import torch.distributed as tdist
@@ -17,7 +18,7 @@ _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_
 
 from ..collectives.reduce_ops import ReduceOp, finish_avg_
 from ..dtypes import as_tensor
-from ..work import Work
+from ..work import CommTimeout, Work
 from .base import split_bounds
 
 _OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
@@ -26,24 +27,48 @@ _OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
 
 
 class TorchWork(Work):
-    """Wraps a torch Work; runs ``after`` (e.g. AVG's division) once it completes."""
+    """Wraps a torch Work; runs ``after`` (e.g. AVG's division) once, when it completes.
+
+    ``is_completed()`` asks torch, so polling ends (and AVG is finished) without ``wait()``.
+    ``wait(timeout)`` that runs out raises ``CommTimeout`` and leaves the work pending: a later
+    wait can still succeed. Only torch's own failure is kept as the work's error."""
 
     def __init__(self, name: str, inner, after=None):
         super().__init__(name)
         self._inner, self._after = inner, after
+        self._lock = threading.Lock()  # runs ``after`` once, whichever thread sees completion
 
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self.is_completed():
+    def _complete(self) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
             try:
-                if timeout is None:
-                    self._inner.wait()
-                else:
-                    self._inner.wait(datetime.timedelta(seconds=timeout))
+                self._inner.wait()  # completed: returns at once, or raises torch's error
                 if self._after is not None:
                     self._after()
                 self._finish(None, None)
-            except BaseException as exc:
+            except Exception as exc:
                 self._finish(None, exc)
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._inner.is_completed():
+            self._complete()
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            self._complete()
+        else:
+            deadline, pause = time.monotonic() + timeout, 50e-6
+            while not self.is_completed():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+                time.sleep(min(pause, remaining))  # torch offers no wait-with-timeout that
+                pause = min(pause * 2, 5e-3)      # leaves the work usable afterwards
         return super().wait(0)
 
 

@@ -2,27 +2,35 @@
 from __future__ import annotations
 
 import collections
+import functools
+import logging
 import sys
+import threading
 import zlib
 from typing import Callable
 
 import torch
-import zmq
 
 from .. import dtypes
 from ..collectives import ops
-from ..collectives.context import Coll, Journal, OpContext
+from ..collectives.context import _NAMES, Coll, Journal, OpContext
 from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
-from ..errors import CollectiveMismatch, CommError, PeerLost
-from ..transport import Endpoint
+from ..errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
+from ..transport import Endpoint, Transport
+from ..transport.endpoint import MismatchReport, encode_report
 from ..transport.memory import keep_freed_memory
+from ..transport.p2p import P2PEngine, Recv, Send
 from ..wire import P2P, Header
-from ..work import Executor, Work
+from ..work import CommTimeout, Executor, Work
 from .base import check_same_dtype, flat_view, split_bounds
 from .staging import Staged
 
+log = logging.getLogger(__name__)
+
 STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
+READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
+READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
 
 
 def _call_site() -> int:
@@ -37,62 +45,111 @@ def _call_site() -> int:
 class ZmqBackend:
     name = "zmq"
 
-    def __init__(self, zctx: zmq.Context, cfg: Config, rank: int, size: int, group_id: int,
-                 guard=None, members: list[int] | None = None):
+    def __init__(self, transport: Transport, cfg: Config, rank: int, size: int, group_id: int,
+                 members: list[int] | None = None):
         """``members``: the global rank of each group rank (the names their keys carry)."""
         self.rank, self.size, self.group_id, self.cfg = rank, size, group_id, cfg
         c, cl = cfg.comm, cfg.cluster
         if c.keep_freed_memory:
             keep_freed_memory()
         names = [f"rank{g}" for g in (members if members is not None else range(size))]
-        make = lambda: Endpoint(zctx, rank, cl.bind_host, cl.advertise_host, c.max_frame_bytes,
-                                c.heartbeat_s, c.timeout_s, guard, names)
-        self._coll, self._p2p = make(), make()
+        make = lambda: Endpoint(transport, group_id, rank, names, cl.bind_host, cl.advertise_host,
+                                c.max_frame_bytes, c.heartbeat_s, c.timeout_s)
+        self._coll, p2p = make(), make()
+        self._p2p = P2PEngine(p2p, c.timeout_s)
+        self._p2p_address = p2p.address
+        self._p2p_ep = p2p
         self._exec = Executor(f"group{group_id}")
-        self._send_exec = Executor(f"group{group_id}-send")
-        self._recv_exec = Executor(f"group{group_id}-recv")
-        self._seq = 0
-        self._journal = Journal()
+        self._seq = 0  # of the last collective started (assigned when it starts, in issue order)
+        self._journal = Journal()  # recent ops, so a stray message's error names both sides
         self._p2p_seq: collections.Counter = collections.Counter()
+        self._p2p_lock = threading.Lock()  # a transfer's number and its posting are one step
         self._broken: BaseException | None = None
+        self._largest = 0  # bytes of the largest collective so far
+        self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
 
     @property
     def addresses(self) -> list[str]:
-        return [self._coll.address, self._p2p.address]
+        return [self._coll.address, self._p2p_address]
 
     def connect(self, table: list[list[str]]) -> None:
-        """``table[r]`` is rank r's ``addresses``."""
+        """``table[r]`` is rank r's ``addresses``; sockets are dialled when first needed."""
         self._coll.connect({r: a[0] for r, a in enumerate(table)})
-        self._p2p.connect({r: a[1] for r, a in enumerate(table)})
+        self._p2p_ep.connect({r: a[1] for r, a in enumerate(table)})
 
     # -- running an operation ----------------------------------------------------------------
     def _collective(self, coll: Coll, dtype: torch.dtype, count: int,
                     body: Callable[[OpContext], None], async_op: bool,
-                    writeback: Callable[[], None] | None = None, reduce: int = 0,
-                    root: int = 0) -> Work | None:
-        if self._broken is not None:
-            raise CommError(f"group {self.group_id} is unusable after an earlier failure: {self._broken}")
-        self._seq += 1
+                    writeback: Callable[[], None] | None = None, nbytes: int | None = None, *,
+                    reduce: int = 0, root: int = 0) -> Work | None:
+        self._check_usable()
         site = _call_site() if self.cfg.comm.check_call_sites else 0
-        ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                        count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site,
-                        reduce, root, self._journal)
+        nbytes = count * dtype.itemsize if nbytes is None else nbytes
+        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root)
+        if async_op:
+            self._budget(1, nbytes)
+            try:
+                return self._exec.submit(_NAMES[coll], run)
+            except BaseException:
+                self._budget(-1, -nbytes)
+                raise
+        self._budget(1, nbytes)
+        try:
+            self._exec.run(_NAMES[coll], run, self.cfg.comm.timeout_s)
+        except CommTimeout as exc:
+            # gave up before starting (no seq used), behind work that stopped progressing: the
+            # peers may run this op; the group cannot be trusted any more
+            self._broken = exc
+            self._budget(-1, -nbytes)
+            raise
+        return None
 
-        def run() -> None:
+    def _run(self, coll, dtype, count, body, writeback, site, nbytes, reduce, root) -> None:
+        """One collective, holding the executor's turn (this thread owns the sockets)."""
+        try:
+            self._check_usable()
+            self._seq += 1
+            ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
+                            count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site,
+                            reduce, root, self._journal)
             try:
                 body(ctx)
-            except (PeerLost, CollectiveMismatch) as exc:
-                # the stream is now out of step with the peers: no later op could be trusted
-                self._broken = exc
-                if isinstance(exc, PeerLost):
-                    self._coll.tell_peers_lost(exc.rank, self.group_id, ctx.seq)
-                raise
+            except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:
+                raise self._give_up(exc, ctx) from None
             if writeback is not None:
                 writeback()
-        if async_op:
-            return self._exec.submit(ctx.name, run)
-        self._exec.run(ctx.name, run, self.cfg.comm.timeout_s)
-        return None
+        finally:
+            self._budget(-1, -nbytes)
+
+    def _budget(self, ops: int, nbytes: int) -> None:
+        """How far a peer may legitimately be ahead, per peer: all the bytes of every op this
+        rank has issued and not finished (all of an op can reach us early: all_to_all, a
+        reduce root) plus a few ops not issued here yet, sized like the largest op so far
+        (programs repeat their ops), never less than READ_AHEAD_FLOOR."""
+        p = self._pending
+        p[0] += ops
+        p[1] += nbytes
+        self._largest = max(self._largest, nbytes)
+        c = self.cfg.comm
+        ahead = p[1] + max(READ_AHEAD_OPS * max(self._largest, c.chunk_bytes), READ_AHEAD_FLOOR)
+        pieces = ahead // max(1, min(c.chunk_bytes, c.small_bytes)) + 1
+        self._coll.ahead_limit = (pieces + (p[0] + READ_AHEAD_OPS) * (self.size + 8), ahead)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise CommError(f"group {self.group_id} is unusable after an earlier failure: {self._broken}")
+
+    def _give_up(self, exc: BaseException, ctx: OpContext) -> BaseException:
+        """The stream is out of step with the peers: no later op could be trusted. Tell every
+        peer why (once, by the rank that saw it), so the whole group fails at once alike."""
+        if isinstance(exc, MismatchReport):
+            exc = restate_report(exc, ctx)
+        elif isinstance(exc, PeerLost):
+            self._coll.tell_peers(ctx.seq, lost=exc.rank)
+        elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
+            self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
+        self._broken = exc
+        return exc
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
@@ -145,58 +202,78 @@ class ZmqBackend:
         out_b = split_bounds(out.numel(), o.shape[0] if o.dim() else 1, output_split_sizes, self.size, "output")
         in_b = split_bounds(inp.numel(), i.shape[0] if i.dim() else 1, input_split_sizes, self.size, "input")
         return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
-                                lambda ctx: ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb)
+                                lambda ctx: ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
+                                nbytes=max(inp.numel(), out.numel()) * out.element_size())
 
     def barrier(self, async_op=False):
         return self._collective(Coll.BARRIER, torch.uint8, 0, ops.barrier, async_op)
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        flat, _, seq, code, steps = self._p2p_plan(tensor, "send", dst, tag)
-
-        def run() -> None:
+        flat, _, code, steps = self._p2p_plan(tensor, "send", dst, tag)
+        with self._p2p_lock:
+            seq = self._next_p2p("send", dst, tag)
+            frames = []
             for step, piece in enumerate(steps):
                 payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
-                h = Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step, len(payload))
-                self._p2p.send(dst, h, payload, op="send")
-            self._p2p.flush("send", seq)
-        return self._send_exec.submit("send", run)
+                frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step,
+                                      len(payload)), payload))
+            return self._p2p.post(Send(dst, tag, seq, frames, Work("send")))
 
     def irecv(self, tensor, src: int, tag: int = 0) -> Work:
-        flat, wb, seq, code, steps = self._p2p_plan(tensor, "recv", src, tag)
-
-        def run() -> None:
-            for step, piece in enumerate(steps):
-                h, payload = self._p2p.recv(src, tag=tag, op="recv", seq=seq)
-                if (h.seq, h.dtype, h.count, h.step, h.nbytes) != (seq, code, flat.numel(), step, piece.nbytes):
-                    raise CollectiveMismatch(
-                        "recv", seq, {"tag": tag, "dtype": dtypes.name_of(code), "count": flat.numel()},
-                        {"tag": h.op, "dtype": dtypes.name_of(h.dtype), "count": h.count}, peer=src, rank=self.rank)
-                if piece.numel():
-                    copy_(piece, torch.frombuffer(payload.buffer, dtype=flat.dtype))
-            if wb is not None:
-                wb()
-        return self._recv_exec.submit("recv", run)
+        flat, wb, code, steps = self._p2p_plan(tensor, "recv", src, tag)
+        with self._p2p_lock:
+            seq = self._next_p2p("recv", src, tag)
+            return self._p2p.post(Recv(src, tag, seq, code, flat.numel(), steps, _land, wb, Work("recv")))
 
     def _p2p_plan(self, tensor, direction: str, peer: int, tag: int):
-        """(flat, write-back, sequence number, dtype code, pieces) of one point-to-point transfer."""
-        flat, wb = flat_view(tensor)
-        seq = self._next_p2p(direction, peer, tag)
-        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
-        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
-        return flat, wb, seq, dtypes.code_of(flat.dtype), steps
-
-    def _next_p2p(self, direction: str, peer: int, tag: int) -> int:
+        """(flat, write-back, dtype code, pieces) of one point-to-point transfer."""
+        self._check_usable()
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{direction}: peer rank {peer} is invalid (rank {self.rank} of {self.size})")
         if tag < 0:
             raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
+        flat, wb = flat_view(tensor)
+        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
+        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
+        return flat, wb, dtypes.code_of(flat.dtype), steps
+
+    def _next_p2p(self, direction: str, peer: int, tag: int) -> int:
         key = (direction, peer, tag)
         self._p2p_seq[key] += 1
         return self._p2p_seq[key]
 
-    def close(self) -> None:
-        for ex in (self._exec, self._send_exec, self._recv_exec):
-            ex.close()
-        self._coll.close()
-        self._p2p.close()
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Cancel work in flight (waiters get GroupClosed) and close the sockets once their
+        owners have stopped. Returns False if an owner did not stop in time: its sockets are
+        then left to the process's exit rather than closed under it (which aborts libzmq)."""
+        self._coll.cancel()
+        closed = lambda name: GroupClosed(self.group_id, name, None)
+        coll_stopped = self._exec.close(closed, timeout_s)
+        p2p_stopped = self._p2p.close(timeout_s)
+        if coll_stopped:
+            self._coll.close()
+        else:
+            log.warning("group %d: an operation did not stop within %gs; leaving its sockets open",
+                        self.group_id, timeout_s)
+        return coll_stopped and p2p_stopped
+
+
+def _land(piece: torch.Tensor, frame) -> None:
+    if piece.numel():
+        copy_(piece, torch.frombuffer(frame.buffer, dtype=piece.dtype))
+
+
+def restate_report(report: MismatchReport, ctx: OpContext) -> CollectiveMismatch:
+    """A peer saw ranks disagree. Name the side that differs from what this rank runs (the
+    culprit), against this rank's own op; if neither side matches, pass the report on as is."""
+    own = ctx.header(0, 0)
+    key = lambda h: (h.seq, h.op, h.dtype, h.count, h.reduce, h.root)
+    same = lambda h: key(h) == key(own)
+    a, b = report.mine, report.theirs
+    if same(a) or same(b):
+        mine, culprit, rank = own, (b if same(a) else a), ctx.rank
+    else:
+        mine, culprit, rank = a, b, a.src
+    return CollectiveMismatch(ctx.name, ctx.seq, OpContext._describe(mine), OpContext._describe(culprit),
+                              peer=culprit.src, rank=rank, reported_by=report.reporter)

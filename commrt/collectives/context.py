@@ -119,6 +119,11 @@ class OpContext:
             theirs.update(step=h.step, bytes=h.nbytes)
         return CollectiveMismatch(self.name, self.seq, mine, theirs, peer=src, rank=self.rank)
 
+    @staticmethod
+    def _describe(h: Header) -> dict:
+        """A header as the fields an error shows (for the backend's restated reports)."""
+        return _describe(h)
+
     def flush(self) -> None:
         self.ep.flush(self.name, self.seq)
 

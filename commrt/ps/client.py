@@ -3,11 +3,19 @@
 Every tensor is cut into segments by ``partition`` (the same on every worker); a call sends one
 message per server, all at once, and waits for every reply. While it waits it pings each server
 every ``retry_s``: a live server answers "pending"; one that restarted answers "unknown" and the
-request is sent again (safe: pushes are identified by (worker, step) and applied exactly once);
-one silent for ``timeout_s`` becomes ``PeerLost`` naming the server.
+request is sent again under a new request id, so the pings queued during the outage (answered
+"unknown" too, under the old id) do not each trigger another copy; one silent for ``timeout_s``
+becomes ``PeerLost`` naming the server, as does one that takes no request for ``timeout_s`` (a
+refused handshake) or stops on a failed write (it says why).
+
+Large segments leave without a copy: ZeroMQ reads the caller's tensors from its I/O thread. A
+call that ends in an error therefore abandons what is still queued to the servers that did not
+answer (their sockets are replaced) and waits until ZeroMQ has let go of the caller's memory, so
+the next step may overwrite it without tearing a push still on its way (issue 13.12).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,8 +28,8 @@ import zmq
 
 from ..config import Config, load_config
 from ..dtypes import as_tensor, code_of
-from ..errors import ConfigError, PeerLost, ProtocolError, RequestRejected
-from ..security import Guard
+from ..errors import CommError, ConfigError, PeerLost, ProtocolError, RequestRejected
+from ..transport.hub import Transport
 from ..transport.memory import keep_freed_memory
 from ..work import Executor, Work
 from . import protocol as P
@@ -30,10 +38,28 @@ from .partition import Segment, TensorSpec, partition
 log = logging.getLogger(__name__)
 Tensors = Mapping[str, "torch.Tensor | np.ndarray"]
 ZERO_COPY_MIN = 64 << 10
+HINT = ("is it running, under the same [security] mode and job secret or keys? a refused "
+        "handshake is silent")
 
 
 def _flat(t) -> torch.Tensor:
     return as_tensor(t).detach().reshape(-1)
+
+
+def _nbytes(frame) -> int:
+    return frame.nbytes if isinstance(frame, np.ndarray) else len(frame)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One request to one server while its call waits."""
+    body: list
+    frames: list
+    heard: float  # last reply of any kind from the server
+    pinged: float
+    req_id: int = 0
+    head: bytes = b""
+    trackers: list = dataclasses.field(default_factory=list)  # of the zero-copy frames
 
 
 class PSClient:
@@ -52,49 +78,35 @@ class PSClient:
             keep_freed_memory()  # large pushes and pulls reuse pages
         self.segments: list[Segment] = []
         self._local: list[list[int]] = []  # per server: global segment index of each local id
+        self._init_error: str | None = None
         self._ids = itertools.count(1)
-        self._exec = Executor(f"ps-worker{worker}")
-        self.ctx = zmq.Context()
-        self.guard = Guard(self.ctx, self.cfg, f"rank{worker}")
-        self._socks = [self._connect(addr, f"server{k}") for k, addr in enumerate(ps.servers)]
-        self._poller = zmq.Poller()
-        for s in self._socks:
-            self._poller.register(s, zmq.POLLIN)
+        self._exec = Executor(f"ps-worker{worker}")  # its lock owns the sockets
+        self.transport = Transport(self.cfg, f"rank{worker}")
+        self._socks: list[zmq.Socket] = []
+        try:
+            self._socks = [self._dial(k) for k in range(len(ps.servers))]
+        except BaseException:
+            self.close()
+            raise
+        self._poller = self._new_poller()
 
-    def _connect(self, addr: str, name: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        self.guard.client(sock, name)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.ps.max_segment_bytes + (4 << 20))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.cfg.comm.heartbeat_s * 1000))
-        sock.connect(addr)
-        return sock
+    def _dial(self, k: int) -> zmq.Socket:
+        ps = self.cfg.ps
+        return self.transport.dial(zmq.DEALER, ps.servers[k], f"server{k}", handshake_s=ps.timeout_s,
+                                   max_frame=ps.max_segment_bytes + (4 << 20))
+
+    def _new_poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        for s in self._socks:
+            poller.register(s, zmq.POLLIN)
+        return poller
 
     # -- public API -------------------------------------------------------------------------
     def init(self, params: Tensors) -> None:
         """Register the parameters. Worker 0 seeds the servers with its values; the others wait
-        until it has, then should ``pull`` them. Restarted workers learn their step here."""
-        specs = []
-        for name, t in params.items():
-            flat = _flat(t)
-            specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
-        self.segments = partition(specs, len(self._socks), self.cfg.ps.max_segment_bytes,
-                                  whole_tensors=self.cfg.ps.optimizer == "lamb")
-        self._local = [[i for i, s in enumerate(self.segments) if s.server == k]
-                       for k in range(len(self._socks))]
-        self._shapes = {name: tuple(as_tensor(t).shape) for name, t in params.items()}
-        self._dtypes = {s.name: s.dtype for s in specs}
-        seed = self.worker == 0
-        flats = {name: _flat(t).contiguous() for name, t in params.items()} if seed else {}
-        reqs = {}
-        for k, glob in enumerate(self._local):
-            body = [seed, [[self.segments[g].name, self.segments[g].start, self.segments[g].stop,
-                            self.segments[g].dtype] for g in glob]]
-            frames = [self._frame(flats[self.segments[g].name], self.segments[g]) for g in glob] if seed else []
-            reqs[k] = (body, frames)
-        replies = self._exchange(P.INIT, self.step, reqs)
-        self.step = min(r.body[1] for r, _ in replies.values())
+        until it has, then should ``pull`` them. Restarted workers learn their step here. If the
+        servers refuse the description, push and pull are refused until an init succeeds."""
+        self._exec.run("ps.init", lambda: self._init(params), self.cfg.ps.timeout_s * 10)
 
     def push(self, grads: Tensors) -> None:
         self._exec.run("ps.push", lambda: self._push(grads, None), self.cfg.ps.timeout_s * 10)
@@ -116,29 +128,63 @@ class PSClient:
 
     def stats(self) -> list[dict]:
         """Each server's counters (pushes, pulls, bytes, version, staleness histogram, lag)."""
-        replies = self._exchange(P.STATS, 0, {k: ([], []) for k in range(len(self._socks))})
-        return [replies[k][0].body for k in range(len(self._socks))]
+        def ask():
+            replies = self._exchange(P.STATS, 0, {k: ([], []) for k in range(len(self._socks))})
+            return [replies[k][0].body for k in range(len(self._socks))]
+        return self._exec.run("ps.stats", ask, self.cfg.ps.timeout_s * 10)
 
     def close(self) -> None:
         self._exec.close()
+        thread = self._exec._thread
+        if thread is not None and thread.is_alive():  # it still owns the sockets: leave them
+            self.transport.close(leaked_sockets=True)
+            return
         for s in self._socks:
             s.close(linger=0)
-        self.guard.close()
-        self.ctx.term()
+        self.transport.close()
 
     # -- requests ---------------------------------------------------------------------------
-    def _selected(self, tensors: Tensors) -> dict[int, list[tuple[int, int]]]:
+    def _init(self, params: Tensors) -> None:
+        specs, shapes = [], []
+        for name, t in params.items():
+            flat = _flat(t)
+            specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
+            shapes.append([name, list(as_tensor(t).shape)])
+        segments = partition(specs, len(self._socks), self.cfg.ps.max_segment_bytes,
+                             whole_tensors=self.cfg.ps.optimizer == "lamb")
+        local = [[i for i, s in enumerate(segments) if s.server == k] for k in range(len(self._socks))]
+        seed = self.worker == 0
+        flats = {name: _flat(t).contiguous() for name, t in params.items()} if seed else {}
+        reqs = {}
+        for k, glob in enumerate(local):
+            body = [seed, [[segments[g].name, segments[g].start, segments[g].stop, segments[g].dtype]
+                           for g in glob], shapes]
+            reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
+        self.segments, self._init_error = [], None
+        try:
+            replies = self._exchange(P.INIT, self.step, reqs)
+        except CommError as exc:
+            self._init_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self.segments, self._local = segments, local
+        self._shapes = {name: tuple(dims) for name, dims in shapes}
+        self._dtypes = {s.name: s.dtype for s in specs}
+        self.step = min(r.body[1] for r, _ in replies.values())
+
+    def _selected(self, tensors: Tensors, what: str) -> dict[int, list[tuple[int, int]]]:
         """Per server: (local id, global index) of every segment of the named tensors."""
         if not self.segments:
-            raise ConfigError("call init(params) before push/pull")
+            why = f" (the last init failed: {self._init_error})" if self._init_error else ""
+            raise RequestRejected(None, what, f"call init(params) before push/pull{why}")
         unknown = [n for n in tensors if n not in self._dtypes]
         if unknown:
-            raise KeyError(f"unknown parameter(s) {unknown[:5]}; init registered {list(self._dtypes)[:5]}...")
+            raise RequestRejected(None, what, f"unknown parameter(s) {unknown[:5]}; init registered "
+                                  f"{list(self._dtypes)[:5]}...")
         for name, t in tensors.items():
             t = as_tensor(t)
             if tuple(t.shape) != self._shapes[name] or code_of(t.dtype) != self._dtypes[name]:
-                raise ValueError(f"{name}: expected shape {self._shapes[name]} and the parameter's "
-                                 f"dtype, got {tuple(t.shape)} {t.dtype}")
+                raise RequestRejected(None, what, f"{name}: expected shape {self._shapes[name]} and dtype "
+                                      f"code {self._dtypes[name]}, got shape {tuple(t.shape)} and {t.dtype}")
         return {k: [(lid, g) for lid, g in enumerate(glob) if self.segments[g].name in tensors]
                 for k, glob in enumerate(self._local)}
 
@@ -147,19 +193,22 @@ class PSClient:
         return view if view.nbytes >= ZERO_COPY_MIN else view.tobytes()
 
     def _push(self, grads: Tensors, into: Tensors | None) -> None:
-        sel = self._selected(grads)
+        op = P.PUSHPULL if into is not None else P.PUSH
+        sel = self._selected(grads, f"ps.{P.OP_NAMES[op]}")
+        if into is not None:
+            self._selected(into, f"ps.{P.OP_NAMES[op]}")
         flats = {name: _flat(g).contiguous() for name, g in grads.items()}
         reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[self.segments[g].name], self.segments[g])
                                                  for _, g in pairs]) for k, pairs in sel.items()}
         # every server hears of every step (if need be with no segments): a worker's step is one
         # clock across all shards, which is what exactly-once and the sync/SSP rules count
-        replies = self._exchange(P.PUSHPULL if into is not None else P.PUSH, self.step, reqs)
+        replies = self._exchange(op, self.step, reqs)
         self.step += 1
         if into is not None:
             self._unpack(into, sel, replies)
 
     def _pull(self, into: Tensors) -> None:
-        sel = self._selected(into)
+        sel = self._selected(into, "ps.pull")
         reqs = {k: ([lid for lid, _ in pairs], []) for k, pairs in sel.items() if pairs}
         self._unpack(into, sel, self._exchange(P.PULL, self.step, reqs))
 
@@ -184,58 +233,121 @@ class PSClient:
             if not t.is_contiguous():
                 t.copy_(flat.view(t.shape))
 
+    # -- the exchange -----------------------------------------------------------------------
     def _exchange(self, op: int, step: int, reqs: dict[int, tuple[list, list]]) -> dict:
         """Send one request per server, wait for every answer (see the module docstring)."""
         what = f"ps.{P.OP_NAMES[op]}"
         now = time.monotonic()
-        pending = {}
-        for k, (body, frames) in reqs.items():
-            rid = next(self._ids)
-            head = P.encode_request(op, self.worker, step, rid, body)
-            self._socks[k].send_multipart([head, *frames], copy=False)
-            pending[k] = [rid, head, frames, now, now]  # id, header, frames, last heard, last ping
-        done = {}
-        while pending:
-            events = dict(self._poller.poll(int(self.cfg.ps.retry_s * 1000)))
-            now = time.monotonic()
-            for k in list(pending):
-                if self._socks[k] in events:
-                    self._receive(k, pending, done, now, what, step)
-            for k, entry in pending.items():
-                if now - entry[3] > self.cfg.ps.timeout_s:
-                    raise PeerLost(k, what, step, f"{self.cfg.ps.servers[k]} silent for "
-                                   f"{self.cfg.ps.timeout_s:g}s", role="server")
-                if now - entry[4] >= self.cfg.ps.retry_s:
-                    self._socks[k].send(P.encode_request(P.PING, self.worker, step, entry[0], []))
-                    entry[4] = now
-        return done
+        pending: dict[int, _Pending] = {}
+        try:
+            for k, (body, frames) in reqs.items():
+                pending[k] = _Pending(body, frames, now, now)
+                self._send_request(k, pending[k], op, step, what)
+            done: dict = {}
+            while pending:
+                events = dict(self._poller.poll(int(self.cfg.ps.retry_s * 1000)))
+                now = time.monotonic()
+                for k in list(pending):
+                    if self._socks[k] in events:
+                        self._receive(k, pending, done, now, op, what, step)
+                self._keep_asking(pending, now, what, step)
+            return done
+        except BaseException:
+            self._release(pending)
+            raise
 
-    def _receive(self, k: int, pending: dict, done: dict, now: float, what: str, step: int) -> None:
+    def _keep_asking(self, pending: dict, now: float, what: str, step: int) -> None:
+        for k, entry in pending.items():
+            if now - entry.heard > self.cfg.ps.timeout_s:
+                raise PeerLost(k, what, step, f"{self.cfg.ps.servers[k]} silent for "
+                               f"{self.cfg.ps.timeout_s:g}s ({HINT})", role="server")
+            if now - entry.pinged >= self.cfg.ps.retry_s:
+                entry.pinged = now
+                try:  # best effort: silence is what counts
+                    self._socks[k].send(P.encode_request(P.PING, self.worker, step, entry.req_id, []), zmq.NOBLOCK)
+                    self._count(k, sent=1)
+                except zmq.Again:
+                    pass
+
+    def _send_request(self, k: int, entry: _Pending, op: int, step: int, what: str) -> None:
+        """Send (or send again, under a new id) ``entry``; a server that takes no message for
+        timeout_s (its handshake refused us, so there is no connection to queue on) is lost."""
+        entry.req_id = next(self._ids)
+        entry.head = P.encode_request(op, self.worker, step, entry.req_id, entry.body)
+        sock, last = self._socks[k], len(entry.frames)
+        deadline = time.monotonic() + self.cfg.ps.timeout_s
+        while True:
+            try:
+                sock.send(entry.head, zmq.SNDMORE if last else 0)
+                break
+            except zmq.Again:  # a slice (SNDTIMEO) went by
+                if time.monotonic() > deadline:
+                    raise PeerLost(k, what, step, f"{self.cfg.ps.servers[k]} took no request within "
+                                   f"{self.cfg.ps.timeout_s:g}s ({HINT})", role="server") from None
+        for i, frame in enumerate(entry.frames, 1):  # the rest of a started message never blocks
+            tracked = isinstance(frame, np.ndarray)
+            tracker = sock.send(frame, zmq.SNDMORE if i < last else 0, copy=not tracked, track=tracked)
+            if tracked:
+                entry.trackers.append(tracker)
+        self._count(k, sent=1, nbytes=len(entry.head) + sum(_nbytes(f) for f in entry.frames))
+
+    def _count(self, k: int, sent: int = 0, recv: int = 0, nbytes: int = 0) -> None:
+        c = self.transport.counters.peer(f"server{k}")
+        c.sent_msgs += sent
+        c.recv_msgs += recv
+        if sent:
+            c.sent_bytes += nbytes
+        else:
+            c.recv_bytes += nbytes
+
+    def _receive(self, k: int, pending: dict, done: dict, now: float, op: int, what: str, step: int) -> None:
         sock = self._socks[k]
         while k in pending:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._count(k, recv=1, nbytes=sum(len(f) for f in frames))
             try:
                 reply = P.decode_reply(frames[0].buffer)
             except ProtocolError as exc:
                 log.warning("worker %d: dropped a malformed reply from server %d: %s", self.worker, k, exc)
                 continue
             entry = pending[k]
-            if reply.req_id != entry[0]:
-                continue  # a late answer to an earlier request
-            entry[3] = now
-            if reply.status == P.PENDING:
-                continue
+            entry.heard = now  # it answers: alive
+            if reply.req_id != entry.req_id or reply.status == P.PENDING:
+                continue  # a late answer to an earlier request (or ping), or still waiting
             if reply.status == P.UNKNOWN:  # the server restarted and lost it: send it again
                 log.warning("worker %d: server %d lost %s step %d; sending it again", self.worker, k, what, step)
-                sock.send_multipart([entry[1], *entry[2]], copy=False)
+                self._send_request(k, entry, op, step, what)
                 continue
             del pending[k]
-            if reply.status == P.ERROR:
-                raise RequestRejected(k, f"{what} step {step}", str(reply.body[0]))
-            if reply.status == P.LOST:
-                missing = reply.body[1] or [-1]
-                raise PeerLost(missing[0], what, step, str(reply.body[0]), role="worker")
+            self._check_reply(k, reply, what, step)
             done[k] = (reply, frames[1:])
+
+    @staticmethod
+    def _check_reply(k: int, reply: P.Reply, what: str, step: int) -> None:
+        if reply.status == P.ERROR:
+            raise RequestRejected(k, f"{what} step {step}", str(reply.body[0]))
+        if reply.status == P.FAILED:
+            raise PeerLost(k, what, step, str(reply.body[0]), role="server")
+        if reply.status == P.LOST:
+            missing = reply.body[1] or [-1]
+            raise PeerLost(missing[0], what, step, str(reply.body[0]), role="worker")
+
+    def _release(self, pending: dict[int, _Pending]) -> None:
+        """After an error: what is still queued to a server that did not answer must not reach
+        it later with the caller's memory changed, so that socket (and its queue) is replaced;
+        then wait until ZeroMQ has let go of every zero-copy frame."""
+        for k, entry in pending.items():
+            if all(t.done for t in entry.trackers):
+                continue
+            self._socks[k].close(linger=0)
+            self._socks[k] = self._dial(k)
+            self._poller = self._new_poller()
+            for t in entry.trackers:
+                try:
+                    t.wait(self.cfg.ps.timeout_s)
+                except zmq.NotDone:
+                    log.error("worker %d: ZeroMQ still holds a frame for server %d after %gs",
+                              self.worker, k, self.cfg.ps.timeout_s)

@@ -10,6 +10,7 @@ leaves either the old or the new file. Log records carry a checksum: a torn reco
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zlib
@@ -65,12 +66,17 @@ def save_checkpoint(path: str, meta: dict, arrays: list[np.ndarray], codes: list
     meta = dict(meta, arrays=_describe(arrays, codes))
     head = msgpack.packb(meta, use_bin_type=True)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(CKPT_MAGIC + struct.pack("<Q", len(head)) + head)
-        for a in arrays:
-            fh.write(np.ascontiguousarray(a).view(np.uint8).data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(CKPT_MAGIC + struct.pack("<Q", len(head)) + head)
+            for a in arrays:
+                fh.write(np.ascontiguousarray(a).view(np.uint8).data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk gets its space back; the old checkpoint stays whole
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
@@ -92,11 +98,13 @@ def load_checkpoint(path: str) -> tuple[dict, list[np.ndarray]]:
 
 
 class WriteAheadLog:
-    """Append-only log of updates applied since the last checkpoint."""
+    """Append-only log of updates applied since the last checkpoint. ``size``: its bytes, which
+    the server bounds by checkpointing early (each update record holds whole gradients)."""
 
     def __init__(self, path: str, fsync: bool):
         self.path, self._fsync = path, fsync
         self._fh = open(path, "ab")
+        self.size = self._fh.tell()
 
     def append(self, meta: dict, arrays: list[np.ndarray], codes: list[int]) -> None:
         head = msgpack.packb(dict(meta, arrays=_describe(arrays, codes)), use_bin_type=True)
@@ -109,12 +117,14 @@ class WriteAheadLog:
         for p in payload:
             self._fh.write(p)
         self._fh.flush()
+        self.size += _WAL_HEAD.size + len(head) + size
         if self._fsync:
             os.fsync(self._fh.fileno())
 
     def truncate(self) -> None:
         self._fh.close()
         self._fh = open(self.path, "wb")
+        self.size = 0
 
     def close(self) -> None:
         self._fh.close()

@@ -3,7 +3,10 @@
     request: [version, op, worker, step, req_id, body]      + one frame per segment
     reply:   [version, status, req_id, body]                 + one frame per segment
 
-``body`` is a short list whose shape depends on the op (checked here, field by field). Headers
+``body`` is a short list whose shape depends on the op (checked here, field by field). An init
+describes the parameters: ``[seed, [[name, start, stop, dtype], ...], [[name, [dims...]], ...]]``
+(its segments on this server, then every tensor's full shape), which the server binds pushes to.
+Headers
 are decoded with hard limits and no extension types; payload frames are never deserialised,
 only reinterpreted as a whitelisted dtype after their byte count was checked.
 """
@@ -16,18 +19,20 @@ import msgpack
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..errors import ProtocolError
 
-VERSION = 1
+VERSION = 2  # 2: init carries full shapes; FAILED replies
 MAX_HEADER_BYTES = 4 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 1024
+MAX_DIMS = 64
 _INT_MAX = 1 << 62
 
 # ops
 INIT, PUSH, PULL, PUSHPULL, PING, STATS = 1, 2, 3, 4, 5, 6
 OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSHPULL: "push_pull", PING: "ping",
             STATS: "stats"}
-# reply statuses
-OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE = 0, 1, 2, 3, 4, 5
+# reply statuses (FAILED: the server hit an error it cannot serve past, e.g. a full disk, and stops)
+OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE, FAILED = 0, 1, 2, 3, 4, 5, 6
+STATUSES = (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE, FAILED)
 
 
 class Request(NamedTuple):
@@ -71,8 +76,13 @@ def _check_ids(body: list) -> None:
 
 
 def _check_init(body: list) -> None:
-    if len(body) != 2 or type(body[0]) is not bool or not isinstance(body[1], list):
-        raise ProtocolError("init body must be [seed: bool, segments: list]")
+    if len(body) != 3 or type(body[0]) is not bool or not all(isinstance(b, list) for b in body[1:]):
+        raise ProtocolError("init body must be [seed: bool, segments: list, shapes: list]")
+    for entry in body[2]:
+        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], list) or len(entry[1]) > MAX_DIMS
+                or not all(_is_count(d) for d in entry[1])):
+            raise ProtocolError(f"bad shape description {entry!r}: expected [name, [dims...]]")
     for seg in body[1]:
         if (not isinstance(seg, list) or len(seg) != 4 or not isinstance(seg[0], str)
                 or not all(_is_count(v) for v in seg[1:]) or seg[1] > seg[2]
@@ -108,10 +118,20 @@ def encode_reply(status: int, req_id: int, body: Any) -> bytes:
     return msgpack.packb([VERSION, status, req_id, body], use_bin_type=True)
 
 
+class Routed(NamedTuple):
+    """A reply and the ROUTER identity it goes to."""
+    ident: bytes
+    frames: list
+
+
+def routed(ident: bytes, status: int, req_id: int, body: Any, payload: list | None = None) -> Routed:
+    return Routed(ident, [encode_reply(status, req_id, body), *(payload or [])])
+
+
 def decode_reply(buf) -> Reply:
     msg = _unpack(buf, max_map=4096)
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError("reply must be [version, status, req_id, body]")
-    if type(msg[1]) is not int or msg[1] not in (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE) or not _is_count(msg[2]):
+    if type(msg[1]) is not int or msg[1] not in STATUSES or not _is_count(msg[2]):
         raise ProtocolError(f"bad reply status/id {msg[1:3]!r}")
     return Reply(*msg[1:])

@@ -15,9 +15,10 @@ import zmq
 from .. import optim
 from ..config import Config
 from ..errors import ConfigError
-from ..security import Guard, check_bind
+from ..security import check_bind
+from ..transport.hub import Transport
 from ..transport.memory import keep_freed_memory
-from .core import ServerCore
+from .core import ServerCore, StorageFailed
 from .state import ShardState
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ def split_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+EXIT_STORAGE = 3  # serve()'s status when a durable write failed (the process's exit code)
+
+
 class Server:
     def __init__(self, cfg: Config, index: int, resume: bool = False):
         ps = cfg.ps
@@ -45,61 +49,89 @@ class Server:
         self.addr = ps.servers[index]
         if cfg.comm.keep_freed_memory:
             keep_freed_memory()  # large pushes and pulls reuse pages
-        check_bind(cfg, [split_address(self.addr)[0]])
+        host, port = split_address(self.addr)
+        check_bind(cfg, [host])
         self.core = ServerCore(ps, index, ShardState(optim_spec(cfg), ps.workers))
-        if resume:
-            if not self.core.has_checkpoint():
-                raise ConfigError(f"--resume: no checkpoint for server {index} in '{ps.checkpoint_dir}'")
-            n = self.core.resume()
-            log.info("server %d resumed at version %d (%d updates replayed from the log)",
-                     index, self.core.state.version, n)
-        elif self.core.has_checkpoint():
-            raise ConfigError(f"server {index} has a checkpoint in '{ps.checkpoint_dir}': pass --resume "
-                              "to continue from it, or remove it to start afresh")
+        self._recover(resume)
         self._stop = threading.Event()
-        self.ctx = zmq.Context()
-        self.guard = Guard(self.ctx, cfg, f"server{index}")  # before the bind
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.guard.server(self.sock)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, ps.max_segment_bytes + (4 << 20))
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.comm.heartbeat_s * 1000))
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * cfg.comm.heartbeat_s * 1000))
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(ps.timeout_s * 1000))  # a silent stranger is dropped
+        self.transport = Transport(cfg, f"server{index}")  # its Guard is up before the bind
         try:
-            self.sock.bind(self.addr)
+            # a silent stranger's handshake is dropped after timeout_s
+            self.sock, _ = self.transport.listen(zmq.ROUTER, host, port, handshake_s=ps.timeout_s,
+                                                 max_frame=ps.max_segment_bytes + (4 << 20))
         except zmq.ZMQError as exc:
-            self.sock.close()
+            self.transport.close()
             raise ConfigError(f"server {index} cannot listen on {self.addr}: {exc}") from None
+        self.sock.setsockopt(zmq.LINGER, 1000)  # the last replies still leave on stop
+        self._names: dict[bytes, str] = {}  # ROUTER identity -> peer name, for the counters
+
+    def _recover(self, resume: bool) -> None:
+        core, where = self.core, self.core.cfg.checkpoint_dir
+        if resume and core.has_checkpoint():
+            n = core.resume()
+            log.info("server %d resumed at version %d (%d updates replayed from the log)",
+                     core.index, core.state.version, n)
+        elif resume and core.never_committed():
+            log.warning("server %d: --resume found nothing committed in '%s' (the first checkpoint "
+                        "never completed); starting fresh", core.index, where)
+            core.start_fresh()
+        elif resume:
+            raise ConfigError(f"--resume: no checkpoint for server {core.index} in '{where}'")
+        elif core.has_checkpoint():
+            raise ConfigError(f"server {core.index} has a checkpoint in '{where}': pass --resume "
+                              "to continue from it, or remove it to start afresh")
 
     def stop(self, *_args) -> None:
         self._stop.set()
 
-    def serve(self, duration_s: float | None = None) -> None:
-        """Serve until ``stop()`` (SIGTERM/SIGINT when run as a process), then checkpoint."""
+    def serve(self, duration_s: float | None = None) -> int:
+        """Serve until ``stop()`` (SIGTERM/SIGINT when run as a process), then checkpoint.
+        Returns 0, or EXIT_STORAGE when a durable write failed (the workers were told why)."""
         end = None if duration_s is None else time.monotonic() + duration_s
         log.info("server %d listening on %s (%s mode, %s, %d workers)", self.core.index, self.addr,
                  self.core.cfg.mode, self.core.state.spec.kind, self.core.state.workers)
         try:
-            while not self._stop.is_set() and (end is None or time.monotonic() < end):
-                replies = []
-                if self.sock.poll(POLL_MS):
-                    for _ in range(64):  # drain a burst before looking at deadlines
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(frames) >= 2:
-                            replies += self.core.handle(frames[0].bytes, [f.buffer for f in frames[1:]],
-                                                        time.monotonic(), self.guard.peer_of(frames[1]))
-                replies += self.core.tick(time.monotonic())
-                for ident, out in replies:
-                    self.sock.send_multipart([ident, *out], copy=len(out) == 1)
+            while not self._stop.is_set() and self.core.failure is None and (
+                    end is None or time.monotonic() < end):
+                self._send(self._receive() + self.core.tick(time.monotonic()))
+            if self.core.failure is None:
+                self.core.checkpoint()
+        except StorageFailed as exc:  # the final checkpoint
+            log.error("server %d: %s", self.core.index, exc)
+            return EXIT_STORAGE
         finally:
-            self.core.checkpoint()
             self.sock.close()
-            self.guard.close()
-            self.ctx.term()
+            self.transport.close()
+        return EXIT_STORAGE if self.core.failure is not None else 0
+
+    def _receive(self) -> list:
+        replies = []
+        if not self.sock.poll(POLL_MS):
+            return replies
+        for _ in range(64):  # drain a burst before looking at deadlines
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(frames) < 2:
+                continue
+            peer = self.transport.peer_of(frames[1])
+            ident = frames[0].bytes
+            if len(self._names) > 4096:  # identities of closed connections: bounded, not precious
+                self._names.clear()
+            name = self._names.setdefault(ident, peer or "anonymous")
+            counter = self.transport.counters.peer(name)
+            counter.recv_msgs += 1
+            counter.recv_bytes += sum(len(f) for f in frames[1:])
+            replies += self.core.handle(ident, [f.buffer for f in frames[1:]], time.monotonic(), peer)
+        return replies
+
+    def _send(self, replies: list) -> None:
+        for ident, out in replies:
+            counter = self.transport.counters.peer(self._names.get(ident, "unknown"))
+            counter.sent_msgs += 1
+            counter.sent_bytes += sum(len(f) for f in out)
+            self.sock.send_multipart([ident, *out], copy=len(out) == 1)
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -38,6 +38,7 @@ class ShardState:
     def __init__(self, spec: optim.OptimSpec, workers: int):
         self.spec, self.workers = spec, workers
         self.segs: list[SegInfo] = []
+        self.shapes: dict[str, tuple[int, ...]] | None = None  # None: from a checkpoint without them
         self.params: list[torch.Tensor] = []
         self.opt: list[dict[str, torch.Tensor]] = []
         self.steps: list[int] = []  # updates applied to each segment (Adam's t)
@@ -45,6 +46,7 @@ class ShardState:
         self.clocks = [0] * workers
         self.recent = [collections.deque(maxlen=RECENT) for _ in range(workers)]
         self.dropped: set[int] = set()
+        self.joined: set[int] = set()  # workers whose init matched the seed: only they may push/pull
         self.staleness: collections.Counter = collections.Counter()
 
     @property
@@ -58,8 +60,9 @@ class ShardState:
         live = [self.clocks[w] for w in self.active()]
         return min(live) if live else max(self.clocks)
 
-    def seed(self, segs: list[SegInfo], values: list[np.ndarray]) -> None:
-        self.segs = list(segs)
+    def seed(self, segs: list[SegInfo], values: list[np.ndarray],
+             shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+        self.segs, self.shapes = list(segs), shapes
         self.params = [torch.from_numpy(v.copy()) for v in values]
         self.opt = [optim.init_state(self.spec, p) for p in self.params]
         self.steps = [0] * len(segs)
@@ -99,7 +102,8 @@ class ShardState:
         codes = [s.dtype for s in self.segs] + [s.dtype for s in self.segs for _ in names]
         meta = {"segs": [list(s) for s in self.segs], "steps": self.steps, "version": self.version,
                 "clocks": self.clocks, "recent": [list(r) for r in self.recent],
-                "dropped": sorted(self.dropped), "optimizer": self.spec.kind,
+                "dropped": sorted(self.dropped), "joined": sorted(self.joined), "optimizer": self.spec.kind,
+                "shapes": None if self.shapes is None else [[k, list(v)] for k, v in self.shapes.items()],
                 "staleness": {str(k): v for k, v in self.staleness.items()}}
         save_checkpoint(path, meta, arrays, codes)
 
@@ -112,7 +116,8 @@ class ShardState:
         n, names = len(segs), optim.state_names(self.spec)
         if len(arrays) != n * (1 + len(names)):
             raise ValueError(f"{path}: expected {n * (1 + len(names))} arrays, found {len(arrays)}")
-        self.seed(segs, arrays[:n])
+        shapes = meta.get("shapes")
+        self.seed(segs, arrays[:n], None if shapes is None else {k: tuple(v) for k, v in shapes})
         for k, name in enumerate(names):
             for i in range(n):
                 self.opt[i][name].copy_(torch.from_numpy(arrays[n + i * len(names) + k]))
@@ -121,4 +126,6 @@ class ShardState:
         for w, steps in enumerate(meta["recent"]):
             self.recent[w].extend(steps)
         self.dropped = set(meta["dropped"])
+        # a checkpoint from before inits were checked: every worker was admitted then
+        self.joined = set(meta.get("joined", range(self.workers)))
         self.staleness = collections.Counter({int(k): v for k, v in meta["staleness"].items()})

@@ -2,12 +2,20 @@
 the parameter server's format; never pickle), loadable at the same or a different world size
 and stage: a loader rebuilds each parameter's values and optimizer state from the pieces the
 files hold, then keeps the range it owns.
+
+A save is complete only once rank 0 has written the marker ``zero-complete.json`` (last, after
+every rank's file is on disk): it names the step, the world size and each rank file's SHA-256.
+Every file and the marker go through a temporary file, fsync and rename. A load reads exactly
+the files the marker names and refuses a set without a marker (a save that never finished) or
+with a file the marker does not describe (a crash part-way through a later save mixed steps).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
+import logging
 import os
-import re
 
 import numpy as np
 import torch
@@ -19,7 +27,9 @@ from ..ps.durable import load_checkpoint, save_checkpoint
 from .layout import Unit, pieces
 
 FORMAT = "commrt-zero-1"
-_NAME = re.compile(r"zero-rank(\d+)-of-(\d+)\.ckpt$")
+MARKER = "zero-complete.json"
+
+log = logging.getLogger(__name__)
 
 
 def shard_state(engine) -> dict:
@@ -46,26 +56,88 @@ def _numels(engine) -> list[int]:
     return out
 
 
+def file_name(rank: int, world: int) -> str:
+    return f"zero-rank{rank:05d}-of-{world:05d}.ckpt"
+
+
 def save(engine, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
+    z = engine.zero
     st = shard_state(engine)
-    path = os.path.join(directory, f"zero-rank{engine.zero.rank:05d}-of-{engine.zero.world:05d}.ckpt")
+    path = os.path.join(directory, file_name(z.rank, z.world))
     save_checkpoint(path, st["meta"], [a.numpy() for a in st["arrays"]], [1] * len(st["arrays"]))
-    dist.barrier(engine.group)
+    mine = torch.frombuffer(bytearray(_sha256(path)), dtype=torch.uint8)
+    digests = torch.empty(32 * z.world, dtype=torch.uint8)
+    dist.all_gather_into_tensor(digests, mine, group=engine.group)  # also: every file is written
+    if z.rank == 0:
+        files = {file_name(r, z.world): bytes(digests[32 * r:32 * r + 32].tolist()).hex() for r in range(z.world)}
+        write_marker(directory, {"format": FORMAT, "global_steps": engine.global_steps, "world": z.world,
+                                 "files": files})
+    dist.barrier(engine.group)  # nobody returns before the save is complete
     return path
 
 
+def _sha256(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
+
+
+def write_marker(directory: str, doc: dict) -> None:
+    """The completion marker, written like every checkpoint file: temporary file, fsync, rename."""
+    path = os.path.join(directory, MARKER)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(doc, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def complete_set(directory: str) -> tuple[dict, list[str]]:
+    """(marker, paths of the rank files it names, in rank order), or a ConfigError that says
+    why the set in ``directory`` is not one complete save and names the offending files."""
+    present = sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "zero-rank*-of-*.ckpt")))
+    try:
+        with open(os.path.join(directory, MARKER)) as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{directory}: no {MARKER}, so no save there completed (interrupted, or written "
+                          f"before completion markers); refusing {present or 'an empty set'}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{directory}/{MARKER} is unreadable: {exc}") from None
+    world, files = doc.get("world"), doc.get("files")
+    if (doc.get("format") != FORMAT or not isinstance(world, int) or world < 1 or not isinstance(files, dict)
+            or sorted(files) != [file_name(r, world) for r in range(world)]):
+        raise ConfigError(f"{directory}/{MARKER} does not describe a {FORMAT} save: {doc!r:.300}")
+    missing = [n for n in sorted(files) if n not in present]
+    differ = [n for n in sorted(files) if n in present and _sha256(os.path.join(directory, n)).hex() != files[n]]
+    if missing or differ:
+        raise ConfigError(f"{directory}: not the complete save of step {doc.get('global_steps')} (world {world}) "
+                          f"that {MARKER} records: missing {missing}, differing from it {differ} (a later save "
+                          "interrupted part-way, or files from another save)")
+    extra = sorted(set(present) - set(files))
+    if extra:
+        log.warning("%s: ignoring %s, not part of the completed save of step %s", directory, extra,
+                    doc.get("global_steps"))
+    return doc, [os.path.join(directory, n) for n in sorted(files)]
+
+
 def load(engine, directory: str) -> None:
-    files = sorted(glob.glob(os.path.join(directory, "zero-rank*-of-*.ckpt")))
-    worlds = {int(_NAME.search(f).group(2)) for f in files}
-    if len(worlds) != 1:
-        raise ConfigError(f"{directory}: expected the files of one run, found world sizes {sorted(worlds) or 'none'}")
-    old = worlds.pop()
-    if len(files) != old:
-        raise ConfigError(f"{directory}: {len(files)} shard files for a world of {old}")
+    doc, files = complete_set(directory)
     states = []  # every file: the layout may differ (world size, stage, bucket size)
-    for f in files:
+    for rank, f in enumerate(files):
         meta, arrays = load_checkpoint(f)
+        if (meta.get("rank"), meta.get("world"), meta.get("global_steps")) != (rank, doc["world"], doc["global_steps"]):
+            raise ConfigError(f"{f}: rank {meta.get('rank')} of {meta.get('world')} at step "
+                              f"{meta.get('global_steps')}, but {MARKER} records rank {rank} of {doc['world']} "
+                              f"at step {doc['global_steps']}")
         states.append({"meta": meta, "arrays": [torch.from_numpy(a) for a in arrays]})
     load_shard_states(engine, states)
 

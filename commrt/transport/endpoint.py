@@ -1,9 +1,13 @@
-"""One group's data-plane sockets: a PULL socket bound locally and a PUSH socket per peer.
+"""One group's data-plane sockets: a PULL socket bound locally and a PUSH socket per peer,
+made by the process's ``Transport`` and dialled lazily, on the first send to or receive from a
+peer, so a rank holds connections only to the peers its algorithms talk to.
 
-An Endpoint has one owner thread at a time (the group's executor holds its lock), which is
-what ZeroMQ requires of sockets. Messages from one peer arrive in the order they were sent
-(ZeroMQ keeps per-pipe order); messages from different peers interleave, so ``recv(src)``
-stashes what it reads for other peers until they are asked for.
+An Endpoint has one owner at a time (hub.py's rules): the holder of the group executor's turn
+for collectives, the point-to-point engine's thread for point-to-point. Another thread may only
+``cancel()`` it; the owner notices within one receive slice and raises ``GroupClosed``.
+Messages from one peer arrive in send order (ZeroMQ keeps per-pipe order); messages from
+different peers interleave, so ``recv(src)`` stashes what it reads for other peers, within a
+bound the owner sets from what its operations can legitimately be sent ahead.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from typing import NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import PeerLost, ProtocolError
+from ..errors import GroupClosed, PeerLost, ProtocolError
 from ..wire import ABORT, P2P, Header, decode_header, encode_header
+from .hub import SLICE_MS, Transport
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,12 @@ log = logging.getLogger(__name__)
 # garbage-collector thread when libzmq lets go of the buffer; below 1 MiB a memcpy is cheaper:
 # 256 KiB all_reduce at n=2 went from 450 to 290 us (pyzmq's own threshold is 64 KiB).
 ZERO_COPY_MIN_BYTES = 1 << 20
-# read ahead for other (peer, channel) pairs before we call it a flood rather than a fast peer
-MAX_STASHED, MAX_STASHED_BYTES = 1_000_000, 4 << 30
+HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait on ZeroMQ
+# At close, a PUSH socket gets this long to deliver what was handed to it: an op is complete
+# once its small payloads are queued, and a connection dialled lazily for the last op of a job
+# may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
+# the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
+CLOSE_LINGER_MS = 1000
 
 
 class Message(NamedTuple):
@@ -34,77 +43,98 @@ class Message(NamedTuple):
     payload: zmq.Frame
 
 
+class MismatchReport(Exception):
+    """A peer reports a collective mismatch it saw: ``mine`` (the reporter's header) against
+    ``theirs``. The backend restates it as a ``CollectiveMismatch`` against this rank's op."""
+
+    def __init__(self, reporter: int, mine: Header, theirs: Header):
+        self.reporter, self.mine, self.theirs = reporter, mine, theirs
+        super().__init__(f"rank {reporter} reports a mismatch with rank {theirs.src}")
+
+
+def encode_report(mine: Header, theirs: Header) -> bytes:
+    a, b = encode_header(mine), encode_header(theirs)
+    return bytes([len(a)]) + a + b
+
+
+def decode_report(buf) -> tuple[Header, Header]:
+    buf = bytes(buf)
+    if not buf or len(buf) < 1 + buf[0]:
+        raise ProtocolError("truncated mismatch report")
+    return decode_header(buf[1:1 + buf[0]]), decode_header(buf[1 + buf[0]:])
+
+
 class Endpoint:
     """Sockets of one rank in one group. ``op``/``seq`` only label errors."""
 
-    def __init__(self, ctx: zmq.Context, rank: int, bind_host: str, advertise_host: str,
-                 max_frame_bytes: int, heartbeat_s: float, timeout_s: float, guard=None,
-                 names: list[str] | None = None):
-        self.rank = rank
-        self.guard = guard  # security.Guard: CURVE keys and the sender check (None: plaintext)
-        self.names = names or []  # group rank -> the key name that rank must send with
+    def __init__(self, transport: Transport, group: int, rank: int, names: list[str],
+                 bind_host: str, advertise_host: str, max_frame_bytes: int, heartbeat_s: float,
+                 timeout_s: float):
+        self.transport, self.group, self.rank, self.names = transport, group, rank, names
         self.timeout_s = timeout_s
-        self._ctx = ctx
         self._max_frame = max_frame_bytes
-        self._heartbeat_ms = int(heartbeat_s * 1000)
-        self.inbound = ctx.socket(zmq.PULL)
-        self._tune(self.inbound)
-        self.inbound.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        if guard is not None:
-            guard.server(self.inbound)
-        port = self.inbound.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = f"tcp://{advertise_host or bind_host}:{port}"
-        self._out: dict[int, zmq.Socket] = {}
+        self.inbound, bound = transport.listen(zmq.PULL, bind_host, max_frame=max_frame_bytes)
+        self.inbound.setsockopt(zmq.RCVHWM, HWM)
+        # recv blocks in libzmq (GIL released, no poll round trip: ~12 us less per message
+        # than poll + non-blocking read) for at most this long between liveness/deadline checks
+        self._slice_s = min(SLICE_MS, max(1, int(heartbeat_s * 1000) // 4)) / 1000
+        self.inbound.setsockopt(zmq.RCVTIMEO, int(self._slice_s * 1000))
+        self.address = f"tcp://{advertise_host or bind_host}:{bound.rsplit(':', 1)[1]}"
         self.peer_addresses: dict[int, str] = {}
-        self._stashed = self._stashed_bytes = 0
+        self._out: dict[int, zmq.Socket] = {}
+        self._counters = [transport.counters.peer(n) for n in names]
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._ahead = [[0, 0] for _ in names]  # per peer: messages, bytes stashed
+        self.ahead_limit = (1 << 10, 64 << 20)  # (messages, bytes) per peer; the owner sets it per op
         self._trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.dropped = 0  # malformed messages discarded (see ProtocolError handling)
+        self.last: Header | None = None  # header of the last message recv() returned
+        self.cancelled = False  # set by another thread: the owner raises GroupClosed
         # liveness: a monitor on each outgoing connection reports when a peer's connection drops
         # (its process died, or it stopped answering ZMTP heartbeats: SIGSTOP, a hung host)
         self._monitors: dict[zmq.Socket, int] = {}
         self.down: dict[int, float] = {}  # peer -> when its connection dropped
         self._grace_s = heartbeat_s
-        # recv blocks in libzmq (GIL released, no poll round trip: ~12 us less per message
-        # than poll + non-blocking read) for at most this long between liveness/deadline checks
-        self.inbound.setsockopt(zmq.RCVTIMEO, min(100, max(1, self._heartbeat_ms // 4)))
-
-    def _tune(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout_s * 1000))
+        self._watched_at = 0.0
 
     def connect(self, addresses: dict[int, str]) -> None:
-        """Open a PUSH socket to every other member (peers are keyed by group rank)."""
+        """Learn every member's address (keyed by group rank); sockets are dialled on first use."""
         self.peer_addresses = dict(addresses)
-        for peer, addr in addresses.items():
-            if peer == self.rank or peer in self._out:
-                continue
-            sock = self._ctx.socket(zmq.PUSH)
-            self._tune(sock)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-            sock.setsockopt(zmq.IMMEDIATE, 0)
-            if self.guard is not None:
-                self.guard.client(sock, self.names[peer])
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            self._monitors[mon] = peer
-            sock.connect(addr)
-            self._out[peer] = sock
 
-    def _watch_peers(self) -> None:
+    def socket_to(self, peer: int) -> zmq.Socket:
+        """The PUSH socket to ``peer``, dialled now if this is the first use."""
+        sock = self._out.get(peer)
+        if sock is not None:
+            return sock
+        if peer == self.rank or peer not in self.peer_addresses:
+            raise ValueError(f"rank {self.rank}: no address for peer rank {peer}")
+        sock = self.transport.dial(zmq.PUSH, self.peer_addresses[peer], self.names[peer],
+                                   max_frame=self._max_frame)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                      | zmq.EVENT_CONNECT_RETRIED)
+        self._monitors[mon] = peer
+        self._out[peer] = sock
+        return sock
+
+    def watch_peers(self) -> None:
         for mon, peer in self._monitors.items():
             while True:
                 try:
                     event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
                 except zmq.Again:
                     break
-                if event == zmq.EVENT_DISCONNECTED:
+                if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):  # retried: refused
                     self.down.setdefault(peer, time.monotonic())
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.down.pop(peer, None)
+
+    def cancel(self) -> None:
+        """From any thread: make the owner give up its current wait within one slice."""
+        self.cancelled = True
+
+    def _closed(self, op: str, seq: int) -> GroupClosed:
+        return GroupClosed(self.group, op, seq)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, dst: int, header: Header, payload, op: str = "?") -> None:
@@ -113,84 +143,140 @@ class Endpoint:
         The caller must keep the memory unchanged until ``flush()`` returns: large payloads
         are read by ZeroMQ's I/O thread after this call has returned.
         """
-        sock = self._out[dst]
+        sock = self._out.get(dst) or self.socket_to(dst)
         try:
             sock.send(encode_header(header), zmq.SNDMORE, copy=True)
-            if len(payload) >= ZERO_COPY_MIN_BYTES:
-                tracker = sock.send(payload, copy=False, track=True)
-                self._trackers.append((dst, tracker))
-            else:
-                sock.send(payload, copy=True)
-        except zmq.Again:
-            raise PeerLost(dst, op, header.seq, f"could not send within {self.timeout_s:g}s "
-                           "(peer not draining its socket)") from None
+        except zmq.Again:  # the peer is not draining: wait in slices, within the deadline
+            self._send_slowly(sock, dst, encode_header(header), op, header.seq)
+        n = len(payload)
+        if n >= ZERO_COPY_MIN_BYTES:
+            self._trackers.append((dst, sock.send(payload, copy=False, track=True)))
+        else:
+            sock.send(payload, copy=True)
+        c = self._counters[dst]
+        c.sent_bytes += n
+        c.sent_msgs += 1
+
+    def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.cancelled:
+                raise self._closed(op, seq)
+            if time.monotonic() >= deadline:
+                raise PeerLost(dst, op, seq, f"could not send within {self.timeout_s:g}s "
+                               "(peer not draining its socket)")
+            try:
+                sock.send(head, zmq.SNDMORE, copy=True)  # a multipart message passes the HWM whole
+                return
+            except zmq.Again:
+                continue
 
     def flush(self, op: str = "?", seq: int = 0) -> None:
         """Wait until ZeroMQ no longer needs any buffer handed to ``send``."""
         deadline = time.monotonic() + self.timeout_s
         for dst, tracker in self._trackers:
-            remaining = deadline - time.monotonic()
-            try:
-                tracker.wait(max(remaining, 0.0))
-            except zmq.NotDone:
-                raise PeerLost(dst, op, seq, "send not drained before the deadline") from None
+            while not tracker.done:
+                if self.cancelled:
+                    raise self._closed(op, seq)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerLost(dst, op, seq, "send not drained before the deadline")
+                try:
+                    tracker.wait(min(remaining, self._slice_s))
+                except zmq.NotDone:
+                    pass
         self._trackers.clear()
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int, tag: int = -1, op: str = "?", seq: int = 0,
              timeout_s: float | None = None) -> Message:
-        """Next message from ``src`` (in send order) on channel ``tag`` (a point-to-point
-        tag; -1 for collectives), within the deadline."""
+        """Next message from ``src`` (in send order) on channel ``tag`` (-1: collectives),
+        within the deadline. The deadline, cancellation and (once a slice) the peers'
+        liveness are checked on every iteration, so messages from busy peers cannot keep a
+        wait on a silent one alive."""
         key = (src, tag)
         stash = self._stash.get(key)
         if stash:
             msg = stash.popleft()
-            self._stashed -= 1
-            self._stashed_bytes -= msg.header.nbytes
+            ahead = self._ahead[src]
+            ahead[0] -= 1
+            ahead[1] -= msg.header.nbytes
+            self.last = msg.header
             return msg
+        if src not in self._out:  # dial the peer we wait on: its connection's monitor is our liveness
+            self.socket_to(src)
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline, extended = time.monotonic() + limit, False
         while True:
-            msg = self._read(0)  # blocks for at most RCVTIMEO
-            if msg is None:
-                self._watch_peers()
-                now = time.monotonic()
+            msg = self._read(0)  # blocks for at most one slice
+            now = time.monotonic()
+            if self.cancelled:
+                raise self._closed(op, seq)
+            if msg is not None:
+                h = msg.header
+                if h.kind == ABORT:
+                    self._aborted(msg, op, seq)
+                got = (h.src, h.op if h.kind == P2P else -1)
+                if got == key:
+                    self.last = h
+                    return msg
+                self._keep(got, msg, op, seq)
+            if now - self._watched_at >= self._slice_s:
+                self._watched_at = now
+                self.watch_peers()
                 if src in self.down and now - self.down[src] > self._grace_s:
                     raise self._lost(src, op, seq, now)
-                if now >= deadline:
-                    if not self.down and not extended:
-                        # nothing dropped yet: give the heartbeats time to name a frozen peer
-                        # (3 missed intervals, then the grace) before blaming whoever we wait on
-                        deadline, extended = now + 4 * self._grace_s, True
-                        continue
-                    raise self._timeout(src, op, seq, limit)
-                continue
-            h = msg.header
-            if h.kind == ABORT:  # a peer gave up on a lost rank: so do we, naming the same rank
-                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
-            got = (h.src, h.op if h.kind == P2P else -1)
-            if got == key:
-                return msg
-            self._stash[got].append(msg)
-            self._stashed += 1
-            self._stashed_bytes += h.nbytes
-            if self._stashed > MAX_STASHED or self._stashed_bytes > MAX_STASHED_BYTES:
-                self._stash.clear()
-                self._stashed = self._stashed_bytes = 0
-                raise ProtocolError(f"rank {self.rank}: more than {MAX_STASHED} messages or "
-                                    f"{MAX_STASHED_BYTES >> 30} GiB arrived that no operation asked for "
-                                    f"(last from rank {h.src}); refusing to buffer more")
+            if now >= deadline:
+                if not self.down and not extended:
+                    # nothing dropped yet: give the heartbeats time to name a frozen peer
+                    # (3 missed intervals, then the grace) before blaming whoever we wait on
+                    deadline, extended = now + 4 * self._grace_s, True
+                    continue
+                raise self._timeout(src, op, seq, limit)
 
-    def tell_peers_lost(self, culprit: int, group: int, seq: int) -> None:
-        """Best effort, never blocking: tell every other peer which rank we lost, so that ranks
-        waiting elsewhere in the ring name it too instead of us when we leave."""
-        h = encode_header(Header(ABORT, group, seq, self.rank, culprit, 0, 0, 0, 0))
-        for peer, sock in self._out.items():
-            if peer != culprit:
-                try:
-                    sock.send_multipart([h, b""], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+    def _keep(self, key: tuple[int, int], msg: Message, op: str, seq: int) -> None:
+        """Stash a message for a later receive, within the per-peer read-ahead bound."""
+        src, h = key[0], msg.header
+        ahead = self._ahead[src]
+        ahead[0] += 1
+        ahead[1] += h.nbytes
+        max_msgs, max_bytes = self.ahead_limit
+        if ahead[0] > max_msgs or ahead[1] > max_bytes:
+            dropped = sum(len(q) for k, q in self._stash.items() if k[0] == src) + 1
+            for k in [k for k in self._stash if k[0] == src]:
+                del self._stash[k]  # the flooder's own messages only; the group is broken now
+            self._ahead[src] = [0, 0]
+            raise ProtocolError(
+                f"rank {self.rank}, group {self.group}, during {op} (seq {seq}): peer rank {src} sent "
+                f"more than this rank's operations can use ahead ({max_msgs} messages / "
+                f"{max_bytes >> 20} MiB); refused its {dropped} stashed messages")
+        self._stash[key].append(msg)
+
+    def _aborted(self, msg: Message, op: str, seq: int) -> None:
+        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report)."""
+        h = msg.header
+        if h.nbytes == 0:  # so do we, naming the same rank
+            raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
+        try:
+            mine, theirs = decode_report(msg.payload.buffer)
+        except ProtocolError as exc:
+            self.dropped += 1
+            log.warning("rank %d dropped a malformed mismatch report from rank %d: %s", self.rank, h.src, exc)
+            return
+        raise MismatchReport(h.src, mine, theirs)
+
+    def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"") -> None:
+        """Best effort, never blocking: tell every other peer that we give up, naming the rank
+        we lost (``lost``) or carrying a mismatch ``report``, so ranks waiting elsewhere fail
+        at once with the same cause instead of timing out on us when we leave."""
+        h = encode_header(Header(ABORT, self.group, seq, self.rank, lost or 0, 0, 0, 0, len(report)))
+        for peer in self.peer_addresses:
+            if peer in (self.rank, lost):
+                continue
+            try:
+                self.socket_to(peer).send_multipart([h, report], zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError):
+                pass
 
     def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
         """``src`` is gone. If another peer dropped shortly before, that one went first and
@@ -212,6 +298,10 @@ class Endpoint:
                             f"{gone[0]}'s connection was lost {time.monotonic() - self.down[gone[0]]:.2f}s ago")
         return PeerLost(src, op, seq, f"no message within {limit:g}s")
 
+    def read(self, flags: int) -> Message | None:
+        """One well-formed message, or None (nothing within the slice, or a malformed one)."""
+        return self._read(flags)
+
     def _read(self, flags: int) -> Message | None:
         try:
             frames = self.inbound.recv_multipart(flags, copy=False)
@@ -223,23 +313,31 @@ class Endpoint:
             header = decode_header(frames[0].bytes)
             if header.nbytes != len(frames[1]):
                 raise ProtocolError(f"header says {header.nbytes} payload bytes, frame has {len(frames[1])}")
-            if self.guard is not None and self.guard.active:
-                sender = self.guard.peer_of(frames[0])
-                claimed = self.names[header.src] if header.src < len(self.names) else f"rank index {header.src}"
-                if sender != claimed:
-                    raise ProtocolError(f"a message claiming to be from {claimed} came over {sender}'s key")
+            if header.src >= len(self.names) or header.src == self.rank:
+                raise ProtocolError(f"a message claims to be from rank index {header.src}")
+            guard = self.transport.guard
+            if guard.active:
+                sender = guard.peer_of(frames[0])
+                if sender != self.names[header.src]:
+                    raise ProtocolError(f"a message claiming to be from {self.names[header.src]} "
+                                        f"came over {sender}'s key")
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("rank %d dropped a malformed message (%d so far): %s", self.rank, self.dropped, exc)
             return None
+        c = self._counters[header.src]
+        c.recv_bytes += header.nbytes
+        c.recv_msgs += 1
         return Message(header, frames[1])
 
     def close(self) -> None:
+        """Close every socket. Only the owner calls this, after its last use (or once the
+        owner has stopped): closing a socket another thread is blocked in aborts libzmq."""
         for mon in self._monitors:
             mon.close(linger=0)
         self._monitors.clear()
         for sock in self._out.values():
-            sock.close(linger=0)
+            sock.close(linger=CLOSE_LINGER_MS)
         self.inbound.close(linger=0)
         self._out.clear()
         self._stash.clear()

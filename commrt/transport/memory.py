@@ -7,8 +7,11 @@ all_reduce here, about a tenth of a rank's CPU time. Fixing glibc's two threshol
 those pages in the process for the next piece: faults drop to ~0 (docs/PERFORMANCE.md).
 
 The cost is the usual one of a caching allocator: memory freed below the trim threshold stays
-in the process (RSS does not shrink back after a peak). ``[comm] keep_freed_memory = false``
-turns this off.
+in the process (RSS does not shrink back after a peak), and mallopt changes the whole process.
+So the library leaves it off (``[comm] keep_freed_memory = true`` opts in); ``commrt launch``
+instead starts its ranks and servers with the same two thresholds in GLIBC_TUNABLES
+(``glibc_tunables``), which glibc reads at start-up: launched jobs keep the speed, and a process
+that merely imports commrt keeps glibc's defaults.
 """
 from __future__ import annotations
 
@@ -22,6 +25,15 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value: requests below it re
 TRIM_THRESHOLD = 256 << 20  # free memory at the top of the heap kept before giving it back
 
 _applied = False
+TUNABLES = {"glibc.malloc.mmap_threshold": MMAP_THRESHOLD, "glibc.malloc.trim_threshold": TRIM_THRESHOLD}
+
+
+def glibc_tunables(existing: str = "") -> str:
+    """A GLIBC_TUNABLES value with the buffer-reuse thresholds added to ``existing`` (for a
+    process about to start); a threshold already there is the user's choice and stays."""
+    items = [item for item in existing.split(":") if item]
+    have = {item.split("=", 1)[0] for item in items}
+    return ":".join(items + [f"{k}={v}" for k, v in TUNABLES.items() if k not in have])
 
 
 def keep_freed_memory() -> bool:

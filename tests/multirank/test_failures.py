@@ -5,7 +5,7 @@ import pytest
 
 from tests.multirank.harness import run_ranks
 
-ENV = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "3"}
+ENV = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "30"}  # generous: see programs/failures.py
 
 
 def caught(out: str) -> list[str]:
@@ -37,11 +37,11 @@ def test_dead_peer_is_named():
     # the survivors wait on different peers, but every one names the dead rank 2
     assert all("lost peer rank 2" in m for _, m in errors), out
     for seconds in re.findall(r"detected after ([\d.]+)s", out):
-        assert float(seconds) < 3 + 2, out
+        assert float(seconds) < 30, out  # through the dropped connection, not the 30 s timeout
 
 
-def test_missing_rank_is_listed():
-    _, out = run_ranks(2, "failures", "missing", env=ENV, timeout_s=40)
+def test_missing_rank_is_listed(tmp_path):
+    _, out = run_ranks(2, "failures", "missing", env={**ENV, "COMMRT_TEST_START_DIR": str(tmp_path)}, timeout_s=60)
     errors = caught(out)
     assert len(errors) == 2 and all(k == "RendezvousError" for k, _ in errors), out
     assert all("ranks [2] never joined" in m for _, m in errors), out
@@ -58,3 +58,28 @@ def test_config_mismatch():
     _, out = run_ranks(2, "failures", "config", env=ENV, timeout_s=40)
     errors = caught(out)
     assert len(errors) == 2 and all("config digest" in m for _, m in errors), out
+
+
+def test_version_mismatch_names_the_rank():
+    _, out = run_ranks(2, "failures", "version", env=ENV, timeout_s=60)
+    errors = caught(out)
+    assert len(errors) == 2 and all(k == "RendezvousError" for k, _ in errors), out
+    assert all("wire protocol version" in m and "rank 1" in m and "rank 0" in m for _, m in errors), out
+
+
+def test_world_size_mismatch_names_the_rank(tmp_path):
+    _, out = run_ranks(2, "failures", "world_size", env={**ENV, "COMMRT_TEST_START_DIR": str(tmp_path)},
+                       timeout_s=60)
+    errors = caught(out)
+    assert len(errors) == 2 and all(k == "RendezvousError" for k, _ in errors), out
+    assert re.search(r"\[rank 0\] CAUGHT RendezvousError: rank 1 .* has world size 3, rank 0 has 2", out), out
+
+
+def test_nccl_failing_on_one_rank_falls_back_on_every_rank():
+    """README: if NCCL's initialisation fails on any rank, every rank falls back to zmq with a
+    warning naming the cause (the ranks where it worked tear their process group down)."""
+    _, out = run_ranks(2, "failures", "nccl_half", env=ENV, timeout_s=60)
+    for r in range(2):
+        assert f"[rank {r}] OK rank {r} fell back to zmq" in out, out
+        assert re.search(rf"\[rank {r}\] .*NCCL initialisation failed \(rank 1: RuntimeError: simulated NCCL "
+                         r"failure on rank 1.*falling back to zmq", out), out

@@ -21,11 +21,24 @@ import zmq
 from commrt import optim
 from commrt.config import load_config
 from commrt.launch import launch, server_env
-from commrt.security import job_secret
+from commrt.security import DEFAULT_SECRET_FILE, SECRET_ENV, job_secret, new_secret
 from tests.multirank.harness import ROOT, run_ranks
 from tests.multirank.programs.ps_job import batch, loss_of, make_params
 
 STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def own_secret(monkeypatch, tmp_path):
+    """Every test runs with its own job secret and a home of its own, and must not create the
+    per-user secret file (which other jobs of the user share)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(SECRET_ENV, new_secret())
+    yield
+    assert not os.path.exists(os.path.join(home, DEFAULT_SECRET_FILE.replace("~" + os.sep, ""))), \
+        "the test wrote the per-user secret file"
 
 
 def reference(kind: str, workers: int, steps: int, **hp) -> np.ndarray:
@@ -86,8 +99,8 @@ def test_dead_worker_in_sync_mode_is_named(tmp_path):
     assert len(caught) == 2 and all(k == "PeerLost" for k, _ in caught), out
     assert all("lost worker 2 during ps.push_pull (seq 3)" in m and "for worker(s) [2]" in m
                for _, m in caught), out
-    for seconds in re.findall(r"detected after ([\d.]+)s", out):
-        assert float(seconds) < 3 + 2, out
+    for seconds in re.findall(r"detected after ([\d.]+)s", out):  # by the 3 s worker timeout,
+        assert float(seconds) < 15, out  # not the 20 s server timeout (generous: a shared machine)
 
 
 def test_dead_worker_can_be_left_behind(tmp_path):
@@ -141,11 +154,11 @@ def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path):
                 "--marker-at", "10", "--sleep", "0.05"], out=out, env=env, timeout_s=90).returncode)))
         job.start()
         try:
-            if crash:
-                deadline = time.monotonic() + 30
-                while not (work / "marker").exists() and time.monotonic() < deadline:
+            if crash:  # once worker 0 reached step 10: past a checkpoint (every 4), mid-interval
+                deadline = time.monotonic() + 60
+                while not (work / "marker").exists():
+                    assert time.monotonic() < deadline, "worker 0 never reached the marker step"
                     time.sleep(0.01)
-                time.sleep(0.12)
                 servers[1].send_signal(signal.SIGKILL)
                 servers[1].wait()
                 servers[1] = _start_server(env, 1, "--resume")

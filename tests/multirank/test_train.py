@@ -28,3 +28,10 @@ def test_checkpoint_reshards_to_another_world_size(tmp_path):
     (tmp_path / "ckpt-3").symlink_to(tmp_path / "ckpt-2")  # the 3-rank job reads the 2-rank files
     _, out = run_ranks(3, "zero_job", "reshard", env=env, timeout_s=120)
     assert out.count("OK resharded 2 -> 3 ranks") == 3, out[-3000:]
+
+
+def test_an_interrupted_checkpoint_save_is_refused(tmp_path):
+    """Issue 13.20: a set mixing two saves' files, or one whose save never completed."""
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)}
+    _, out = run_ranks(2, "zero_job", "torn", env=env, timeout_s=120)
+    assert out.count("OK refused mixed checkpoint") == 2 and out.count("OK refused unfinished checkpoint") == 2, out[-3000:]

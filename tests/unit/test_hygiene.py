@@ -2,16 +2,21 @@
 import ast
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CODE = [p for d in ("commrt", "servers", "workers") for p in (ROOT / d).rglob("*.py")]
 UNSAFE = re.compile(r"import pickle|from pickle|cPickle|recv_pyobj|send_pyobj|\beval\(|\bexec\(|torch\.load\(")
 
 # a module may import only from its own layer or the ones listed below it
-LAYERS = ["errors", "wire", "config", "dtypes", "transport", "store", "work", "collectives",
-          "backends", "rendezvous", "group", "bootstrap", "distributed", "bench", "launch", "cli"]
+LAYERS = ["errors", "wire", "config", "dtypes", "security", "transport", "store", "work", "collectives",
+          "backends", "rendezvous", "group", "bootstrap", "distributed", "bench", "apps", "launch", "cli"]
 ALLOWED = {
-    "transport": {"errors", "wire", "config"},
+    # the transport applies the security mode to every socket it makes
+    "transport": {"errors", "wire", "config", "security"},
     "collectives": {"errors", "wire", "dtypes", "transport", "config"},
     "backends": {"errors", "wire", "dtypes", "transport", "collectives", "config", "work"},
     # the parameter server sits beside the collectives: it never reaches into them (it uses
@@ -52,3 +57,21 @@ def test_layers_import_downward_only():
             for name in _imports(path) - allowed - {layer}:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
+
+
+def test_the_distribution_installs_only_commrt(tmp_path):
+    """servers/ and workers/ are entry folders of this repository, not packages for site-packages,
+    where generic top-level names would clash with other distributions."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("commrt", "servers", "workers"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("commrt-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        top = {name.split("/")[0] for name in zf.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"commrt"}, top

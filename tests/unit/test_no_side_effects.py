@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
-import zmq
 
 from commrt.collectives import ops
 from commrt.collectives.context import Coll, OpContext
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.transport.endpoint import Endpoint
+from commrt.config import load_config
+from commrt.transport import Endpoint, Transport
 
 
 def test_import_leaves_warning_filters_unchanged():
@@ -28,8 +28,9 @@ def test_import_leaves_warning_filters_unchanged():
 
 def _two_ranks(body):
     """Run ``body(ctx_factory, rank)`` as two ranks in threads over real loopback sockets."""
-    zctx = zmq.Context()
-    eps = [Endpoint(zctx, r, "127.0.0.1", "", 64 << 20, 1.0, 20.0) for r in range(2)]
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    transport = Transport(cfg, "rank0")
+    eps = [Endpoint(transport, 0, r, ["rank0", "rank1"], "127.0.0.1", "", 64 << 20, 1.0, 20.0) for r in range(2)]
     errors = []
     try:
         for ep in eps:
@@ -52,7 +53,7 @@ def _two_ranks(body):
     finally:
         for ep in eps:
             ep.close()
-        zctx.term()
+        transport.close()
     if errors:
         raise errors[0]
 

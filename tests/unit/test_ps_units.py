@@ -51,16 +51,18 @@ def test_partition_is_byte_balanced():
 def test_protocol_round_trip():
     head = P.encode_request(P.PUSH, 3, 7, 11, [0, 2, 5])
     assert P.decode_request(head) == P.Request(P.PUSH, 3, 7, 11, [0, 2, 5])
-    init = P.encode_request(P.INIT, 0, 0, 1, [True, [["w", 0, 10, 1]]])
-    assert P.decode_request(init).body == [True, [["w", 0, 10, 1]]]
+    init = P.encode_request(P.INIT, 0, 0, 1, [True, [["w", 0, 10, 1]], [["w", [2, 5]]]])
+    assert P.decode_request(init).body == [True, [["w", 0, 10, 1]], [["w", [2, 5]]]]
     assert P.decode_reply(P.encode_reply(P.LOST, 4, ["gone", [2]])) == P.Reply(P.LOST, 4, ["gone", [2]])
 
 
 @pytest.mark.parametrize("buf", [
     b"", b"\xc1", b"\x93\x01\x02\x03", P.encode_request(99, 0, 0, 0, []),
     P.encode_request(P.PUSH, -1, 0, 0, []), P.encode_request(P.PUSH, 0, 0, 0, ["x"]),
-    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 5, 1, 1]]]),
-    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 0, 1, 99]]]),
+    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 5, 1, 1]], []]),
+    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 0, 1, 99]], []]),
+    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 0, 1, 1]]]),  # no shapes
+    P.encode_request(P.INIT, 0, 0, 0, [True, [["w", 0, 1, 1]], [["w", [-1]]]]),
     P.encode_request(P.PING, 0, 0, 0, [1]),
     b"\xd4\x01\x00",  # an extension type
     b"\xdd\xff\xff\xff\xff",  # an array claiming 4G entries
@@ -178,9 +180,13 @@ def _core(mode="sync", workers=2, **kw):
     cfg = PsConfig(servers=("tcp://127.0.0.1:1",), workers=workers, mode=mode, lr=0.5, **kw)
     core = ServerCore(cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), workers))
     values = np.arange(6, dtype=np.float32)
-    init = P.encode_request(P.INIT, 0, 0, 1, [True, [["w", 0, 4, 1], ["w", 4, 6, 1]]])
+    segs, shapes = [["w", 0, 4, 1], ["w", 4, 6, 1]], [["w", [6]]]
+    init = P.encode_request(P.INIT, 0, 0, 1, [True, segs, shapes])
     out = core.handle(b"w0", [init, values[:4].tobytes(), values[4:].tobytes()], 0.0)
     assert P.decode_reply(out[0].frames[0]).status == P.OK
+    for w in range(1, workers):
+        out = core.handle(b"w", [P.encode_request(P.INIT, w, 0, 1, [False, segs, shapes])], 0.0)
+        assert P.decode_reply(out[0].frames[0]).status == P.OK
     return core
 
 
@@ -213,8 +219,8 @@ def test_sync_applies_once_all_workers_pushed_and_deduplicates():
     (lambda: [P.encode_request(P.PUSH, 0, 0, 1, [0, 1]), b"\0" * 16], "payload frames"),
     (lambda: [P.encode_request(P.PUSH, 5, 0, 1, [0, 1]), b"\0" * 16, b"\0" * 8], "out of range"),
     (lambda: [P.encode_request(P.PUSH, 0, 50, 1, [0, 1]), b"\0" * 16, b"\0" * 8], "too far ahead"),
-    (lambda: [P.encode_request(P.INIT, 1, 0, 1, [False, [["w", 0, 6, 1]]])], "different parameters"),
-    (lambda: [P.encode_request(P.INIT, 1, 0, 1, [True, [["w", 0, 6, 7]]])], "float32 or float64"),
+    (lambda: [P.encode_request(P.INIT, 1, 0, 1, [False, [["w", 0, 6, 1]], [["w", [6]]]])], "different parameters"),
+    (lambda: [P.encode_request(P.INIT, 1, 0, 1, [True, [["w", 0, 6, 7]], [["w", [6]]]])], "float32 or float64"),
 ])
 def test_bad_requests_get_an_error_and_change_nothing(frames, needle):
     core = _core()
@@ -282,7 +288,8 @@ def test_handler_fuzz_keeps_serving(monkeypatch):
             core.handle(b"fuzz", [bytes(f) for f in frames], 0.0)
         except Exception as exc:  # the handler must never raise
             pytest.fail(f"handler raised {type(exc).__name__}: {exc} on {frames!r}")
-        core.pushes.clear()  # what was accepted as valid is not the point here
+        for p in core.waiting.all():  # what was accepted as valid is not the point here
+            core.waiting.remove(p)
     grown = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert grown < 256 << 10, f"memory grew by {grown} bytes over 3000 malformed requests"

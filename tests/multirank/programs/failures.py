@@ -10,15 +10,31 @@ import time
 import torch
 
 import commrt
+from commrt import bootstrap, rendezvous
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# Generous: on a slow shared machine the ranks reach init seconds apart; only "missing" must
+# wait its timeout out, after a start line that takes the start-up skew out of it.
+TIMEOUT_S = 30
+
+
+def start_together() -> None:
+    """Wait until every rank got here (files in COMMRT_TEST_START_DIR), with a deadline."""
+    directory = os.environ["COMMRT_TEST_START_DIR"]
+    open(os.path.join(directory, f"rank{RANK}"), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(directory)) < WORLD:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {RANK}: the other ranks never started")
+        time.sleep(0.02)
 
 
 def run(mode: str) -> None:
     if mode == "missing":
+        start_together()
         commrt.init_process_group(world_size=WORLD + 1, timeout=3)
     elif mode == "duplicate":
-        commrt.init_process_group(rank=min(RANK, 1), timeout=10)
+        commrt.init_process_group(rank=min(RANK, 1), timeout=TIMEOUT_S)
     elif mode == "curve_mix":  # rank 1 has no keys: it must not get into a CURVE job
         if RANK == 1:
             os.environ["COMMRT_SECURITY_MODE"] = "none"
@@ -30,8 +46,22 @@ def run(mode: str) -> None:
         commrt.init_process_group(timeout=3)
     elif mode == "config":
         commrt.init_process_group(config=_config_file(chunk=(1 << 20) + RANK * 4096))
+    elif mode == "version":  # rank 1 speaks another wire protocol version
+        if RANK == 1:
+            rendezvous.VERSION += 1
+        commrt.init_process_group(timeout=TIMEOUT_S)
+    elif mode == "world_size":  # rank 1 thinks the world has one more rank (it waits for it briefly)
+        start_together()
+        commrt.init_process_group(world_size=WORLD + (RANK == 1), timeout=TIMEOUT_S if RANK == 0 else 5)
+    elif mode == "nccl_half":
+        nccl_fails_on(1)
+        commrt.init_process_group(backend="auto", timeout=TIMEOUT_S)
+        t = torch.full((5,), float(RANK + 1))
+        commrt.all_reduce(t)
+        assert torch.equal(t, torch.full((5,), float(sum(range(1, WORLD + 1))))), t
+        print(f"OK rank {RANK} fell back to {commrt.get_backend()}", flush=True)
     else:
-        commrt.init_process_group(timeout=3)
+        commrt.init_process_group(timeout=TIMEOUT_S)
         collective(mode)
     commrt.destroy_process_group()
 
@@ -67,16 +97,35 @@ def collective(mode: str) -> None:
         commrt.all_reduce(torch.ones(3))  # the group is poisoned: must refuse, not misbehave
 
 
+def nccl_fails_on(victim: int) -> None:
+    """Simulate a GPU box where NCCL's initialisation fails on one rank and works on the others
+    (gloo stands in for NCCL where it works: a real torch process group that must be torn down)."""
+    real = bootstrap._init_torch
+
+    def init_torch(name, store, spec, *rest):
+        if name != "nccl":
+            return real(name, store, spec, *rest)
+        backend = real("gloo", store, spec, *rest)
+        if spec.rank == victim:
+            torch.distributed.destroy_process_group()
+            raise RuntimeError(f"simulated NCCL failure on rank {victim}: ncclUnhandledCudaError")
+        return backend
+    bootstrap._init_torch = init_torch
+    bootstrap.choose_backend = lambda requested, local: ("nccl", "simulated GPU box")
+
+
 def _config_file(chunk: int) -> str:
     path = f"/tmp/commrt-test-{os.getpid()}.toml"
     with open(path, "w") as fh:
-        fh.write(f"[comm]\nchunk_bytes = {chunk}\ntimeout_s = 3\n")
+        fh.write(f"[comm]\nchunk_bytes = {chunk}\ntimeout_s = {TIMEOUT_S}\n")
     return path
 
 
 if __name__ == "__main__":
     try:
         run(sys.argv[1])
+        if sys.argv[1] == "nccl_half":  # the one mode that must succeed
+            sys.exit(0)
     except commrt.CommError as exc:
         print(f"CAUGHT {type(exc).__name__}: {exc}", flush=True)
         sys.exit(0)

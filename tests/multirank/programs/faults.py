@@ -1,5 +1,5 @@
 """One rank dies (or freezes) in the middle of a large all_reduce; every survivor must raise
-PeerLost naming it, the op and the sequence number, within timeout + 2 s.
+PeerLost naming it, the op and the sequence number (and report how long that took).
 
     faults MODE   with MODE in exit0 | exit1 | abort | sigkill | sigterm | sigstop
 """
@@ -26,7 +26,8 @@ def die(mode: str) -> None:
         os._exit(1)
     if mode == "abort":
         os.abort()
-    if mode == "sigstop":  # frozen: the sockets stay open; someone wakes us long after
+    if mode == "sigstop":  # frozen: the sockets stay open; woken after 6 s (then exits: either
+        # way, missed heartbeats or the dropped connection, the survivors must name rank 1)
         subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(0)

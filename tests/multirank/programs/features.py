@@ -36,6 +36,28 @@ def check_async(rank: int, n: int) -> None:
     assert_equal(out, torch.arange(n, dtype=torch.int32).repeat_interleave(4), "async all_gather")
 
 
+def check_independent_groups(rank: int, n: int) -> None:
+    """Groups progress independently: rank 0's world all_reduce cannot finish before rank 1 joins
+    it, and rank 1 joins only after an all_reduce on another group (ranks 0 and 1) finished; if
+    one group's waiting op held up the other group, rank 0 would never get there (a timeout)."""
+    pair = commrt.new_group([0, 1]) if n > 1 else None
+    if n == 1:
+        return
+    t, u = torch.full((4,), float(rank)), torch.full((3,), float(rank + 1))
+    if rank == 0:
+        work = commrt.all_reduce(t, async_op=True)
+        commrt.all_reduce(u, group=pair)
+        assert work.wait(timeout=60)
+    elif rank == 1:
+        commrt.all_reduce(u, group=pair)
+        commrt.all_reduce(t)
+    else:
+        commrt.all_reduce(t)
+    assert_equal(t, torch.full((4,), float(sum(range(n)))), "world op beside another group's")
+    if rank < 2:
+        assert_equal(u, torch.full((3,), 3.0), "pair op while the world op waits")
+
+
 def check_groups(rank: int, n: int) -> None:
     """Broadcast inside a group takes a global src rank, like torch."""
     tail = commrt.new_group(list(range(1, n))) if n > 1 else None
@@ -100,6 +122,7 @@ def main() -> None:
     rank, n = init()
     assert commrt.get_backend() in ("zmq", "gloo")
     check_async(rank, n)
+    check_independent_groups(rank, n)
     check_groups(rank, n)
     check_p2p(rank, n)
     check_numpy_and_layout(rank, n)

@@ -36,7 +36,7 @@ def main() -> int:
         client.push({"w": torch.ones(3)})
         print("PROBE FAILED: a wrong shape was sent", flush=True)
         return 1
-    except ValueError as exc:
+    except RequestRejected as exc:
         print(f"refused locally: {exc}", flush=True)
     if "--impersonate" in sys.argv:
         print("PROBE OK", flush=True)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import commrt
 from commrt.collectives.context import Coll
@@ -22,6 +23,9 @@ from commrt.wire import COLL, Header, encode_header
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 COUNT = 8
+SETTLED = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
+DEADLINE_S = 60.0
 
 
 def forged(backend) -> list[bytes]:
@@ -50,13 +54,36 @@ def knock(kind: str, backend) -> list:
             public, secret = open(os.path.join(keys, "rank2.key")).read().split()
             sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
             sock.curve_serverkey = allow["rank1"].encode()
+        monitor = sock.get_monitor_socket(zmq.EVENT_ALL)
         sock.connect(addr)
         sock.send_multipart(forged(backend))
+        _settled(monitor)
         return [sock]
-    raw = socket.create_connection((host, int(port)), timeout=5)
+    raw = socket.create_connection((host, int(port)), timeout=DEADLINE_S)
     if kind == "raw_tcp":
         raw.sendall(b"\xff" + os.urandom(64) + b"".join(forged(backend)))
+        _closed_by_peer(raw)
     return [raw]  # silent_tcp: connected, never says a word
+
+
+def _settled(monitor: zmq.Socket) -> None:
+    """Wait (bounded) until rank 1 admitted or refused the stranger, instead of sleeping: what
+    the stranger sent is then in, or out, before the job's own messages follow."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if monitor.poll(100) and recv_monitor_message(monitor)["event"] in SETTLED:
+            return
+    raise SystemExit("the stranger's handshake never settled")
+
+
+def _closed_by_peer(raw: socket.socket) -> None:
+    """Rank 1 drops a connection that speaks no ZMTP: wait for that (bounded)."""
+    raw.settimeout(20)
+    try:
+        while raw.recv(4096):
+            pass
+    except (ConnectionResetError, socket.timeout):
+        pass
 
 
 def main() -> int:
@@ -68,8 +95,7 @@ def main() -> int:
     attacker = 2 if kind == "other_rank" else 0
     if RANK == attacker:
         held = knock(kind, backend)
-    commrt.barrier()
-    time.sleep(0.5)  # let the forgery arrive (or be refused) before rank 1 reads for real
+    commrt.barrier()  # the stranger's fate was settled before its rank entered this barrier
     t = torch.full((COUNT,), float(RANK + 1))
     commrt.all_reduce(t)
     ok = torch.equal(t, torch.full((COUNT,), float(sum(range(1, WORLD + 1)))))

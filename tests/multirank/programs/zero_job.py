@@ -6,7 +6,9 @@ concatenation of every rank's batch.
 """
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
 import tempfile
 
@@ -15,6 +17,7 @@ from torch import nn
 
 import commrt
 from commrt import optim
+from commrt.errors import ConfigError
 from commrt.train import DataParallel, NonFiniteGradients, initialize
 
 STEPS, BATCH = 3, 4
@@ -167,12 +170,42 @@ def reshard_case(rank: int, world: int, directory: str) -> None:
     """Load a checkpoint written at another world size (values and optimizer state), go on."""
     engine = engine_for(1, "adamw")
     engine.load_checkpoint(directory)
-    old_world = int(os.listdir(directory)[0].split("-of-")[1][:5])
+    old_world = int(os.path.basename(glob.glob(os.path.join(directory, "zero-rank*"))[0]).split("-of-")[1][:5])
     x, y = data(rank, 2)
     engine.backward(nn.functional.mse_loss(engine(x), y))
     engine.step()
     compare(engine.full_state_dict(), reference("adamw", [old_world, old_world, world], 3),
             f"resharded {old_world} -> {world} ranks")
+
+
+def torn_case(rank: int, world: int, directory: str) -> None:
+    """A save interrupted part-way leaves files of two steps, or a set whose save never finished:
+    loading must refuse it on every rank, naming the files, never mix steps silently."""
+    engine = engine_for(2, "adamw")
+    train(engine, rank, 2)
+    engine.save_checkpoint(f"{directory}-a")
+    x, y = data(rank, 2)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(f"{directory}-b")
+    last = f"zero-rank{world - 1:05d}-of-{world:05d}.ckpt"
+    if rank == 0:  # a crash mid-save: the last rank already wrote step 3 over step 2's set
+        shutil.copytree(f"{directory}-a", f"{directory}-mixed")
+        shutil.copy(os.path.join(f"{directory}-b", last), os.path.join(f"{directory}-mixed", last))
+        os.makedirs(f"{directory}-unfinished")  # every shard written, but the save never completed
+        for f in glob.glob(os.path.join(f"{directory}-b", "zero-rank*.ckpt")):
+            shutil.copy(f, f"{directory}-unfinished")
+    commrt.barrier()
+    for case, named in (("mixed", last), ("unfinished", "")):
+        try:
+            engine_for(2, "adamw").load_checkpoint(f"{directory}-{case}")
+        except ConfigError as exc:
+            assert named in str(exc) and f"{directory}-{case}" in str(exc), exc
+            print(f"OK refused {case} checkpoint: {exc}", flush=True)
+        else:
+            raise AssertionError(f"the {case} checkpoint set was loaded")
+    for case in ("a", "b"):  # the complete sets still load
+        engine_for(2, "adamw").load_checkpoint(f"{directory}-{case}")
 
 
 def memory_case(rank: int, world: int) -> None:
@@ -255,6 +288,8 @@ def main() -> int:
     if "checkpoint" in which:
         directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
         checkpoint_case(rank, world, directory)
+    if "torn" in which:
+        torn_case(rank, world, os.path.join(os.environ["COMMRT_TEST_TMP"], f"torn-{world}"))
     if "reshard" in which:
         reshard_case(rank, world, os.path.join(os.environ["COMMRT_TEST_TMP"], f"ckpt-{world}"))
     if "memory" in which:

@@ -1,0 +1,277 @@
+"""Point-to-point progress engine: one thread owns a group's point-to-point Endpoint.
+
+Callers post transfers (``post_send``/``post_recv``) and get a ``Work``; the engine thread sends
+posted pieces as the sockets take them, matches arriving messages to posted receives by
+(source, tag) in posting order, and keeps what arrives early (bounded per peer). Nothing
+blocks on one transfer, so irecv-then-isend on both sides cannot deadlock, and transfers
+overlap the caller's compute. The MPI progress-engine design, and NCCL's proxy thread, in
+small: one owner per socket (hub.py's rules), woken through an inproc pair.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from ..errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
+from ..wire import P2P, Header, encode_header
+from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
+
+log = logging.getLogger(__name__)
+
+UNEXPECTED_BYTES = 1 << 30  # early point-to-point data kept per peer before it counts as a flood
+BUSY_POLL_MS = 1  # while sends wait on a full pipe or ZeroMQ still reads our buffers
+
+
+@dataclass
+class Send:
+    dst: int
+    tag: int
+    seq: int
+    frames: list  # [(header, payload)] pieces in order
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
+    sent: int = 0
+    trackers: list = field(default_factory=list)
+    since: float = 0.0  # last progress
+
+
+@dataclass
+class Recv:
+    src: int
+    tag: int
+    seq: int
+    code: int
+    count: int
+    pieces: list  # one writable destination per expected piece
+    land: Callable  # land(piece, frame): copy a received frame into its piece
+    done: Callable | None  # after the last piece (write-back), or None
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
+    got: int = 0
+    since: float = 0.0
+
+
+class P2PEngine:
+    def __init__(self, ep: Endpoint, timeout_s: float):
+        self._ep, self._timeout_s = ep, timeout_s
+        self._lock = threading.Lock()  # the posting side: _posted and the wake socket's sending end
+        self._posted: collections.deque = collections.deque()
+        self._wake_tx, self._wake_rx = ep.transport.inproc_pair(f"p2p{ep.group}")
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._draining: list[Send] = []
+        self._recvs: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._early_bytes: collections.Counter = collections.Counter()
+
+    def post(self, op: Send | Recv) -> Any:
+        with self._lock:
+            if self._closing:
+                raise GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
+            self._posted.append(op)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"commrt-group{self._ep.group}-p2p",
+                                                daemon=True)
+                self._thread.start()
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        return op.work
+
+    # -- the owner thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._ep.inbound, zmq.POLLIN)
+        try:
+            while not self._closing:
+                busy = self._draining or any(self._sends.values())
+                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep._slice_s * 1000))
+                if self._wake_rx in events:
+                    self._take_posted()
+                if self._ep.inbound in events:
+                    self._read_all()
+                self._progress(time.monotonic())
+        except BaseException as exc:  # a bug here must not leave callers waiting for ever
+            log.exception("group %d: point-to-point engine failed", self._ep.group)
+            self._fail_all(lambda op: exc)
+        finally:
+            self._fail_all(lambda op: GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq))
+            self._ep.close()  # the owner closes its sockets, after their last use
+            self._wake_rx.close(linger=0)
+
+    def _take_posted(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        with self._lock:
+            posted, self._posted = self._posted, collections.deque()
+        now = time.monotonic()
+        for op in posted:
+            op.since = now
+            if isinstance(op, Send):
+                self._sends[op.dst].append(op)
+            else:
+                self._ep.socket_to(op.src)  # its connection's monitor is the sender's liveness
+                self._recvs[(op.src, op.tag)].append(op)
+                self._match_early(op)
+
+    def _read_all(self) -> None:
+        while True:
+            msg = self._ep.read(zmq.NOBLOCK)
+            if msg is None:
+                return
+            h = msg.header
+            if h.kind != P2P:
+                continue  # collectives' ABORTs travel on the collective endpoint
+            key = (h.src, h.op)
+            waiting = self._recvs.get(key)
+            if waiting:
+                self._land(waiting, msg)
+                continue
+            self._early_bytes[h.src] += h.nbytes
+            if self._early_bytes[h.src] > UNEXPECTED_BYTES:
+                self._fail_all(lambda op: ProtocolError(
+                    f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
+                    "of point-to-point data no receive was posted for"), peer=h.src)
+                for k in [k for k in self._early if k[0] == h.src]:
+                    del self._early[k]
+                self._early_bytes[h.src] = 0
+                continue
+            self._early[key].append(msg)
+
+    def _match_early(self, op: Recv) -> None:
+        early = self._early.get((op.src, op.tag))
+        waiting = self._recvs[(op.src, op.tag)]
+        while early and waiting and waiting[0] is op:
+            msg = early.popleft()
+            self._early_bytes[op.src] -= msg.header.nbytes
+            self._land(waiting, msg)
+
+    def _land(self, waiting: collections.deque, msg: Message) -> None:
+        op, h = waiting[0], msg.header
+        want = (op.seq, op.code, op.count, op.got, op.pieces[op.got].nbytes if op.got < len(op.pieces) else -1)
+        try:
+            if (h.seq, h.dtype, h.count, h.step, h.nbytes) != want:
+                raise CollectiveMismatch("recv", op.seq, {"tag": op.tag, "seq": op.seq, "dtype code": op.code,
+                                                         "count": op.count, "step": op.got},
+                                         {"tag": h.op, "seq": h.seq, "dtype code": h.dtype,
+                                          "count": h.count, "step": h.step}, peer=op.src, rank=self._ep.rank)
+            op.land(op.pieces[op.got], msg.payload)
+            op.got += 1
+            op.since = time.monotonic()
+            if op.got == len(op.pieces):
+                waiting.popleft()
+                if op.done is not None:
+                    op.done()
+                op.work._finish(None, None)
+        except BaseException as exc:
+            waiting.popleft()
+            op.work._finish(None, exc)
+
+    def _progress(self, now: float) -> None:
+        for dst, queue in self._sends.items():
+            while queue and self._push(queue[0], now):
+                self._draining.append(queue.popleft())
+        self._draining = [op for op in self._draining if not self._drained(op, now)]
+        if now - self._ep._watched_at >= self._ep._slice_s:
+            self._ep._watched_at = now
+            self._ep.watch_peers()
+            self._check_recvs(now)
+
+    def _push(self, op: Send, now: float) -> bool:
+        """Send what the pipe takes; True once every piece is queued."""
+        sock = self._ep.socket_to(op.dst)
+        while op.sent < len(op.frames):
+            header, payload = op.frames[op.sent]
+            try:
+                sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
+            except zmq.Again:
+                if now - op.since > self._timeout_s:
+                    self._fail(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
+                    return True
+                return False
+            if len(payload) >= ZERO_COPY_MIN_BYTES:
+                op.trackers.append(sock.send(payload, copy=False, track=True))
+            else:
+                sock.send(payload, copy=True)
+            c = self._ep._counters[op.dst]
+            c.sent_bytes += len(payload)
+            c.sent_msgs += 1
+            op.sent += 1
+            op.since = now
+        return True
+
+    def _drained(self, op: Send, now: float) -> bool:
+        if op.work.is_completed():
+            return True
+        if all(t.done for t in op.trackers):
+            op.work._finish(None, None)
+            return True
+        if now - op.since > self._timeout_s:
+            self._fail(op, PeerLost(op.dst, "send", op.seq, "send not drained before the deadline"))
+            return True
+        return False
+
+    def _check_recvs(self, now: float) -> None:
+        ep = self._ep
+        for waiting in self._recvs.values():
+            if not waiting:
+                continue
+            op = waiting[0]
+            if op.src in ep.down and now - ep.down[op.src] > ep._grace_s:
+                error = ep._lost(op.src, "recv", op.seq, now)
+            elif now - op.since > self._timeout_s:
+                error = PeerLost(op.src, "recv", op.seq, f"no message within {self._timeout_s:g}s")
+            else:
+                continue
+            waiting.popleft()
+            op.work._finish(None, error)
+
+    def _fail(self, op, error: BaseException) -> None:
+        if not op.work.is_completed():
+            op.work._finish(None, error)
+
+    def _fail_all(self, error: Callable, peer: int | None = None) -> None:
+        for queue in list(self._sends.values()) + list(self._recvs.values()):
+            for op in list(queue):
+                if peer is None or peer in (getattr(op, "dst", None), getattr(op, "src", None)):
+                    self._fail(op, error(op))
+                    queue.remove(op)
+        for op in self._draining:
+            if peer is None or op.dst == peer:
+                self._fail(op, error(op))
+        if peer is not None:
+            return
+        with self._lock:
+            posted, self._posted = list(self._posted), collections.deque()
+        for op in posted:
+            self._fail(op, error(op))
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self, timeout_s: float) -> bool:
+        """Stop the engine: posted transfers fail with GroupClosed; the thread closes its
+        sockets itself. Returns whether it stopped within ``timeout_s``."""
+        with self._lock:
+            self._closing = True
+            thread = self._thread
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if thread is None:  # never started: this thread owns the sockets
+            self._ep.close()
+            self._wake_rx.close(linger=0)
+            stopped = True
+        else:
+            thread.join(timeout_s)
+            stopped = not thread.is_alive()
+        with self._lock:
+            if stopped:
+                self._wake_tx.close(linger=0)
+        return stopped
