@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import operator
 import os
 from typing import Any
 
-from . import bootstrap, rendezvous
+from . import bootstrap, dtypes, rendezvous
 from .collectives.reduce_ops import ReduceOp, parse_op
 from .config import Config, load_config
 from .errors import CommError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .wire import MAX_TAG
 from .work import Work
 
 _runtime: bootstrap.Runtime | None = None
@@ -58,8 +60,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is None or group is rt.world:
         _runtime = None
         bootstrap.shutdown(rt)
-    elif isinstance(group, ProcessGroup):
-        group.backend.close()
+    elif group is not NON_GROUP_MEMBER:
+        _live(rt, group).backend.close()
         rt.groups.remove(group)
 
 
@@ -68,7 +70,18 @@ def _group(group) -> ProcessGroup | None:
         return _rt().world
     if group is NON_GROUP_MEMBER:
         return None
-    return group
+    return _live(_rt(), group)
+
+
+def _live(rt: bootstrap.Runtime, group) -> ProcessGroup:
+    """``group`` if it is one of this runtime's groups; a clear error for a destroyed handle
+    (its sockets are closed: using it used to surface as a bare ``KeyError`` from the endpoint)."""
+    if group is rt.world or any(g is group for g in rt.groups):
+        return group
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup from new_group() or None, got {type(group).__name__}")
+    raise CommError(f"process group {group.group_id} (ranks {list(group.ranks)}) was destroyed by "
+                    "destroy_process_group(); create a new one with new_group()")
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -135,9 +148,16 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Wor
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False) -> Work | None:
+    """``output`` may share memory with ``input`` (even be the same tensor): the input is then
+    copied first, on every backend (gloo alone would return wrong blocks)."""
     g = _group(group)
-    return None if g is None else g.backend.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, async_op)
+    if g is None:
+        return None
+    out, inp = dtypes.as_tensor(output), dtypes.as_tensor(input)
+    if out.numel() and dtypes.overlaps(out, inp):
+        inp = inp.clone()
+    return g.backend.all_to_all_single(
+        out, inp, output_split_sizes, input_split_sizes, async_op)
 
 
 def barrier(group=None, async_op=False) -> Work | None:
@@ -145,12 +165,26 @@ def barrier(group=None, async_op=False) -> Work | None:
     return None if g is None else g.backend.barrier(async_op)
 
 
+def _tag(tag, what: str) -> int:
+    """A valid point-to-point tag, checked before anything is sent: a tag the wire cannot carry
+    used to leave as a message every receiver drops, and the sender was later blamed (13.6)."""
+    try:
+        value = operator.index(tag)
+    except TypeError:
+        raise TypeError(f"{what}: tag must be an integer, got {type(tag).__name__}") from None
+    if not 0 <= value < MAX_TAG:
+        raise ValueError(f"{what}: tag {tag} is out of range; valid tags are 0 <= tag < 2**62")
+    return value
+
+
 def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
+    tag = _tag(tag, "isend")
     g = _group(group)
     return None if g is None else g.backend.isend(tensor, g.group_rank(dst, "dst"), tag)
 
 
 def irecv(tensor, src: int, group=None, tag: int = 0) -> Work | None:
+    tag = _tag(tag, "irecv")
     g = _group(group)
     return None if g is None else g.backend.irecv(tensor, g.group_rank(src, "src"), tag)
 

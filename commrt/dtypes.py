@@ -43,11 +43,32 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def as_tensor(obj) -> torch.Tensor:
-    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place)."""
+    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place).
+
+    A tensor that requires grad is detached (same memory): like torch.distributed, a collective
+    updates it in place outside autograd, instead of numpy refusing to view it."""
     if isinstance(obj, torch.Tensor):
-        return obj
+        return obj.detach() if obj.requires_grad else obj
     if isinstance(obj, np.ndarray):
         if not obj.flags.writeable:
             raise ValueError("numpy array is read-only; collectives update tensors in place")
         return torch.from_numpy(obj)
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) address of the bytes ``t`` can reach through its strides."""
+    lo = t.data_ptr()
+    if t.numel() == 0:
+        return lo, lo
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
+    return lo, lo + (reach + 1) * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any memory. Compared by address, not by storage object: two
+    numpy arrays over one buffer become tensors with different storages but the same bytes."""
+    if a.device != b.device:
+        return False
+    (alo, ahi), (blo, bhi) = byte_span(a), byte_span(b)
+    return alo < bhi and blo < ahi

@@ -2,30 +2,59 @@
 
 A header is a fixed-position msgpack array (cheaper to encode and check than a map):
 
-    [version, kind, group, seq, src, op, dtype, count, step, nbytes]
+    [version, kind, group, seq, src, op, dtype, count, step, nbytes, reduce, root]
 
-``op``/``dtype``/``count`` describe the whole collective so a receiver can tell when two ranks
-disagree about what they are running (``CollectiveMismatch``) instead of mixing up bytes.
-Decoding is strict: bounded size, no extension types, every field range-checked. The payload
-is never interpreted by a deserializer: it is raw bytes of a whitelisted dtype.
+``op``/``dtype``/``count``/``reduce``/``root`` describe the whole collective so a receiver can
+tell when two ranks disagree about what they are running (``CollectiveMismatch``) instead of
+mixing up bytes: a rank running MAX against a SUM, or broadcasting from another root, is
+caught (issue 13.5). Both ends are strict: ``encode_header`` refuses a header a receiver would
+drop (a clear ``ValueError`` at the sender, issue 13.6), and ``decode_header`` range-checks
+every field, per message kind, so nothing that cannot be a real message reaches an operation
+(``ProtocolError``: the endpoint drops and counts it, issue 13.10). The payload is never
+interpreted by a deserializer: it is raw bytes of a whitelisted dtype.
 """
 from __future__ import annotations
 
+import enum
+import threading
 from typing import NamedTuple
 
 import msgpack
 
 from .errors import ProtocolError
 
-VERSION = 1
+VERSION = 2  # 2: reduce op and root joined the header
 MAX_HEADER_BYTES = 256
-_FIELDS = 10
+_FIELDS = 12
 _INT_MAX = 1 << 62
+MAX_TAG = _INT_MAX  # point-to-point tags are in [0, MAX_TAG)
 
 # message kinds
 COLL = 0  # part of a collective
-P2P = 1  # point-to-point send/recv
-ABORT = 2  # "I am giving up because rank <op> is lost" (empty payload), so every survivor names it
+P2P = 1  # point-to-point send/recv; ``op`` is the tag
+ABORT = 2  # "I am giving up": rank <op> is lost (empty payload), or a mismatch report (payload)
+
+
+class Coll(enum.IntEnum):
+    """Collective codes: the low 8 bits of a COLL header's ``op`` (the bits above are the
+    24-bit call-site hash, or 0)."""
+    ALL_REDUCE = 1
+    REDUCE_SCATTER = 2
+    ALL_GATHER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    ALL_TO_ALL = 6
+    BARRIER = 7
+
+
+# element size of each dtype code (commrt.dtypes maps the codes to torch dtypes; a unit test
+# keeps the two tables equal). Codes are part of the wire format: never renumber.
+ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8}
+# reduce op codes: the values of commrt.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)
+REDUCE_CODES = range(5)
+_COLLS = frozenset(int(c) for c in Coll)
+_N_REDUCE = len(REDUCE_CODES)
+_local = threading.local()
 
 
 class Header(NamedTuple):
@@ -38,10 +67,60 @@ class Header(NamedTuple):
     count: int
     step: int
     nbytes: int
+    reduce: int = 0  # COLL: the ReduceOp code (0 where the collective does not reduce)
+    root: int = 0  # COLL: broadcast's source / reduce's destination group rank, else 0
+
+
+def problem(h: Header) -> str | None:
+    """What makes ``h`` impossible as a real message, or None. It runs twice per message (at
+    encode and decode), so the common case is one combined test; ``_describe`` says what failed."""
+    for v in h:  # a plain loop measured faster than set(map(type, h)) plus min() and max()
+        if type(v) is not int or v < 0 or v >= _INT_MAX:
+            return _describe(h)
+    kind, _, _, _, op, dtype, _, _, nbytes, reduce, root = h
+    if kind == COLL:
+        size = ITEMSIZE.get(dtype)
+        if size and not nbytes % size and op & 0xFF in _COLLS and not op >> 32 and reduce < _N_REDUCE:
+            return None
+    elif kind == P2P:
+        size = ITEMSIZE.get(dtype)
+        if size and not nbytes % size and reduce == root == 0:
+            return None
+    elif kind == ABORT and dtype == reduce == root == 0:  # the payload: empty, or a mismatch report
+        return None
+    return _describe(h)
+
+
+def _describe(h: Header) -> str:
+    for name, v in zip(Header._fields, h):
+        if type(v) is not int or not 0 <= v < _INT_MAX:
+            return f"header field {name}={v!r} is not an integer in [0, 2**62)"
+    if h.kind == ABORT:
+        return "an ABORT carries no dtype, reduce op or root"
+    if h.kind not in (COLL, P2P):
+        return f"unknown message kind {h.kind}"
+    size = ITEMSIZE.get(h.dtype)
+    if size is None:
+        return f"unknown dtype code {h.dtype}"
+    if h.nbytes % size:
+        return f"payload of {h.nbytes} bytes is not a whole number of {size}-byte elements"
+    if h.kind == P2P:
+        return "a point-to-point message has no reduce op or root"
+    if h.reduce >= _N_REDUCE:
+        return f"unknown reduce op code {h.reduce}"
+    return f"unknown collective code {h.op & 0xFF} (op field {h.op})"
 
 
 def encode_header(h: Header) -> bytes:
-    return msgpack.packb((VERSION, *h), use_bin_type=True)
+    """Pack ``h``; a ValueError names the field if a receiver would have to drop it."""
+    why = problem(h)
+    if why is not None:
+        raise ValueError(f"refusing to send a malformed header ({why}): {h}")
+    try:
+        pack = _local.pack
+    except AttributeError:  # one Packer per thread: packb builds a new one per call (~0.7 us)
+        pack = _local.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack((VERSION, *h))
 
 
 def _no_ext(code: int, data: bytes):
@@ -63,12 +142,10 @@ def decode_header(buf: bytes | memoryview) -> Header:
         raise ProtocolError(f"undecodable header: {type(exc).__name__}: {exc}") from None
     if not isinstance(fields, list) or len(fields) != _FIELDS:
         raise ProtocolError(f"header must be an array of {_FIELDS} integers, got {type(fields).__name__}")
-    for value in fields:
-        if type(value) is not int or not 0 <= value < _INT_MAX:
-            raise ProtocolError(f"header field {value!r} is not a non-negative integer")
-    if fields[0] != VERSION:
-        raise ProtocolError(f"wire version {fields[0]} received, this build speaks {VERSION}")
+    if type(fields[0]) is not int or fields[0] != VERSION:
+        raise ProtocolError(f"wire version {fields[0]!r} received, this build speaks {VERSION}")
     h = Header(*fields[1:])
-    if h.kind not in (COLL, P2P, ABORT):
-        raise ProtocolError(f"unknown message kind {h.kind}")
+    why = problem(h)
+    if why is not None:
+        raise ProtocolError(why)
     return h

@@ -13,7 +13,7 @@ import torch
 
 from .. import dtypes
 from ..collectives import ops
-from ..collectives.context import _NAMES, Coll, OpContext
+from ..collectives.context import _NAMES, Coll, Journal, OpContext
 from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
 from ..errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
@@ -61,6 +61,7 @@ class ZmqBackend:
         self._p2p_ep = p2p
         self._exec = Executor(f"group{group_id}")
         self._seq = 0  # of the last collective started (assigned when it starts, in issue order)
+        self._journal = Journal()  # recent ops, so a stray message's error names both sides
         self._p2p_seq: collections.Counter = collections.Counter()
         self._p2p_lock = threading.Lock()  # a transfer's number and its posting are one step
         self._broken: BaseException | None = None
@@ -79,11 +80,12 @@ class ZmqBackend:
     # -- running an operation ----------------------------------------------------------------
     def _collective(self, coll: Coll, dtype: torch.dtype, count: int,
                     body: Callable[[OpContext], None], async_op: bool,
-                    writeback: Callable[[], None] | None = None, nbytes: int | None = None) -> Work | None:
+                    writeback: Callable[[], None] | None = None, nbytes: int | None = None, *,
+                    reduce: int = 0, root: int = 0) -> Work | None:
         self._check_usable()
         site = _call_site() if self.cfg.comm.check_call_sites else 0
         nbytes = count * dtype.itemsize if nbytes is None else nbytes
-        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes)
+        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root)
         if async_op:
             self._budget(1, nbytes)
             try:
@@ -102,13 +104,14 @@ class ZmqBackend:
             raise
         return None
 
-    def _run(self, coll, dtype, count, body, writeback, site, nbytes) -> None:
+    def _run(self, coll, dtype, count, body, writeback, site, nbytes, reduce, root) -> None:
         """One collective, holding the executor's turn (this thread owns the sockets)."""
         try:
             self._check_usable()
             self._seq += 1
             ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                            count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site)
+                            count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site,
+                            reduce, root, self._journal)
             try:
                 body(ctx)
             except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:
@@ -154,10 +157,11 @@ class ZmqBackend:
         if t.is_cuda:  # pieces staged through pinned memory, copies overlapping the network
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
             return self._collective(Coll.ALL_REDUCE, t.dtype, t.numel(),
-                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)), async_op)
+                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)),
+                                    async_op, reduce=op)
         flat, wb = flat_view(tensor)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb)
+                                lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb = flat_view(output, "output")
@@ -167,7 +171,7 @@ class ZmqBackend:
             raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                              f"output ({out.numel()}) x world size ({self.size})")
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, inp.numel(),
-                                lambda ctx: ops.reduce_scatter(ctx, out, inp, op), async_op, wb)
+                                lambda ctx: ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, wb = flat_view(output, "output")
@@ -182,12 +186,12 @@ class ZmqBackend:
     def broadcast(self, tensor, src, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.BROADCAST, flat.dtype, flat.numel(),
-                                lambda ctx: ops.broadcast(ctx, flat, src), async_op, wb)
+                                lambda ctx: ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.reduce(ctx, flat, dst, op), async_op, wb)
+                                lambda ctx: ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
@@ -264,7 +268,8 @@ def restate_report(report: MismatchReport, ctx: OpContext) -> CollectiveMismatch
     """A peer saw ranks disagree. Name the side that differs from what this rank runs (the
     culprit), against this rank's own op; if neither side matches, pass the report on as is."""
     own = ctx.header(0, 0)
-    same = lambda h: (h.seq, h.op, h.dtype, h.count) == (own.seq, own.op, own.dtype, own.count)
+    key = lambda h: (h.seq, h.op, h.dtype, h.count, h.reduce, h.root)
+    same = lambda h: key(h) == key(own)
     a, b = report.mine, report.theirs
     if same(a) or same(b):
         mine, culprit, rank = own, (b if same(a) else a), ctx.rank

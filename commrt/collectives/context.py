@@ -2,8 +2,6 @@
 message checked against what this rank is running (so divergent programs fail loudly)."""
 from __future__ import annotations
 
-import enum
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -11,25 +9,30 @@ import torch
 from .. import dtypes
 from ..errors import CollectiveMismatch
 from ..transport import Endpoint
-from ..wire import COLL, Header
-
-# torch.frombuffer warns on read-only buffers; ZeroMQ's receive buffers are read-only by
-# design and we only ever read them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
-class Coll(enum.IntEnum):
-    """Collective codes on the wire."""
-    ALL_REDUCE = 1
-    REDUCE_SCATTER = 2
-    ALL_GATHER = 3
-    BROADCAST = 4
-    REDUCE = 5
-    ALL_TO_ALL = 6
-    BARRIER = 7
-
+from ..wire import COLL, Coll, Header
+from .reduce_ops import ReduceOp
 
 _NAMES = {c: c.name.lower() for c in Coll}
+_REDUCING = (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER, Coll.REDUCE)
+_ROOTED = (Coll.BROADCAST, Coll.REDUCE)
+
+
+class Journal:
+    """The last few operations one group ran, by sequence number. Ranks that disagree about a
+    broadcast's root can all believe they are the root: each only sends, and the disagreement
+    shows as a stray message at the group's next operation. The journal lets that error name
+    what both sides ran at the stray's sequence number (issue 13.5)."""
+    SIZE = 64
+
+    def __init__(self) -> None:
+        self._ops: list = [None] * self.SIZE
+
+    def record(self, ctx: "OpContext") -> None:
+        self._ops[ctx.seq % self.SIZE] = ctx
+
+    def find(self, seq: int) -> "OpContext | None":
+        ctx = self._ops[seq % self.SIZE]
+        return ctx if ctx is not None and ctx.seq == seq else None
 
 
 def _as_bytes(t: torch.Tensor):
@@ -50,6 +53,9 @@ class OpContext:
     piece_bytes: int
     small_bytes: int
     site: int = 0  # hash of the calling source line (check_call_sites), 0 when not checked
+    reduce: int = 0  # ReduceOp code of a reducing collective, else 0
+    root: int = 0  # broadcast's source / reduce's destination (group rank), else 0
+    journal: Journal | None = None  # the group's recent operations, for naming stray messages
     # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)
@@ -67,9 +73,13 @@ class OpContext:
         self._code = dtypes.code_of(self.dtype)
         self._sent = [0] * self.size
         self._recvd = [0] * self.size
+        self.reduce = int(self.reduce)  # a ReduceOp is an IntEnum: the wire takes plain ints
+        if self.journal is not None:
+            self.journal.record(self)
 
-    def header(self, nbytes: int, step: int) -> Header:
-        return Header(COLL, self.group, self.seq, self.rank, self._op, self._code, self.count, step, nbytes)
+    def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
+        return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._op,
+                      self._code, self.count, step, nbytes, self.reduce, self.root)
 
     def send(self, dst: int, data: torch.Tensor | None = None) -> None:
         payload = b"" if data is None else _as_bytes(data)
@@ -78,7 +88,9 @@ class OpContext:
         self.ep.send(dst, self.header(len(payload), step), payload, op=self.name)
 
     def recv(self, src: int, numel: int = 0) -> torch.Tensor:
-        """Next piece from ``src``, as a read-only tensor view of the received frame."""
+        """Next piece from ``src``, as a tensor view of the received frame (read it only).
+        No copy and no warning: pyzmq frames export a writable buffer, so torch.frombuffer
+        has nothing to warn about (tests/unit/test_no_side_effects.py keeps it so)."""
         payload = self.recv_buffer(src, numel)
         if numel == 0:
             return torch.empty(0, dtype=self.dtype)
@@ -89,24 +101,44 @@ class OpContext:
         msg = self.ep.recv(src, op=self.name, seq=self.seq)
         step = self._recvd[src]
         self._recvd[src] = step + 1
-        h, want = msg.header, self.header(numel * self.itemsize, step)
-        if (h.kind, h.seq, h.op, h.dtype, h.count) != (want.kind, want.seq, want.op, want.dtype, want.count):
-            raise CollectiveMismatch(self.name, self.seq, self._describe(want), self._describe(h),
-                                     peer=src, rank=self.rank)
-        if (h.step, h.nbytes) != (want.step, want.nbytes):
-            raise CollectiveMismatch(
-                self.name, self.seq, {**self._describe(want), "step": step, "bytes": want.nbytes},
-                {**self._describe(h), "step": h.step, "bytes": h.nbytes}, peer=src, rank=self.rank)
+        h, want = msg.header, self.header(numel * self.itemsize, step, src)
+        if h != want:
+            raise self._mismatch(src, h, want)
         return msg.payload.buffer
+
+    def _mismatch(self, src: int, h: Header, want: Header) -> CollectiveMismatch:
+        """The error for an unexpected message; both sides described with what differs."""
+        if h.seq < self.seq and self.journal is not None and self.journal.find(h.seq) is not None:
+            # a stray left over from an earlier op that src ran differently: name that op
+            earlier = self.journal.find(h.seq)
+            mine = {**_describe(earlier.header(0, 0)), "noticed at": f"seq {self.seq} ({self.name})"}
+            return CollectiveMismatch(earlier.name, h.seq, mine, _describe(h), peer=src, rank=self.rank)
+        mine, theirs = _describe(want), _describe(h)
+        if mine == theirs:  # same op, other piece boundaries: show them
+            mine.update(step=want.step, bytes=want.nbytes)
+            theirs.update(step=h.step, bytes=h.nbytes)
+        return CollectiveMismatch(self.name, self.seq, mine, theirs, peer=src, rank=self.rank)
 
     @staticmethod
     def _describe(h: Header) -> dict:
-        code, site = h.op & 0xFF, h.op >> 8
-        op = Coll(code).name.lower() if code in Coll._value2member_map_ else f"op{code}"
-        out = {"seq": h.seq, "op": op, "dtype": dtypes.name_of(h.dtype), "count": h.count}
-        if site:
-            out["call site"] = f"{site:06x}"
-        return out
+        """A header as the fields an error shows (for the backend's restated reports)."""
+        return _describe(h)
 
     def flush(self) -> None:
         self.ep.flush(self.name, self.seq)
+
+
+def _describe(h: Header) -> dict:
+    code, site = h.op & 0xFF, h.op >> 8
+    coll = Coll(code) if code in Coll._value2member_map_ else None
+    out = {"seq": h.seq, "op": coll.name.lower() if coll else f"op{code}",
+           "dtype": dtypes.name_of(h.dtype), "count": h.count}
+    if coll in _REDUCING:
+        out["reduce"] = ReduceOp(h.reduce).name if h.reduce in ReduceOp._value2member_map_ else h.reduce
+    if coll in _ROOTED:
+        out["root"] = h.root
+    if h.group:
+        out["group"] = h.group
+    if site:
+        out["call site"] = f"{site:06x}"
+    return out

@@ -8,6 +8,12 @@ rank computes bit-identical results.
 
 Buffer rule: ZeroMQ reads large payloads after ``send`` returns, so a buffer that was sent is
 not written again until ``ctx.flush()`` (or until causality proves the peer received it).
+
+Aliasing (issue 12.1): outputs may share memory with inputs. The in-place forms NCCL documents
+(reduce_scatter's output is the input's own slice, all_gather's input is the output's own
+slice) run without a copy; any other overlap, and all_to_all with output and input one tensor,
+costs one copy, so every form is correct. Overlap is decided by address ranges
+(``dtypes.overlaps``), never by object identity, which a view never passes.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import overlaps
 from .algorithms import (chain_order, chunk_bounds, dissemination_steps, pairwise_exchange_steps,
                          pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
 from .context import OpContext
@@ -53,8 +60,10 @@ def _direct_gather(ctx: OpContext, mine: torch.Tensor, send_to: list[int], recv_
 
 def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, got: dict, op: ReduceOp) -> None:
     """out = the rank-ordered reduction of ``got`` (peer -> frame) and ``own`` (this rank's
-    part; it may be ``out``: it is copied first where the order would overwrite it early)."""
-    if own is out and ctx.rank > 1:
+    part; it may share ``out``'s memory: then it is copied first where the order would
+    overwrite it before it is read, i.e. when it is neither the first nor the second part)."""
+    same = own.data_ptr() == out.data_ptr() and own.numel() == out.numel()
+    if (ctx.rank > 1 or not same) and overlaps(own, out):
         own = own.clone()
     reduce_in_order_(out, [got[p] if p != ctx.rank else own for p in range(ctx.size)], op)
 
@@ -91,6 +100,12 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
     n, m = ctx.size, out.numel()
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
+    if m and overlaps(out, inp) and out.data_ptr() != inp[own:].data_ptr():
+        # not the in-place form: a write to out could clobber input another step still reads
+        tmp = torch.empty_like(out)
+        reduce_scatter(ctx, tmp, inp, op)
+        copy_(out, tmp)
+        return
     if n == 1 or m == 0:
         copy_(out, inp)
     elif n * m * ctx.itemsize <= ctx.small_bytes:
@@ -117,7 +132,11 @@ def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     """``out`` (n*m) gets every rank's ``inp`` (m) in rank order."""
     n, m = ctx.size, inp.numel()
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
-    copy_(out[chunks[ctx.rank][0]:chunks[ctx.rank][1]], inp)
+    mine = out[chunks[ctx.rank][0]:chunks[ctx.rank][1]]
+    if m and mine.data_ptr() != inp.data_ptr():
+        if overlaps(out, inp):  # not the in-place form: received chunks could clobber inp
+            inp = inp.clone()
+        copy_(mine, inp)
     if n > 1 and m:
         if n * m * ctx.itemsize <= ctx.small_bytes:
             peers = [p for p in range(n) if p != ctx.rank]
@@ -194,7 +213,10 @@ def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) 
 
 def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
-    """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``."""
+    """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``.
+    ``out`` may share memory with ``inp`` (even be the same tensor): the input is copied first."""
+    if out.numel() and overlaps(out, inp):
+        inp = inp.clone()
     lo, hi = in_bounds[ctx.rank]
     olo, ohi = out_bounds[ctx.rank]
     copy_(out[olo:ohi], inp[lo:hi])

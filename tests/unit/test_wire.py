@@ -2,30 +2,50 @@ import random
 
 import msgpack
 import pytest
+import torch
 
+from commrt import ReduceOp, dtypes
 from commrt.errors import ProtocolError
-from commrt.wire import COLL, P2P, VERSION, Header, decode_header, encode_header
+from commrt.wire import (ABORT, COLL, ITEMSIZE, MAX_TAG, P2P, REDUCE_CODES, VERSION, Coll, Header,
+                         decode_header, encode_header)
+
+GOOD = Header(COLL, 3, 1 << 40, 2, int(Coll.REDUCE) | 0xABCDEF << 8, 4, 123456789, 7, 1 << 20,
+              int(ReduceOp.MAX), 3)
 
 
 def test_round_trip():
-    h = Header(COLL, 3, 1 << 40, 2, 1, 4, 123456789, 7, 1 << 20)
-    assert decode_header(encode_header(h)) == h
-    h2 = Header(P2P, 0, 0, 0, 0, 1, 0, 0, 0)
-    assert decode_header(encode_header(h2)) == h2
-    assert len(encode_header(h)) < 64
+    assert decode_header(encode_header(GOOD)) == GOOD
+    for h in (Header(P2P, 0, 0, 0, 0, 1, 0, 0, 0), Header(P2P, 0, 1, 1, MAX_TAG - 1, 8, 3, 0, 24),
+              Header(ABORT, 2, 9, 1, 3, 0, 0, 0, 0), Header(ABORT, 2, 9, 1, 0, 0, 0, 0, 60),  # a report
+              Header(COLL, 0, 1, 0, int(Coll.BARRIER), 6, 0, 0, 0)):
+        assert decode_header(encode_header(h)) == h
+    assert len(encode_header(GOOD)) < 64
+
+
+def test_tables_agree_with_the_layers_above():
+    """The wire's dtype/collective/reduce codes are the ones commrt.dtypes and ReduceOp use."""
+    assert {c: torch.empty(0, dtype=t).element_size() for c, (_, t) in dtypes._TABLE.items()} == ITEMSIZE
+    assert sorted(int(op) for op in ReduceOp) == list(REDUCE_CODES)
+
+
+def _raw(*fields):
+    return msgpack.packb([VERSION, *fields])
 
 
 @pytest.mark.parametrize("bad", [
-    b"", b"\x00", b"\xff" * 10, msgpack.packb([VERSION + 1] + [0] * 9),
-    msgpack.packb([VERSION, 0, 0, 0, 0, 0, 0, 0, 0]),            # too short
-    msgpack.packb([VERSION, 0, 0, 0, -1, 0, 0, 0, 0, 0]),        # negative
-    msgpack.packb([VERSION, 9, 0, 0, 0, 0, 0, 0, 0, 0]),         # unknown kind
-    msgpack.packb([VERSION, 0, 0, 0, "x", 0, 0, 0, 0, 0]),       # a string
-    msgpack.packb({"v": 1}), msgpack.packb([VERSION] + [0] * 9 + [0]),
-    msgpack.packb([VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 1.5]),
-    msgpack.packb([VERSION, 0, 0, 0, 0, 0, 0, 0, 0, msgpack.ExtType(1, b"x")]),
-    msgpack.packb([VERSION, 0, 0, 0, 0, 0, 0, 0, 0, True]),
-    b"\x9a" + b"\xcf" + b"\xff" * 8,                               # truncated
+    b"", b"\x00", b"\xff" * 10, msgpack.packb([VERSION + 1] + [0] * 11),
+    msgpack.packb([VERSION - 1] + list(GOOD)[:9]),                 # the previous version
+    _raw(0, 0, 0, 0, 1, 1, 0, 0, 0, 0),                            # too short
+    _raw(0, 0, 0, -1, 1, 1, 0, 0, 0, 0, 0),                        # negative
+    _raw(9, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0),                         # unknown kind
+    _raw(0, 0, 0, "x", 1, 1, 0, 0, 0, 0, 0),                       # a string
+    msgpack.packb({"v": 1}), _raw(*GOOD, 0),                       # a map; too long
+    _raw(0, 0, 0, 0, 1, 1, 0, 0, 1.5, 0, 0),
+    _raw(0, 0, 0, 0, 1, 1, 0, 0, msgpack.ExtType(1, b"x"), 0, 0),
+    _raw(0, 0, 0, 0, 1, 1, 0, 0, True, 0, 0),
+    _raw(0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1 << 62),                   # out of range
+    msgpack.packb([True, *GOOD]),                                  # version as a bool
+    b"\x9c" + b"\xcf" + b"\xff" * 8,                               # truncated
     b"\x91" * 300,                                                 # oversized/nested
 ])
 def test_malformed_headers_are_protocol_errors(bad):
@@ -33,9 +53,57 @@ def test_malformed_headers_are_protocol_errors(bad):
         decode_header(bad)
 
 
+# well-formed msgpack, impossible as a message: each must be dropped at decode (issue 13.10),
+# never reach an operation, and the sender must refuse to build it (issue 13.6)
+IMPOSSIBLE = {
+    "unknown dtype code": GOOD._replace(dtype=9),
+    "dtype code 0": GOOD._replace(dtype=0),
+    "unknown collective": GOOD._replace(op=8),
+    "collective code 0": GOOD._replace(op=0xAB << 8),
+    "op beyond site bits": GOOD._replace(op=int(Coll.ALL_REDUCE) | 1 << 32),
+    "unknown reduce op": GOOD._replace(reduce=5),
+    "partial element": GOOD._replace(dtype=1, nbytes=6),
+    "p2p with a reduce op": Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4, reduce=1),
+    "p2p with a root": Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4, root=2),
+    "p2p unknown dtype": Header(P2P, 0, 1, 1, 7, 99, 1, 0, 4),
+    "abort with dtype": Header(ABORT, 0, 1, 1, 2, 1, 0, 0, 0),
+    "abort with a reduce op": Header(ABORT, 0, 1, 1, 2, 0, 0, 0, 0, reduce=1),
+}
+
+
+@pytest.mark.parametrize("what", sorted(IMPOSSIBLE))
+def test_impossible_headers_are_dropped_at_decode(what):
+    h = IMPOSSIBLE[what]
+    with pytest.raises(ProtocolError):
+        decode_header(msgpack.packb([VERSION, *h]))
+
+
+@pytest.mark.parametrize("what", sorted(IMPOSSIBLE))
+def test_impossible_headers_are_refused_at_encode(what):
+    with pytest.raises(ValueError, match="refusing to send"):
+        encode_header(IMPOSSIBLE[what])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("op", MAX_TAG), ("seq", -1), ("count", 1 << 64), ("step", 1.0), ("nbytes", True),
+    ("root", None), ("group", "0"), ("kind", 3),
+])
+def test_encode_names_the_bad_field(field, value):
+    h = Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4)._replace(**{field: value})
+    with pytest.raises(ValueError, match="refusing to send") as info:
+        encode_header(h)
+    assert field in str(info.value)
+
+
+def test_reduce_op_is_an_int_on_the_wire():
+    """An IntEnum is not an int to msgpack's receiver: OpContext passes plain ints."""
+    with pytest.raises(ValueError, match="reduce"):
+        encode_header(GOOD._replace(reduce=ReduceOp.MAX))
+
+
 def test_random_bytes_never_escape_as_other_errors():
     rng = random.Random(1234)
-    good = encode_header(Header(COLL, 1, 2, 3, 4, 5, 6, 7, 8))
+    good = encode_header(GOOD)
     for _ in range(5000):
         if rng.random() < 0.5:
             buf = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 80)))
@@ -45,6 +113,27 @@ def test_random_bytes_never_escape_as_other_errors():
                 b[rng.randrange(len(b))] = rng.getrandbits(8)
             buf = bytes(b)
         try:
-            decode_header(buf)
+            h = decode_header(buf)
         except ProtocolError:
-            pass
+            continue
+        assert encode_header(h)  # whatever decodes could have been sent
+
+
+def test_random_fields_decode_exactly_when_they_encode():
+    """Fuzz the field values: decode accepts a header exactly when encode would have sent it,
+    and a decoded header round-trips unchanged."""
+    rng = random.Random(99)
+    choices = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255, 256, 1 << 31, (1 << 62) - 1, 1 << 62, -1]
+    for _ in range(20000):
+        fields = [rng.choice(choices) for _ in range(11)]
+        buf = msgpack.packb([VERSION, *fields])
+        try:
+            sent = encode_header(Header(*fields))
+        except ValueError:
+            sent = None
+        try:
+            h = decode_header(buf)
+        except ProtocolError:
+            assert sent is None, fields
+            continue
+        assert sent is not None and h == Header(*fields), fields

@@ -50,6 +50,8 @@ def main() -> None:
             assert_equal(t, values(numel, src, dtype, "SUM", seed), f"broadcast src={src} {dtype} n={numel}")
         seed += 1
         check_all_to_all(rank, n, dtype, seed)
+        seed += 1
+        check_in_place(rank, n, dtype, seed)
     check_zero_copy_sizes(rank, n, seed + 1)
     commrt.barrier()
     commrt.destroy_process_group()
@@ -76,6 +78,37 @@ def check_zero_copy_sizes(rank: int, n: int, seed: int) -> None:
     t = parts[rank].clone()
     commrt.broadcast(t, src=n - 1)
     assert_equal(t, parts[n - 1], "zero-copy broadcast")
+
+
+def check_in_place(rank: int, n: int, dtype: torch.dtype, seed: int) -> None:
+    """The in-place forms NCCL documents: reduce_scatter's output is the input's own slice,
+    all_gather's input is the output's own slice; plus overlaps that are not a rank's own slice
+    (output at the front of the input) and all_to_all_single with output and input one tensor.
+    all_reduce, broadcast and reduce are in place by nature (tested above). Aliasing does not
+    depend on the element-wise op: SUM, AVG (its final division) and MAX stand for all five."""
+    for op in ("SUM", "AVG", "MAX"):
+        for m in SHARD_SIZES:
+            seed += 1
+            parts = [values(m * n, r, dtype, op, seed) for r in range(n)]
+            want = reference(parts, op)[rank * m:(rank + 1) * m]
+            for lo, form in ((rank * m, "own slice"), (0, "front")):
+                buf = parts[rank].clone()
+                commrt.reduce_scatter_tensor(buf[lo:lo + m], buf, op=op)
+                assert_equal(buf[lo:lo + m], want, f"in-place reduce_scatter ({form}) {dtype} {op} m={m}")
+    for m in SHARD_SIZES:
+        seed += 1
+        parts = [values(m, r, dtype, "SUM", seed) for r in range(n)]
+        for lo, form in ((rank * m, "own slice"), (0, "front")):
+            out = torch.full((m * n,), 55, dtype=dtype)
+            out[lo:lo + m] = parts[rank]
+            commrt.all_gather_into_tensor(out, out[lo:lo + m])
+            assert_equal(out, torch.cat(parts), f"in-place all_gather ({form}) {dtype} m={m}")
+    for rows in (4, 20001):
+        seed += 1
+        t = values(rows * n, rank, dtype, "SUM", seed)
+        commrt.all_to_all_single(t, t)
+        want = [values(rows * n, j, dtype, "SUM", seed)[rows * rank:rows * (rank + 1)] for j in range(n)]
+        assert_equal(t, torch.cat(want), f"all_to_all_single output is input {dtype} rows={rows}")
 
 
 def check_all_to_all(rank: int, n: int, dtype: torch.dtype, seed: int) -> None:

@@ -1,0 +1,135 @@
+"""API misuse that must end in a clear typed error (or, for grad-requiring tensors, just work),
+checked on real ranks. ``python -m tests.multirank.programs.misuse <mode>``; every rank prints
+'misuse <mode> ok' when its checks passed."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import commrt
+from tests.multirank.programs.common import assert_equal, init, reference, values
+
+
+def expect(exc_type, fragment: str, fn, *args, **kwargs):
+    """Run ``fn``; it must raise ``exc_type`` with ``fragment`` in the message."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        if fragment not in str(exc):
+            raise AssertionError(f"{exc_type.__name__} without {fragment!r}: {exc}") from exc
+        return exc
+    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__}")
+
+
+def destroyed(rank: int, n: int) -> None:
+    """Every use of a destroyed group handle names the destruction, instead of KeyError."""
+    group = commrt.new_group(list(range(n)))
+    # not used before: a new group's first op can meet a spurious disconnect on main today
+    commrt.destroy_process_group(group)
+    t = torch.ones(4)
+    expect(commrt.CommError, "destroyed", commrt.all_reduce, t, group=group)
+    expect(commrt.CommError, "destroyed", commrt.broadcast, t, src=0, group=group)
+    expect(commrt.CommError, "destroyed", commrt.barrier, group=group)
+    expect(commrt.CommError, "destroyed", commrt.get_rank, group)
+    if n > 1:
+        expect(commrt.CommError, "destroyed", commrt.isend, t, dst=(rank + 1) % n, group=group)
+    expect(commrt.CommError, "destroyed", commrt.destroy_process_group, group)
+    commrt.all_reduce(t)  # the world is untouched
+    assert_equal(t, torch.full((4,), float(n)), "world all_reduce after a group was destroyed")
+
+
+def grad(rank: int, n: int) -> None:
+    """Leaf tensors that require grad are updated in place, outside autograd, as in torch."""
+    for numel in (5, 70001):  # small and ring paths
+        parts = [values(numel, r, torch.float32, "SUM", numel) for r in range(n)]
+        p = parts[rank].clone().requires_grad_(True)
+        commrt.all_reduce(p)
+        assert p.requires_grad and p.grad_fn is None and p.is_leaf
+        assert_equal(p.detach(), reference(parts, "SUM"), f"all_reduce requires_grad n={numel}")
+        p = parts[rank].clone().requires_grad_(True)
+        commrt.broadcast(p, src=n - 1)
+        assert_equal(p.detach(), parts[n - 1], f"broadcast requires_grad n={numel}")
+        p = parts[rank].clone().requires_grad_(True)
+        commrt.reduce(p, dst=0)
+        assert_equal(p.detach(), reference(parts, "SUM") if rank == 0 else parts[rank], "reduce requires_grad")
+        out = torch.zeros(numel * n, requires_grad=True)
+        commrt.all_gather_into_tensor(out, parts[rank].clone().requires_grad_(True))
+        assert_equal(out.detach(), torch.cat(parts), f"all_gather requires_grad n={numel}")
+        shard = torch.zeros(numel // n, requires_grad=True)
+        commrt.reduce_scatter_tensor(shard, parts[rank][:numel // n * n].clone().requires_grad_(True))
+        want = reference([q[:numel // n * n] for q in parts], "SUM")[rank * (numel // n):(rank + 1) * (numel // n)]
+        assert_equal(shard.detach(), want, f"reduce_scatter requires_grad n={numel}")
+        loss = (p * 2).sum()  # autograd still works on the tensor afterwards
+        loss.backward()
+        assert_equal(p.grad, torch.full((numel,), 2.0), "grad after a collective")
+
+
+def _crossed_roots(rank: int) -> None:
+    """Each rank believes it is broadcast's root: both only send, so the op itself returns; the
+    stray message is caught at the next op, which names the earlier op and both roots."""
+    commrt.broadcast(torch.ones(8), src=rank)
+    commrt.all_reduce(torch.ones(8))
+
+
+def _crossed_destinations(rank: int) -> None:
+    commrt.reduce(torch.ones(8), dst=1 - rank)
+    commrt.barrier()
+
+
+# case -> (what each rank runs; rank 1 is the one that disagrees, what the error must name)
+MISMATCHES = {
+    "max_vs_sum": (lambda r: commrt.all_reduce(torch.ones(8), op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
+    "avg_vs_sum_ring": (lambda r: commrt.all_reduce(torch.ones(70001), op="AVG" if r else "SUM"),
+                        ("reduce=SUM", "reduce=AVG")),
+    "reduce_scatter_min": (lambda r: commrt.reduce_scatter_tensor(torch.ones(4), torch.ones(8), op="MIN" if r else "SUM"),
+                           ("reduce=SUM", "reduce=MIN")),
+    "reduce_max": (lambda r: commrt.reduce(torch.ones(8), dst=0, op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
+    "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "broadcast", "noticed at")),
+    "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "reduce", "noticed at")),
+}
+
+
+def mismatch(rank: int, n: int, case: str) -> None:
+    """Two ranks disagreeing about the reduce op or the root get a CollectiveMismatch naming
+    both sides (issue 13.5), instead of a wrong result; the group is unusable afterwards."""
+    run, fragments = MISMATCHES[case]
+    if case == "reduce_max" and rank == 1:  # a sender only: the destination (rank 0) catches it
+        run(rank)
+        return
+    exc = expect(commrt.CollectiveMismatch, "collective mismatch", run, rank)
+    missing = [f for f in fragments if f not in str(exc)]
+    assert not missing, f"{missing} not in: {exc}"
+
+
+def tags(rank: int, n: int) -> None:
+    """A tag the wire cannot carry is refused at the call, on both ends (issue 13.6)."""
+    t = torch.ones(4)
+    for bad in (2 ** 62, -1):
+        expect(ValueError, "0 <= tag < 2**62", commrt.isend, t, dst=1 - rank, tag=bad)
+        expect(ValueError, "0 <= tag < 2**62", commrt.irecv, t, src=1 - rank, tag=bad)
+    expect(TypeError, "tag must be an integer", commrt.isend, t, dst=1 - rank, tag=1.5)
+    big = 2 ** 62 - 1 if commrt.get_backend() == "zmq" else 2 ** 31 - 1  # torch's tags are C ints
+    if rank == 0:
+        commrt.send(torch.arange(4.0), dst=1, tag=big)
+    else:
+        got = torch.zeros(4)
+        commrt.recv(got, src=0, tag=big)
+        assert_equal(got, torch.arange(4.0), "send/recv with the largest tag")
+
+
+MODES = {"destroyed": destroyed, "grad": grad, "mismatch": mismatch, "tags": tags}
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    rank, n = init()
+    MODES[mode](rank, n, *sys.argv[2:])
+    if mode != "mismatch":
+        commrt.barrier()
+    commrt.destroy_process_group()
+    print(f"misuse {mode} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
