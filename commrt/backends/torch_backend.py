@@ -6,6 +6,7 @@ mapped back. AVG runs as SUM followed by the division our backend uses, so that 
 """
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 
@@ -33,17 +34,22 @@ class TorchWork(Work):
     ``wait(timeout)`` that runs out raises ``CommTimeout`` and leaves the work pending: a later
     wait can still succeed. Only torch's own failure is kept as the work's error."""
 
-    def __init__(self, name: str, inner, after=None):
+    def __init__(self, name: str, inner, after=None, polls: bool = True):
         super().__init__(name)
         self._inner, self._after = inner, after
+        # gloo's point-to-point works report completion only from inside wait() (checked with
+        # torch 2.13: is_completed() stays False after the peer has received), so they are
+        # waited with torch's own timeout instead of polled
+        self._polls = polls
         self._lock = threading.Lock()  # runs ``after`` once, whichever thread sees completion
 
-    def _complete(self) -> None:
+    def _complete(self, waited: bool = False) -> None:
         with self._lock:
             if self._done.is_set():
                 return
             try:
-                self._inner.wait()  # completed: returns at once, or raises torch's error
+                if not waited:  # gloo's p2p buffers count completions: wait on them only once
+                    self._inner.wait()  # completed: returns at once, or raises torch's error
                 if self._after is not None:
                     self._after()
                 self._finish(None, None)
@@ -61,6 +67,8 @@ class TorchWork(Work):
     def wait(self, timeout: float | None = None) -> bool:
         if timeout is None:
             self._complete()
+        elif not self._polls:
+            self._wait_inner(timeout)
         else:
             deadline, pause = time.monotonic() + timeout, 50e-6
             while not self.is_completed():
@@ -70,6 +78,17 @@ class TorchWork(Work):
                 time.sleep(min(pause, remaining))  # torch offers no wait-with-timeout that
                 pause = min(pause * 2, 5e-3)      # leaves the work usable afterwards
         return super().wait(0)
+
+    def _wait_inner(self, timeout: float) -> None:
+        try:
+            done = self._inner.wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
+        except RuntimeError as exc:  # gloo raises on its own timeout; the transfer is abandoned
+            if "imeout" not in str(exc):
+                raise
+            done = False
+        if done is False:
+            raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+        self._complete(waited=True)
 
 
 class TorchBackend:
@@ -127,10 +146,12 @@ class TorchBackend:
         return self._finish("barrier", w, async_op)
 
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        return TorchWork("send", tdist.isend(as_tensor(tensor), self.ranks[dst], group=self.pg, tag=tag))
+        return TorchWork("send", tdist.isend(as_tensor(tensor), self.ranks[dst], group=self.pg, tag=tag),
+                         polls=False)
 
     def irecv(self, tensor, src: int, tag: int = 0) -> Work:
-        return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag))
+        return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag),
+                         polls=False)
 
     def close(self) -> None:
         pass
