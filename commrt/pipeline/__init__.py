@@ -1,0 +1,8 @@
+"""Pipeline parallelism over point-to-point transfers: schedules as data (schedules.py), a
+pre-flight deadlock check (validate.py), tensor-list transfers (p2p.py), stage splitting (stage.py)
+and the schedules that run them (runtime.py)."""
+from .schedules import Action, format_grid, gpipe_actions, interleaved_actions, one_f_one_b_actions, pipedream_actions
+from .validate import ScheduleError, validate
+
+__all__ = ["Action", "format_grid", "gpipe_actions", "one_f_one_b_actions", "interleaved_actions",
+           "pipedream_actions", "ScheduleError", "validate"]
