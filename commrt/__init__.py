@@ -10,6 +10,7 @@ from .distributed import (all_gather_into_tensor, all_reduce, all_to_all_single,
 from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost, ProtocolError,
                      RendezvousError, RequestRejected)
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .pipeline.p2p import P2POp, batch_isend_irecv
 from .work import CommTimeout, Work
 
 __version__ = "0.1.0"
@@ -18,7 +19,7 @@ __all__ = [
     "ReduceOp", "Config", "load_config", "init_process_group", "destroy_process_group",
     "is_initialized", "get_world_group", "get_rank", "get_world_size", "get_backend", "get_config", "new_group",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
-    "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "Work", "ProcessGroup",
+    "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
     "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
 ]

@@ -24,6 +24,8 @@ ALLOWED = {
     "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
     # training layers: over the public API (distributed), the optimizer math, and the PS file format
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps"},
+    # pipeline parallelism: over the public API's point-to-point calls, like train
+    "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
 }
 
 

@@ -1,0 +1,220 @@
+"""Schedules that run training steps over ``PipelineStage`` objects, torch.distributed.pipelining
+style: ``schedule.step(x, target=y, losses=out)`` on the first and last stages, ``schedule.step()``
+in between. The actions are pure data (schedules.py), validated on construction (validate.py);
+this module only executes them in order.
+
+Loss: each micro-batch's loss is scaled by its share of the batch's rows, so for a mean-reduced
+loss the accumulated gradients equal the full batch's. Gradients accumulate in ``.grad`` like one
+``backward()``; the caller steps its optimizer after ``step()``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import distributed as dist
+from ..errors import CommError, ConfigError, PeerLost, ProtocolError
+from . import schedules as S
+from .p2p import isend_tensors, recv_tensors
+from .stage import PipelineStage
+from .validate import validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """One micro-batch on one stage, from its forward until its backward has sent its gradients."""
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    grads_out: list | None = None  # gradients of the outputs, received from the next stage
+    grads_in: list | None = None  # gradients of the inputs, for the previous stage
+    extra: dict = field(default_factory=dict)  # what a subclass keeps per micro-batch
+
+
+LOST = 1 << 39  # metadata (LOST, rank) in place of (stage, micro-batch): "rank is gone, stop"
+
+
+def _tag(dst_stage: int, forward: bool) -> int:
+    """One tag per (destination stage, direction): each is a first-in-first-out channel, which is
+    the model validate() checks the schedule against."""
+    return 2 * dst_stage + (0 if forward else 1)
+
+
+class PipelineSchedule:
+    """Runs one rank's actions of ``actions`` (one list per group rank) over its ``stages``."""
+    _batches = 1
+
+    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn, actions):
+        self.stages = {s.stage_index: s for s in stages}
+        self.num_microbatches, self.loss_fn, self.actions = num_microbatches, loss_fn, actions
+        any_stage = stages[0]
+        self.num_stages, self.group = any_stage.num_stages, any_stage.group
+        if len(actions) != any_stage.group_size:
+            raise ConfigError(f"schedule has {len(actions)} ranks, the group {any_stage.group_size}")
+        validate(actions)
+        self.rank_actions = actions[dist.get_rank(self.group)]
+        mine = {a.stage for a in self.rank_actions}
+        if mine != set(self.stages):
+            raise ConfigError(f"this rank runs stages {sorted(mine)} but was given {sorted(self.stages)}")
+        self.peak_in_flight: dict[int, int] = {}
+
+    # -- one training step -------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None):
+        """Run every action of this rank; returns the last stage's outputs, concatenated."""
+        self._inputs = self._chunks(args, 0, "inputs")
+        self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
+        self._rows = None if target is None else target.shape[0]
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._sends, self._outs, self._losses = [], {}, losses
+        self.peak_in_flight = {s: 0 for s in self.stages}
+        try:
+            for a in self.rank_actions:
+                self._run(a)
+        except PeerLost as exc:
+            self._abort(exc)
+            raise
+        finally:
+            for h in self._sends:
+                h.wait()
+        if self._outs:
+            return torch.cat([self._outs[m] for m in sorted(self._outs)])
+        return None
+
+    def _chunks(self, tensors, stage: int, what: str):
+        if stage not in self.stages:
+            return None
+        if not tensors:
+            raise ConfigError(f"stage {stage} needs its {what} in step()")
+        per = self.num_microbatches // self._batches  # PipeDream: several batches, each split alike
+        parts = [[q for b in torch.tensor_split(t, self._batches) for q in torch.tensor_split(b, per)]
+                 for t in tensors]
+        if any(p.shape[0] == 0 for p in parts[0]):
+            raise ConfigError(f"{what}: {tensors[0].shape[0]} rows cannot make {self.num_microbatches} micro-batches")
+        return [tuple(p[m] for p in parts) for m in range(self.num_microbatches)]
+
+    def _run(self, a: S.Action) -> None:
+        kind = a.kind
+        if kind == S.F:
+            self._forward(a.stage, a.mb)
+        elif kind == S.B:
+            self._backward(a.stage, a.mb)
+        elif kind in (S.SEND_F, S.SEND_B):
+            self._send(a)
+        elif kind in (S.RECV_F, S.RECV_B):
+            self._recv(a)
+        else:
+            self._other(a)
+
+    def _other(self, a: S.Action) -> None:
+        raise ConfigError(f"{type(self).__name__} cannot run action {a}")
+
+    # -- transfers -------------------------------------------------------------------------
+    def _send(self, a: S.Action) -> None:
+        fwd = a.kind == S.SEND_F
+        slot = self._slots[(a.stage, a.mb)]
+        dst = a.stage + 1 if fwd else a.stage - 1
+        data = slot.outputs if fwd else slot.grads_in
+        rank = self.stages[a.stage].rank_of(dst)
+        self._sends.append(isend_tensors(data, rank, self.group, _tag(dst, fwd), (a.stage, a.mb)))
+        if not fwd:
+            del self._slots[(a.stage, a.mb)]  # the micro-batch is done on this stage
+
+    def _recv(self, a: S.Action) -> None:
+        fwd = a.kind == S.RECV_F
+        src = a.stage - 1 if fwd else a.stage + 1
+        src_rank = self.stages[a.stage].rank_of(src)
+        meta, tensors = recv_tensors(src_rank, self.group, _tag(a.stage, fwd))
+        if len(meta) == 2 and meta[0] == LOST:
+            raise PeerLost(meta[1], f"pipeline {a}", 0, f"reported by rank {src_rank}")
+        if meta != (src, a.mb):
+            raise ProtocolError(f"stage {a.stage} ({a}) expected micro-batch {a.mb} from stage {src}, got "
+                                f"stage {meta[0] if meta else '?'} micro-batch {meta[1] if len(meta) > 1 else '?'}")
+        slot = self._slots.setdefault((a.stage, a.mb), _Slot())
+        if fwd:
+            slot.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+        else:
+            slot.grads_out = tensors
+
+    def _abort(self, exc: PeerLost) -> None:
+        """Tell the neighbouring stages' ranks (not the lost one, nor the one that told us) that
+        ``exc.rank`` is gone, on every channel they may be waiting on, so each names it too: the
+        relay the collectives do with their ABORT header. Best effort."""
+        told_by = getattr(exc, "reason", "").rpartition("reported by rank ")[2]
+        skip = {exc.rank, int(told_by) if told_by.isdigit() else -1, dist.get_rank()}
+        for st in self.stages.values():
+            for dst, fwd in ((st.stage_index + 1, True), (st.stage_index - 1, False)):
+                if 0 <= dst < self.num_stages and st.rank_of(dst) not in skip:
+                    try:
+                        isend_tensors([], st.rank_of(dst), self.group, _tag(dst, fwd), (LOST, exc.rank)).wait()
+                    except CommError as err:  # that neighbour is gone as well
+                        log.warning("could not tell rank %d that rank %d is lost: %s", st.rank_of(dst), exc.rank, err)
+
+    # -- computation -------------------------------------------------------------------------
+    def _forward(self, stage: int, mb: int) -> None:
+        slot = self._slots.setdefault((stage, mb), _Slot())
+        if stage == 0:
+            slot.inputs = list(self._inputs[mb])
+        out = self._call(stage, mb, slot)
+        slot.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if stage == self.num_stages - 1:
+            self._outs[mb] = slot.outputs[0].detach()
+            (tgt,) = self._targets[mb]
+            loss = self.loss_fn(out, tgt)
+            slot.loss = loss * self._loss_scale(tgt)
+            if self._losses is not None:
+                self._losses.append(loss.detach())
+        live = sum(1 for (s, _), sl in self._slots.items() if s == stage and sl.outputs)
+        self.peak_in_flight[stage] = max(self.peak_in_flight[stage], live)
+
+    def _loss_scale(self, target: torch.Tensor) -> float:
+        """The micro-batch's share of its batch's rows."""
+        return target.shape[0] / self._rows
+
+    def _call(self, stage: int, mb: int, slot: _Slot):
+        return self.stages[stage].module(*slot.inputs)
+
+    def _backward(self, stage: int, mb: int) -> None:
+        slot = self._slots[(stage, mb)]
+        if slot.loss is not None:
+            slot.loss.backward()
+        else:
+            pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel() == o.numel()]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
+        slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
+        if stage == 0:
+            del self._slots[(stage, mb)]
+
+
+class GPipe(PipelineSchedule):
+    """All forwards, then all backwards (Huang et al. 2019): every micro-batch's activations live
+    at once."""
+
+    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None):
+        super().__init__([stage], num_microbatches, loss_fn, S.gpipe_actions(stage.num_stages, num_microbatches))
+
+
+class OneFOneB(PipelineSchedule):
+    """1F1B with a flush per step (PipeDream-Flush, Narayanan et al. 2021): at most
+    ``num_stages - stage`` micro-batches in flight on a stage."""
+
+    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None):
+        super().__init__([stage], num_microbatches, loss_fn,
+                         S.one_f_one_b_actions(stage.num_stages, num_microbatches))
+
+
+class Interleaved1F1B(PipelineSchedule):
+    """Several stages per rank (Megatron-LM's interleaved 1F1B): stage s on group rank s % P."""
+
+    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn=None):
+        ranks = stages[0].group_size
+        per_rank = stages[0].num_stages // ranks
+        if len(stages) != per_rank:
+            raise ConfigError(f"Interleaved1F1B: this rank holds {per_rank} of the {stages[0].num_stages} stages, "
+                              f"got {len(stages)}")
+        super().__init__(stages, num_microbatches, loss_fn, S.interleaved_actions(ranks, num_microbatches, per_rank))

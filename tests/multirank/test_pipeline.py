@@ -1,0 +1,59 @@
+"""Pipeline parallelism with real ranks (issue 16): tensor-list transfers, GPipe / 1F1B /
+interleaved training equal to single-process training, activation memory by count, PipeDream's
+weight stashing, and a dead stage named on the others. The checks live in
+programs/pipeline_job.py and print 'OK <case>'."""
+import pytest
+
+from tests.multirank.harness import run_ranks
+
+MICRO = [1, 3, 4, 8]
+KINDS = ["gpipe", "1f1b", "interleaved"]
+
+
+def _env(backend):
+    return {"COMMRT_COMM_BACKEND": backend}
+
+
+@pytest.mark.parametrize("backend,nproc", [("zmq", 2), ("zmq", 3), ("gloo", 2)])
+def test_tensor_lists_of_unknown_shape_and_batch_isend_irecv(backend, nproc):
+    _, out = run_ranks(nproc, "pipeline_job", "p2p", env=_env(backend), timeout_s=120)
+    assert out.count("OK p2p\n") == nproc, out[-3000:]
+
+
+def _train(backend, nproc, micro):
+    _, out = run_ranks(nproc, "pipeline_job", "train", *map(str, micro), env=_env(backend), timeout_s=300)
+    for kind in KINDS:
+        for m in micro:
+            assert out.count(f"OK train {kind} m={m}\n") == nproc, f"{kind} m={m} missing:\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("backend,nproc", [("zmq", 2), ("zmq", 3), ("gloo", 2)])
+def test_schedules_train_like_a_single_process(backend, nproc):
+    _train(backend, nproc, MICRO)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,nproc", [("zmq", 4), ("gloo", 3), ("gloo", 4)])
+def test_schedules_train_like_a_single_process_at_more_ranks(backend, nproc):
+    _train(backend, nproc, MICRO)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_1f1b_keeps_at_most_num_stages_micro_batches_in_flight_and_gpipe_all(nproc):
+    _, out = run_ranks(nproc, "pipeline_job", "memory", env=_env("zmq"), timeout_s=120)
+    for rank in range(nproc):  # stage r holds num_stages - r under 1F1B, all 8 under GPipe
+        assert f"OK memory gpipe=8 1f1b={nproc - rank}\n" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_pipedream_equals_the_2bw_rule_only_with_weight_stashing(nproc):
+    _, out = run_ranks(nproc, "pipeline_job", "pipedream", env=_env("zmq"), timeout_s=180)
+    for m in (1, 2, 4):
+        assert out.count(f"OK pipedream m={m}\n") == nproc, out[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["zmq"])
+def test_a_dead_stage_is_peer_lost_naming_it_on_the_others(backend):
+    _, out = run_ranks(3, "pipeline_job", "die", env={**_env(backend), "COMMRT_COMM_TIMEOUT_S": "20"},
+                       timeout_s=120, expect_fail=True, stop_on_failure=False)
+    assert out.count("OK peer lost 2\n") == 2, out[-3000:]

@@ -1,0 +1,52 @@
+"""The tensor-list header of pipeline transfers: round trip, limits and hostile bytes (no processes)."""
+import random
+
+import pytest
+import torch
+
+from commrt.errors import ProtocolError
+from commrt.pipeline.p2p import HEADER_BYTES, P2POp, decode_header, encode_header
+
+
+def test_header_round_trips_shapes_dtypes_and_metadata():
+    ts = [torch.zeros(2, 3), torch.zeros(0, dtype=torch.int64), torch.zeros((), dtype=torch.bfloat16),
+          torch.zeros(1, 2, 3, 4, dtype=torch.uint8)]
+    data = encode_header(ts, (7, 0, 3))
+    assert len(data) == HEADER_BYTES
+    meta, specs = decode_header(data)
+    assert meta == (7, 0, 3)
+    assert specs == [(t.dtype, tuple(t.shape)) for t in ts]
+    assert decode_header(encode_header([])) == ((), [])
+
+
+def test_a_list_too_large_or_an_unknown_dtype_is_refused_before_sending():
+    with pytest.raises(ValueError, match="too large"):
+        encode_header([torch.zeros(1)] * 65)
+    with pytest.raises(TypeError, match="not supported"):
+        encode_header([torch.zeros(1, dtype=torch.complex64)])
+
+
+def test_hostile_headers_are_protocol_errors():
+    good = bytearray(encode_header([torch.zeros(2, 3)], (1,)))
+    with pytest.raises(ProtocolError):
+        decode_header(bytes(good[:-1]))
+    bad_len = bytearray(good)
+    bad_len[0:4] = (5000).to_bytes(4, "little")
+    with pytest.raises(ProtocolError):
+        decode_header(bytes(bad_len))
+    rng = random.Random(0)
+    for _ in range(2000):  # random corruption either decodes to a valid header or is a ProtocolError
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(4, 40)] = rng.randrange(256)
+        try:
+            meta, specs = decode_header(bytes(data))
+        except ProtocolError:
+            continue
+        assert all(isinstance(v, int) and v >= 0 for v in meta)
+        assert all(isinstance(d, torch.dtype) and all(x >= 0 for x in s) for d, s in specs)
+
+
+def test_p2pop_takes_only_isend_or_irecv():
+    with pytest.raises(ValueError, match="isend or commrt.irecv"):
+        P2POp(print, torch.zeros(1), 1)

@@ -1,0 +1,36 @@
+"""Cutting an nn.Sequential into stages (no processes)."""
+import pytest
+from torch import nn
+
+from commrt.errors import ConfigError
+from commrt.pipeline import split
+from commrt.pipeline.stage import split_points
+
+
+def test_by_layers_evens_the_layer_counts_and_keeps_order():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(7)])
+    for n in range(1, 8):
+        parts = split(model, n)
+        sizes = [len(p) for p in parts]
+        assert sum(sizes) == 7 and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+        assert [m for p in parts for m in p] == list(model)
+
+
+def test_by_params_balances_parameters_not_layers():
+    model = nn.Sequential(nn.Linear(100, 100), nn.Tanh(), nn.Tanh(), nn.Tanh(), nn.Linear(10, 10))
+    assert [len(p) for p in split(model, 2, by="params")] == [1, 4]
+    assert [len(p) for p in split(model, 2)] == [2, 3]
+
+
+def test_every_stage_gets_a_layer_even_when_one_layer_dominates():
+    assert split_points([1, 1000, 1, 1], 4) == [0, 1, 2, 3, 4]
+    assert split_points([1000, 1, 1, 1], 2) == [0, 1, 4]
+
+
+def test_bad_requests_are_config_errors():
+    with pytest.raises(ConfigError, match="cannot split 2 layers into 3"):
+        split(nn.Sequential(nn.Tanh(), nn.Tanh()), 3)
+    with pytest.raises(ConfigError, match="valid: \\['layers', 'params'\\]"):
+        split(nn.Sequential(nn.Tanh()), 1, by="flops")
+    with pytest.raises(ConfigError, match="nn.Sequential"):
+        split(nn.Linear(1, 1), 1)
