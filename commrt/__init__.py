@@ -11,6 +11,7 @@ from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, Pe
                      RendezvousError, RequestRejected)
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import CommTimeout, Work
+from .quant import comm_stats  # noqa: E402 (after distributed: quant is built on it)
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
-    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
+    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed", "comm_stats",
 ]

@@ -71,14 +71,19 @@ class Codec:
         raw = self.blocks(numel) * np.dtype(SCALE_DTYPES[self.scale_dtype]).itemsize + self.code_bytes(numel)
         return (raw + 3) & ~3
 
-    def encode_into(self, out: np.ndarray, x: np.ndarray, rng: np.random.Generator | None = None) -> float:
+    def encode_into(self, out: np.ndarray, x: np.ndarray, rng: np.random.Generator | None = None,
+                    offset: int = 0, mark: bool = False) -> tuple[float, str | None]:
         """Encode the float array ``x`` into the uint8 array ``out`` (``nbytes(x.size)`` long).
-        Returns the largest scale used (0.0 for no data). Non-finite input: ValueError."""
+        Returns (the largest scale used, None). A block that cannot be encoded (a non-finite
+        value, an fp16 scale out of range) raises ValueError naming the first bad element
+        (``offset`` + its index) or block; with ``mark=True`` it gets a NaN scale instead and
+        the message is returned in place of None: a collective first finishes its exchange,
+        so that every rank learns of the problem and none waits for the others in vain."""
         n = x.size
         if out.size != self.nbytes(n):
             raise ValueError(f"encode_into: out has {out.size} bytes, a chunk of {n} needs {self.nbytes(n)}")
         if n == 0:
-            return 0.0
+            return 0.0, None
         x = np.asarray(x).reshape(-1)
         sdt = SCALE_DTYPES[self.scale_dtype]
         sb = self.blocks(n) * np.dtype(sdt).itemsize
@@ -86,16 +91,27 @@ class Codec:
         codes = out[sb:sb + self.code_bytes(n)]
         out[sb + codes.size:] = 0
         cdt = np.float64 if x.dtype == np.float64 else np.float32
+        problem = None
         # slabs of whole blocks, so the temporaries stay in cache (one Python step per slab,
         # not per block); the short last block is a slab of its own
         for a, b in _slabs(n, self.block):
             rows = x[a:b].reshape(-1, min(self.block, b - a))
-            s = self._scales(rows, a)
+            s, bad = self._scales(rows, offset + a)
+            if bad is not None and not mark:
+                raise ValueError(bad)
+            problem = problem or bad
             scales[a // self.block:a // self.block + s.size] = s
             v = np.divide(rows, np.where(s == 0, 1, s).astype(cdt)[:, None], dtype=cdt).reshape(-1)
+            if bad is not None:
+                v[~np.isfinite(v)] = 0.0  # the block's NaN scale is the mark; its codes are 0
             self._round(v, rng)
             self._store_codes(codes, a, v)
-        return float(scales.max())
+        return float(np.nanmax(scales)) if not np.isnan(scales).all() else 0.0, problem
+
+    def marked(self, buf: np.ndarray, numel: int) -> bool:
+        """Whether an encoded chunk carries a block marked as unencodable (a NaN scale)."""
+        sdt = SCALE_DTYPES[self.scale_dtype]
+        return bool(np.isnan(buf[:self.blocks(numel) * np.dtype(sdt).itemsize].view(sdt)).any())
 
     def _store_codes(self, codes: np.ndarray, start: int, v: np.ndarray) -> None:
         if self.bits == 8:
@@ -132,25 +148,27 @@ class Codec:
                         out=out[part].reshape(-1, d))
         return out
 
-    def _scales(self, rows: np.ndarray, offset: int) -> np.ndarray:
-        """Per-row absmax / qmax, rounded up to the scale dtype; raises on non-finite input
-        (``offset``: where ``rows`` starts, to name the bad element)."""
+    def _scales(self, rows: np.ndarray, offset: int) -> tuple[np.ndarray, str | None]:
+        """Per-row absmax / qmax, rounded up to the scale dtype; rows that cannot be encoded
+        get NaN, with a message naming the first (``offset``: where ``rows`` starts)."""
         absmax = np.abs(rows).max(axis=1).astype(np.float64)
+        sdt = SCALE_DTYPES[self.scale_dtype]
+        exact = absmax / self.qmax
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = exact.astype(sdt)
+        problem = None
         if not np.isfinite(absmax).all():
             flat = rows.reshape(-1)
             bad = int(np.flatnonzero(~np.isfinite(flat))[0])
-            raise ValueError(f"cannot quantize a non-finite value: element {offset + bad} is {flat[bad]}")
-        sdt = SCALE_DTYPES[self.scale_dtype]
-        exact = absmax / self.qmax
-        with np.errstate(over="ignore"):
-            s = exact.astype(sdt)
-        if np.isinf(s).any():
-            blk = offset // self.block + int(np.flatnonzero(np.isinf(s))[0])
-            raise ValueError(f"block {blk}: absmax {absmax[blk - offset // self.block]:.6g} needs a scale "
-                             f"beyond {self.scale_dtype}'s range; use scale_dtype fp32")
+            problem = f"cannot quantize a non-finite value: element {offset + bad} is {flat[bad]}"
+        elif np.isinf(s).any():
+            row = int(np.flatnonzero(np.isinf(s))[0])
+            problem = (f"block {offset // self.block + row}: absmax {absmax[row]:.6g} needs a scale beyond "
+                       f"{self.scale_dtype}'s range; use scale_dtype fp32")
         low = s.astype(np.float64) < exact
         s[low] = np.nextafter(s[low], np.inf, dtype=sdt)
-        return s
+        s[~np.isfinite(s)] = np.nan
+        return s, problem
 
     def _round(self, v: np.ndarray, rng: np.random.Generator | None) -> None:
         if self.rounding == "nearest":  # |v| <= qmax exactly (scales rounded up): no clipping

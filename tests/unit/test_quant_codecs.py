@@ -91,6 +91,22 @@ def test_non_finite_input_names_the_first_bad_index(bad):
         encode(x, Codec(4))
 
 
+def test_marking_instead_of_raising_spoils_only_the_bad_blocks():
+    """What a collective does: the bad blocks get a NaN scale (the receiver sees the mark),
+    the message names the element by its index in the whole tensor (offset + index)."""
+    codec = Codec(8, 100)
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    x[613], x[950] = np.inf, np.nan
+    buf = np.empty(codec.nbytes(1000), dtype=np.uint8)
+    scale, problem = codec.encode_into(buf, x, offset=5000, mark=True)
+    assert problem == "cannot quantize a non-finite value: element 5613 is inf" and scale > 0
+    assert codec.marked(buf, 1000) and not codec.marked(encode(torch.from_numpy(x[:600]), codec), 600)
+    got = codec.decode(buf, 1000)
+    bad = np.zeros(1000, dtype=bool)
+    bad[600:700] = bad[900:1000] = True
+    assert np.isnan(got[bad]).all() and np.isfinite(got[~bad]).all()
+
+
 @pytest.mark.parametrize("codec", [Codec(8, rounding="stochastic"), Codec(4, 32, rounding="stochastic")], ids=str)
 def test_stochastic_rounding_is_within_one_scale_and_unbiased(codec):
     x = adversarial(1003, torch.float32, "outliers", seed=3)
@@ -119,7 +135,8 @@ def test_broken_codecs_are_caught(monkeypatch):
     original = Codec._scales
 
     def doubled(self, rows, offset):
-        return original(self, rows, offset) * 2
+        s, problem = original(self, rows, offset)
+        return s * 2, problem
     monkeypatch.setattr(Codec, "_scales", doubled)
     with pytest.raises(AssertionError, match="stored scales out of range"):
         check_bound(x, Codec(8), encode(x, Codec(8)))

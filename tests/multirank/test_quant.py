@@ -1,0 +1,18 @@
+"""Quantized collectives on real ranks against an fp64 reference within the codec's bound."""
+import pytest
+
+from tests.multirank.harness import run_ranks
+
+
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_quantized_collectives_within_bound(backend, world_size):
+    _, out = run_ranks(world_size, "quant_job", env={"COMMRT_COMM_BACKEND": backend}, timeout_s=180)
+    assert out.count("quant passed") == world_size
+
+
+def test_a_broken_codec_fails_the_bound():
+    """Truncating instead of rounding (errors up to a whole scale) must be caught."""
+    _, out = run_ranks(2, "quant_job", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_QUANT_TEST_BROKEN": "1"},
+                       timeout_s=180, expect_fail=True)
+    assert "exceeds its bound" in out
