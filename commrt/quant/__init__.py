@@ -1,7 +1,7 @@
 """Quantized collectives: int8 / int4 block codecs and the all-gather, reduce-scatter and
 all-reduce built from them, above the public API like ``train/`` (see collectives.py)."""
 from .codecs import Codec, codec_for, dequantize, quantize
-from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from .collectives import all_gather_into_tensor, all_reduce, hierarchical_all_reduce, reduce_scatter_tensor
 from .feedback import ErrorFeedback
 from .stats import STATS
 
@@ -13,4 +13,4 @@ def comm_stats() -> dict:
 
 
 __all__ = ["Codec", "codec_for", "quantize", "dequantize", "all_gather_into_tensor", "all_reduce",
-           "reduce_scatter_tensor", "ErrorFeedback", "comm_stats", "STATS"]
+           "reduce_scatter_tensor", "hierarchical_all_reduce", "ErrorFeedback", "comm_stats", "STATS"]

@@ -9,6 +9,7 @@ from tests.multirank.harness import run_ranks
 def test_quantized_collectives_within_bound(backend, world_size):
     _, out = run_ranks(world_size, "quant_job", env={"COMMRT_COMM_BACKEND": backend}, timeout_s=180)
     assert out.count("quant passed") == world_size
+    assert out.count("two-hop all_reduce within bound") == (4 if world_size == 4 else 0)
 
 
 def test_a_broken_codec_fails_the_bound():

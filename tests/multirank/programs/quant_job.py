@@ -175,6 +175,35 @@ def check_feedback_converges(rank: int, n: int) -> None:
     print(f"mean error after 100 steps: {errors}", flush=True)
 
 
+def check_two_hop(rank: int, n: int) -> None:
+    """hierarchical_all_reduce on 2 "nodes" x 2 ranks (sub-groups on one host: the algorithm,
+    not the link). Bound: each of the four quantizations adds half a scale of its block, the
+    block's absmax taken from the exact value plus the error bound so far."""
+    if n != 4:
+        return
+    intra = [commrt.new_group([0, 1]), commrt.new_group([2, 3])][rank // 2]
+    inter = [commrt.new_group([0, 2]), commrt.new_group([1, 3])][rank % 2]
+    for quant in ("int8", "int4"):
+        for numel, op in ((1, "SUM"), (1003, "SUM"), (70001, "AVG")):
+            parts = [data(numel, r, torch.float32, 7) for r in range(n)]
+            t = parts[rank].clone()
+            cq.hierarchical_all_reduce(t, op=op, intra_group=intra, inter_group=inter, quant=quant)
+            p64 = [p.double().numpy() for p in parts]
+            node_b = shards(numel, 2)
+            sub_b = [(a + c, a + d) for a, b in node_b for c, d in shards(b - a, 2)]
+            nodes = [p64[0] + p64[1], p64[2] + p64[3]]
+            e_a = [half_scales(p64[2 * k], node_b, quant) + half_scales(p64[2 * k + 1], node_b, quant)
+                   for k in range(2)]
+            e_b = sum(half_scales(np.abs(nodes[k]) + e_a[k], sub_b, quant) for k in range(2))
+            e = e_a[0] + e_a[1] + e_b
+            e += half_scales(np.abs(sum(p64)) + e, sub_b, quant)
+            e += half_scales(np.abs(sum(p64)) + e, node_b, quant)
+            div = n if op == "AVG" else 1
+            check(t, sum(p64) / div, e / div + 1e-6 * np.abs(sum(p64)), f"two-hop {op} {quant} n={numel}")
+            same_everywhere(t, n, f"two-hop {op} {quant} n={numel}")
+    print("two-hop all_reduce within bound", flush=True)
+
+
 def main() -> None:
     rank, n = init()
     if os.environ.get("COMMRT_QUANT_TEST_BROKEN") == "1":
@@ -191,6 +220,7 @@ def main() -> None:
     check_bad_input(n)
     check_non_finite_fails_everywhere(rank, n)
     check_feedback_converges(rank, n)
+    check_two_hop(rank, n)
     check_wire_bytes(n)
     commrt.barrier()
     commrt.destroy_process_group()
