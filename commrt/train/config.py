@@ -19,7 +19,9 @@ from ..errors import ConfigError
 from ..optim import OptimSpec
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-              "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter"}
+              "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter",
+              "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param",
+              "zero_hpz_partition_size"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads"}
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "lamb": "lamb", "sgd": "sgd"}
@@ -38,10 +40,37 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     """Stage 3: while a module runs, gather the modules after it (in execution order) up to this
     many elements ahead, at least one (0 disables prefetch)."""
+    zero_quantized_weights: bool = False
+    """Stage 3 (ZeRO++ qwZ): gather parameters in int8 (block-wise scales). The fp32 master
+    weights and the optimizer state stay exact; only the compute copy is quantized. The
+    quantized gather runs synchronously (no prefetch overlap)."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: reduce gradients in int4: an all-to-all of int4 chunks, then an fp32
+    reduction (stages 2-3: reduce-scatter; 0-1: all-reduce), synchronously from the hooks."""
+    zeropp_loco_param: dict | None = None
+    """LoCo error feedback for the quantized gradients: ``{"err_beta": 0.8, "reset_T": 1024}``
+    as in DeepSpeed; None: off."""
+    zero_hpz_partition_size: int = 1
+    """ZeRO++ hpZ (a secondary parameter shard per node) needs the multi-node topology; only 1
+    (off) is accepted until it exists."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage = {self.stage!r} is invalid; valid: [0, 1, 2, 3]")
+        if self.zero_quantized_weights and self.stage != 3:
+            raise ConfigError("zero_optimization.zero_quantized_weights needs stage 3 (qwZ quantizes the "
+                              f"stage-3 parameter gathers); stage is {self.stage}")
+        if self.zero_hpz_partition_size != 1:
+            raise ConfigError(f"zero_optimization.zero_hpz_partition_size = {self.zero_hpz_partition_size} is "
+                              "not supported yet; valid: [1] (hpZ needs the multi-node topology)")
+        if self.zeropp_loco_param is not None:
+            if not self.zero_quantized_gradients:
+                raise ConfigError("zero_optimization.zeropp_loco_param needs zero_quantized_gradients: true")
+            unknown = sorted(set(self.zeropp_loco_param) - {"err_beta", "reset_T"})
+            beta = self.zeropp_loco_param.get("err_beta", 0.8)
+            if unknown or not 0 <= beta < 1 or self.zeropp_loco_param.get("reset_T", 1024) < 0:
+                raise ConfigError(f"zero_optimization.zeropp_loco_param = {self.zeropp_loco_param!r} is invalid; "
+                                  "valid keys: err_beta in [0, 1), reset_T >= 0")
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
 
@@ -78,7 +107,8 @@ class TrainConfig:
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
-        return cls(zero=ZeroConfig(**{k: _int_or_bool(v) for k, v in zero.items()}),
+        return cls(zero=ZeroConfig(**{k: v if k == "zeropp_loco_param" else _int_or_bool(v)
+                                      for k, v in zero.items()}),
                    optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
                    gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
                    gradient_clipping=float(raw.get("gradient_clipping", 0.0)),

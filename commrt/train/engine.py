@@ -48,7 +48,8 @@ class Engine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         z = cfg.zero
         self.zero = Zero(model, self.params, z.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
-                         group, overlap=z.overlap_comm)
+                         group, overlap=z.overlap_comm, qwz=z.zero_quantized_weights,
+                         qgz=z.zero_quantized_gradients, loco=z.zeropp_loco_param)
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0

@@ -10,6 +10,11 @@ Every trainable parameter belongs to a unit (``layout.Unit``): one flat buffer, 
              backward) into the owner's shard; no rank keeps a full gradient after its bucket
     stage 3  + parameters: a module's unit is all-gathered just before its forward and again
              before its backward, freed after each, the next one prefetched
+
+ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+Training", 2023): qwZ gathers stage-3 parameters in int8, qgZ reduces gradients in int4 (an
+all-to-all of quantized chunks, then an fp32 reduction), optionally with LoCo error feedback
+per unit. Master weights and optimizer state stay fp32 and exact.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from torch import nn
 
 from .. import distributed as dist
 from .. import optim
+from .. import quant as cq
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import ConfigError
 from .layout import Unit, buckets, make_unit, pieces
@@ -35,6 +41,7 @@ class UnitState:
         self.state: dict[str, torch.Tensor] = {}
         self.pending = 0
         self.gathering = None  # (work, buffer) of an all-gather in flight
+        self.feedback = None   # quant.ErrorFeedback of the quantized gradient reduction (LoCo)
 
     def views(self, flat: torch.Tensor) -> None:
         for p, shape, off, n in zip(self.params, self.shapes, self.layout.offsets, self.layout.numels):
@@ -63,9 +70,11 @@ class Zero:
     """The per-rank state and communication of one ZeRO-sharded model (used by ``Engine``)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, spec: optim.OptimSpec,
-                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True):
+                 dtype: torch.dtype, cap: int, group=None, overlap: bool = True, qwz: bool = False,
+                 qgz: bool = False, loco: dict | None = None):
         self.stage, self.spec, self.dtype, self.group = stage, spec, dtype, group
         self.overlap = overlap
+        self.qwz, self.qgz, self.loco = qwz, qgz, loco
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.works: list = []
         self.nonfinite = False
@@ -92,6 +101,7 @@ class Zero:
             self.release(u)
         u.grad = torch.zeros(lay.padded if self.stage < 2 else hi - lo)
         u.state = optim.init_state(self.spec, u.master)
+        u.feedback = cq.ErrorFeedback.from_loco(self.loco) if self.loco is not None else None
         return u
 
     # -- gradients --------------------------------------------------------------------------
@@ -104,15 +114,28 @@ class Zero:
                 p.grad = None
         if not bool(torch.isfinite(flat).all()):
             self.nonfinite = True  # noted before the reduction mixes it into every rank
+            if self.qgz:  # the step will be skipped; the codec would refuse the values
+                flat.zero_()
         if self.stage < 2:
-            work = dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+            work = self._all_reduce(flat, u)
             self._track(work, lambda: u.grad.copy_(flat))
         else:
             out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
-            work = dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.group, async_op=True)
+            work = self._reduce_scatter(out, flat, u)
             self._track(work, lambda: u.grad.add_(out))
             if self.stage == 3:
                 self.release(u)
+
+    def _all_reduce(self, flat: torch.Tensor, u: UnitState):
+        if self.qgz:
+            return cq.all_reduce(flat, ReduceOp.AVG, self.group, True, quant="int4", feedback=u.feedback)
+        return dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, u: UnitState):
+        if self.qgz:
+            return cq.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.group, True, quant="int4",
+                                            feedback=u.feedback)
+        return dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.group, async_op=True)
 
     def _track(self, work, then) -> None:
         self.works.append((work, then))
@@ -141,7 +164,9 @@ class Zero:
             return
         buf = torch.empty(u.layout.padded, dtype=self.dtype)
         send = u.master.to(self.dtype, copy=True)
-        u.gathering = (dist.all_gather_into_tensor(buf, send, self.group, async_op=True), buf)
+        gather = cq.all_gather_into_tensor if self.qwz else dist.all_gather_into_tensor
+        kw = {"quant": "int8"} if self.qwz else {}
+        u.gathering = (gather(buf, send, self.group, async_op=True, **kw), buf)
         self._count_live(buf.numel() * buf.element_size())
 
     def gather(self, u: UnitState) -> None:

@@ -17,3 +17,20 @@ def test_a_broken_codec_fails_the_bound():
     _, out = run_ranks(2, "quant_job", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_QUANT_TEST_BROKEN": "1"},
                        timeout_s=180, expect_fail=True)
     assert "exceeds its bound" in out
+
+
+def _train(steps: int) -> str:
+    _, out = run_ranks(2, "quant_train", str(steps), env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=500)
+    assert out.count("quant training passed") == 2
+    return out
+
+
+def test_quantized_training_tracks_fp32():
+    """DataParallel int8 / int4+feedback and ZeRO-3 qwZ+qgZ(+LoCo) train a TinyLM to within a
+    fraction (5% / 10%) of the loss drop of the same training in fp32 (checked by the program)."""
+    _train(40)
+
+
+@pytest.mark.slow
+def test_quantized_training_tracks_fp32_over_120_steps():
+    _train(120)
