@@ -19,3 +19,18 @@ def test_defaults_and_environment(tmp_path):
 def test_invalid_values_are_refused(key, value, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(overrides={"quant": {key: value}}, environ={})
+
+
+def test_zero_plus_plus_keys():
+    from commrt.train.config import TrainConfig
+    z = TrainConfig.from_dict({"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+        "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}, "zero_hpz_partition_size": 1}}).zero
+    assert z.zero_quantized_weights and z.zero_quantized_gradients and z.zeropp_loco_param["reset_T"] == 1024
+    for zero, msg in (({"stage": 2, "zero_quantized_weights": True}, "needs stage 3"),
+                      ({"stage": 3, "zero_hpz_partition_size": 8}, "hpZ needs the multi-node"),
+                      ({"stage": 2, "zeropp_loco_param": {"err_beta": 0.5}}, "needs zero_quantized_gradients"),
+                      ({"stage": 2, "zero_quantized_gradients": True, "zeropp_loco_param": {"beta": 1}},
+                       "valid keys: err_beta")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig.from_dict({"zero_optimization": zero})
