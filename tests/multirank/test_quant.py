@@ -12,6 +12,14 @@ def test_quantized_collectives_within_bound(backend, world_size):
     assert out.count("two-hop all_reduce within bound") == (4 if world_size == 4 else 0)
 
 
+def test_small_blocks_fp16_scales_stochastic_rounding():
+    """[quant] block=64, fp16 scales, stochastic rounding (the bound doubles: a whole scale)."""
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_QUANT_BLOCK": "64", "COMMRT_QUANT_SCALE_DTYPE": "fp16",
+           "COMMRT_QUANT_ROUNDING": "stochastic"}
+    _, out = run_ranks(3, "quant_job", env=env, timeout_s=180)
+    assert out.count("quant passed") == 3
+
+
 def test_a_broken_codec_fails_the_bound():
     """Truncating instead of rounding (errors up to a whole scale) must be caught."""
     _, out = run_ranks(2, "quant_job", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_QUANT_TEST_BROKEN": "1"},
