@@ -12,6 +12,7 @@ from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, Pe
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .pipeline.p2p import P2POp, batch_isend_irecv
 from .work import CommTimeout, Work
+from .quant import comm_stats  # noqa: E402 (after distributed: quant is built on it)
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
-    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
+    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed", "comm_stats",
 ]

@@ -206,18 +206,43 @@ class PsConfig:
                 raise ConfigError(f"[ps] servers entry {addr!r} is invalid; expected 'tcp://host:port'")
 
 
+QUANT_SCALE_DTYPES = ("fp32", "fp16")
+QUANT_ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    block: int = 256
+    """Elements per quantization scale in the int8/int4 collectives (``quant=``); an even
+    number >= 2. Smaller blocks: smaller error, more scale bytes on the wire."""
+    scale_dtype: str = "fp32"
+    """fp32 | fp16: the dtype of the per-block scales (fp16 halves their bytes and refuses
+    blocks whose scale would exceed 65504)."""
+    rounding: str = "nearest"
+    """nearest (error <= scale/2 per element) | stochastic (unbiased, error < scale)."""
+
+    def __post_init__(self) -> None:
+        if self.block < 2 or self.block % 2:
+            raise ConfigError(f"[quant] block = {self.block!r} is invalid; it must be an even integer >= 2")
+        _check_choice("quant", "scale_dtype", self.scale_dtype, QUANT_SCALE_DTYPES)
+        _check_choice("quant", "rounding", self.rounding, QUANT_ROUNDINGS)
+
+
 @dataclass(frozen=True)
 class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     ps: PsConfig = field(default_factory=PsConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def digest(self) -> str:
         """Hash of the settings every rank must agree on: what decides the algorithms and the
         wire, and the security mode. Not per-host ones (paths to the secret or keys, timeouts,
         memory habits): hosts that keep their keys in different places must still meet."""
         shared = {f"{s}.{n}": getattr(getattr(self, s), n) for s, n in DIGESTED}
+        if self.quant != QuantConfig():  # ranks must decode each other's blocks alike
+            shared["quant"] = dataclasses.asdict(self.quant)
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -226,7 +251,7 @@ DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"
 
 
 _SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,
-                  "ps": PsConfig}
+                  "ps": PsConfig, "quant": QuantConfig}
 OTHER_SECTIONS = ("train",)  # read by their own layers (commrt/train/config.py)
 
 

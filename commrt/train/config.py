@@ -20,7 +20,8 @@ from ..optim import OptimSpec
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
               "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter", "sharding_strategy",
-              "zero_hpz_partition_size", "mics_shard_size", "shard_group_size"}
+              "zero_hpz_partition_size", "mics_shard_size", "shard_group_size",
+              "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads"}
 # FSDP's strategies (torch.distributed.fsdp.ShardingStrategy) as (ZeRO stage, hybrid)
@@ -44,6 +45,16 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     """Stage 3: while a module runs, gather the modules after it (in execution order) up to this
     many elements ahead, at least one (0 disables prefetch)."""
+    zero_quantized_weights: bool = False
+    """Stage 3 (ZeRO++ qwZ): gather parameters in int8 (block-wise scales). The fp32 master
+    weights and the optimizer state stay exact; only the compute copy is quantized. The
+    quantized gather runs synchronously (no prefetch overlap)."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: reduce gradients in int4: an all-to-all of int4 chunks, then an fp32
+    reduction (stages 2-3: reduce-scatter; 0-1: all-reduce), synchronously from the hooks."""
+    zeropp_loco_param: dict | None = None
+    """LoCo error feedback for the quantized gradients: ``{"err_beta": 0.8, "reset_T": 1024}``
+    as in DeepSpeed; None: off."""
 
     sharding_strategy: str | None = None
     """FSDP's name for the stage, instead of ``stage``: FULL_SHARD (3), SHARD_GRAD_OP (2),
@@ -64,6 +75,17 @@ class ZeroConfig:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage = {stage!r} is invalid; valid: [0, 1, 2, 3]")
         object.__setattr__(self, "stage", stage)
+        if self.zero_quantized_weights and self.stage != 3:
+            raise ConfigError("zero_optimization.zero_quantized_weights needs stage 3 (qwZ quantizes the "
+                              f"stage-3 parameter gathers); stage is {self.stage}")
+        if self.zeropp_loco_param is not None:
+            if not self.zero_quantized_gradients:
+                raise ConfigError("zero_optimization.zeropp_loco_param needs zero_quantized_gradients: true")
+            unknown = sorted(set(self.zeropp_loco_param) - {"err_beta", "reset_T"})
+            beta = self.zeropp_loco_param.get("err_beta", 0.8)
+            if unknown or not 0 <= beta < 1 or self.zeropp_loco_param.get("reset_T", 1024) < 0:
+                raise ConfigError(f"zero_optimization.zeropp_loco_param = {self.zeropp_loco_param!r} is invalid; "
+                                  "valid keys: err_beta in [0, 1), reset_T >= 0")
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
         _check_groups(self)
@@ -147,7 +169,8 @@ class TrainConfig:
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
-        return cls(zero=ZeroConfig(**{k: v if k in _NAMED or v == "auto" else _int_or_bool(v) for k, v in zero.items()}),
+        return cls(zero=ZeroConfig(**{k: v if k in _NAMED or k == "zeropp_loco_param" or v == "auto"
+                                      else _int_or_bool(v) for k, v in zero.items()}),
                    optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
                    gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
                    gradient_clipping=float(raw.get("gradient_clipping", 0.0)),

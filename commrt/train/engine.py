@@ -49,7 +49,9 @@ class Engine:
         z = cfg.zero
         self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node())
         self.zero = Zero(model, self.params, self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
-                         group, overlap=z.overlap_comm, groups=groups.build(self.plan, group))
+                         group, overlap=z.overlap_comm, groups=groups.build(self.plan, group),
+                         qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients,
+                         loco=z.zeropp_loco_param)
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0

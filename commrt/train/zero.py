@@ -16,6 +16,11 @@ units sharded inside each shard group and averages each shard's gradient over it
 hpZ keeps the stage-3 shards over every rank plus a secondary copy inside each node, which a
 unit's gathers read from as long as it is current (from the first gather after a step, which
 reads the primary shards, until the next step).
+
+ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+Training", 2023): qwZ gathers stage-3 parameters in int8, qgZ reduces gradients in int4 (an
+all-to-all of quantized chunks, then an fp32 reduction), optionally with LoCo error feedback
+per unit. Master weights and optimizer state stay fp32 and exact.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from torch import nn
 
 from .. import distributed as dist
 from .. import optim
+from .. import quant as cq
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import ConfigError
 from .groups import ShardGroups
@@ -44,6 +50,7 @@ class UnitState:
         self.gathering = None  # (work, buffer, from the primary shards) of an all-gather in flight
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
         self.fresh = False  # hpZ: the secondary copy holds the values of the last step
+        self.feedback = None   # quant.ErrorFeedback of the quantized gradient reduction (LoCo)
 
     def views(self, flat: torch.Tensor) -> None:
         for p, shape, off, n in zip(self.params, self.shapes, self.layout.offsets, self.layout.numels):
@@ -73,9 +80,11 @@ class Zero:
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], stage: int, spec: optim.OptimSpec,
                  dtype: torch.dtype, cap: int, group=None, overlap: bool = True,
-                 groups: ShardGroups = ShardGroups()):
+                 groups: ShardGroups = ShardGroups(), qwz: bool = False, qgz: bool = False,
+                 loco: dict | None = None):
         self.stage, self.spec, self.dtype, self.group = stage, spec, dtype, group
         self.overlap = overlap
+        self.qwz, self.qgz, self.loco = qwz, qgz, loco
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.sgroup = groups.shard if groups.shard is not None else group
         self.rgroup, self.hgroup = groups.replica, groups.secondary
@@ -109,6 +118,7 @@ class Zero:
             self.release(u)
         u.grad = torch.zeros(lay.padded if self.stage < 2 else hi - lo)
         u.state = optim.init_state(self.spec, u.master)
+        u.feedback = cq.ErrorFeedback.from_loco(self.loco) if self.loco is not None else None
         return u
 
     # -- gradients --------------------------------------------------------------------------
@@ -121,12 +131,14 @@ class Zero:
                 p.grad = None
         if not bool(torch.isfinite(flat).all()):
             self.nonfinite = True  # noted before the reduction mixes it into every rank
+            if self.qgz:  # the step will be skipped; the codec would refuse the values
+                flat.zero_()
         if self.stage < 2:
-            work = dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+            work = self._all_reduce(flat, u)
             self._track(work, lambda: u.grad.copy_(flat))
         else:
             out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
-            work = dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, async_op=True)
+            work = self._reduce_scatter(out, flat, u)
             if self.rgroup is None:
                 self._track(work, lambda: u.grad.add_(out))
             else:  # hybrid: the group's average of the shard, then the average over the groups
@@ -134,6 +146,17 @@ class Zero:
                                                       lambda: u.grad.add_(out)))
             if self.stage == 3:
                 self.release(u)
+
+    def _all_reduce(self, flat: torch.Tensor, u: UnitState):
+        if self.qgz:
+            return cq.all_reduce(flat, ReduceOp.AVG, self.group, True, quant="int4", feedback=u.feedback)
+        return dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, u: UnitState):
+        if self.qgz:
+            return cq.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, True, quant="int4",
+                                            feedback=u.feedback)
+        return dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, async_op=True)
 
     def _track(self, work, then) -> None:
         self.works.append((work, then))
@@ -165,7 +188,9 @@ class Zero:
             u.gathering = (dist.all_gather_into_tensor(buf, u.secondary, self.hgroup, async_op=True), buf, False)
         else:
             send = u.master.to(self.dtype, copy=True)
-            u.gathering = (dist.all_gather_into_tensor(buf, send, self.sgroup, async_op=True), buf, True)
+            gather = cq.all_gather_into_tensor if self.qwz else dist.all_gather_into_tensor
+            kw = {"quant": "int8"} if self.qwz else {}  # qwZ: the primary (cross-node) gathers in int8
+            u.gathering = (gather(buf, send, self.sgroup, async_op=True, **kw), buf, True)
         self._count_live(buf.numel() * buf.element_size())
 
     def gather(self, u: UnitState) -> None:

@@ -22,8 +22,11 @@ ALLOWED = {
     # the parameter server sits beside the collectives: it never reaches into them (it uses
     # the transport layer's process-level memory setting, not its sockets)
     "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
-    # training layers: over the public API (distributed), the optimizer math, and the PS file format
-    "train": {"errors", "config", "optim", "collectives", "distributed", "ps"},
+    # quantized collectives: compositions of the public API's exact collectives on bytes
+    "quant": {"errors", "config", "dtypes", "collectives", "distributed"},
+    # training layers: over the public API (distributed), the optimizer math, the PS file format
+    # and the quantized collectives
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
 }

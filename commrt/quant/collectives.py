@@ -1,0 +1,178 @@
+"""Quantized all-gather, reduce-scatter and all-reduce, composed from the exact collectives on
+bytes (``all_to_all_single`` / ``all_gather_into_tensor`` of uint8 tensors, see exchange.py),
+so they run on every backend alike. Error bounds per element, s = the scale of the value's
+block (its absmax / qmax) in the encoding rank:
+
+- all_gather: every part, the own one too, through the codec: <= s_r/2; bit-identical results.
+- reduce_scatter (ZeRO++ qgZ): each value quantized once, then summed in fp32 in rank order:
+  <= sum_r s_r/2 (AVG: divided by n), plus the fp32 rounding of the sum.
+- all_reduce = quantized reduce-scatter over ``chunk_bounds`` (any size, uneven shards) +
+  quantized all-gather of the reduced shards: the reduce-scatter's bound + s'/2, s' the scale
+  of the reduced block; bit-identical results on every rank.
+
+Stochastic rounding (``[quant] rounding``) doubles each s/2 term. Each call takes ``quant``
+("int8" / "int4"), optionally ``block`` (default ``[quant] block``) and ``feedback`` (an
+``ErrorFeedback`` kept for this tensor). The codec runs on the CPU; CUDA tensors are staged
+through host memory and their bytes exchanged on the device. A value that cannot be encoded
+makes every rank that depends on it raise ValueError, after the exchange, with nothing written.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import distributed as dist
+from ..collectives.algorithms import chunk_bounds
+from ..collectives.reduce_ops import ReduceOp
+from .codecs import Codec, codec_for, store_float, to_numpy_float
+from .exchange import Hop, gather_hop, reduce_hop
+from .feedback import ErrorFeedback
+from .stats import STATS
+
+_REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
+
+
+def _codec(quant: str, block: int | None) -> Codec:
+    q = dist.get_config().quant
+    return codec_for(quant, block or q.block, q.scale_dtype, q.rounding)
+
+
+def _check_op(op, what: str) -> ReduceOp:
+    op = dist._op(op)
+    if op not in _REDUCING:
+        raise ValueError(f"quantized {what} supports op {[o.name for o in _REDUCING]}; got {op.name}")
+    return op
+
+
+def _values(t, what: str) -> np.ndarray:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    return to_numpy_float(t.detach().reshape(-1).cpu())
+
+
+def _done(async_op: bool, name: str):
+    if not async_op:
+        return None
+    work = dist.Work(name)  # the composition runs synchronously: hand back a finished handle
+    work._finish(None, None)
+    return work
+
+
+def _settle(kind: str, hops: list[Hop]) -> None:
+    """Record the stats; raise (on every rank that saw one) the first problem of any hop."""
+    problems = [p for h in hops for p in h.problems]
+    if problems:
+        raise ValueError(f"quantized {kind}: {problems[0]}; nothing was written")
+    STATS.record(kind, sum(h.wire_bytes for h in hops), sum(h.exact_bytes for h in hops),
+                 max(h.max_abs_error for h in hops), max(h.max_error_bound for h in hops))
+
+
+def _write(dst: torch.Tensor, pieces: list[tuple[int, np.ndarray]]) -> None:
+    """dst.view(-1)[start:start + len(v)] = v for each piece, rounded to dst's dtype."""
+    direct = dst.device.type == "cpu" and dst.is_contiguous()
+    flat = dst.detach().view(-1) if direct else torch.empty(dst.numel(), dtype=dst.dtype)
+    for start, v in pieces:
+        store_float(flat[start:start + v.size], v)
+    if not direct:
+        with torch.no_grad():
+            dst.copy_(flat.view(dst.shape))
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str = "int8",
+                           block: int | None = None, feedback: ErrorFeedback | None = None):
+    """Quantized ``all_gather_into_tensor``: ``output`` (n x input.numel()) gets every rank's
+    ``input`` after one pass through the codec, bit-identical on every rank."""
+    n = dist.get_world_size(group)
+    if n < 0:
+        return None
+    codec, x = _codec(quant, block), _values(input, "input")
+    if output.numel() != n * x.size:
+        raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {x.size}")
+    if feedback is not None:
+        feedback.begin()
+    hop = gather_hop(x, [x.size] * n, codec, group, input.device, input.element_size(), feedback)
+    _settle("all_gather", [hop])
+    _write(output, [(r * x.size, v) for r, v in enumerate(hop.values)])
+    return _done(async_op, "quant all_gather")
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, quant: str = "int8",
+                          block: int | None = None, feedback: ErrorFeedback | None = None):
+    """Quantized ``reduce_scatter_tensor`` (qgZ): rank r's ``output`` gets the SUM/AVG of
+    chunk r of every rank's ``input``, reduced in fp32 from values quantized once."""
+    op, n = _check_op(op, "reduce_scatter"), dist.get_world_size(group)
+    if n < 0:
+        return None
+    codec, x = _codec(quant, block), _values(input, "input")
+    m = output.numel()
+    if x.size != n * m:
+        raise ValueError(f"quantized reduce_scatter: input has {x.size} elements, expected {n} x {m}")
+    if feedback is not None:
+        feedback.begin()
+    hop = reduce_hop(x, [(r * m, (r + 1) * m) for r in range(n)], codec, group, input.device,
+                     input.element_size(), feedback)
+    _settle("reduce_scatter", [hop])
+    acc = hop.values[0]
+    if op == ReduceOp.AVG:
+        acc /= n
+    _write(output, [(0, acc)])
+    return _done(async_op, "quant reduce_scatter")
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str = "int8",
+               block: int | None = None, feedback: ErrorFeedback | None = None):
+    """Quantized ``all_reduce`` (SUM / AVG): quantized reduce-scatter, then quantized
+    all-gather of the reduced shards; every rank ends with bit-identical values."""
+    op, n = _check_op(op, "all_reduce"), dist.get_world_size(group)
+    if n < 0:
+        return None
+    codec, x = _codec(quant, block), _values(tensor, "tensor")
+    if feedback is not None:
+        feedback.begin()
+    bounds = chunk_bounds(x.size, n)
+    hops = _all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)
+    _settle("all_reduce", hops)
+    _write(tensor, [(a, v) for (a, _), v in zip(bounds, hops[-1].values)])
+    return _done(async_op, "quant all_reduce")
+
+
+def _all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") -> list[Hop]:
+    first = reduce_hop(x, bounds, codec, group, like.device, like.element_size(), fb, "send" + tag)
+    acc = first.values[0]
+    if op == ReduceOp.AVG:
+        acc /= n
+    me = dist.get_rank(group)
+    second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
+                        "shard" + tag, offset=bounds[me][0])
+    return [first, second]
+
+
+def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_group=None, quant: str = "int8",
+                            block: int | None = None, feedback: ErrorFeedback | None = None) -> None:
+    """Two-hop quantized all_reduce for a multi-node job: a quantized reduce-scatter inside
+    the node (``intra_group``: this node's ranks), a quantized all_reduce of the node's shard
+    across nodes (``inter_group``: the ranks with this local index on every node), and a
+    quantized all-gather inside the node. The slow inter-node link carries each value encoded
+    once per direction, 1/L of the data (L ranks per node). Every rank gets bit-identical values.
+    Error: the intra hop's sum_r s_r/2, plus the inter all_reduce's bound, plus s''/2 of the
+    final intra gather."""
+    op = _check_op(op, "all_reduce")
+    codec, x = _codec(quant, block), _values(tensor, "tensor")
+    L, N = dist.get_world_size(intra_group), dist.get_world_size(inter_group)
+    if feedback is not None:
+        feedback.begin()
+    bounds = chunk_bounds(x.size, L)
+    me = dist.get_rank(intra_group)
+    intra = reduce_hop(x, bounds, codec, intra_group, tensor.device, tensor.element_size(), feedback, "send")
+    shard = intra.values[0]
+    if op == ReduceOp.AVG:
+        shard /= L * N
+    sub = chunk_bounds(shard.size, N)
+    inter = _all_reduce_hops(shard, sub, ReduceOp.SUM, N, codec, inter_group, tensor, feedback, ".inter")
+    node_shard = np.empty(shard.size, dtype=np.float32)
+    for (a, b), v in zip(sub, inter[-1].values):
+        node_shard[a:b] = v
+    last = gather_hop(node_shard, [b - a for a, b in bounds], codec, intra_group, tensor.device,
+                      tensor.element_size(), feedback, "shard", offset=bounds[me][0])
+    _settle("hierarchical_all_reduce", [intra, *inter, last])
+    _write(tensor, [(a, v) for (a, _), v in zip(bounds, last.values)])
