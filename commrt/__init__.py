@@ -10,6 +10,10 @@ from .distributed import (all_gather_into_tensor, all_reduce, all_to_all_single,
 from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost, ProtocolError,
                      RendezvousError, RequestRejected)
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .mesh import (DeviceMesh, get_local_rank, get_local_world_size, get_node_rank, get_num_nodes,
+                   get_process_group_ranks, init_device_mesh)
+from .stats import comm_stats
+from .stats import register as register_comm_stats
 from .work import CommTimeout, Work
 
 __version__ = "0.1.0"
@@ -21,4 +25,6 @@ __all__ = [
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
     "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
+    "get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes", "init_device_mesh",
+    "DeviceMesh", "get_process_group_ranks", "comm_stats", "register_comm_stats",
 ]

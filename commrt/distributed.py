@@ -108,18 +108,33 @@ def _op(op) -> ReduceOp:
     return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
 
 
+def _two_level(g, kind: str, *tensors) -> bool:
+    """The world group spanning nodes runs the hierarchical collectives (commrt/mesh.py)."""
+    from . import mesh  # mesh builds on this module
+    return g is not None and mesh.route(g, kind, *tensors)
+
+
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
     g = _group(group)
+    if _two_level(g, "all_reduce", tensor):
+        from .mesh import all_reduce as two_level
+        return two_level(tensor, _op(op), async_op)
     return None if g is None else g.backend.all_reduce(tensor, _op(op), async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
     g = _group(group)
+    if _two_level(g, "reduce_scatter", output, input):
+        from .mesh import reduce_scatter_tensor as two_level
+        return two_level(output, input, _op(op), async_op)
     return None if g is None else g.backend.reduce_scatter_tensor(output, input, _op(op), async_op)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False) -> Work | None:
     g = _group(group)
+    if _two_level(g, "all_gather", output, input):
+        from .mesh import all_gather_into_tensor as two_level
+        return two_level(output, input, async_op)
     return None if g is None else g.backend.all_gather_into_tensor(output, input, async_op)
 
 
