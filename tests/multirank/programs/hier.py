@@ -82,7 +82,7 @@ def _delta(before: dict, after: dict) -> tuple[int, int]:
 def check_bytes(flat_world, k: int, m: int) -> None:
     """Each rank's intra/inter bytes for one op equal the algorithms' formulas."""
     rank, world = commrt.get_rank(), commrt.get_world_size()
-    n = 4 << 20  # bytes: divisible by every count involved, each level on its ring path
+    n = 3 << 20  # bytes (and n // 4 elements) divisible by 2, 3, 4, 6 and 12; each level on its ring path
     t = torch.ones(n // 4)
     commrt.all_reduce(t)  # makes the node groups first, outside the measurement
     s0 = commrt.comm_stats()
