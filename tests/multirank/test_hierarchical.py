@@ -51,3 +51,29 @@ def test_a_non_contiguous_layout_is_a_rendezvous_error():
     """Rank 1 claims to be on node 1 while ranks 0 and 2 are on node 0."""
     out = run_layout(1, 3, "mesh", env={"COMMRT_TEST_SWAP_GROUP_RANK": "1"}, expect_fail=True)
     assert "RendezvousError" in out and "contiguous" in out, out[-3000:]
+
+
+def test_cli_launches_one_node_per_invocation_like_torchrun():
+    """Two `commrt launch --nnodes 2 --node-rank R` (one per "host"), meeting at --master-addr."""
+    import subprocess
+
+    from commrt.launch import free_port
+    from commrt.security import new_secret
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", "COMMRT_JOB_SECRET": new_secret()}
+    procs = [subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--timeout", "200", "--", sys.executable, "-m", "tests.multirank.programs.hier",
+                               "2", "2", "mesh"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "[rank 2] rank 2: hier mesh passed" in outs[0] and "[rank 0] rank 0: hier mesh passed" in outs[1], outs
+
+
+def test_cli_refuses_a_multi_node_launch_without_its_rendezvous():
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1", "--", "true"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--node-rank, --master-addr and --master-port" in proc.stderr, proc.stderr
