@@ -94,9 +94,13 @@ def _bench_rank(spec, args) -> int:
     from .bench import report, runner
     rank, nproc = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     progress = (lambda msg: print(PROGRESS + msg, flush=True)) if rank == 0 else None
-    rows = runner.run(spec, progress)
+    traffic: dict = {}
+    rows = runner.run(spec, progress, traffic=traffic)
     if rank == 0:
         print(report.table(spec, nproc, rows), flush=True)
+        for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
+            print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
+                  f"{t['inter_node_bytes']} B", flush=True)
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
@@ -172,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp = sub.add_parser("bench", help="nccl-tests-style bandwidth benchmark")
     bp.add_argument("collective", choices=["all_reduce", "reduce_scatter", "all_gather", "broadcast",
                                            "reduce", "all_to_all", "sendrecv", "ps"])
-    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved)")
+    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved); "
+                    "NAME+hier: NAME with the hierarchical collectives (needs a multi-node launch)")
     bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
     bp.add_argument("-b", "--minbytes", default="4K")
     bp.add_argument("-e", "--maxbytes", default="64M")

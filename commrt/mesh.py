@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from . import distributed
+from . import bootstrap, distributed
 from .collectives import hierarchical
 from .errors import ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
@@ -100,12 +100,16 @@ def init_device_mesh(shape: Sequence[int], names: Sequence[str] | None = None) -
             or len(set(names)) != len(names):
         raise ConfigError(f"init_device_mesh: shape {shape} with names {names} must multiply to the world "
                           f"size {world}, with one distinct name per dimension")
-    me = distributed.get_rank()
+    return _mesh(distributed._rt(), shape, names)
+
+
+def _mesh(rt, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    me = rt.world.rank
     groups = []
     for rows in mesh_rows(shape):
         mine = NON_GROUP_MEMBER
         for ranks in rows:  # every rank creates every group, in the same order
-            g = distributed.new_group(ranks)
+            g = bootstrap.new_group(rt, ranks)
             mine = g if me in ranks else mine
         groups.append(mine)
     coordinate = tuple((me // math.prod(shape[d + 1:])) % shape[d] for d in range(len(shape)))
@@ -129,7 +133,7 @@ def _levels(rt) -> _Levels:
     levels = rt.extras.get("hierarchical")
     if levels is None:
         topo = rt.topology
-        mesh = init_device_mesh((topo.num_nodes, topo.per_node()), ("inter", "intra"))
+        mesh = _mesh(rt, (topo.num_nodes, topo.per_node()), ("inter", "intra"))
         levels = _Levels(mesh.get_group("intra"), mesh.get_group("inter"), Executor("hierarchical"))
         rt.extras["hierarchical"] = levels
     return levels
@@ -189,3 +193,28 @@ def route(group, kind: str, *tensors) -> bool:
     if kind == "all_gather" and tensors[0].numel() != tensors[1].numel() * world:
         return False
     return wants_hierarchical(group, max(t.numel() for t in tensors) * tensors[0].element_size())
+
+
+class TwoLevelBackend:
+    """``rt``'s world backend with all_reduce, reduce_scatter_tensor and all_gather_into_tensor
+    always hierarchical (for ``commrt bench --backend zmq,zmq+hier``: both side by side)."""
+
+    def __init__(self, rt):
+        topo = rt.topology
+        if topo is None or topo.num_nodes < 2 or topo.per_node() < 2:
+            raise ConfigError("a hierarchical backend needs several nodes with the same number (>= 2) of "
+                              f"ranks each; this job has node sizes {[len(topo.ranks_on(n)) for n in range(topo.num_nodes)]}")
+        self._world, self._levels = rt.world.backend, _levels(rt)
+        self.name, self.size, self.rank = f"{self._world.name}+hier", self._world.size, self._world.rank
+
+    def __getattr__(self, name):  # everything else as the flat world backend
+        return getattr(self._world, name)
+
+    def all_reduce(self, tensor, op, async_op=False):
+        hierarchical.all_reduce(self._levels.intra, self._levels.inter, tensor.view(-1), op)
+
+    def reduce_scatter_tensor(self, output, input, op, async_op=False):
+        hierarchical.reduce_scatter(self._levels.intra, self._levels.inter, output.view(-1), input.view(-1), op)
+
+    def all_gather_into_tensor(self, output, input, async_op=False):
+        hierarchical.all_gather(self._levels.intra, self._levels.inter, output.view(-1), input.view(-1))

@@ -129,3 +129,16 @@ def test_not_root_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match="needs root"):
         emulate.check_usable(emulate.parse_shape("1gbit"))
+
+
+@pytest.mark.timeout(300)
+def test_bench_prints_intra_and_inter_node_bytes_flat_and_hierarchical(emulated_cluster):
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "2",
+                           "--emulate-network", "1gbit", "--", sys.executable, "-m", "commrt.cli", "bench",
+                           "all_reduce", "--backend", "zmq,zmq+hier", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1"],
+                          env={**os.environ, **ENV}, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    sent = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"# (zmq\+?h?i?e?r?): sent inside nodes (\d+) B, across nodes (\d+) B", proc.stdout)}
+    assert set(sent) == {"zmq", "zmq+hier"}, proc.stdout[-3000:]
+    assert sent["zmq+hier"][1] < sent["zmq"][1]  # the point of it: fewer bytes across nodes
