@@ -20,6 +20,8 @@ from .errors import ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import Executor, Work
 
+PIPELINE_SEGMENTS = 4
+
 
 def _topology():
     return distributed._rt().topology
@@ -161,10 +163,17 @@ def _submit(name: str, fn, async_op: bool) -> Work | None:
     return None
 
 
+def segments_for(nbytes: int, chunk_bytes: int) -> int:
+    """Pipelined pieces of a hierarchical all_reduce: one per two pipelining chunks, at most
+    PIPELINE_SEGMENTS (each piece adds a round of small-message latency to every level)."""
+    return max(1, min(PIPELINE_SEGMENTS, nbytes // (2 * chunk_bytes)))
+
+
 def all_reduce(tensor, op, async_op: bool = False) -> Work | None:
     flat = tensor.view(-1)  # callers pass contiguous tensors (see distributed)
-    return _submit("all_reduce", lambda lv: flat.numel() and hierarchical.all_reduce(
-        lv.intra, lv.inter, flat, op), async_op)
+    segments = segments_for(flat.numel() * flat.element_size(), distributed._rt().config.comm.chunk_bytes)
+    return _submit("all_reduce", lambda lv: hierarchical.all_reduce(lv.intra, lv.inter, flat, op, segments),
+                   async_op)
 
 
 def reduce_scatter_tensor(output, input, op, async_op: bool = False) -> Work | None:
@@ -204,14 +213,16 @@ class TwoLevelBackend:
         if topo is None or topo.num_nodes < 2 or topo.per_node() < 2:
             raise ConfigError("a hierarchical backend needs several nodes with the same number (>= 2) of "
                               f"ranks each; this job has node sizes {[len(topo.ranks_on(n)) for n in range(topo.num_nodes)]}")
-        self._world, self._levels = rt.world.backend, _levels(rt)
+        self._world, self._levels, self._chunk = rt.world.backend, _levels(rt), rt.config.comm.chunk_bytes
         self.name, self.size, self.rank = f"{self._world.name}+hier", self._world.size, self._world.rank
 
     def __getattr__(self, name):  # everything else as the flat world backend
         return getattr(self._world, name)
 
     def all_reduce(self, tensor, op, async_op=False):
-        hierarchical.all_reduce(self._levels.intra, self._levels.inter, tensor.view(-1), op)
+        flat = tensor.view(-1)
+        hierarchical.all_reduce(self._levels.intra, self._levels.inter, flat, op,
+                                segments_for(flat.numel() * flat.element_size(), self._chunk))
 
     def reduce_scatter_tensor(self, output, input, op, async_op=False):
         hierarchical.reduce_scatter(self._levels.intra, self._levels.inter, output.view(-1), input.view(-1), op)

@@ -29,21 +29,57 @@ def _sum_op(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
-def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp) -> None:
-    """In place on a contiguous 1-D ``flat``."""
+def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp, segments: int = 1) -> None:
+    """In place on a contiguous 1-D ``flat``, cut into ``segments`` pipelined pieces: the node's
+    reduce-scatter of piece i+1 runs while piece i crosses the nodes (the groups have their own
+    executors), so the slow link is not left idle during the node-local steps."""
     m, n = intra.size(), flat.numel()
-    part = -(-n // m)
-    padded = flat if part * m == n else torch.zeros(part * m, dtype=flat.dtype, device=flat.device)
-    if padded is not flat:  # the tail pads the last local rank's part; its values are dropped
-        padded[:n].copy_(flat)
-    shard = torch.empty(part, dtype=flat.dtype, device=flat.device)
-    intra.backend.reduce_scatter_tensor(shard, padded, _sum_op(op), False)
-    inter.backend.all_reduce(shard, _sum_op(op), False)
-    intra.backend.all_gather_into_tensor(padded, shard, False)
-    if padded is not flat:
-        flat.copy_(padded[:n])
+    if n == 0:
+        return
+    per = -(-n // max(1, segments) // m) * m  # a multiple of M: no padding but in the last piece
+    pieces = [_Piece(flat[a:min(a + per, n)], m) for a in range(0, n, per)]
+    works: list = []
+    try:
+        for p in pieces:  # issue order is the same on every rank: all RS, then AR and AG in turn
+            p.rs = intra.backend.reduce_scatter_tensor(p.shard, p.padded, _sum_op(op), True)
+            works.append(p.rs)
+        for p in pieces:
+            p.rs.wait()
+            p.ar = inter.backend.all_reduce(p.shard, _sum_op(op), True)
+            works.append(p.ar)
+        for p in pieces:
+            p.ar.wait()
+            p.ag = intra.backend.all_gather_into_tensor(p.padded, p.shard, True)
+            works.append(p.ag)
+        for p in pieces:
+            p.ag.wait()
+            p.finish()
+    finally:  # never return while a queued op may still read or write our buffers
+        for w in works:
+            if w is not None and not w.is_completed():
+                try:
+                    w.wait()
+                except BaseException:  # the first error is already on its way up
+                    pass
     if op == ReduceOp.AVG:
         finish_avg_(flat, m * inter.size())
+
+
+class _Piece:
+    """One pipelined piece of an all_reduce: its (padded) data and this rank's 1/M shard."""
+
+    def __init__(self, data: torch.Tensor, m: int):
+        self.data, part = data, -(-data.numel() // m)
+        self.padded = data if part * m == data.numel() else torch.zeros(part * m, dtype=data.dtype,
+                                                                         device=data.device)
+        if self.padded is not data:  # the tail pads the last local rank's part; its values are dropped
+            self.padded[:data.numel()].copy_(data)
+        self.shard = torch.empty(part, dtype=data.dtype, device=data.device)
+        self.rs = self.ar = self.ag = None
+
+    def finish(self) -> None:
+        if self.padded is not self.data:
+            self.data.copy_(self.padded[:self.data.numel()])
 
 
 def reduce_scatter(intra, inter, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:

@@ -35,9 +35,11 @@ def test_topology_getters_and_mesh(k, m):
     assert out.count("hier mesh passed") == k * m
 
 
-@pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
-def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m):
-    out = run_layout(k, m, "matrix", env={"COMMRT_COMM_HIERARCHICAL": "always"})
+@pytest.mark.parametrize("k,m,chunk", [(2, 2, 4 << 20), (3, 2, 16 << 10)])
+def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m, chunk):
+    """16 KiB chunks: the larger all_reduces run as 2-4 pipelined pieces (one padded)."""
+    out = run_layout(k, m, "matrix", env={"COMMRT_COMM_HIERARCHICAL": "always",
+                                          "COMMRT_COMM_CHUNK_BYTES": str(chunk)})
     assert out.count("hier matrix passed") == k * m
 
 
