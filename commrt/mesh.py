@@ -147,7 +147,7 @@ def wants_hierarchical(group, nbytes: int) -> bool:
     world's collectives in the same order."""
     rt = distributed._rt()
     mode, topo = rt.config.comm.hierarchical, rt.topology
-    if mode == "never" or group not in (None, rt.world) or topo is None:
+    if mode == "never" or (group is not None and group is not rt.world) or topo is None:
         return False
     if topo.num_nodes < 2 or topo.per_node() < 2:
         return False

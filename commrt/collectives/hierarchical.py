@@ -102,14 +102,3 @@ def all_gather(intra, inter, out: torch.Tensor, inp: torch.Tensor) -> None:
     intra.backend.all_gather_into_tensor(by_local, same_local, False)  # [M, K, s]
     out.view(k, m, s).copy_(by_local.view(m, k, s).transpose(0, 1))
 
-
-def link_bytes(kind: str, nbytes: int, nodes: int, per_node: int) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes one rank sends for the hierarchical ``kind`` on a payload of
-    ``nbytes`` (all_reduce: the tensor; reduce_scatter: the input; all_gather: the output), on
-    the bandwidth paths (ring) of each level."""
-    k, m = nodes, per_node
-    if kind == "all_reduce":
-        return 2 * (m - 1) / m * nbytes, 2 * (k - 1) / k * nbytes / m
-    if kind in ("reduce_scatter", "all_gather"):
-        return (m - 1) / m * nbytes, (k - 1) / k * nbytes / m
-    raise ValueError(f"link_bytes: unknown kind {kind!r}; valid: all_reduce, reduce_scatter, all_gather")

@@ -3,7 +3,6 @@ the emulated cluster's plan and argument parsing (no processes, no namespaces)."
 import pytest
 
 from commrt import emulate, topology
-from commrt.collectives.hierarchical import link_bytes
 from commrt.errors import ConfigError, RendezvousError
 from commrt.mesh import mesh_rows
 from commrt.stats import split_by_node
@@ -61,16 +60,6 @@ def test_node_hint_reads_all_three_or_none():
 def test_mesh_rows_are_row_major():
     assert mesh_rows((2, 3)) == [[[0, 3], [1, 4], [2, 5]], [[0, 1, 2], [3, 4, 5]]]
     assert mesh_rows((4,)) == [[[0, 1, 2, 3]]]
-
-
-def test_link_bytes_of_the_hierarchical_all_reduce_save_the_ratio_the_issue_names():
-    n, k, m = 64 << 20, 2, 2
-    intra, inter = link_bytes("all_reduce", n, k, m)
-    assert intra == n and inter == n / 2
-    flat_per_node_link = 2 * (k * m - 1) / (k * m) * n  # the ring crosses each node boundary whole
-    assert flat_per_node_link / (m * inter) == 1.5
-    with pytest.raises(ValueError):
-        link_bytes("broadcast", n, k, m)
 
 
 def test_split_by_node_classifies_peers_and_ops():
