@@ -110,8 +110,11 @@ def _op(op) -> ReduceOp:
 
 def _two_level(g, kind: str, *tensors) -> bool:
     """The world group spanning nodes runs the hierarchical collectives (commrt/mesh.py)."""
+    rt = _runtime
+    if g is None or rt is None or g is not rt.world or rt.topology is None or rt.topology.num_nodes < 2:
+        return False  # one node: the fast path pays only these checks
     from . import mesh  # mesh builds on this module
-    return g is not None and mesh.route(g, kind, *tensors)
+    return mesh.route(g, kind, *tensors)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
