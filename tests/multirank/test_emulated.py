@@ -70,6 +70,14 @@ def test_two_by_two_cluster_counts_and_shapes_inter_node_traffic(emulated_cluste
 
 
 @pytest.mark.timeout(600)
+def test_without_torchrun_variables_the_nodes_come_from_the_hosts(emulated_cluster):
+    """No GROUP_RANK/LOCAL_*: each namespace's address tells the nodes apart (same host name)."""
+    with emulated_cluster(2) as net:
+        out = run_emulated(net, 2, 2, "mesh", env={"COMMRT_TEST_DROP_NODE_VARS": "1"})
+        assert out.count("hier mesh passed") == 4, out[-3000:]
+
+
+@pytest.mark.timeout(600)
 def test_cli_emulated_cluster_runs_and_leaves_nothing(emulated_cluster):
     proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "3", "--nproc-per-node", "2",
                            "--emulate-network", "1gbit", "--timeout", "300", "--", sys.executable, "-m",

@@ -109,6 +109,9 @@ def main() -> None:
     k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
         os.environ["GROUP_RANK"] = "1"  # this rank claims another node: not contiguous
+    if os.environ.get("COMMRT_TEST_DROP_NODE_VARS"):  # the layout must come from the hosts alone
+        for name in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(name)
     commrt.init_process_group()
     try:
         check_layout(k, m)
