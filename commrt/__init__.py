@@ -11,8 +11,12 @@ from .errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, Pe
                      RendezvousError, RequestRejected)
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .pipeline.p2p import P2POp, batch_isend_irecv
+from .mesh import (DeviceMesh, get_local_rank, get_local_world_size, get_node_rank, get_num_nodes,
+                   get_process_group_ranks, init_device_mesh)
+from .stats import comm_stats
+from .stats import register as register_comm_stats
 from .work import CommTimeout, Work
-from .quant import comm_stats  # noqa: E402 (after distributed: quant is built on it)
+from . import quant  # noqa: E402,F401 (registers comm_stats()["quant"]; built on distributed)
 
 __version__ = "0.1.0"
 
@@ -22,5 +26,7 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
     "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "Work", "ProcessGroup",
     "NON_GROUP_MEMBER", "CommError", "ConfigError", "PeerLost", "CollectiveMismatch",
-    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed", "comm_stats",
+    "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
+    "get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes", "init_device_mesh",
+    "DeviceMesh", "get_process_group_ranks", "comm_stats", "register_comm_stats",
 ]

@@ -21,7 +21,7 @@ import struct
 import msgpack
 import torch
 
-from . import rendezvous, security
+from . import rendezvous, security, topology
 from .backends.torch_backend import TorchBackend
 from .backends.zmq_backend import ZmqBackend
 from .config import Config
@@ -48,6 +48,10 @@ class Runtime:
     owns_store: bool = True
     groups: list = dataclasses.field(default_factory=list)
     next_group_id: int = 1
+    topology: topology.Topology | None = None
+    """Which rank is on which node (from the hellos)."""
+    extras: dict = dataclasses.field(default_factory=dict)
+    """State of upper layers tied to this runtime (e.g. the hierarchical collectives' groups)."""
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -105,18 +109,22 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         transport.close()
         raise
     try:
-        hello = {"config": cfg.digest(), "backend": name}
+        hello = {"config": cfg.digest(), "backend": name, "node": topology.node_hint(environ),
+                 "where": cfg.cluster.advertise_host}
         if name == "zmq":
             backend = ZmqBackend(transport, cfg, spec.rank, spec.world_size, 0)
             table = rendezvous.exchange(store, spec.rank, spec.world_size,
                                         {**hello, "addr": backend.addresses}, timeout, namespace)
+            layout = topology.from_hellos(table)  # before connecting: a bad layout fails alike everywhere
             backend.connect([peer["addr"] for peer in table])
             backend.barrier()
         elif name == "nccl":
-            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
+            layout = topology.from_hellos(rendezvous.exchange(store, spec.rank, spec.world_size, hello,
+                                                              timeout, namespace))
             backend = _init_nccl(cfg, store, spec, timeout, namespace, transport)
         elif name == "gloo":
-            rendezvous.exchange(store, spec.rank, spec.world_size, hello, timeout, namespace)
+            layout = topology.from_hellos(rendezvous.exchange(store, spec.rank, spec.world_size, hello,
+                                                              timeout, namespace))
             backend = _init_torch(name, store, spec, timeout, namespace, cfg)
         else:
             raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
@@ -128,7 +136,8 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
-    return Runtime(cfg, world, transport, store, server, owns_store)
+    transport.counters.same_node = [layout.same_node(spec.rank, r) for r in range(spec.world_size)]
+    return Runtime(cfg, world, transport, store, server, owns_store, topology=layout)
 
 
 def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
@@ -285,6 +294,8 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
 
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:
     stopped = [g.backend.close() is not False for g in rt.groups + [rt.world]]
+    for extra in rt.extras.values():  # after the groups: their close cancels what runs on them
+        extra.close()
     if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         _leave_together(rt)

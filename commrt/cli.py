@@ -18,11 +18,36 @@ def _launch(args) -> int:
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
-    result = launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
-                             servers=args.servers, env=env, max_restarts=args.max_restarts)
+    run = lambda nodes, port: launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
+                                              servers=args.servers, env=env, max_restarts=args.max_restarts,
+                                              nodes=nodes, port=port)
+    if args.emulate_network:
+        from . import emulate
+        if args.servers:
+            raise SystemExit("commrt launch: --servers with --emulate-network is not supported "
+                             "(the servers would sit outside the emulated nodes)")
+        with emulate.cluster(args.nnodes, emulate.parse_shape(args.emulate_network)) as net:
+            result = run(launcher.Nodes(args.nnodes, None, emulate.node_address(0), net.wrap),
+                         args.master_port or 29500)
+    else:
+        result = run(_nodes(args), args.master_port)
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+def _nodes(args) -> "launcher.Nodes":
+    """This host's part of a multi-node job, as torchrun's --nnodes/--node-rank/--master-*."""
+    if args.nnodes < 1:
+        raise SystemExit(f"commrt launch: --nnodes {args.nnodes} must be >= 1")
+    if args.nnodes == 1:
+        return launcher.Nodes(1, 0, args.master_addr or "127.0.0.1")
+    if args.node_rank is None or not args.master_addr or not args.master_port:
+        raise SystemExit("commrt launch: --nnodes > 1 needs --node-rank, --master-addr and --master-port on every "
+                         "host (or --emulate-network RATE to run every node on this one)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"commrt launch: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1}")
+    return launcher.Nodes(args.nnodes, args.node_rank, args.master_addr)
 
 
 class _ProgressOut:
@@ -69,9 +94,13 @@ def _bench_rank(spec, args) -> int:
     from .bench import report, runner
     rank, nproc = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     progress = (lambda msg: print(PROGRESS + msg, flush=True)) if rank == 0 else None
-    rows = runner.run(spec, progress)
+    traffic: dict = {}
+    rows = runner.run(spec, progress, traffic=traffic)
     if rank == 0:
         print(report.table(spec, nproc, rows), flush=True)
+        for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
+            print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
+                  f"{t['inter_node_bytes']} B", flush=True)
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
@@ -126,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     lp = sub.add_parser("launch", help="start N local ranks (torchrun-style environment)")
     lp.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True)
+    lp.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun's --nnodes)")
+    lp.add_argument("--node-rank", type=int, help="this host's node, 0..nnodes-1 (GROUP_RANK)")
+    lp.add_argument("--master-addr", help="address of node 0, where the job meets (MASTER_ADDR)")
+    lp.add_argument("--master-port", type=int, help="port on node 0 (MASTER_PORT)")
+    lp.add_argument("--emulate-network", metavar="RATE[,DELAY]",
+                    help="run all --nnodes nodes here, each in a network namespace whose link is shaped "
+                         "to RATE (e.g. 1gbit) and DELAY (e.g. 0.2ms, needs netem); needs root")
     lp.add_argument("--config", help="TOML config handed to every rank (COMMRT_CONFIG)")
     lp.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     lp.add_argument("--servers", type=int, default=0,
@@ -140,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp = sub.add_parser("bench", help="nccl-tests-style bandwidth benchmark")
     bp.add_argument("collective", choices=["all_reduce", "reduce_scatter", "all_gather", "broadcast",
                                            "reduce", "all_to_all", "sendrecv", "ps"])
-    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved)")
+    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved); "
+                    "NAME+hier: NAME with the hierarchical collectives (needs a multi-node launch)")
     bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
     bp.add_argument("-b", "--minbytes", default="4K")
     bp.add_argument("-e", "--maxbytes", default="64M")

@@ -22,6 +22,7 @@ except ImportError:  # Python 3.10
 from .errors import ConfigError
 
 BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
+HIERARCHICAL_MODES = ("auto", "always", "never")
 
 
 def _check_choice(section: str, name: str, value: Any, valid: tuple) -> None:
@@ -73,9 +74,16 @@ class CommConfig:
     the source line that called it, so a rank that skipped a collective is caught even when the
     next one looks the same. Off by default: correct programs may call one collective from
     different lines on different ranks."""
+    hierarchical: str = "auto"
+    """Collectives over the world group when it spans several nodes with several ranks on each:
+    ``always`` runs all_reduce, reduce_scatter_tensor and all_gather_into_tensor in two levels
+    (inside each node, then across nodes on 1/M of the data), ``never`` flat, ``auto``
+    hierarchically when each rank's part across nodes is above small_bytes (below that the
+    extra latency of three steps outweighs the link bytes saved). All ranks must agree."""
 
     def __post_init__(self) -> None:
         _check_choice("comm", "backend", self.backend, BACKEND_NAMES)
+        _check_choice("comm", "hierarchical", self.hierarchical, HIERARCHICAL_MODES)
         for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
             _check_positive("comm", name, getattr(self, name))
         _check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
@@ -247,7 +255,8 @@ class Config:
 
 
 DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"),
-            ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("security", "mode"))
+            ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("comm", "hierarchical"),
+            ("security", "mode"))
 
 
 _SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,

@@ -121,18 +121,52 @@ def _op(op) -> ReduceOp:
     return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
+def _two_level(g, kind: str, *tensors) -> bool:
+    """The world group spanning nodes runs the hierarchical collectives (commrt/mesh.py)."""
+    rt = _runtime
+    if g is None or rt is None or g is not rt.world or rt.topology is None or rt.topology.num_nodes < 2:
+        return False  # one node: the fast path pays only these checks
+    from . import mesh  # mesh builds on this module
+    return mesh.route(g, kind, *tensors)
+
+
+def _quantized(quant: str | None):
+    """``quant="int8" | "int4"``: the block-quantized collectives (commrt/quant, SUM/AVG);
+    imported only when asked for, since that layer is built on this one."""
+    if quant is None:
+        return None
+    from . import quant as q
+    return q
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str | None = None) -> Work | None:
+    if (q := _quantized(quant)) is not None:
+        return q.all_reduce(tensor, op, group, async_op, quant=quant)
     g = _group(group)
+    if _two_level(g, "all_reduce", tensor):
+        from .mesh import all_reduce as two_level
+        return two_level(tensor, _op(op), async_op)
     return None if g is None else g.backend.all_reduce(tensor, _op(op), async_op)
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
+                          quant: str | None = None) -> Work | None:
+    if (q := _quantized(quant)) is not None:
+        return q.reduce_scatter_tensor(output, input, op, group, async_op, quant=quant)
     g = _group(group)
+    if _two_level(g, "reduce_scatter", output, input):
+        from .mesh import reduce_scatter_tensor as two_level
+        return two_level(output, input, _op(op), async_op)
     return None if g is None else g.backend.reduce_scatter_tensor(output, input, _op(op), async_op)
 
 
-def all_gather_into_tensor(output, input, group=None, async_op=False) -> Work | None:
+def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str | None = None) -> Work | None:
+    if (q := _quantized(quant)) is not None:
+        return q.all_gather_into_tensor(output, input, group, async_op, quant=quant)
     g = _group(group)
+    if _two_level(g, "all_gather", output, input):
+        from .mesh import all_gather_into_tensor as two_level
+        return two_level(output, input, async_op)
     return None if g is None else g.backend.all_gather_into_tensor(output, input, async_op)
 
 

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 GRACE_S = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -83,15 +83,35 @@ class LaunchResult:
         return f"{who} failed with exit code {self.returncode}; its last lines:\n{tail}"
 
 
-def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, config: str | None = None) -> dict:
+def rank_env(rank: int, nproc: int, port: int, base: dict | None = None, config: str | None = None,
+             nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1") -> dict:
+    """torchrun's variables for local rank ``rank`` of ``nproc`` on node ``node_rank`` of ``nnodes``
+    (ranks of one node are contiguous: RANK = node_rank * nproc + rank)."""
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    env.update(RANK=str(node_rank * nproc + rank), WORLD_SIZE=str(nnodes * nproc), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank),
+               MASTER_ADDR=master_addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if config:
         env["COMMRT_CONFIG"] = os.path.abspath(config)
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Which nodes of a ``nnodes``-node job this launch starts, and how. ``node_rank`` None: all
+    of them, here (a layout forced on one host, or an emulated cluster); ``wrap(node)`` gives
+    the argv prefix and extra environment of a node's ranks (e.g. ``ip netns exec``)."""
+    nnodes: int = 1
+    node_rank: int | None = 0
+    master_addr: str = "127.0.0.1"
+    wrap: Callable[[int], tuple[list[str], dict]] | None = None
+
+    def here(self) -> list[int]:
+        return list(range(self.nnodes)) if self.node_rank is None else [self.node_rank]
+
+    def whole_job(self) -> bool:
+        return self.nnodes == 1 or self.node_rank is None
 
 
 def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
@@ -152,8 +172,9 @@ def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: thread
 def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,
            timeout_s: float | None = None, env: dict | None = None, prefix: bool = True,
            port: int | None = None, servers: int = 0, server_args: Sequence[str] = (),
-           stop_on_failure: bool = True, max_restarts: int = 0) -> LaunchResult:
+           stop_on_failure: bool = True, max_restarts: int = 0, nodes: Nodes | None = None) -> LaunchResult:
     """Run ``cmd`` as ranks 0..nproc-1 on this host and wait; the first failure stops all.
+    ``nodes``: ``nproc`` ranks per node for each node of ``nodes.here()`` (default: one node).
 
     With ``servers`` > 0, that many parameter-server shards (``python -m commrt.apps.ps_server``, as ``commrt server``) start
     first on free loopback ports, every process gets their addresses (COMMRT_PS_SERVERS), and
@@ -165,15 +186,18 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     and COMMRT_RESTART_COUNT tell it which attempt it is). Servers keep running throughout.
     SIGTERM or SIGHUP (in the main thread) stop every rank and server, then raise ``Stopped``.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    nodes = nodes or Nodes()
+    if nproc < 1 or nodes.nnodes < 1 or not (nodes.node_rank is None or 0 <= nodes.node_rank < nodes.nnodes):
+        raise ValueError(f"nproc ({nproc}) and nnodes ({nodes.nnodes}) must be >= 1 and node_rank "
+                         f"({nodes.node_rank}) in 0..{nodes.nnodes - 1}")
     out = out or sys.stdout
     port = port or free_port()
-    base = server_env(servers, nproc, env) if servers else dict(os.environ if env is None else env)
+    world = nproc * nodes.nnodes
+    base = server_env(servers, world, env) if servers else dict(os.environ if env is None else env)
     _reuse_freed_memory(base)
-    with _stop_on_signals(), _job_credentials(base, config, nproc, servers):
+    with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
-                    stop_on_failure, max_restarts)
+                    stop_on_failure, max_restarts, nodes)
 
 
 def _reuse_freed_memory(env: dict) -> None:
@@ -189,21 +213,26 @@ def _reuse_freed_memory(env: dict) -> None:
 
 
 @contextlib.contextmanager
-def _job_credentials(env: dict, config: str | None, nproc: int, servers: int):
+def _job_credentials(env: dict, config: str | None, nproc: int, servers: int, all_nodes: bool = True):
     """Under [security] mode = 'secret', when this launch starts every process of the job (no
     parameter servers started elsewhere) and no secret is set: a fresh secret for this job alone.
     Otherwise the processes read the per-user secret file, as separately started servers do.
     Under 'curve' without a keys_dir: a throw-away key set for this job (one key pair per rank
-    and server, deleted afterwards)."""
+    and server, deleted afterwards). A launch that starts one node of several makes neither:
+    the other hosts could not know them (give every host the same secret or keys_dir)."""
     from .config import load_config
     from .security import SECRET_ENV, keygen, new_secret
     cfg = load_config(config, environ=env)
-    whole_job = servers > 0 or not cfg.ps.servers
+    whole_job = all_nodes and (servers > 0 or not cfg.ps.servers)
     if cfg.security.mode == "secret" and whole_job and not env.get(SECRET_ENV):
         env[SECRET_ENV] = new_secret()
     if cfg.security.mode != "curve" or cfg.security.keys_dir:
         yield
         return
+    if not all_nodes:
+        from .errors import ConfigError
+        raise ConfigError("[security] mode = 'curve' across hosts needs keys_dir: run `commrt keygen` once "
+                          "and give every host the directory (throw-away keys cannot reach other hosts)")
     with tempfile.TemporaryDirectory(prefix="commrt-keys-") as directory:
         keygen(directory, [f"rank{r}" for r in range(nproc)] + [f"server{i}" for i in range(servers)])
         env["COMMRT_SECURITY_KEYS_DIR"] = directory
@@ -211,7 +240,7 @@ def _job_credentials(env: dict, config: str | None, nproc: int, servers: int):
 
 
 def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
-         stop_on_failure, max_restarts) -> LaunchResult:
+         stop_on_failure, max_restarts, nodes) -> LaunchResult:
     lock = threading.Lock()
     stails = {i: deque(maxlen=200) for i in range(servers)}
     services, ranks, pumps, pids, failures = [], [], [], [], []
@@ -226,7 +255,7 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
             code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix,
                                            port if attempt == 0 else free_port(), services, stop_on_failure,
-                                           lock, pumps, pids, ranks)
+                                           lock, pumps, pids, ranks, nodes)
             if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
                 break
             note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "
@@ -245,18 +274,23 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
 
 
 def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, stop_on_failure,
-             lock, pumps, pids, procs) -> tuple[int, int | None, dict]:
+             lock, pumps, pids, procs, nodes) -> tuple[int, int | None, dict]:
     """One start of the group; its processes are added to ``procs`` as they start."""
-    tails = {r: deque(maxlen=200) for r in range(nproc)}
+    ranks = [(n, n * nproc + r) for n in nodes.here() for r in range(nproc)]  # (node, global rank)
+    tails = {g: deque(maxlen=200) for _, g in ranks}
     first = len(procs)
     try:
-        for r in range(nproc):
-            p, t = _start(cmd, rank_env(r, nproc, port, env, config), f"rank {r}", out, lock, tails[r], prefix)
+        for node, g in ranks:
+            argv, extra = nodes.wrap(node) if nodes.wrap else ([], {})
+            renv = rank_env(g - node * nproc, nproc, port, env, config, nodes.nnodes, node, nodes.master_addr)
+            p, t = _start([*argv, *cmd], {**renv, **extra}, f"rank {g}", out, lock, tails[g], prefix)
             procs.append(p)
             pids.append(p.pid)
             pumps.append(t)
         mine = procs[first:]
         code, failed = _watch(mine, timeout_s, services)
+        if failed is not None and failed >= 0:
+            failed = ranks[failed][1]
         if failed is not None and failed >= 0 and not stop_on_failure:
             if _watch(mine, timeout_s, services, until_all=True)[0] == 124:
                 code, failed = 124, None  # the others never finished

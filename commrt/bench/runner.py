@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .. import bootstrap, rendezvous
+from .. import bootstrap, mesh, rendezvous, stats
 from ..transport.hub import Transport
 from ..collectives.reduce_ops import ReduceOp, parse_op
 from ..config import load_config
@@ -158,8 +158,20 @@ def measure(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, iters:
             "busbw": metrics.busbw(coll, be.size, alg), "wrong": int(wrong[0])}
 
 
-def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=os.environ) -> list[dict]:
-    """Run in every rank; returns the rows (identical on every rank)."""
+def node_traffic(rt) -> dict[str, int]:
+    """Bytes every rank of ``rt`` sent so far to ranks on its own node and on other nodes, summed."""
+    mine = stats.split_by_node(rt.transport.counters.sent_by_op(), rt.transport.counters.same_node or [])
+    t = torch.tensor([mine["intra_node_bytes"], mine["inter_node_bytes"]], dtype=torch.float64,
+                     device=device_of(rt.world.backend))
+    rt.world.backend.all_reduce(t, ReduceOp.SUM, False)
+    return {"intra_node_bytes": int(t[0]), "inter_node_bytes": int(t[1])}
+
+
+def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=os.environ,
+        traffic: dict | None = None) -> list[dict]:
+    """Run in every rank; returns the rows (identical on every rank). ``traffic``, if given, gets
+    per backend the bytes all ranks sent inside nodes and across nodes (see ``node_traffic``).
+    A backend named ``<name>+hier`` is ``<name>`` with the hierarchical collectives."""
     rdzv = rendezvous.resolve("env://", None, None, environ)
     dtype, op = parse_dtype(spec.dtype), parse_op(spec.op)
     cfg = load_config()
@@ -168,8 +180,10 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     runtimes = {}
     try:
         for name in spec.backends:
-            bcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=name))
+            bcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=name.split("+")[0]))
             runtimes[name] = bootstrap.init_world(bcfg, rdzv, store=(store, None), namespace=f"{name}/")
+        backends = {name: mesh.TwoLevelBackend(rt) if name.endswith("+hier") else rt.world.backend
+                    for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
         ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
         rows = []
@@ -179,13 +193,15 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
             for name, rt in runtimes.items():
                 if progress:
                     progress(f"[{i + 1}/{len(sizes)}] {spec.collective} {metrics.format_size(nbytes)} on {name}")
-                row[name] = measure(spec.collective, rt.world.backend, nbytes, dtype, op, spec.iters, spec.warmup)
+                row[name] = measure(spec.collective, backends[name], nbytes, dtype, op, spec.iters, spec.warmup)
             if ring is not None:
                 row["ceiling"] = ring.measure(first, nbytes, spec.iters, spec.warmup)
             row.pop("sizes_done")
             rows.append(row)
         if ring is not None:
             ring.close()
+        if traffic is not None:
+            traffic.update({name: node_traffic(rt) for name, rt in runtimes.items()})
         return rows
     finally:
         for rt in runtimes.values():

@@ -4,13 +4,12 @@ from .codecs import Codec, codec_for, dequantize, quantize
 from .collectives import all_gather_into_tensor, all_reduce, hierarchical_all_reduce, reduce_scatter_tensor
 from .feedback import ErrorFeedback
 from .stats import STATS
+from ..stats import register as _register
 
-
-def comm_stats() -> dict:
-    """Communication statistics of this process: ``{"quant": {kind: {calls, wire_bytes,
-    exact_bytes, bytes_saved, max_abs_error, max_error_bound}}}``."""
-    return {"quant": STATS.snapshot()}
+# commrt.comm_stats()["quant"]: {kind: {calls, wire_bytes, exact_bytes, bytes_saved,
+# max_abs_error, max_error_bound}}
+_register("quant", STATS.snapshot)
 
 
 __all__ = ["Codec", "codec_for", "quantize", "dequantize", "all_gather_into_tensor", "all_reduce",
-           "reduce_scatter_tensor", "hierarchical_all_reduce", "ErrorFeedback", "comm_stats", "STATS"]
+           "reduce_scatter_tensor", "hierarchical_all_reduce", "ErrorFeedback", "STATS"]

@@ -83,6 +83,7 @@ class Endpoint:
         self.peer_addresses: dict[int, str] = {}
         self._out: dict[int, zmq.Socket] = {}
         self._counters = [transport.counters.peer(n) for n in names]
+        self._op_sent = transport.counters.op_table()
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._ahead = [[0, 0] for _ in names]  # per peer: messages, bytes stashed
         self.ahead_limit = (1 << 10, 64 << 20)  # (messages, bytes) per peer; the owner sets it per op
@@ -156,6 +157,8 @@ class Endpoint:
         c = self._counters[dst]
         c.sent_bytes += n
         c.sent_msgs += 1
+        key = (header.kind, header.op & 0xFF, self.names[dst])
+        self._op_sent[key] = self._op_sent.get(key, 0) + n
 
     def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -1,0 +1,104 @@
+"""Two-level collectives composed from two groups (no new transport): ``intra`` holds this
+rank's node (M ranks), ``inter`` the same local rank on every node (K ranks).
+
+all_reduce (as NCCL's tree/ring hybrids and Horovod's hierarchical allreduce do): reduce-scatter
+inside the node, all-reduce of this rank's 1/M part across nodes, all-gather inside the node.
+Each node's link then carries 2(K-1)/K of the payload instead of the flat ring's 2(n-1)/n,
+counted per node, since the flat ring crosses every node boundary with the whole payload.
+
+reduce_scatter / all_gather: the global rank ``k*M + l`` owns chunk ``k*M + l``. Reordering the
+chunks to [M, K, s] lets the node reduce-scatter hand local rank ``l`` the node's sums of chunks
+(0, l), (1, l), ... (K-1, l); the cross-node reduce-scatter over ``inter`` then leaves chunk
+(k, l) on node k. all_gather runs the same steps backwards. Only 1/M of the data crosses nodes.
+
+broadcast is not here: the flat one is already a chain that crosses each node boundary once.
+
+Each level is one of our flat collectives, whose results are bit-identical on every rank, so
+the composition's are too. AVG runs as SUM and divides once at the end (integers floor, as the
+flat path does). ``intra``/``inter`` are process groups (anything with ``backend`` and
+``size()``); the caller checks that the world is laid out as ``rank = node * M + local``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reduce_ops import ReduceOp, finish_avg_
+
+
+def _sum_op(op: ReduceOp) -> ReduceOp:
+    return ReduceOp.SUM if op == ReduceOp.AVG else op
+
+
+def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp, segments: int = 1) -> None:
+    """In place on a contiguous 1-D ``flat``, cut into ``segments`` pipelined pieces: the node's
+    reduce-scatter of piece i+1 runs while piece i crosses the nodes (the groups have their own
+    executors), so the slow link is not left idle during the node-local steps."""
+    m, n = intra.size(), flat.numel()
+    if n == 0:
+        return
+    per = -(-n // max(1, segments) // m) * m  # a multiple of M: no padding but in the last piece
+    pieces = [_Piece(flat[a:min(a + per, n)], m) for a in range(0, n, per)]
+    works: list = []
+    try:
+        for p in pieces:  # issue order is the same on every rank: all RS, then AR and AG in turn
+            p.rs = intra.backend.reduce_scatter_tensor(p.shard, p.padded, _sum_op(op), True)
+            works.append(p.rs)
+        for p in pieces:
+            p.rs.wait()
+            p.ar = inter.backend.all_reduce(p.shard, _sum_op(op), True)
+            works.append(p.ar)
+        for p in pieces:
+            p.ar.wait()
+            p.ag = intra.backend.all_gather_into_tensor(p.padded, p.shard, True)
+            works.append(p.ag)
+        for p in pieces:
+            p.ag.wait()
+            p.finish()
+    finally:  # never return while a queued op may still read or write our buffers
+        for w in works:
+            if w is not None and not w.is_completed():
+                try:
+                    w.wait()
+                except BaseException:  # the first error is already on its way up
+                    pass
+    if op == ReduceOp.AVG:
+        finish_avg_(flat, m * inter.size())
+
+
+class _Piece:
+    """One pipelined piece of an all_reduce: its (padded) data and this rank's 1/M shard."""
+
+    def __init__(self, data: torch.Tensor, m: int):
+        self.data, part = data, -(-data.numel() // m)
+        self.padded = data if part * m == data.numel() else torch.zeros(part * m, dtype=data.dtype,
+                                                                         device=data.device)
+        if self.padded is not data:  # the tail pads the last local rank's part; its values are dropped
+            self.padded[:data.numel()].copy_(data)
+        self.shard = torch.empty(part, dtype=data.dtype, device=data.device)
+        self.rs = self.ar = self.ag = None
+
+    def finish(self) -> None:
+        if self.padded is not self.data:
+            self.data.copy_(self.padded[:self.data.numel()])
+
+
+def reduce_scatter(intra, inter, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    """``inp`` holds K*M chunks of ``out.numel()``; this rank gets the reduction of its chunk."""
+    m, k, s = intra.size(), inter.size(), out.numel()
+    by_local = inp.view(k, m, s).transpose(0, 1).contiguous()  # [M, K, s]: local rank l's K chunks together
+    node_sums = torch.empty(k * s, dtype=out.dtype, device=out.device)
+    intra.backend.reduce_scatter_tensor(node_sums, by_local.view(-1), _sum_op(op), False)
+    inter.backend.reduce_scatter_tensor(out, node_sums, _sum_op(op), False)
+    if op == ReduceOp.AVG:
+        finish_avg_(out, m * k)
+
+
+def all_gather(intra, inter, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """``out`` gets every rank's ``inp`` in global rank order."""
+    m, k, s = intra.size(), inter.size(), inp.numel()
+    same_local = torch.empty(k * s, dtype=inp.dtype, device=inp.device)
+    inter.backend.all_gather_into_tensor(same_local, inp, False)  # chunks (0, l) .. (K-1, l)
+    by_local = torch.empty(m * k * s, dtype=inp.dtype, device=inp.device)
+    intra.backend.all_gather_into_tensor(by_local, same_local, False)  # [M, K, s]
+    out.view(k, m, s).copy_(by_local.view(m, k, s).transpose(0, 1))
+

@@ -1,0 +1,55 @@
+"""``commrt.comm_stats()``: what this rank has sent since init, split by where it went.
+
+The transport counts bytes per peer and per (message kind, op); the topology says which peers
+share this rank's node. Other layers add their own keys with ``register`` (e.g. the quantized
+collectives' savings), so one call shows everything.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import distributed
+from .collectives.context import _NAMES
+from .wire import P2P
+
+_SECTIONS: dict[str, Callable[[], Any]] = {}
+
+
+def register(key: str, fn: Callable[[], Any]) -> None:
+    """Make ``comm_stats()[key]`` the value of ``fn()`` (called at each comm_stats())."""
+    if key in ("intra_node_bytes", "inter_node_bytes", "by_op"):
+        raise ValueError(f"comm_stats key {key!r} is built in")
+    _SECTIONS[key] = fn
+
+
+def _peer_rank(name: str) -> int | None:
+    return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
+
+
+def split_by_node(sent: dict[tuple, int], same_node: list[bool]) -> dict:
+    """Pure: ``{(kind, op, peer name): bytes}`` -> totals and per-op intra/inter bytes."""
+    total = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_op": {}}
+    for (kind, op, peer), nbytes in sent.items():
+        r = _peer_rank(peer)
+        if r is None or r >= len(same_node):
+            continue
+        where = "intra_node_bytes" if same_node[r] else "inter_node_bytes"
+        name = "p2p" if kind == P2P else _NAMES.get(op, f"op{op}")
+        entry = total["by_op"].setdefault(name, {"intra_node_bytes": 0, "inter_node_bytes": 0})
+        entry[where] += nbytes
+        total[where] += nbytes
+    return total
+
+
+def comm_stats() -> dict:
+    """``intra_node_bytes`` / ``inter_node_bytes``: bytes this rank's collectives and
+    point-to-point transfers sent to ranks on its own node / on other nodes, since init;
+    ``by_op``: the same per op kind as it went on the wire (a hierarchical all_reduce shows as
+    its reduce_scatter, all_reduce and all_gather steps); plus every registered key."""
+    rt = distributed._rt()
+    counters = rt.transport.counters
+    same = counters.same_node or [True] * rt.world.size()
+    out = split_by_node(counters.sent_by_op(), same)
+    for key, fn in _SECTIONS.items():
+        out[key] = fn()
+    return out

@@ -1,0 +1,131 @@
+"""Topology getters, the device mesh and the hierarchical collectives on a K x M layout.
+
+argv: expected nodes, ranks per node, "matrix" | "bytes" | "mesh". Every result is compared
+with a single-process reference built from every rank's (deterministic) inputs; every rank's
+result bytes are compared through a flat group spanning the world.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+import commrt
+from tests.multirank.programs.common import DTYPES, OPS, reference, values
+
+
+def _same_everywhere(flat_world, t: torch.Tensor, what: str) -> None:
+    raw = t.contiguous().view(-1).view(torch.uint8)
+    got = torch.empty(raw.numel() * flat_world.size(), dtype=torch.uint8)
+    commrt.all_gather_into_tensor(got, raw, group=flat_world)
+    rows = got.view(flat_world.size(), -1)
+    assert all(torch.equal(rows[0], rows[r]) for r in range(len(rows))), f"{what}: ranks differ"
+
+
+def check_layout(k: int, m: int) -> None:
+    rank = commrt.get_rank()
+    assert commrt.get_num_nodes() == k, commrt.get_num_nodes()
+    assert commrt.get_local_world_size() == m
+    assert commrt.get_node_rank() == rank // m and commrt.get_local_rank() == rank % m
+
+
+def check_mesh(k: int, m: int) -> None:
+    rank, world = commrt.get_rank(), commrt.get_world_size()
+    mesh = commrt.init_device_mesh((k, m), ("inter", "intra"))
+    assert commrt.get_process_group_ranks(mesh.get_group("intra")) == list(range(rank // m * m, rank // m * m + m))
+    assert commrt.get_process_group_ranks(mesh.get_group("inter")) == list(range(rank % m, world, m))
+    t = torch.tensor([float(rank)])
+    commrt.all_reduce(t, group=mesh.get_group("intra"))
+    assert t.item() == sum(range(rank // m * m, rank // m * m + m)), t
+    for shape in ((world, 1), (1, world), (m, k)):  # any 2-D shape that multiplies to the world
+        other = commrt.init_device_mesh(shape, ("a", "b"))
+        rows = commrt.get_process_group_ranks(other.get_group("b"))
+        assert rows == list(range(rank // shape[1] * shape[1], rank // shape[1] * shape[1] + shape[1])), rows
+    assert commrt.get_process_group_ranks() == list(range(world))
+
+
+def check_matrix(flat_world) -> None:
+    rank, world = commrt.get_rank(), commrt.get_world_size()
+    for seed, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
+        for numel in (1, 7, 3 * world + 1, 20_001):  # below, around and above the padding
+            parts = [values(numel, r, dtype, op, seed) for r in range(world)]
+            want = reference(parts, op)
+            t = parts[rank].clone()
+            work = commrt.all_reduce(t, op=op, async_op=numel == 7)
+            if work is not None:
+                work.wait()
+            assert torch.equal(t, want), f"all_reduce {dtype} {op} {numel}: {t[:8]} vs {want[:8]}"
+            _same_everywhere(flat_world, t, f"all_reduce {dtype} {op} {numel}")
+            chunk = numel
+            full = [values(chunk * world, r, dtype, op, seed + 7) for r in range(world)]
+            out = torch.empty(chunk, dtype=dtype)
+            commrt.reduce_scatter_tensor(out, full[rank], op=op)
+            assert torch.equal(out, reference(full, op)[rank * chunk:(rank + 1) * chunk]), f"RS {dtype} {op}"
+        gathered = torch.empty(5 * world, dtype=dtype)
+        commrt.all_gather_into_tensor(gathered, values(5, rank, dtype, "SUM", seed))
+        assert torch.equal(gathered, torch.cat([values(5, r, dtype, "SUM", seed) for r in range(world)]))
+    rng = np.random.default_rng(rank)  # floats that round: equal within rounding, identical on all
+    x = torch.from_numpy(rng.standard_normal(100_003))
+    parts = [torch.from_numpy(np.random.default_rng(r).standard_normal(100_003)) for r in range(world)]
+    commrt.all_reduce(x)
+    np.testing.assert_allclose(x.numpy(), torch.stack(parts).sum(0).numpy(), rtol=1e-12, atol=1e-12)
+    _same_everywhere(flat_world, x, "float64 random all_reduce")
+
+
+def _delta(before: dict, after: dict) -> tuple[int, int]:
+    return (after["intra_node_bytes"] - before["intra_node_bytes"],
+            after["inter_node_bytes"] - before["inter_node_bytes"])
+
+
+def check_bytes(flat_world, k: int, m: int) -> None:
+    """Each rank's intra/inter bytes for one op equal the algorithms' formulas."""
+    rank, world = commrt.get_rank(), commrt.get_world_size()
+    n = 3 << 20  # bytes (and n // 4 elements) divisible by 2, 3, 4, 6 and 12; each level on its ring path
+    t = torch.ones(n // 4)
+    commrt.all_reduce(t)  # makes the node groups first, outside the measurement
+    s0 = commrt.comm_stats()
+    commrt.all_reduce(t)
+    hier = _delta(s0, commrt.comm_stats())
+    assert hier == (2 * (m - 1) * n // m, 2 * (k - 1) * n // (k * m)), (hier, k, m)
+    s0 = commrt.comm_stats()
+    commrt.all_reduce(t, group=flat_world)
+    flat = _delta(s0, commrt.comm_stats())
+    assert sum(flat) == 2 * (world - 1) * n // world, flat
+    totals = torch.tensor([float(flat[1])])
+    commrt.all_reduce(totals, group=flat_world)
+    assert totals.item() == k * 2 * (world - 1) * n // world, (totals.item(), flat)  # K boundary crossings
+    out = torch.empty(n // 4 // world)
+    s0 = commrt.comm_stats()
+    commrt.reduce_scatter_tensor(out, t)
+    assert _delta(s0, commrt.comm_stats()) == ((m - 1) * n // m, (k - 1) * n // (k * m))
+    stats = commrt.comm_stats()
+    assert {"all_reduce", "reduce_scatter", "all_gather"} <= set(stats["by_op"]), stats
+    print(f"rank {rank}: BYTES hier {hier} flat {flat}", flush=True)
+
+
+def main() -> None:
+    k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
+        os.environ["GROUP_RANK"] = "1"  # this rank claims another node: not contiguous
+    if os.environ.get("COMMRT_TEST_DROP_NODE_VARS"):  # the layout must come from the hosts alone
+        for name in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(name)
+    commrt.init_process_group()
+    try:
+        check_layout(k, m)
+        flat_world = commrt.new_group(list(range(commrt.get_world_size())))  # not the world: flat
+        if what == "mesh":
+            check_mesh(k, m)
+        elif what == "matrix":
+            check_matrix(flat_world)
+        else:
+            check_bytes(flat_world, k, m)
+        print(f"rank {commrt.get_rank()}: hier {what} passed", flush=True)
+    finally:
+        commrt.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

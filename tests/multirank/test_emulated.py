@@ -1,0 +1,151 @@
+"""The emulated cluster (commrt launch --emulate-network): nodes as network namespaces joined by
+a bridge, links shaped with tc. Needs root and iproute2; skipped with the reason otherwise
+(CI runs as root). Every namespace is removed on every exit path, which these tests check."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from commrt import emulate
+from commrt.errors import ConfigError
+from commrt.launch import Nodes, launch
+from tests.multirank.harness import ROOT
+
+ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "COMMRT_COMM_TIMEOUT_S": "60",
+       "COMMRT_COMM_BACKEND": "zmq"}
+
+
+@pytest.fixture
+def emulated_cluster():
+    """``with emulated_cluster(nnodes, "1gbit") as net`` -> emulate.Cluster; ranks are started with
+    ``launch(..., nodes=Nodes(nnodes, None, emulate.node_address(0), net.wrap))``."""
+    try:
+        emulate.check_usable(emulate.parse_shape("1gbit"))
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+
+    @contextlib.contextmanager
+    def make(nnodes: int, spec: str = "1gbit"):
+        with emulate.cluster(nnodes, emulate.parse_shape(spec)) as net:
+            yield net
+        assert not [ns for ns in emulate._namespaces() if ns.startswith(net.namespaces[0].rsplit("-", 1)[0])]
+    return make
+
+
+def _mine() -> list[str]:
+    return [ns for ns in emulate._namespaces() if ns.startswith(f"{emulate.PREFIX}{os.getpid()}-")]
+
+
+def _tc_sent(ns: str, dev: str) -> int:
+    out = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+    return int(re.search(r"Sent (\d+) bytes", out).group(1))
+
+
+def run_emulated(net, k: int, m: int, *args: str, env: dict | None = None) -> str:
+    out = io.StringIO()
+    cmd = [sys.executable, "-m", "tests.multirank.programs.hier", str(k), str(m), *args]
+    result = launch(m, cmd, out=out, timeout_s=300, env={**os.environ, **ENV, **(env or {})}, port=29500,
+                    nodes=Nodes(k, None, emulate.node_address(0), net.wrap))
+    assert result.returncode == 0, f"{result.describe()}\n{out.getvalue()[-6000:]}"
+    return out.getvalue()
+
+
+@pytest.mark.timeout(600)
+def test_two_by_two_cluster_counts_and_shapes_inter_node_traffic(emulated_cluster):
+    with emulated_cluster(2) as net:
+        out = run_emulated(net, 2, 2, "bytes")
+        assert out.count("hier bytes passed") == 4, out[-3000:]
+        # what node 0 sent to node 1 went through its shaped link: at least its ranks' inter bytes
+        inter = sum(int(m.group(2)) for m in re.finditer(r"rank [01]: BYTES hier \((\d+), (\d+)\)", out))
+        assert inter > 0 and _tc_sent(net.namespaces[0], "eth0") >= inter, out[-2000:]
+        assert _mine(), "the namespaces exist while the cluster does"
+    assert not _mine()
+
+
+@pytest.mark.timeout(600)
+def test_without_torchrun_variables_the_nodes_come_from_the_hosts(emulated_cluster):
+    """No GROUP_RANK/LOCAL_*: each namespace's address tells the nodes apart (same host name)."""
+    with emulated_cluster(2) as net:
+        out = run_emulated(net, 2, 2, "mesh", env={"COMMRT_TEST_DROP_NODE_VARS": "1"})
+        assert out.count("hier mesh passed") == 4, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_cli_emulated_cluster_runs_and_leaves_nothing(emulated_cluster):
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "3", "--nproc-per-node", "2",
+                           "--emulate-network", "1gbit", "--timeout", "300", "--", sys.executable, "-m",
+                           "tests.multirank.programs.hier", "3", "2", "mesh"], env={**os.environ, **ENV},
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("hier mesh passed") == 6
+    assert not [ns for ns in emulate._namespaces() if ns.startswith(emulate.PREFIX)], "leftover namespaces"
+
+
+@pytest.mark.timeout(300)
+def test_a_crashing_rank_and_ctrl_c_leave_no_namespaces(emulated_cluster):
+    crash = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1",
+                            "--emulate-network", "100mbit", "--", sys.executable, "-c", "import sys; sys.exit(3)"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert crash.returncode == 3, crash.stderr
+    assert not [ns for ns in emulate._namespaces() if ns.startswith(emulate.PREFIX)]
+    p = subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1",
+                          "--emulate-network", "100mbit", "--", sys.executable, "-c",
+                          "import time; print('up', flush=True); time.sleep(600)"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "up" in p.stdout.readline()  # a rank runs inside a namespace: the cluster exists
+        assert [ns for ns in emulate._namespaces() if ns.startswith(f"{emulate.PREFIX}{p.pid}-")]
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not [ns for ns in emulate._namespaces() if ns.startswith(f"{emulate.PREFIX}{p.pid}-")]
+
+
+def test_leftovers_of_a_killed_run_are_removed_next_time(emulated_cluster):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names a launcher that no longer runs
+    name = f"{emulate.PREFIX}{dead.pid}-dead00-n0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        with emulated_cluster(1):
+            assert name not in emulate._namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_delay_needs_netem_and_says_so(emulated_cluster):
+    try:
+        with emulated_cluster(1, "1gbit,0.2ms"):
+            pass  # this kernel has netem
+    except ConfigError as exc:
+        assert "netem" in str(exc) and "RATE" in str(exc), exc
+    assert not _mine()
+
+
+def test_not_root_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="needs root"):
+        emulate.check_usable(emulate.parse_shape("1gbit"))
+
+
+@pytest.mark.timeout(300)
+def test_bench_prints_intra_and_inter_node_bytes_flat_and_hierarchical(emulated_cluster):
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "2",
+                           "--emulate-network", "1gbit", "--", sys.executable, "-m", "commrt.cli", "bench",
+                           "all_reduce", "--backend", "zmq,zmq+hier", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1"],
+                          env={**os.environ, **ENV}, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    sent = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"# (zmq\+?h?i?e?r?): sent inside nodes (\d+) B, across nodes (\d+) B", proc.stdout)}
+    assert set(sent) == {"zmq", "zmq+hier"}, proc.stdout[-3000:]
+    assert sent["zmq+hier"][1] < sent["zmq"][1]  # the point of it: fewer bytes across nodes

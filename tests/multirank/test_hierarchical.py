@@ -1,0 +1,81 @@
+"""Topology, device mesh and hierarchical collectives on real ranks over loopback, with the node
+layout forced by the launcher (torchrun's GROUP_RANK / LOCAL_RANK / LOCAL_WORLD_SIZE)."""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pytest
+
+from commrt.launch import Nodes, launch
+from tests.multirank.harness import ROOT
+
+
+def run_layout(k: int, m: int, *args: str, env: dict | None = None, timeout_s: float = 240.0,
+               expect_fail: bool = False) -> str:
+    """``k`` nodes of ``m`` ranks, all on this host (``Nodes(node_rank=None)``)."""
+    out = io.StringIO()
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", **(env or {})}
+    cmd = [sys.executable, "-m", "tests.multirank.programs.hier", str(k), str(m), *args]
+    result = launch(m, cmd, out=out, timeout_s=timeout_s, env=full_env, nodes=Nodes(k, None))
+    text = out.getvalue()
+    assert result.returncode != 124, f"timed out:\n{text[-6000:]}"
+    if expect_fail:
+        assert result.returncode != 0, text[-3000:]
+    else:
+        assert result.returncode == 0, f"{result.describe()}\n{text[-6000:]}"
+    return text
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
+def test_topology_getters_and_mesh(k, m):
+    out = run_layout(k, m, "mesh")
+    assert out.count("hier mesh passed") == k * m
+
+
+@pytest.mark.parametrize("k,m,chunk", [(2, 2, 4 << 20), (3, 2, 16 << 10)])
+def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m, chunk):
+    """16 KiB chunks: the larger all_reduces run as 2-4 pipelined pieces (one padded)."""
+    out = run_layout(k, m, "matrix", env={"COMMRT_COMM_HIERARCHICAL": "always",
+                                          "COMMRT_COMM_CHUNK_BYTES": str(chunk)})
+    assert out.count("hier matrix passed") == k * m
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
+def test_byte_counters_follow_the_formulas(k, m):
+    out = run_layout(k, m, "bytes", env={"COMMRT_COMM_HIERARCHICAL": "auto"})
+    assert out.count("hier bytes passed") == k * m
+
+
+def test_a_non_contiguous_layout_is_a_rendezvous_error():
+    """Rank 1 claims to be on node 1 while ranks 0 and 2 are on node 0."""
+    out = run_layout(1, 3, "mesh", env={"COMMRT_TEST_SWAP_GROUP_RANK": "1"}, expect_fail=True)
+    assert "RendezvousError" in out and "contiguous" in out, out[-3000:]
+
+
+def test_cli_launches_one_node_per_invocation_like_torchrun():
+    """Two `commrt launch --nnodes 2 --node-rank R` (one per "host"), meeting at --master-addr."""
+    import subprocess
+
+    from commrt.launch import free_port
+    from commrt.security import new_secret
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", "COMMRT_JOB_SECRET": new_secret()}
+    procs = [subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--timeout", "200", "--", sys.executable, "-m", "tests.multirank.programs.hier",
+                               "2", "2", "mesh"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "[rank 2] rank 2: hier mesh passed" in outs[0] and "[rank 0] rank 0: hier mesh passed" in outs[1], outs
+
+
+def test_cli_refuses_a_multi_node_launch_without_its_rendezvous():
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1", "--", "true"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--node-rank, --master-addr and --master-port" in proc.stderr, proc.stderr
