@@ -198,6 +198,10 @@ def die(rank: int, world: int) -> None:
     (stage,), n = stages_of("1f1b", rank, world)
     sched = OneFOneB(stage, 4, nn.functional.mse_loss)
     if rank == world - 1:
+        # die mid-step: once the first activation has arrived (dying right after init could lose
+        # this rank's own init-barrier messages on connections still in their handshake, which
+        # would fail the others' init instead of their step)
+        recv_tensors(rank - 1, None, 2 * (world - 1))
         os._exit(3)
     x, y = batch(0)
     try:
