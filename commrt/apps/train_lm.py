@@ -104,6 +104,9 @@ def main(argv=None) -> int:
           f"{mem['parameters'] / 2**20:.1f}, grads {mem['gradients'] / 2**20:.1f}, optimizer "
           f"{mem['optimizer_state'] / 2**20:.1f}, gathered peak {mem['gathered_peak'] / 2**20:.1f}), "
           f"peak RSS {rss:.0f} MiB", flush=True)
+    sent = commrt.comm_stats()
+    print(f"rank {rank}: sent per step {sent['intra_node_bytes'] / args.steps / 2**20:.2f} MiB inside the node, "
+          f"{sent['inter_node_bytes'] / args.steps / 2**20:.2f} MiB to other nodes", flush=True)
     commrt.destroy_process_group()
     return 0
 
