@@ -18,6 +18,7 @@ import time
 import torch
 from torch import nn
 
+from commrt.apps import reporter
 from commrt.config import load_config
 from commrt.ps import PSClient
 
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     client.init(weights)
     client.pull(weights)
     worker = client.worker
+    log = reporter(__name__, f"worker {worker}")
     data = batches(worker, args.dim, args.classes, args.batch)
     loss_fn = nn.CrossEntropyLoss()
     start, window_start, first_loss = time.perf_counter(), time.perf_counter(), None
@@ -72,17 +74,15 @@ def main(argv=None) -> int:
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             now = time.perf_counter()
             rate = args.log_every * args.batch / (now - window_start)
-            print(f"worker {worker} step {step + 1:5d} loss {loss.item():.4f} "
-                  f"{rate:8.0f} samples/s", flush=True)
+            log.info("step %5d loss %.4f %8.0f samples/s", step + 1, loss.item(), rate)
             window_start = now
     total = time.perf_counter() - start
-    print(f"worker {worker} done: loss {first_loss:.4f} -> {loss.item():.4f}, "
-          f"{args.steps * args.batch / total:.0f} samples/s, {1000 * total / args.steps:.2f} ms/step",
-          flush=True)
+    log.info("done: loss %.4f -> %.4f, %.0f samples/s, %.2f ms/step", first_loss, loss.item(),
+             args.steps * args.batch / total, 1000 * total / args.steps)
     if worker == 0 and os.environ.get("COMMRT_PS_PRINT_STATS"):
         for s in client.stats():
-            print(f"server {s['server']}: version {s['version']} pushes {s['pushes']} pulls {s['pulls']} "
-                  f"staleness {s['staleness']}", flush=True)
+            log.info("server %s: version %s pushes %s pulls %s staleness %s", s["server"], s["version"],
+                     s["pushes"], s["pulls"], s["staleness"])
     client.close()
     return 0
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import commrt
+from commrt.apps import reporter
 from commrt.train import initialize
 from commrt.train.config import load_train_config
 
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
     rank, world = commrt.get_rank(), commrt.get_world_size()
+    log = reporter(__name__, f"rank {rank}")
     cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
     if args.stage is not None:
         cfg = cfg.with_stage(args.stage)
@@ -95,18 +97,18 @@ def main(argv=None) -> int:
         engine.step()
         times.append(time.perf_counter() - start)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step == 0):
-            print(f"step {step + 1:4d} loss {loss.item():.4f} step time {1000 * times[-1]:7.1f} ms", flush=True)
+            log.info("step %4d loss %.4f step time %7.1f ms", step + 1, loss.item(), 1000 * times[-1])
     mem = engine.memory_report()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steady = sorted(times[len(times) // 3:])[len(times[len(times) // 3:]) // 2]  # median after warm-up
-    print(f"rank {rank}/{world} stage {cfg.zero.stage}: {n_params / 1e6:.2f}M params, median step "
-          f"{1000 * steady:.1f} ms, model state {mem['total'] / 2**20:.1f} MiB (params "
-          f"{mem['parameters'] / 2**20:.1f}, grads {mem['gradients'] / 2**20:.1f}, optimizer "
-          f"{mem['optimizer_state'] / 2**20:.1f}, gathered peak {mem['gathered_peak'] / 2**20:.1f}), "
-          f"peak RSS {rss:.0f} MiB", flush=True)
+    mib = {k: mem[k] / 2**20 for k in ("total", "parameters", "gradients", "optimizer_state", "gathered_peak")}
+    log.info("world %d, stage %d: %.2fM params, median step %.1f ms, model state %.1f MiB (params %.1f, grads "
+             "%.1f, optimizer %.1f, gathered peak %.1f), peak RSS %.0f MiB", world, cfg.zero.stage,
+             n_params / 1e6, 1000 * steady, mib["total"], mib["parameters"], mib["gradients"],
+             mib["optimizer_state"], mib["gathered_peak"], rss)
     sent = commrt.comm_stats()
-    print(f"rank {rank}: sent per step {sent['intra_node_bytes'] / args.steps / 2**20:.2f} MiB inside the node, "
-          f"{sent['inter_node_bytes'] / args.steps / 2**20:.2f} MiB to other nodes", flush=True)
+    log.info("sent per step %.2f MiB inside the node, %.2f MiB to other nodes",
+             sent["intra_node_bytes"] / args.steps / 2**20, sent["inter_node_bytes"] / args.steps / 2**20)
     commrt.destroy_process_group()
     return 0
 
