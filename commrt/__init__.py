@@ -30,3 +30,7 @@ __all__ = [
     "get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes", "init_device_mesh",
     "DeviceMesh", "get_process_group_ranks", "comm_stats", "register_comm_stats",
 ]
+
+from .tdist import register_backend as _register_torch_backend  # noqa: E402
+
+_register_torch_backend()  # torch.distributed.init_process_group("commrt") (commrt/tdist)
