@@ -27,10 +27,20 @@ MONITOR_TAG = (1 << 62) - 1  # monitored_barrier's own point-to-point tag (above
 class CommrtProcessGroup(dist.ProcessGroup):
     """One torch process group over commrt's transport (see docs: "torch.distributed backend")."""
 
-    def __init__(self, backend, rank: int, size: int, members: list[int], release: Callable[[], None]):
+    def __init__(self, backend, rank: int, size: int, members: list[int], release: Callable[[], None],
+                 name: str = ""):
         super().__init__(rank, size)
         self._b, self._members, self._release = backend, list(members), release
-        self._closed = False
+        self._closed, self._name = False, name
+
+    @property
+    def group_name(self) -> str:
+        """torch's name of this group (DeviceMesh and the functional collectives look groups up
+        by it); the C++ field is not visible through a Python subclass, so it is kept here."""
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
 
     def getBackendName(self) -> str:
         return "commrt"

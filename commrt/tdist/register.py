@@ -62,7 +62,7 @@ def create_group(store, rank: int, size: int, timeout: datetime.timedelta, membe
         _release()
         raise
     log.info("rank %d: commrt group %r (%d ranks) ready", members[rank], name, size)
-    return CommrtProcessGroup(backend, rank, size, members, _release)
+    return CommrtProcessGroup(backend, rank, size, members, _release, name)
 
 
 def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, size: int) -> None:
