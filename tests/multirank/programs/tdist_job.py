@@ -20,7 +20,7 @@ from torch import nn
 import commrt  # noqa: F401 (registers the "commrt" backend)
 
 STEPS, BATCH, DIM = 4, 8, 16
-GLOO_TOL, SINGLE_TOL = 1e-6, 1e-5
+GLOO_TOL, SINGLE_TOL, BF16_TOL = 1e-6, 1e-5, 1e-3
 
 
 def model() -> nn.Module:
@@ -147,7 +147,9 @@ def main() -> None:
                                     rank=rank, world_size=world)
             results[backend] = run(case, rank, world)
             dist.destroy_process_group()
-        close(results["commrt"], results["gloo"], GLOO_TOL, f"{case}: commrt vs gloo")
+        # bf16 sums of more than two terms round by summation order, which differs from gloo's
+        tol = GLOO_TOL if case != "ddp_bf16" or world == 2 else BF16_TOL
+        close(results["commrt"], results["gloo"], tol, f"{case}: commrt vs gloo")
         if case == "pipe":
             ref = single_process(world)
             mine = ref[:2] if rank == 0 else ref[2:]
