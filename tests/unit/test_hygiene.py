@@ -29,6 +29,10 @@ ALLOWED = {
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
+    # the torch.distributed backend "commrt": a ProcessGroup over one ZmqBackend per group,
+    # bootstrapped through torch's store (rendezvous, store's adapter) on the process's Transport
+    "tdist": {"errors", "config", "dtypes", "collectives", "backends", "transport", "work", "rendezvous",
+              "security", "store"},
 }
 
 

@@ -136,8 +136,40 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float, what: str) -
         assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g} (tolerance {tol:g})"
 
 
+def faults(case: str, rank: int, world: int) -> None:
+    """peerlost: the last rank leaves after init; the others' all_reduce raises commrt's PeerLost
+    naming it, through torch's API. wrongsecret: the last rank has another job secret, so its
+    data-plane connections are refused and init fails on the ranks (no one hangs)."""
+    last = world - 1
+    if case == "wrongsecret" and rank == last:
+        os.environ["COMMRT_JOB_SECRET"] = "another-secret-of-16+chars"
+    try:
+        dist.init_process_group("commrt")
+    except commrt.CommError as exc:
+        assert case == "wrongsecret", exc
+        print(f"OK {case} init refused: {type(exc).__name__}: {exc}", flush=True)
+        os._exit(0)
+    assert case == "peerlost", "init with a wrong secret succeeded"
+    dist.barrier()  # every connection is up and used ...
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("passed", "1")  # ... and rank 0 has had the last rank's barrier message
+    if rank == last:
+        store.wait(["passed"])
+        os._exit(0)  # gone without a word
+    try:
+        dist.all_reduce(torch.ones(4))
+    except commrt.PeerLost as exc:
+        assert exc.rank == last, exc
+        print(f"OK {case} rank {rank}: {exc}", flush=True)
+        os._exit(0)
+    raise AssertionError("all_reduce with a dead peer succeeded")
+
+
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if sys.argv[1] in ("peerlost", "wrongsecret"):
+        return faults(sys.argv[1], rank, world)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     for n, case in enumerate(sys.argv[1:]):

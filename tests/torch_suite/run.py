@@ -1,0 +1,90 @@
+"""Run PyTorch's distributed test suite (or a named subset) for commrt and gloo in one session
+and write a pass/fail/skip table (docs/TORCH_SUITE.md).
+
+    PYTHONPATH=$PWD python -m tests.torch_suite.run [--world 2] [--timeout 120] [--all | TEST ...]
+
+Each backend runs in its own interpreter (tests/torch_suite/suite_main.py) with BACKEND,
+WORLD_SIZE, TEMP_DIR set as test_distributed_spawn does; every test spawns WORLD_SIZE ranks and
+is bounded by the suite's own per-test timeout (DISTRIBUTED_TESTS_DEFAULT_TIMEOUT).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+# one or more tests for every operation the backend serves (a full run takes hours on 2 cores)
+SUBSET = [
+    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_max", "test_all_reduce_product",
+    "test_all_reduce_coalesced_sum", "test_broadcast", "test_reduce_sum", "test_all_gather",
+    "test_all_gather_coalesced_simple", "test_gather", "test_scatter", "test_all_to_all",
+    "test_all_to_all_single_unequal_split", "test_send_recv", "test_send_recv_with_tag", "test_isend",
+    "test_irecv", "test_send_recv_any_source", "test_batch_isend_irecv_gloo", "test_barrier",
+    "test_monitored_barrier_gloo", "test_DistributedDataParallelCPU",
+]
+LINE = re.compile(r"^(test_\w+) \(.*?\) \.\.\. .*?(ok|FAIL|ERROR|skipped.*|expected failure)$", re.M)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> tuple[dict, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": str(world), "TEMP_DIR": tmp,
+               "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(timeout_s)}
+        names = [f"TestDistBackendWithSpawn.{t}" for t in tests]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "suite_main.py"), "-v", *names], env=env,
+                              capture_output=True, text=True, timeout=timeout_s * max(1, len(tests)) + 600)
+    text = re.sub(r"I\d{4} [^\n]*\n", "", proc.stdout + proc.stderr)  # the suite's process log lines
+    if os.environ.get("TORCH_SUITE_LOG_DIR"):  # the whole output, for reading failures
+        with open(os.path.join(os.environ["TORCH_SUITE_LOG_DIR"], f"{backend}.log"), "w") as f:
+            f.write(text)
+    results = {m.group(1): _outcome(m.group(2)) for m in LINE.finditer(text)}
+    for t in tests:
+        results.setdefault(t, "not run")
+    return results, time.monotonic() - start
+
+
+def _outcome(word: str) -> str:
+    return {"ok": "pass", "FAIL": "fail", "ERROR": "fail"}.get(word, "skip" if word.startswith("skipped") else word)
+
+
+def table(runs: dict, world: int, subset: bool) -> str:
+    backends = list(runs)
+    lines = [f"World size {world}; {'the subset in tests/torch_suite/run.py' if subset else 'every test'}.", "",
+             "| backend | pass | fail | skip | not run | minutes |", "|---|---|---|---|---|---|"]
+    for b, (res, secs) in runs.items():
+        count = lambda k: sum(v == k for v in res.values())
+        lines.append(f"| {b} | {count('pass')} | {count('fail')} | {count('skip')} | {count('not run')} | {secs / 60:.1f} |")
+    lines += ["", "| test | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for t in sorted(next(iter(runs.values()))[0]):
+        lines.append(f"| {t} | " + " | ".join(runs[b][0].get(t, "-") for b in backends) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tests", nargs="*")
+    ap.add_argument("--all", action="store_true", help="every test of the suite (hours)")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=120, help="seconds per test")
+    ap.add_argument("--backends", default="commrt,gloo")
+    ap.add_argument("--out", default="", help="write the table here")
+    args = ap.parse_args()
+    tests = args.tests or SUBSET
+    if args.all:
+        from torch.testing._internal.distributed.distributed_test import DistributedTest
+        tests = sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_"))
+    runs = {b: run_backend(b, tests, args.world, args.timeout) for b in args.backends.split(",")}
+    text = table(runs, args.world, not args.all and not args.tests)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
