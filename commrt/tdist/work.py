@@ -21,6 +21,21 @@ from ..work import CommTimeout
 log = logging.getLogger(__name__)
 
 
+class _Set:
+    """An event that is already set (the handle of a synchronous call needs no real one)."""
+
+    @staticmethod
+    def is_set() -> bool:
+        return True
+
+    @staticmethod
+    def wait(_timeout=None) -> bool:
+        return True
+
+
+_SET = _Set()
+
+
 class TorchWork(dist.Work):
     """``wait(timeout)``, ``is_completed()``, ``get_future()`` (value: the op's output tensors,
     as torch's backends give them) and ``exception()``."""
@@ -29,13 +44,15 @@ class TorchWork(dist.Work):
         super().__init__()
         self._name, self._result, self._after = name, result, after
         self._works = [w for w in works if w is not None]
-        self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made when asked for (not on the sync path)
+        self._lock = threading.Lock()  # the future's creation vs. completion
         if self._works:
+            self._done = threading.Event()
             self._works[-1].add_done_callback(self._last_finished)  # ops finish in issue order
         else:
-            self._complete()
+            self._done = _SET  # ran synchronously: nothing to wait for
+            self._finish_after()
 
     @classmethod
     def done(cls, name: str, result: list) -> TorchWork:
@@ -45,23 +62,28 @@ class TorchWork(dist.Work):
     def _last_finished(self, _work) -> None:
         try:  # runs on commrt's executor thread: it must never raise there
             self._error = next((w.exception() for w in self._works if w.exception() is not None), None)
-            self._complete()
+            self._finish_after()
         except BaseException as exc:  # a failing copy-out is the op's error, handed to the waiter
-            log.debug("%s: completion failed: %s", self._name, exc)
             self._error = exc
+        with self._lock:
             self._done.set()
+            future = self._future
+        if future is not None:
+            self._settle(future)
 
-    def _complete(self) -> None:
+    def _finish_after(self) -> None:
         if self._error is None and self._after is not None:
             try:
                 self._after()
             except BaseException as exc:
+                log.debug("%s: copy-out failed: %s", self._name, exc)
                 self._error = exc
-        self._done.set()
+
+    def _settle(self, future: torch.futures.Future) -> None:
         if self._error is not None:
-            self._future.set_exception(self._error)
+            future.set_exception(self._error)
         else:
-            self._future.set_result(self._result)
+            future.set_result(self._result)
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -83,7 +105,14 @@ class TorchWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future = self._future = torch.futures.Future()
+            settle = self._done.is_set()  # else _last_finished will (it reads the future under the lock)
+        if settle:
+            self._settle(future)  # outside the lock: the future's callbacks run here
+        return future
 
     def result(self) -> list:
         self.wait()
