@@ -10,8 +10,8 @@ is bounded by the suite's own per-test timeout (DISTRIBUTED_TESTS_DEFAULT_TIMEOU
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,30 +26,30 @@ SUBSET = [
     "test_irecv", "test_send_recv_any_source", "test_batch_isend_irecv_gloo", "test_barrier",
     "test_monitored_barrier_gloo", "test_DistributedDataParallelCPU",
 ]
-LINE = re.compile(r"^(test_\w+) \(.*?\) \.\.\. .*?(ok|FAIL|ERROR|skipped.*|expected failure)$", re.M)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> tuple[dict, float]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": str(world), "TEMP_DIR": tmp,
-               "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(timeout_s)}
+               "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(timeout_s),
+               "TORCH_SUITE_RESULTS": os.path.join(tmp, "results.json")}
         names = [f"TestDistBackendWithSpawn.{t}" for t in tests]
         start = time.monotonic()
         proc = subprocess.run([sys.executable, os.path.join(HERE, "suite_main.py"), "-v", *names], env=env,
                               capture_output=True, text=True, timeout=timeout_s * max(1, len(tests)) + 600)
-    text = re.sub(r"I\d{4} [^\n]*\n", "", proc.stdout + proc.stderr)  # the suite's process log lines
+        text = proc.stdout + proc.stderr
+        try:
+            with open(env["TORCH_SUITE_RESULTS"]) as f:
+                results = json.load(f)
+        except FileNotFoundError:  # the run died: every test counts as not run
+            results = {}
     if os.environ.get("TORCH_SUITE_LOG_DIR"):  # the whole output, for reading failures
         with open(os.path.join(os.environ["TORCH_SUITE_LOG_DIR"], f"{backend}.log"), "w") as f:
             f.write(text)
-    results = {m.group(1): _outcome(m.group(2)) for m in LINE.finditer(text)}
     for t in tests:
         results.setdefault(t, "not run")
     return results, time.monotonic() - start
-
-
-def _outcome(word: str) -> str:
-    return {"ok": "pass", "FAIL": "fail", "ERROR": "fail"}.get(word, "skip" if word.startswith("skipped") else word)
 
 
 def table(runs: dict, world: int, subset: bool) -> str:
@@ -57,7 +57,7 @@ def table(runs: dict, world: int, subset: bool) -> str:
     lines = [f"World size {world}; {'the subset in tests/torch_suite/run.py' if subset else 'every test'}.", "",
              "| backend | pass | fail | skip | not run | minutes |", "|---|---|---|---|---|---|"]
     for b, (res, secs) in runs.items():
-        count = lambda k: sum(v == k for v in res.values())
+        count = lambda k: sum(v.split(":")[0] == k for v in res.values())
         lines.append(f"| {b} | {count('pass')} | {count('fail')} | {count('skip')} | {count('not run')} | {secs / 60:.1f} |")
     lines += ["", "| test | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
     for t in sorted(next(iter(runs.values()))[0]):

@@ -2,12 +2,13 @@
 driven the way PyTorch's test/distributed/test_distributed_spawn.py drives it: env BACKEND,
 WORLD_SIZE, TEMP_DIR (INIT_METHOD: the suite's file:// store), one process per rank per test.
 Run through tests/torch_suite/run.py, which runs commrt and gloo and writes the table."""
+import json
 import os
 import sys
+import unittest
 
 import torch.distributed as dist  # noqa: F401
 from torch.testing._internal.common_distributed import DistTestCases
-from torch.testing._internal.common_utils import run_tests
 
 import commrt  # noqa: F401 (registers the "commrt" backend)
 
@@ -25,6 +26,30 @@ if os.environ.get("BACKEND") in ("commrt", "gloo"):
             super().setUp()
             self._spawn_processes()
 
+
+class Recording(unittest.TextTestResult):
+    """unittest's verdicts by test name (the suite's ranks log to the same streams)."""
+    outcomes: dict = {}
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.outcomes[test._testMethodName] = "pass"
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.outcomes[test._testMethodName] = "fail"
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.outcomes[getattr(test, "_testMethodName", str(test))] = "fail"
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.outcomes[test._testMethodName] = f"skip: {reason}"
+
+
 if __name__ == "__main__":
-    sys.argv[1:1] = []
-    run_tests()
+    runner = unittest.TextTestRunner(resultclass=Recording, verbosity=2)
+    unittest.main(module="__main__", testRunner=runner, exit=False)
+    with open(os.environ["TORCH_SUITE_RESULTS"], "w") as f:
+        json.dump(Recording.outcomes, f)
