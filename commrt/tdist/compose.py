@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from ..collectives.reduce_ops import ReduceOp
 
@@ -23,6 +24,11 @@ def op_name(op) -> str:
 
 def reduce_op(op) -> ReduceOp | None:
     """commrt's op for a torch one; None for the bitwise ops (folded locally, see ``fold``)."""
+    kind = getattr(op, "op", op)
+    try:
+        return _BY_KIND[kind]  # the common case: one dict look-up per call
+    except (KeyError, TypeError):
+        pass
     name = op_name(op)
     if name in _BITWISE:
         return None
@@ -30,6 +36,9 @@ def reduce_op(op) -> ReduceOp | None:
         raise NotImplementedError("commrt backend: PREMUL_SUM is not supported; scale the tensor "
                                   "and use SUM (what NCCL's premul does)")
     return ReduceOp[name]
+
+
+_BY_KIND = {getattr(dist.ReduceOp, n): ReduceOp[n] for n in ReduceOp.__members__}
 
 
 def fold(op, gathered: torch.Tensor, out: torch.Tensor) -> None:

@@ -49,13 +49,15 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return f"CommrtProcessGroup(rank {self.rank()} of {self.size()}, global ranks {self._members})"
 
     def _issue(self, name: str, opts, launch: _Launch, result: list,
-               after: Callable[[], None] | None = None) -> TorchWork:
-        if getattr(opts, "asyncOp", True):
+               after: Callable[[], None] | None = None) -> TorchWork | None:
+        """Run ``launch``; a synchronous call returns None once done, which torch's Python API
+        accepts ("backends that sync at the C++ level"): no handle is made on the latency path."""
+        if opts.asyncOp:
             return TorchWork(name, launch(True), result, after)
         launch(False)
         if after is not None:
             after()
-        return TorchWork.done(name, result)
+        return None
 
     def _reduce_flat(self, flat: torch.Tensor, op) -> tuple[_Launch, Callable[[], None] | None]:
         """All-reduce of one flat tensor: commrt's op, or (bitwise ops) an all-gather and a fold."""
@@ -70,6 +72,10 @@ class CommrtProcessGroup(dist.ProcessGroup):
     # -- reductions ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
         (t,) = _one(tensors, "allreduce")
+        rop = reduce_op(opts.reduceOp)
+        if rop is not None and not opts.asyncOp and t.dtype != torch.bool:  # the latency path, direct
+            self._b.all_reduce(t, rop, False)
+            return None
         launch, after = self._reduce_flat(wire_view(t), opts.reduceOp)
         return self._issue("allreduce", opts, launch, [t], after)
 
@@ -229,7 +235,6 @@ class CommrtProcessGroup(dist.ProcessGroup):
 
 def _one(items, what: str) -> list:
     """torch's per-device lists: one device per process here."""
-    items = list(items)
     if len(items) != 1:
         raise ValueError(f"commrt backend: {what} takes one tensor (list) per process, got {len(items)}")
     return items
