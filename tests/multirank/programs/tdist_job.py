@@ -136,6 +136,22 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float, what: str) -
         assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g} (tolerance {tol:g})"
 
 
+def subgroups(rank: int, world: int) -> None:
+    """new_group(backend="commrt") on every other rank: group ranks differ from global ones (each
+    creator call gets a prefixed store and its members' global ranks); src/dst are global."""
+    members = list(range(0, world, 2))
+    sub = dist.new_group(members, backend="commrt")
+    if rank in members:
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=sub)
+        assert t.tolist() == [float(sum(r + 1 for r in members))] * 3, t
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=members[-1], group=sub)
+        assert b.tolist() == [float(members[-1])] * 2, b
+        assert dist.get_backend(sub) == "commrt" and dist.get_rank(sub) == members.index(rank)
+    print(f"OK subgroups rank {rank}", flush=True)
+
+
 def faults(case: str, rank: int, world: int) -> None:
     """peerlost: the last rank leaves after init; the others' all_reduce raises commrt's PeerLost
     naming it, through torch's API. wrongsecret: the last rank has another job secret, so its
@@ -150,6 +166,7 @@ def faults(case: str, rank: int, world: int) -> None:
         print(f"OK {case} init refused: {type(exc).__name__}: {exc}", flush=True)
         os._exit(0)
     assert case == "peerlost", "init with a wrong secret succeeded"
+    subgroups(rank, world)
     dist.barrier()  # every connection is up and used ...
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
