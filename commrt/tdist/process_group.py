@@ -80,11 +80,22 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return self._issue("allreduce", opts, launch, [t], after)
 
     def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
-        same_dtype(tensors, "allreduce_coalesced")
-        flat = flat_cat(tensors)
-        launch, fold = self._reduce_flat(flat, opts.reduceOp)
-        return self._issue("allreduce_coalesced", opts, launch, list(tensors),
-                           lambda: (fold and fold(), copy_out(flat, tensors)))
+        """One flat all-reduce per dtype (in order of first appearance, the same on every rank)."""
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(wire_view(t).dtype, []).append(t)
+        parts = []
+        for group in by_dtype.values():
+            flat = flat_cat(group)
+            parts.append((group, flat, *self._reduce_flat(flat, opts.reduceOp)))
+
+        def after():
+            for group, flat, _, fold in parts:
+                if fold is not None:
+                    fold()
+                copy_out(flat, group)
+        return self._issue("allreduce_coalesced", opts,
+                           lambda a: [w for _, _, launch, _ in parts for w in launch(a)], list(tensors), after)
 
     def reduce(self, tensors, opts=c10d.ReduceOptions()):
         (t,) = _one(tensors, "reduce")

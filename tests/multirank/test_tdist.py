@@ -34,8 +34,10 @@ def test_ddp_and_fsdp_at_more_ranks(nproc):
     _run(nproc, "ddp", "ddp_no_sync", "fsdp", "fsdp_keep", timeout_s=400)
 
 
-def test_subgroups_then_a_dead_rank_surfaces_through_torch_as_peer_lost_naming_it():
+def test_every_op_and_subgroups_then_a_dead_rank_surfaces_through_torch_as_peer_lost_naming_it():
+    """programs/tdist_ops.py checks every operation against a single-process computation."""
     _, out = run_ranks(3, "tdist_job", "peerlost", env={"COMMRT_COMM_TIMEOUT_S": "10"}, timeout_s=120)
+    assert out.count("OK ops") == 3, out[-3000:]
     assert out.count("OK subgroups") == 3, out[-3000:]
     assert out.count("OK peerlost") == 2 and out.count("lost peer rank 2") == 2, out[-3000:]
 

@@ -166,6 +166,8 @@ def faults(case: str, rank: int, world: int) -> None:
         print(f"OK {case} init refused: {type(exc).__name__}: {exc}", flush=True)
         os._exit(0)
     assert case == "peerlost", "init with a wrong secret succeeded"
+    from tests.multirank.programs.tdist_ops import check_all
+    check_all(rank, world)
     subgroups(rank, world)
     dist.barrier()  # every connection is up and used ...
     store = dist.distributed_c10d._get_default_store()
