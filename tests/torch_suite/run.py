@@ -30,8 +30,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> tuple[dict, float]:
+    """``backend`` "commrt@gloo": commrt running the tests the suite selects for gloo."""
+    backend, _, select = backend.partition("@")
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": str(world), "TEMP_DIR": tmp,
+        env = {**os.environ, "BACKEND": select or backend, "WORLD_SIZE": str(world), "TEMP_DIR": tmp,
+               "SUITE_RUN_BACKEND": backend if select else "",
                "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(timeout_s),
                "TORCH_SUITE_RESULTS": os.path.join(tmp, "results.json")}
         names = [f"TestDistBackendWithSpawn.{t}" for t in tests]
@@ -45,7 +48,7 @@ def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> t
         except FileNotFoundError:  # the run died: every test counts as not run
             results = {}
     if os.environ.get("TORCH_SUITE_LOG_DIR"):  # the whole output, for reading failures
-        with open(os.path.join(os.environ["TORCH_SUITE_LOG_DIR"], f"{backend}.log"), "w") as f:
+        with open(os.path.join(os.environ["TORCH_SUITE_LOG_DIR"], f"{backend}-{select}.log"), "w") as f:
             f.write(text)
     for t in tests:
         results.setdefault(t, "not run")
@@ -71,7 +74,8 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every test of the suite (hours)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=120, help="seconds per test")
-    ap.add_argument("--backends", default="commrt,gloo")
+    ap.add_argument("--backends", default="commrt,gloo",
+                    help="comma-separated; commrt@gloo runs commrt on the tests selected for gloo")
     ap.add_argument("--out", default="", help="write the table here")
     args = ap.parse_args()
     tests = args.tests or SUBSET
