@@ -55,9 +55,9 @@ def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> t
     return results, time.monotonic() - start
 
 
-def table(runs: dict, world: int, subset: bool) -> str:
+def table(runs: dict, world: int, which: str) -> str:
     backends = list(runs)
-    lines = [f"World size {world}; {'the subset in tests/torch_suite/run.py' if subset else 'every test'}.", "",
+    lines = [f"World size {world}; {which or 'the subset in tests/torch_suite/run.py'}.", "",
              "| backend | pass | fail | skip | not run | minutes |", "|---|---|---|---|---|---|"]
     for b, (res, secs) in runs.items():
         count = lambda k: sum(v.split(":")[0] == k for v in res.values())
@@ -83,7 +83,7 @@ def main() -> None:
         from torch.testing._internal.distributed.distributed_test import DistributedTest
         tests = sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_"))
     runs = {b: run_backend(b, tests, args.world, args.timeout) for b in args.backends.split(",")}
-    text = table(runs, args.world, not args.all and not args.tests)
+    text = table(runs, args.world, "every test" if args.all else ("the named tests" if args.tests else ""))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
