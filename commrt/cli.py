@@ -237,8 +237,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
         from .apps.ps_server import main as server_main
         return server_main(argv[1:])
-    if argv[:1] == ["node"]:  # a scheduler's node: its own parser (commrt/deploy/node.py)
-        from .deploy.node import main as node_main
+    if argv[:1] == ["node"]:  # a scheduler's node: its own parser (commrt/apps/node.py)
+        from .apps.node import main as node_main
         return node_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from .bench.ps import main as bench_ps

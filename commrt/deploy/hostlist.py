@@ -16,7 +16,7 @@ from ..errors import ConfigError
 MAX_HOSTS = 100_000  # a bound on expansion, so a typo like node[1-999999999] fails instead of eating memory
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
-_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:@\-\[\]]+$")  # user@host, IPv6 in brackets
 
 
 def _split_top(spec: str) -> list[str]:

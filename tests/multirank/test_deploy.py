@@ -93,20 +93,47 @@ def test_hosts_launcher_runs_a_collective_job_over_ssh(tmp_path):
     authenticate (the secret file is unreachable)."""
     hosts = ["node01", "node02"]
     with named_cluster([[h] for h in hosts]) as net:
-        (tmp_path / "hosts").write_text("# two nodes\nnode01 slots=2\nnode02 slots=2\n")
+        (tmp_path / "hosts").write_text("# two nodes\nnode01 slots=1\nnode02\n")
         secret, log = new_secret(), tmp_path / "ssh.log"
         env = _base_env(COMMRT_JOB_SECRET=secret, COMMRT_SECURITY_ALLOW_INSECURE="1",
                         COMMRT_SECURITY_SECRET_FILE="/proc/nonexistent/job_secret", FAKE_SSH_LOG=str(log),
                         FAKE_SSH_NAMESPACES=",".join(f"{h}={ns}" for h, ns in zip(hosts, net.namespaces)))
         cmd = [PY, "-m", "commrt.cli", "launch", "--hosts", str(tmp_path / "hosts"), "-n", "1",
                "--master-port", str(free_port()), "--ssh", f"{PY} {FAKES}/ssh.py", "--timeout", "200",
-               "--", PY, "-m", "tests.multirank.programs.deploy_collective", "2", "2"]
+               "--", PY, "-m", "tests.multirank.programs.deploy_collective", "2", "1"]
         (out,) = run_all([(cmd, env)], timeout_s=240)
-    assert out.count("deploy collective passed on 2 nodes x 2 ranks") == 4, out[-4000:]
+    assert out.count("deploy collective passed on 2 nodes x 1 ranks") == 2, out[-4000:]
     sent = log.read_text()
     assert sent.count("BatchMode") == 2 and secret not in sent and secret not in out
 
 
+FAKE_SSH = """#!/bin/sh
+# -o BatchMode=yes HOST COMMAND: host 'bad' fails at once, the others run until their stdin ends
+read -r secret
+echo "$3 $secret" >> "$SSH_SEEN"
+[ "$3" = bad ] && exit 5
+cat > /dev/null
+echo "$3 stopped"
+"""
+
+
+def test_hosts_launcher_hands_the_secret_over_stdin_and_stops_the_rest_on_a_failure(tmp_path):
+    """The launcher's own logic with a stand-in ssh that runs nothing remote (no root needed)."""
+    ssh, seen = tmp_path / "ssh", tmp_path / "seen"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    (tmp_path / "hosts").write_text("good1\nbad\ngood2\n")
+    secret = new_secret()
+    proc = subprocess.run([PY, "-m", "commrt.cli", "launch", "--hosts", str(tmp_path / "hosts"), "-n", "1",
+                           "--ssh", str(ssh), "--timeout", "60", "--", "true"], capture_output=True, text=True,
+                          env=_base_env(COMMRT_JOB_SECRET=secret, SSH_SEEN=str(seen)), cwd=ROOT, timeout=120)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert sorted(seen.read_text().split("\n")[:-1]) == [f"{h} {secret}" for h in ("bad", "good1", "good2")]
+    assert "[good1] good1 stopped" in proc.stdout and "[good2] good2 stopped" in proc.stdout, proc.stdout
+    assert "stopped every host" in proc.stderr and secret not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hosts_launcher_stops_every_host_when_one_fails(tmp_path):
     hosts = ["node01", "node02"]

@@ -6,10 +6,11 @@
     commrt node k8s worker|server ...                               # a pod of the Job / StatefulSet
     commrt node attach -- LAUNCH-ARGS                               # the far end of launch --hosts
 
-The scheduler's variables are mapped by ``plan`` (pure); this module only reads the environment
-and replaces itself with the resulting ``commrt launch`` / ``commrt server`` (exec, so the
-scheduler's SIGTERM reaches the launcher, which stops its ranks). ``--dry-run`` prints the
-command and the variables it adds (never the job secret) instead.
+The scheduler's variables are mapped by ``commrt.deploy.plan`` (pure); this program only reads the
+environment and becomes the resulting ``commrt launch`` / ``commrt server``: it runs it in this
+process (one interpreter start fewer per node), so the scheduler's SIGTERM reaches the launcher,
+which stops its ranks. ``--dry-run`` prints the command and the variables it adds (never the job
+secret) instead.
 """
 from __future__ import annotations
 
@@ -17,12 +18,11 @@ import argparse
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 
-from ..errors import ConfigError
-from . import plan as P
+from commrt.deploy import plan as P
+from commrt.errors import ConfigError
 
 MAPPERS = {"slurm": P.slurm_plan, "k8s": P.k8s_plan}
 
@@ -53,25 +53,19 @@ def resolve(args, program: list[str], environ) -> tuple[list[str], dict[str, str
 
 
 def _attach(argv: list[str]) -> int:
-    """Run ``commrt launch ARGS`` with the job secret read from the first line of stdin (it never
-    appears on a command line); stdin's end (the ssh connection dropped, or the launching side
-    stopped us) stops the launch with SIGTERM, which stops its ranks."""
-    env = dict(os.environ)
+    """Run ``commrt launch ARGS`` here with the job secret read from the first line of stdin (it
+    never appears on a command line); stdin's end (the ssh connection dropped, or the launching
+    side stopped us) is a SIGTERM to ourselves, which makes the launch stop its ranks."""
+    from commrt.cli import main as cli_main
     secret = sys.stdin.readline().strip()
     if secret:
-        env[P.SECRET_NAME] = secret
-    child = subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", *argv], env=env, stdin=subprocess.DEVNULL)
+        os.environ[P.SECRET_NAME] = secret
 
     def watch() -> None:
         sys.stdin.read()  # returns at EOF
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=watch, daemon=True).start()
-    try:
-        return child.wait()
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGTERM)
-        return child.wait()
+    return cli_main(["launch", *argv])
 
 
 def main(argv=None) -> int:
@@ -89,5 +83,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items())), shlex.join(command))
         return 0
-    sys.stdout.flush()
-    os.execvpe(command[0], command, {**os.environ, **added})
+    os.environ.update(added)
+    if args.role == "rank":  # the program itself, with torchrun's variables
+        sys.stdout.flush()
+        os.execvp(command[0], command)
+    from commrt.cli import main as cli_main
+    return cli_main(command[3:])  # [python, -m, commrt.cli, launch|server, ...]
