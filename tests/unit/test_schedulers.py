@@ -45,9 +45,10 @@ def test_tasks_per_node():
 
 
 def _slurm(**extra) -> dict:
-    """A worker step of `srun --nodes=2 --ntasks-per-node=1` in a 3-node job with 1 shard."""
+    """A worker step of `srun --nodes=2 --ntasks-per-node=1` in a 3-node job with 1 shard (SLURM_PROCID
+    equals SLURM_NODEID there; it differs here so that a test tells which one the mapping reads)."""
     env = dict(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node[01-03]", SLURM_JOB_NUM_NODES="3", SLURM_NNODES="2",
-               SLURM_NODEID="1", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_NTASKS="2",
+               SLURM_NODEID="1", SLURM_PROCID="3", SLURM_LOCALID="0", SLURM_NTASKS="2",
                COMMRT_DEPLOY_WORKER_NODES="2", COMMRT_DEPLOY_NPROC="4", COMMRT_DEPLOY_SERVERS="1")
     env.update(extra)
     return env
