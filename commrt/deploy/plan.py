@@ -141,10 +141,13 @@ def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
         local_world = counts[node] if node < len(counts) else counts[-1]
     else:
         local_world = _int(env, "SLURM_NTASKS_PER_NODE")
-    return dict(RANK=str(_int(env, "SLURM_PROCID")), WORLD_SIZE=str(_int(env, "SLURM_NTASKS", least=1)),
-                LOCAL_RANK=str(_int(env, "SLURM_LOCALID")), LOCAL_WORLD_SIZE=str(local_world),
-                GROUP_RANK=str(node), NODE_RANK=str(node), MASTER_ADDR=hosts[0],
-                MASTER_PORT=str(_int(env, "MASTER_PORT", DEFAULT_PORT, 1)))
+    out = dict(RANK=str(_int(env, "SLURM_PROCID")), WORLD_SIZE=str(_int(env, "SLURM_NTASKS", least=1)),
+               LOCAL_RANK=str(_int(env, "SLURM_LOCALID")), LOCAL_WORLD_SIZE=str(local_world),
+               GROUP_RANK=str(node), NODE_RANK=str(node), MASTER_ADDR=hosts[0],
+               MASTER_PORT=str(_int(env, "MASTER_PORT", DEFAULT_PORT, 1)))
+    if not env.get("COMMRT_CLUSTER_BIND_HOST"):  # as for a worker node: reachable from the other nodes
+        out["COMMRT_CLUSTER_BIND_HOST"] = "0.0.0.0"
+    return out
 
 
 def _ordinal(name: str, what: str) -> tuple[str, int]:

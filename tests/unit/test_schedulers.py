@@ -102,7 +102,8 @@ def test_slurm_one_task_per_rank_gives_torchrun_variables():
     env = dict(SLURM_JOB_NODELIST="gpu[7-9]", SLURM_PROCID="5", SLURM_NTASKS="7", SLURM_LOCALID="1",
                SLURM_NODEID="2", SLURM_TASKS_PER_NODE="3(x2),1")
     assert P.slurm_rank_env(env) == dict(RANK="5", WORLD_SIZE="7", LOCAL_RANK="1", LOCAL_WORLD_SIZE="1",
-                                         GROUP_RANK="2", NODE_RANK="2", MASTER_ADDR="gpu7", MASTER_PORT="29500")
+                                         GROUP_RANK="2", NODE_RANK="2", MASTER_ADDR="gpu7", MASTER_PORT="29500",
+                                         COMMRT_CLUSTER_BIND_HOST="0.0.0.0")
     env = {k: v for k, v in env.items() if k != "SLURM_TASKS_PER_NODE"}
     assert P.slurm_rank_env({**env, "SLURM_NTASKS_PER_NODE": "3"})["LOCAL_WORLD_SIZE"] == "3"
     with pytest.raises(ConfigError, match="SLURM_NTASKS_PER_NODE"):
