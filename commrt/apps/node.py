@@ -18,6 +18,7 @@ import argparse
 import os
 import shlex
 import signal
+import socket
 import sys
 import threading
 
@@ -76,7 +77,9 @@ def main(argv=None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     try:
-        command, added = resolve(args, argv[cut + 1:], os.environ)
+        # HOSTNAME: container runtimes set it; a shell may not export it
+        environ = {"HOSTNAME": socket.gethostname(), **os.environ}
+        command, added = resolve(args, argv[cut + 1:], environ)
     except ConfigError as exc:
         print(f"commrt node: {exc}", file=sys.stderr)
         return 2
