@@ -294,7 +294,7 @@ def _call(rec, fn, *args):
     try:
         work = fn(*args)
     except BaseException as exc:
-        rec.done(exc)
+        rec.end(exc)
         raise
     return Observer.issued(rec, work)
 

@@ -36,16 +36,25 @@ class Record:
             self.state, self.started = STARTED, time.perf_counter()
 
     def done(self, error: BaseException | None) -> None:
-        """Completed or failed: from the caller (sync), or from ``Work._finish`` (async)."""
-        ring = self.ring
-        with ring.lock:  # an async op's completion may race with its registration
+        """An async op completed or failed (``Work._finish``); exactly once even when that
+        races with the op's registration (``Observer.issued``)."""
+        with self.ring.lock:
             if self.ended is not None:
                 return
             self.ended = time.perf_counter()
-        self.state = COMPLETED if error is None else FAILED
-        if error is not None:
-            self.error = f"{type(error).__name__}: {error}"
-        ring.observer.completed(self, error)
+        self._end(error)
+
+    def end(self, error: BaseException | None) -> None:
+        """A sync op returned or raised, in the caller's thread: nothing else can end it."""
+        self.ended = time.perf_counter()
+        self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        if error is None:
+            self.state = COMPLETED
+        else:
+            self.state, self.error = FAILED, f"{type(error).__name__}: {error}"
+        self.ring.observer.completed(self, error)
 
     def timed_out(self, error: BaseException) -> None:
         """``Work.wait(timeout)`` gave up: the op is still pending, but the rank may be stuck."""

@@ -61,7 +61,7 @@ class Observer:
     @staticmethod
     def issued(rec: flight.Record, work: Work | None) -> Work | None:
         if work is None:
-            rec.done(None)
+            rec.end(None)
         else:
             work._flight = rec
             if work._done.is_set():  # finished before it was registered (done() runs once)
