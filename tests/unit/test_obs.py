@@ -136,11 +136,12 @@ def test_observer_dumps_on_typed_errors_and_sigusr1(tmp_path):
         (dump,) = flight.read_dumps(str(tmp_path))
         assert dump["rank"] == 1 and "PeerLost" in dump["reason"] and dump["groups"][0]["last_seq"] == 4
         os.remove(tmp_path / "rank1.json")
-        if signal.getsignal(signal.SIGUSR1) == obs._on_signal:
-            os.kill(os.getpid(), signal.SIGUSR1)
-            assert flight.read_dumps(str(tmp_path))[0]["reason"] == "SIGUSR1"
+        assert signal.getsignal(signal.SIGUSR1) == obs._on_signal  # no handler of the program's own
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flight.read_dumps(str(tmp_path))[0]["reason"] == "SIGUSR1"
     finally:
         obs.close()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # given back
 
 
 def _dump(rank, entries, world=3, gid=0, ranks=(0, 1, 2)):
