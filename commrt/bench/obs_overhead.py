@@ -1,6 +1,7 @@
 """What observing costs, per op: ``commrt launch -n 2 -- python -m commrt.bench.obs_overhead``.
 
-Three modes alternate sample by sample in one job (so a loaded machine shifts them alike):
+Three modes alternate op by op in one job (so a loaded machine shifts them alike; medians of
+single ops shrug off load spikes):
 ``none`` (no observer: no flight record, no log), ``flight`` (the default: the flight recorder
 only) and ``comms`` (``[log] comms = true``: the flight recorder and the comms log). Rank 0
 logs the median microseconds per op of each and the ratios.
@@ -21,6 +22,7 @@ log = logging.getLogger("commrt.bench.obs_overhead")
 
 
 def _time(tensor, ops: int) -> float:
+    """Mean microseconds per op of ``ops`` all_reduces (the warm-up)."""
     start = time.perf_counter()
     for _ in range(ops):
         dist.all_reduce(tensor)
@@ -52,13 +54,15 @@ def main(argv=None) -> int:
     modes = {"none": None, "flight": None, "comms": CommsLog(), "none'": None}
     _time(tensor, args.ops)  # warm-up: connections, buffers
     times: dict[str, list[float]] = {m: [] for m in modes}
-    for s in range(args.samples):
-        k = s % len(modes)
-        order = list(modes)[k:] + list(modes)[:k]  # every mode in every position
-        for mode in order:
-            dist._observer = None if mode.startswith("none") else obs
-            obs.comms = modes[mode]
-            times[mode].append(_time(tensor, args.ops))
+    names = list(modes)
+    for s in range(args.samples * args.ops):  # op by op: a load spike hits one op, not a mode
+        k = (s // len(names)) % len(names)
+        mode = names[(s + k) % len(names)]  # every mode in every position of the rotation
+        dist._observer = None if mode.startswith("none") else obs
+        obs.comms = modes[mode]
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times[mode].append((time.perf_counter() - start) * 1e6)
     dist._observer, obs.comms = obs, None
     if dist.get_rank() == 0:
         flight_us = statistics.median(hook_us(obs) for _ in range(5))

@@ -174,3 +174,16 @@ def test_analysis_names_the_minority_in_a_mismatch_and_both_in_a_tie():
     assert sorted(f.rank for f in findings) == [0, 1]
     findings, lines = analyze.analyze([_dump(r, good) for r in range(3)])
     assert findings == [] and "no rank is missing" in lines[-1]
+
+
+def test_verbose_logs_one_json_line_per_op(caplog):
+    cfg = load_config(None, environ={"COMMRT_LOG_COMMS": "1", "COMMRT_LOG_VERBOSE": "1"})
+    obs = Observer(cfg, 0, 2)
+    try:
+        with caplog.at_level("INFO", logger="commrt.obs"):
+            obs.issued(obs.begin(_group(), "broadcast", 80, torch.float64), None)
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith("{")]
+        assert (line["op"], line["nbytes"], line["dtype"], line["state"], line["seq"]) == \
+            ("broadcast", 80, "float64", "completed", 1)
+    finally:
+        obs.close()
