@@ -8,6 +8,7 @@ API on this group (the init barrier and group set-up are not among them).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -15,6 +16,7 @@ import time
 
 QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
 VERSION = 1
+_TMP_IDS = itertools.count()  # a dump from a signal handler may interrupt one in progress
 
 
 class Record:
@@ -119,7 +121,7 @@ def write_dump(directory: str, dump: dict) -> str:
     """Atomically (a reader never sees half a dump); a later dump of the same rank replaces it."""
     os.makedirs(directory, exist_ok=True)
     path = dump_path(directory, dump["rank"])
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
     with open(tmp, "w") as fh:
         json.dump(dump, fh, indent=1)
     os.replace(tmp, path)

@@ -36,6 +36,7 @@ class Observer:
         self.rings: dict[int, flight.GroupRing] = {}
         self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock
         self._closed = False
+        self._last_dump: tuple[str, float] = ("", 0.0)
         self._old_handler = None
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) in (
                 signal.SIG_DFL, None):
@@ -94,6 +95,10 @@ class Observer:
 
     # -- dumps, the summary, the end -----------------------------------------------------------
     def dump(self, reason: str) -> str | None:
+        now = time.monotonic()
+        if self._last_dump[0] == reason and now - self._last_dump[1] < 1.0:
+            return None  # the same error again (a polling wait, every async op of a broken group)
+        self._last_dump = (reason, now)
         data = flight.snapshot(self.rank, self.world_size, reason, list(self.rings.values()), self.wall0)
         if not self.flight_dir:
             log.warning("rank %d: %s; no flight record written (set [log] flight_dir to keep one)",
