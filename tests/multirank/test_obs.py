@@ -23,7 +23,8 @@ def _expected(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend,nproc", [("zmq", 3), pytest.param("gloo", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend,nproc", [("zmq", 2), pytest.param("zmq", 3, marks=pytest.mark.slow),
+                                            pytest.param("gloo", 2, marks=pytest.mark.slow)])
 def test_comms_summary_counts_what_was_issued(backend, nproc, tmp_path):
     env = {**ENV, "COMMRT_COMM_BACKEND": backend, "COMMRT_LOG_COMMS": "1",
            "COMMRT_LOG_TRACE_FILE": str(tmp_path / "trace.json")}
@@ -48,17 +49,18 @@ def test_comms_summary_counts_what_was_issued(backend, nproc, tmp_path):
     assert len([e for e in ops if e["pid"] == 0]) == sum(c for c, _ in _expected(0, nproc).values())
 
 
-# (mode of programs/failures.py, the rank and op the flight record must blame, finding kind)
-FAULTS = [("dead", 2, "all_reduce", "absent"),  # rank 2 exits between two all_reduces
-          pytest.param("skip", 0, "all_reduce", "absent", marks=pytest.mark.slow),  # rank 0 skips one and leaves
-          ("count", 0, "all_reduce", "mismatch")]  # rank 0 all_reduces 101 elements, the others 100
+# (mode of programs/failures.py, ranks, the rank and op the flight record must blame, finding kind)
+FAULTS = [("dead", 2, 1, "all_reduce", "absent"),  # the last rank exits between two all_reduces
+          pytest.param("dead", 3, 2, "all_reduce", "absent", marks=pytest.mark.slow),
+          pytest.param("skip", 3, 0, "all_reduce", "absent", marks=pytest.mark.slow),  # rank 0 skips one, leaves
+          ("count", 3, 0, "all_reduce", "mismatch")]  # rank 0 all_reduces 101 elements, the others 100
 
 
-@pytest.mark.parametrize("mode,rank,op,kind", FAULTS)
-def test_flight_record_names_the_rank_and_op(mode, rank, op, kind, tmp_path):
+@pytest.mark.parametrize("mode,nproc,rank,op,kind", FAULTS)
+def test_flight_record_names_the_rank_and_op(mode, nproc, rank, op, kind, tmp_path):
     env = {**ENV, "COMMRT_COMM_BACKEND": "zmq", "COMMRT_LOG_FLIGHT_DIR": str(tmp_path)}
-    run_ranks(3, "failures", mode, env=env, timeout_s=60, expect_fail=mode == "skip", stop_on_failure=False)
-    findings, lines = analyze.analyze(flight.read_dumps(str(tmp_path)), 3)
+    run_ranks(nproc, "failures", mode, env=env, timeout_s=60, expect_fail=mode == "skip", stop_on_failure=False)
+    findings, lines = analyze.analyze(flight.read_dumps(str(tmp_path)), nproc)
     assert [(f.kind, f.rank, f.op) for f in findings] == [(kind, rank, op)], "\n".join(lines)
     proc = subprocess.run([sys.executable, "-m", "commrt.cli", "flight-record", str(tmp_path)], cwd=ROOT,
                           timeout=60, capture_output=True, text=True)
