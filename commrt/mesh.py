@@ -141,6 +141,13 @@ def _levels(rt) -> _Levels:
     return levels
 
 
+def node_groups() -> tuple[ProcessGroup, ProcessGroup]:
+    """(this rank's node, this local rank on every node): the world's two-level groups, made
+    on first use (collectively: every rank asks in the same world-collective order)."""
+    levels = _levels(distributed._rt())
+    return levels.intra, levels.inter
+
+
 def wants_hierarchical(group, nbytes: int) -> bool:
     """Whether ``group``'s collective of ``nbytes`` runs in two levels ([comm] hierarchical).
     Only the world group: its node groups can be made on demand, since every rank calls the

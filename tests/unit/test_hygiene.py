@@ -23,7 +23,8 @@ ALLOWED = {
     # the transport layer's process-level memory setting, not its sockets)
     "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
     # quantized collectives: compositions of the public API's exact collectives on bytes
-    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats"},
+    # (and the world's node groups from mesh, for the two-hop path on multi-node worlds)
+    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats", "mesh"},
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
