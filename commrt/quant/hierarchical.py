@@ -18,7 +18,7 @@ the ranks with its local index on every node (``commrt.mesh``'s two-level groups
 Every rank gets bit-identical results: the quantized hop's are (see ``exchange``), and the
 node-local hops only move or add exactly what every rank of the node holds. A value that
 cannot be encoded makes every rank raise after the last exchange: the encoding rank and its
-inter peers learn of it from the hop's mark, the rest of the node from a flag carried in the
+inter peers learn of it from the hop's mark, the rest of the node from a NaN flag in the
 last node-local exchange, and a rank whose own input was non-finite names its first bad element.
 """
 from __future__ import annotations
@@ -55,18 +55,18 @@ def _own_problem(x: np.ndarray) -> list[str]:
 
 
 def _node_gather(part: np.ndarray, intra, problems: list[str]) -> np.ndarray:
-    """Exact all-gather of ``part`` inside the node with one flag element per rank (1: that
-    rank saw a problem), so every rank of the node raises together. Returns the M parts."""
+    """Exact all-gather of ``part`` inside the node, returned as [M, part.size]. A rank that
+    saw a problem sends a NaN first element (a decoded value never is NaN: the codec refuses
+    non-finite input), so every rank of the node raises together, at no extra cost."""
     m = dist.get_world_size(intra)
-    send = torch.empty(part.size + 1, dtype=torch.float32)
-    send[:-1] = torch.from_numpy(part)
-    send[-1] = 1.0 if problems else 0.0
-    recv = torch.empty(m * send.numel(), dtype=torch.float32)
-    dist.all_gather_into_tensor(recv, send, group=intra)
-    rows = recv.view(m, -1)
-    if not problems and bool((rows[:, -1] != 0).any()):
+    if problems and part.size:
+        part[0] = np.nan
+    recv = torch.empty(m * part.size, dtype=torch.float32)
+    dist.all_gather_into_tensor(recv, torch.from_numpy(part), group=intra)
+    rows = recv.numpy().reshape(m, part.size)
+    if not problems and part.size and np.isnan(rows[:, 0]).any():
         problems.append("a rank of this node saw values that cannot be quantized (it raised naming them)")
-    return rows[:, :-1].numpy()
+    return rows
 
 
 def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: torch.Tensor,
@@ -75,8 +75,11 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
     from .collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
     m, k = dist.get_world_size(intra), dist.get_world_size(inter)
     part = -(-x.size // m)
-    padded = torch.zeros(part * m, dtype=torch.float32)  # the tail pads the last local rank's part
-    padded[:x.size] = torch.from_numpy(x)
+    if x.size == part * m:  # read in place: the reduce-scatter does not write its input
+        padded = torch.from_numpy(np.asarray(x, dtype=np.float32))
+    else:  # the tail pads the last local rank's part
+        padded = torch.zeros(part * m, dtype=torch.float32)
+        padded[:x.size] = torch.from_numpy(x)
     own = _own_problem(x)
     shard = torch.empty(part, dtype=torch.float32)
     dist.reduce_scatter_tensor(shard, padded, ReduceOp.SUM, group=intra)
@@ -98,7 +101,7 @@ def reduce_scatter(x: np.ndarray, s: int, op: ReduceOp, codec: Codec, intra, int
                    fb: ErrorFeedback | None) -> tuple[np.ndarray, list[Hop], int]:
     """``x`` holds K*M chunks of ``s``; this rank's chunk reduced over the world."""
     m, k = dist.get_world_size(intra), dist.get_world_size(inter)
-    by_local = torch.from_numpy(x).view(k, m, s).transpose(0, 1).contiguous()  # [M, K, s]
+    by_local = torch.from_numpy(np.asarray(x, dtype=np.float32)).view(k, m, s).transpose(0, 1).contiguous()  # [M, K, s]
     node_sums = torch.empty(k * s, dtype=torch.float32)
     dist.reduce_scatter_tensor(node_sums, by_local.view(-1), ReduceOp.SUM, group=intra)
     hop = reduce_hop(node_sums.numpy(), [(j * s, (j + 1) * s) for j in range(k)], codec, inter, like.device,
@@ -118,4 +121,4 @@ def all_gather(x: np.ndarray, codec: Codec, intra, inter, like: torch.Tensor,
     same_local = np.concatenate(hop.values) if s else np.empty(0, dtype=np.float32)  # chunks (0, l) .. (K-1, l)
     by_local = _node_gather(same_local, intra, hop.problems)  # [M, K * s]
     out = np.ascontiguousarray(by_local.reshape(m, k, s).transpose(1, 0, 2)).reshape(-1)
-    return out, [hop], (m - 1) * (k * s + 1) * 4
+    return out, [hop], (m - 1) * k * s * 4
