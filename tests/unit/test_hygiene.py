@@ -27,7 +27,8 @@ ALLOWED = {
     "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats", "mesh"},
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
-    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
+    # (and the topology through mesh: the node size that hybrid sharding and hpZ default to)
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
 }
