@@ -96,6 +96,9 @@ def _bench(args) -> int:
     from .bench import metrics
     from .bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    if args.quant:
+        from .bench.quant import with_quant
+        backends = with_quant(backends, args.quant)
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
                      args.datatype, args.op, args.physical)
@@ -121,7 +124,7 @@ def _bench_rank(spec, args) -> int:
         print(report.table(spec, nproc, rows), flush=True)
         for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
             print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
-                  f"{t['inter_node_bytes']} B", flush=True)
+                  f"{t['inter_node_bytes']} B" + (f"; {t['quant']}" if "quant" in t else ""), flush=True)
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
@@ -211,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-d", "--datatype", default="float32")
     bp.add_argument("-o", "--op", default="sum")
     bp.add_argument("--physical", action="store_true", help="also measure the raw TCP ring ceiling")
+    bp.add_argument("--quant", help="int8,int4: also the quantized all_reduce / reduce_scatter / all_gather "
+                    "of the first backend (busbw over the unquantized bytes)")
     bp.add_argument("--json", help="write all results to this file")
     bp.add_argument("--plot", help="draw busbw against size to this PNG (needs matplotlib)")
     bp.set_defaults(fn=_bench)

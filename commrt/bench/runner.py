@@ -150,7 +150,8 @@ def measure(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, iters:
     elapsed = _slowest(be, time.perf_counter() - start) / iters
     case.reset()
     case.run()
-    wrong = torch.tensor([metrics.count_wrong(case.check().cpu(), case.expected)], dtype=torch.int64,
+    count_wrong = getattr(be, "count_wrong", metrics.count_wrong)  # quantized: within the codec's bound
+    wrong = torch.tensor([count_wrong(case.check().cpu(), case.expected)], dtype=torch.int64,
                          device=device_of(be))
     be.all_reduce(wrong, ReduceOp.SUM, False)
     alg = metrics.algbw(case.nbytes, elapsed)
@@ -165,6 +166,16 @@ def node_traffic(rt) -> dict[str, int]:
                      device=device_of(rt.world.backend))
     rt.world.backend.all_reduce(t, ReduceOp.SUM, False)
     return {"intra_node_bytes": int(t[0]), "inter_node_bytes": int(t[1])}
+
+
+def _backend(name: str, rt):
+    """``NAME+hier``: the hierarchical collectives; ``NAME+int8`` / ``+int4``: the quantized ones."""
+    if name.endswith("+hier"):
+        return mesh.TwoLevelBackend(rt)
+    if name.endswith(("+int8", "+int4")):
+        from .quant import QuantBackend
+        return QuantBackend(rt, name.rsplit("+", 1)[1])
+    return rt.world.backend
 
 
 def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=os.environ,
@@ -182,8 +193,7 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
         for name in spec.backends:
             bcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=name.split("+")[0]))
             runtimes[name] = bootstrap.init_world(bcfg, rdzv, store=(store, None), namespace=f"{name}/")
-        backends = {name: mesh.TwoLevelBackend(rt) if name.endswith("+hier") else rt.world.backend
-                    for name, rt in runtimes.items()}
+        backends = {name: _backend(name, rt) for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
         ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
         rows = []
@@ -202,6 +212,9 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
             ring.close()
         if traffic is not None:
             traffic.update({name: node_traffic(rt) for name, rt in runtimes.items()})
+            for name, be in backends.items():
+                if hasattr(be, "summary"):
+                    traffic[name]["quant"] = be.summary()
         return rows
     finally:
         for rt in runtimes.values():

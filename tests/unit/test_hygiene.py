@@ -23,10 +23,12 @@ ALLOWED = {
     # the transport layer's process-level memory setting, not its sockets)
     "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
     # quantized collectives: compositions of the public API's exact collectives on bytes
-    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats"},
+    # (and the world's node groups from mesh, for the two-hop path on multi-node worlds)
+    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats", "mesh"},
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
-    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
+    # (and the topology through mesh: the node size that hybrid sharding and hpZ default to)
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
     # scheduler recipes: pure mappings over config and errors; the ssh launcher reuses the local
