@@ -1,4 +1,4 @@
-"""The ``commrt`` command: launch, bench, config, server, server-status, keygen."""
+"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, estimate."""
 from __future__ import annotations
 
 import argparse
@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("file", nargs="?")
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
     cp.set_defaults(fn=_config)
+
+    from .plan import command as estimate_command  # pure until --measure
+    estimate_command.add_parser(sub).set_defaults(fn=estimate_command.run)
     return p
 
 

@@ -29,6 +29,8 @@ ALLOWED = {
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
+    # commrt estimate: pure formulas over the layers it predicts (their plans, codecs, schedules)
+    "plan": {"errors", "config", "train", "quant", "collectives", "mesh"},
 }
 
 
