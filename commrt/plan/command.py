@@ -155,5 +155,5 @@ def table(results: list[tuple[str, Estimate]]) -> str:
     head = ("", [label for label, _ in results])
     width = max(len(name) for name, _ in [head, *rows])
     cols = [max(len(r[1][i]) for r in [head, *rows]) for i in range(len(results))]
-    return "\n".join(f"{name:<{width}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(vals, cols)).rstrip()
+    return "\n".join((f"{name:<{width}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(vals, cols))).rstrip()
                      for name, vals in [head, *rows])
