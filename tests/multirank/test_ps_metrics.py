@@ -3,11 +3,15 @@ compared with ``commrt server-status`` and with what the workers did
 (programs/ps_metrics_job.py)."""
 from __future__ import annotations
 
+import io
+import os
+import sys
+
 import pytest
 
-from commrt.launch import free_port
+from commrt.launch import free_port, launch
 from commrt.security import SECRET_ENV, new_secret
-from tests.multirank.harness import run_ranks
+from tests.multirank.harness import ROOT
 
 
 @pytest.fixture(autouse=True)
@@ -17,8 +21,16 @@ def own_secret(monkeypatch, tmp_path):
 
 
 def test_metrics_page_matches_server_status_during_a_run():
-    env = {"COMMRT_PS_MODE": "ssp", "COMMRT_PS_STALENESS": "1", "COMMRT_PS_LR": "0.05",
-           "COMMRT_PS_METRICS_PORT": str(free_port()), "COMMRT_PS_TIMEOUT_S": "20"}
-    _, out = run_ranks(2, "ps_metrics_job", "8", env=env, servers=1, timeout_s=90)
+    """The server gets the port from ``commrt server --metrics-port`` alone; the workers are
+    told where to scrape by a variable of the test's own."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "COMMRT_PS_MODE": "ssp", "COMMRT_PS_STALENESS": "1", "COMMRT_PS_LR": "0.05", "COMMRT_PS_TIMEOUT_S": "20",
+           "COMMRT_TEST_METRICS_PORT": str(port)}
+    text = io.StringIO()
+    result = launch(2, [sys.executable, "-m", "tests.multirank.programs.ps_metrics_job", "8"], out=text,
+                    timeout_s=90, env=env, servers=1, server_args=["--metrics-port", str(port)])
+    out = text.getvalue()
+    assert result.returncode == 0, f"{result.describe()}\n{out[-6000:]}"
     assert out.count("METRICS OK") == 1, out[-4000:]
     assert "metrics on http://127.0.0.1:" in out, out[-4000:]

@@ -1,4 +1,4 @@
-"""SSP training against one server shard with ``[ps] metrics_port`` set; worker 1 is slow, so
+"""SSP training against one server shard serving metrics (``commrt server --metrics-port``); worker 1 is slow, so
 the staleness bound holds worker 0 back. Worker 0 scrapes the metrics page during the run and,
 once every worker's last step is applied, compares the page with ``commrt server-status`` and
 with what the workers did; it prints 'METRICS OK' and both views as JSON.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -68,7 +69,7 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = load_config()
     client = PSClient(cfg)
-    worker, workers, port = client.worker, cfg.ps.workers, cfg.ps.metrics_port
+    worker, workers, port = client.worker, cfg.ps.workers, int(os.environ["COMMRT_TEST_METRICS_PORT"])
     params = make_params()
     client.init(params)
     client.pull(params)
