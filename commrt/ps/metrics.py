@@ -65,6 +65,13 @@ class ServerCollector(Collector):
             parked.add_metric([server, kind], n)
         yield parked
         yield _gauge("commrt_ps_dropped_workers", "workers dropped after going silent", server, len(st["dropped"]))
+        yield _gauge("commrt_ps_joined_workers", "workers whose init matched the seed", server, len(st["joined"]))
+        yield _gauge("commrt_ps_segments", "key ranges (segments) held", server, st["segments"])
+        gaps = CounterMetricFamily("commrt_ps_updates_by_staleness", "updates applied, by how many steps the "
+                                   "pushing worker was ahead of the slowest", labels=["server", "gap"])
+        for gap, n in st["staleness"].items():
+            gaps.add_metric([server, gap], n)
+        yield gaps
         yield _histogram(st["apply_latency"], server)
 
 

@@ -306,6 +306,7 @@ def test_metrics_collector_shows_stats_and_a_cumulative_histogram():
     from commrt.ps.metrics import COUNTERS, MetricsServer, ServerCollector
     stats = {**{k: i + 1 for i, k in enumerate(COUNTERS)}, "server": 1, "version": 7, "param_bytes": 64,
              "clocks": [5, 3], "lag": [0, 2], "parked": {"pushes": 1, "pulls": 0, "inits": 0}, "dropped": [],
+             "joined": [0, 1], "segments": 4, "staleness": {"0": 5, "2": 1},
              "apply_latency": {"buckets": [0.001, 0.01], "counts": [2, 1, 3], "sum": 1.5, "count": 6}}
     server = MetricsServer(lambda: stats, "127.0.0.1", 0)
     try:
@@ -320,6 +321,7 @@ def test_metrics_collector_shows_stats_and_a_cumulative_histogram():
     assert [got[("commrt_ps_apply_seconds_bucket", (("le", le), ("server", "1")))] for le in ("0.001", "0.01", "+Inf")] \
         == [2, 3, 6]
     assert got[("commrt_ps_apply_seconds_count", srv)] == 6
+    assert got[("commrt_ps_updates_by_staleness_total", (("gap", "2"), ("server", "1")))] == 1
     ServerCollector(lambda: stats)  # a collector of its own per server: nothing in the global registry
     from prometheus_client import REGISTRY
     assert not [n for n in REGISTRY._names_to_collectors if n.startswith("commrt_")]

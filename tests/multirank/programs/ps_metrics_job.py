@@ -49,6 +49,9 @@ def check(page: dict, st: dict) -> None:
     for w, (clock, lag) in enumerate(zip(st["clocks"], st["lag"])):
         labels = (("server", "0"), ("worker", str(w)))
         assert page[("commrt_ps_worker_clock", labels)] == clock and page[("commrt_ps_worker_lag", labels)] == lag
+    for gap, n in st["staleness"].items():
+        assert page[("commrt_ps_updates_by_staleness_total", (("gap", gap), ("server", "0")))] == n
+    assert page[("commrt_ps_segments", srv)] == st["segments"]
     h = st["apply_latency"]
     assert page[("commrt_ps_apply_seconds_count", srv)] == h["count"] == sum(h["counts"])
     assert abs(page[("commrt_ps_apply_seconds_sum", srv)] - h["sum"]) < 1e-9
