@@ -15,9 +15,12 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .estimate import Cluster, Estimate, Job, estimate
+
+if TYPE_CHECKING:  # the model imports torch: only once the command runs, not for every commrt command
+    from .estimate import Cluster, Estimate, Job
 
 _BW_UNITS = {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
              "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
@@ -65,7 +68,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return ep
 
 
-def _configs(args) -> list[tuple[str, Job, Cluster]]:
+def _configs(args) -> list[tuple[str, "Job", "Cluster"]]:
+    from .estimate import Cluster, Job
     base = {k: getattr(args, k) for k in _JOB_KEYS | _CLUSTER_KEYS}
     out = []
     for label in ["base", *args.compare]:
@@ -109,6 +113,7 @@ def measure_intra_bw() -> float:
 
 
 def run(args) -> int:
+    from .estimate import estimate
     if args.measure:
         args.intra_bw = str(measure_intra_bw())
         print(f"# measured inside the node: {float(args.intra_bw) / 1e9:.2f} GB/s per rank (commrt bench sendrecv); "

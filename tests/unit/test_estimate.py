@@ -78,3 +78,23 @@ def test_command_compares_configurations(capsys):
 
 def test_compare_names_a_bad_key():
     assert cli.main(["estimate", "--params", "1e9", "--compare", "stages=2"]) == 1
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 2), (4, 8)])
+def test_hierarchical_bytes_follow_the_two_level_formulas(k, m):
+    """collectives/hierarchical.py: the node's link carries 2(K-1)/K of 1/M of an all_reduce,
+    (K-1)/(K M) of a reduce_scatter's input; the rest stays in the node."""
+    from commrt.plan import cost
+    net = cost.Net(k, m)
+    n = 1 << 24  # elements: well above small_bytes at every level, a multiple of every M here
+    world = cost.group(0, k * m)
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", world, n, 4, net)
+    assert t.inter == pytest.approx(2 * (k - 1) / k * n * 4 / m)
+    assert t.intra == pytest.approx(2 * (m - 1) / m * n * 4)
+    t = cost.Traffic()
+    cost.collective(t, "reduce_scatter", world, n, 4, net)
+    assert (t.intra, t.inter) == pytest.approx(((m - 1) / m * n * 4, (k - 1) / (k * m) * n * 4))
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", world, n, 4, cost.Net(k, m, hierarchical="never"))
+    assert t.inter == pytest.approx(2 * (k * m - 1) / (k * m) * n * 4 / m)  # one ring edge in M leaves the node
