@@ -1,4 +1,4 @@
-"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, estimate."""
+"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, node, estimate."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,8 @@ def _launch(args) -> int:
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
+    if args.hosts:
+        return _launch_hosts(args, cmd, env)
     run = lambda nodes, port: launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
                                               servers=args.servers, env=env, max_restarts=args.max_restarts,
                                               nodes=nodes, port=port)
@@ -34,6 +36,24 @@ def _launch(args) -> int:
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+def _launch_hosts(args, cmd, env) -> int:
+    """--hosts FILE: one node per line of FILE, each started over ssh (commrt/deploy/ssh.py)."""
+    from .deploy.hostlist import parse_hostfile
+    from .deploy.ssh import launch_hosts
+    if args.emulate_network or args.servers or args.node_rank is not None or args.nnodes != 1:
+        raise SystemExit("commrt launch: --hosts sets the nodes itself; it takes no --nnodes, --node-rank, "
+                         "--servers or --emulate-network (list the servers in [ps] servers)")
+    with open(args.hosts) as fh:
+        hosts = parse_hostfile(fh.read())
+    extra = (["--config", os.path.abspath(args.config)] if args.config else []) + \
+        (["--max-restarts", str(args.max_restarts)] if args.max_restarts else []) + (["--curve"] if args.curve else [])
+    code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
+                        args.timeout, env)
+    if code != 0:
+        print(f"commrt launch: a host failed with exit code {code}; stopped every host", file=sys.stderr)
+    return code
 
 
 def _nodes(args) -> "launcher.Nodes":
@@ -170,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after a failure, restart the whole group this many times (resume from your checkpoint)")
     lp.add_argument("--curve", action="store_true",
                     help="authenticate every socket with CURVE, with throw-away keys for this job")
+    lp.add_argument("--hosts", metavar="FILE",
+                    help="run one node per line of FILE ('host [slots=N]') over ssh; the first host is node 0")
+    lp.add_argument("--ssh", default="ssh", help="the ssh command for --hosts (e.g. 'ssh -p 2222')")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     lp.set_defaults(fn=_launch)
 
@@ -192,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.set_defaults(fn=_bench)
 
     sub.add_parser("server", help="run one parameter-server shard: --config F --index I [--resume]")
+    sub.add_parser("node", help="run this node of a SLURM / Kubernetes job: commrt node slurm|k8s worker|server -- ...")
     kp = sub.add_parser("keygen", help="write CURVE key pairs and the allow-list for a job")
     kp.add_argument("directory")
     kp.add_argument("-n", "--ranks", type=int, required=True, help="key pairs rank0..rank{n-1}")
@@ -216,6 +240,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
         from .apps.ps_server import main as server_main
         return server_main(argv[1:])
+    if argv[:1] == ["node"]:  # a scheduler's node: its own parser (commrt/apps/node.py)
+        from .apps.node import main as node_main
+        return node_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from .bench.ps import main as bench_ps
         return bench_ps(argv[2:])
