@@ -63,8 +63,8 @@ def batch(rank: int, step: int, size: int, seq: int, vocab: int) -> torch.Tensor
     return (start + torch.arange(seq + 1)) % vocab
 
 
-def _write_stats(path: str, engine, first: dict, last: dict, steps: int) -> None:
-    per_step = {}
+def _write_stats(path: str, engine, first: dict | None, last: dict, steps: int) -> None:
+    per_step, first = {}, first or {"by_op": {}}
     for op, entry in last["by_op"].items():
         before = first["by_op"].get(op, {})
         per_step[op] = {k: (v - before.get(k, 0)) / max(steps, 1) for k, v in entry.items()}
