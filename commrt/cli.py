@@ -1,4 +1,5 @@
-"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, node, estimate."""
+"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, node,
+flight-record, trace-merge, estimate."""
 from __future__ import annotations
 
 import argparse
@@ -229,10 +230,54 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("file", nargs="?")
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
     cp.set_defaults(fn=_config)
-
+    _add_obs_commands(sub)
     from .plan import command as estimate_command  # pure until --measure
     estimate_command.add_parser(sub).set_defaults(fn=estimate_command.run)
     return p
+
+
+def _flight_record(args) -> int:
+    from .obs.analyze import analyze
+    from .obs.flight import read_dumps
+    try:
+        dumps = read_dumps(args.directory)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"commrt flight-record: {exc}") from None
+    if not dumps:
+        raise SystemExit(f"commrt flight-record: no rank*.json flight records in {args.directory}")
+    findings, lines = analyze(dumps, args.world_size)
+    if args.json:
+        import dataclasses
+        import json
+        print(json.dumps({"findings": [dataclasses.asdict(f) for f in findings], "report": lines}, indent=1))
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+def _trace_merge(args) -> int:
+    from .obs import trace
+    files = trace.rank_files(args.files)
+    if not files:
+        raise SystemExit(f"commrt trace-merge: no trace files match {args.files}")
+    try:
+        trace.write(args.output, trace.merge(files))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"commrt trace-merge: {exc}") from None
+    print(f"merged {len(files)} rank traces into {args.output} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _add_obs_commands(sub) -> None:
+    fp = sub.add_parser("flight-record", help="read every rank's flight record and say what happened")
+    fp.add_argument("directory", help="the [log] flight_dir of the job")
+    fp.add_argument("--world-size", type=int, help="ranks in the job (default: from the records)")
+    fp.add_argument("--json", action="store_true", help="findings and report as JSON")
+    fp.set_defaults(fn=_flight_record)
+    mp = sub.add_parser("trace-merge", help="join the ranks' trace files into one for ui.perfetto.dev")
+    mp.add_argument("output")
+    mp.add_argument("files", nargs="+", help="the ranks' files, or the [log] trace_file template")
+    mp.set_defaults(fn=_trace_merge)
 
 
 def main(argv=None) -> int:
