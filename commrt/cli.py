@@ -1,5 +1,5 @@
 """The ``commrt`` command: launch, bench, config, server, server-status, keygen, node,
-flight-record, trace-merge."""
+flight-record, trace-merge, estimate."""
 from __future__ import annotations
 
 import argparse
@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
     cp.set_defaults(fn=_config)
     _add_obs_commands(sub)
+    from .plan import command as estimate_command  # pure until --measure
+    estimate_command.add_parser(sub).set_defaults(fn=estimate_command.run)
     return p
 
 

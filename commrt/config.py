@@ -194,6 +194,11 @@ class PsConfig:
     bytes the server checkpoints early, so its disk use stays near checkpoint + this bound."""
     fsync: bool = False
     """fsync the log before acknowledging (survives a machine crash, not only a process crash)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics (pushes, pulls, bytes, lag, SSP waits, apply latency) on this
+    HTTP port (``commrt server --metrics-port``); 0: off."""
+    metrics_addr: str = "127.0.0.1"
+    """Where the metrics port binds: loopback unless set explicitly (the page is unauthenticated)."""
 
     def __post_init__(self) -> None:
         _check_choice("ps", "mode", self.mode, PS_MODES)
@@ -209,6 +214,8 @@ class PsConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"[ps] {name} = {getattr(self, name)!r} is invalid; must be in [0, 1)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"[ps] metrics_port = {self.metrics_port!r} is invalid; valid: 0 (off) to 65535")
         for addr in self.servers:
             if not addr.startswith("tcp://") or ":" not in addr[6:]:
                 raise ConfigError(f"[ps] servers entry {addr!r} is invalid; expected 'tcp://host:port'")

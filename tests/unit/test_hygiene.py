@@ -31,6 +31,8 @@ ALLOWED = {
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
+    # commrt estimate: pure formulas over the layers it predicts (their plans, codecs, schedules)
+    "plan": {"errors", "config", "train", "quant", "collectives", "mesh"},
     # scheduler recipes: pure mappings over config and errors; the ssh launcher reuses the local
     # launcher's output pumping (commands sit at the top, beside launch)
     "deploy": {"errors", "config", "launch"},
