@@ -230,13 +230,21 @@ def measure_size(spec: BenchSpec, backends: dict, nbytes: int, dtype, op, progre
     return row
 
 
+def backend_variant(name: str) -> tuple[str, int | None]:
+    """``zmq``, ``zmq+hier``, ``zmq@1M`` (piece size 1 MiB: ``[comm] chunk_bytes``) ->
+    (backend, chunk_bytes or None). Variants of one backend run as separate groups in the same
+    processes, so their settings are compared sample by sample (``--backend zmq,zmq@1M,gloo``)."""
+    base, _, chunk = name.split("+")[0].partition("@")
+    return base, (metrics.parse_size(chunk) if chunk else None)
+
+
 def data_path(name: str, cfg, rt) -> str:
     """Which path a backend's bytes take between this node's ranks: "shm" where ours uses shared
     memory (``[comm] intra_node``, read by name so the bench runs with or without that option)
     and every rank shares this node; else "tcp". The efficiency column uses that path's ceiling."""
     intra = getattr(cfg.comm, "intra_node", None) or os.environ.get("COMMRT_COMM_INTRA_NODE", "tcp")
     one_node = all(rt.transport.counters.same_node or [True])
-    return "shm" if name.split("+")[0] == "zmq" and intra in ("auto", "shm") and one_node else "tcp"
+    return "shm" if backend_variant(name)[0] == "zmq" and intra in ("auto", "shm") and one_node else "tcp"
 
 
 def node_traffic(rt) -> dict[str, int]:
@@ -261,7 +269,9 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     runtimes = {}
     try:
         for name in spec.backends:
-            bcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=name.split("+")[0]))
+            kind, chunk = backend_variant(name)
+            comm = dataclasses.replace(cfg.comm, backend=kind, **({"chunk_bytes": chunk} if chunk else {}))
+            bcfg = dataclasses.replace(cfg, comm=comm)
             runtimes[name] = bootstrap.init_world(bcfg, rdzv, store=(store, None), namespace=f"{name}/")
         backends = {name: mesh.TwoLevelBackend(rt) if name.endswith("+hier") else rt.world.backend
                     for name, rt in runtimes.items()}

@@ -69,3 +69,13 @@ def test_table_of_alone_only_rows():
     strip = lambda r: {k: v for k, v in r.items() if k in ("size", "count", "wrong", "alone")}
     text = report.table(spec, 2, [{"zmq": strip(_row(0, 300.0)), "gloo": strip(_row(0, 600.0))}])
     assert " 2.00" in text and "Avg bus bandwidth    :" not in text
+
+
+def test_backend_variants_name_a_piece_size():
+    from commrt.bench.runner import backend_variant
+    assert backend_variant("zmq") == ("zmq", None)
+    assert backend_variant("zmq+hier") == ("zmq", None)
+    assert backend_variant("zmq@1M") == ("zmq", 1 << 20)
+    assert backend_variant("gloo") == ("gloo", None)
+    with pytest.raises(ValueError):
+        backend_variant("zmq@lots")
