@@ -16,6 +16,9 @@ class CommTimeout(CommError, TimeoutError):
 class Work:
     """Handle of an operation, like ``torch.distributed.Work``."""
 
+    _flight = None
+    """The op's flight-recorder record (commrt/obs), told when the op starts and ends."""
+
     def __init__(self, name: str):
         self.name = name
         self._done = threading.Event()
@@ -25,6 +28,8 @@ class Work:
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._done.set()
+        if self._flight is not None:
+            self._flight.done(error)
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -38,7 +43,10 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; re-raise the operation's error. ``timeout`` in seconds."""
         if not self._done.wait(timeout):
-            raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+            exc = CommTimeout(f"{self.name} did not complete within {timeout}s")
+            if self._flight is not None:
+                self._flight.timed_out(exc)
+            raise exc
         if self._error is not None:
             raise self._error
         return True
@@ -121,6 +129,8 @@ class Executor:
                     return
                 work, fn = self._queue.popleft()
                 self._busy = True
+            if work._flight is not None:
+                work._flight.start()
             try:
                 result = fn()
                 work._finish(result, None)

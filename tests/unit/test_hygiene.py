@@ -29,6 +29,12 @@ ALLOWED = {
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
+    # scheduler recipes: pure mappings over config and errors; the ssh launcher reuses the local
+    # launcher's output pumping (commands sit at the top, beside launch)
+    "deploy": {"errors", "config", "launch"},
+    # observability, under the public API that feeds it: Work (async completion), the typed
+    # errors that trigger a flight dump, and bench/metrics.py's nccl-tests bus factors (pure)
+    "obs": {"errors", "config", "work", "bench"},
 }
 
 
