@@ -101,7 +101,7 @@ def _bench(args) -> int:
         backends = with_quant(backends, args.quant)
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
-                     args.datatype, args.op, args.physical)
+                     args.datatype, args.op, args.physical, args.mode, args.input)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
         raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
@@ -213,7 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-w", "--warmup", type=int, default=5)
     bp.add_argument("-d", "--datatype", default="float32")
     bp.add_argument("-o", "--op", default="sum")
-    bp.add_argument("--physical", action="store_true", help="also measure the raw TCP ring ceiling")
+    bp.add_argument("--physical", action="store_true",
+                    help="also measure the raw TCP ring ceiling and this host's memcpy / reduction bandwidth")
+    bp.add_argument("--mode", choices=["both", "back-to-back", "alone"], default="both",
+                    help="back-to-back: a loop of ops, timed as a whole (nccl-tests); alone: each op timed on "
+                         "its own after rewriting its input and a barrier, as a training step calls it "
+                         "(median of the slowest rank); both (default): side by side")
+    bp.add_argument("--input", choices=["torch", "numpy"], default="torch",
+                    help="hand the collectives torch tensors or numpy arrays")
     bp.add_argument("--quant", help="int8,int4: also the quantized all_reduce / reduce_scatter / all_gather "
                     "of the first backend (busbw over the unquantized bytes)")
     bp.add_argument("--json", help="write all results to this file")
