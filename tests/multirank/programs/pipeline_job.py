@@ -17,6 +17,7 @@ import commrt.train
 from commrt.errors import PeerLost
 from commrt.pipeline import (GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, isend_tensors,
                              recv_tensors, split)
+from commrt.pipeline.p2p import Inbox
 from commrt.train import DataParallel
 from tests.multirank.programs.common import assert_equal, init
 
@@ -140,6 +141,17 @@ def p2p(rank: int, world: int) -> None:
         assert meta == (prv, i) and [t.shape for t in got] == [t.shape for t in want], (meta, got)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    for h in handles:
+        h.wait()
+    # the same through the posted-ahead receives: two channels, payloads posted by pump() once
+    # their header is in, in the channel's order (a wrong order would mismatch the payloads)
+    inbox = Inbox([(prv, 6), (prv, 7)] * 3)
+    handles = [isend_tensors(payload(rank, i), nxt, tag=tag, meta=(tag, i)) for i in range(3) for tag in (7, 6)]
+    for i in range(3):
+        inbox.pump()
+        for tag in (6, 7):
+            meta, got = inbox.take(prv, tag)
+            assert meta == (tag, i) and all(torch.equal(a, b) for a, b in zip(got, payload(prv, i))), (meta, got)
     for h in handles:
         h.wait()
     out = torch.full((1 << 18,), float(rank))  # 1 MiB: the zero-copy path
