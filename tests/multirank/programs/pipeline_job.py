@@ -14,7 +14,7 @@ from torch import nn
 
 import commrt
 import commrt.train
-from commrt.errors import PeerLost
+from commrt.errors import ConfigError, PeerLost
 from commrt.pipeline import (GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, isend_tensors,
                              recv_tensors, split)
 from commrt.pipeline.p2p import Inbox
@@ -92,6 +92,12 @@ def twod_case(kind: str, wrap: str, m: int, mesh) -> None:
                "none": lambda part: part}[wrap]
     stages = [PipelineStage(wrapped(parts[s]), s, n, group=mesh.get_group("pp")) for s in range(r, n, pp)]
     sched = SCHEDULES[kind](stages if kind == "interleaved" else stages[0], m, nn.functional.mse_loss)
+    if wrap != "none":  # PipeDream's stashed weights would bypass the wrapper's hooks: refused
+        try:
+            PipeDream(stages[0], m, nn.functional.mse_loss)
+            raise AssertionError("PipeDream took a replicated stage")
+        except ConfigError:
+            pass
     engines = [st.module for st in stages if wrap == "zero1"]
     opt = None if engines else torch.optim.SGD([p for s in stages for p in s.module.parameters()], lr=LR, momentum=0.9)
     for s in range(STEPS):
