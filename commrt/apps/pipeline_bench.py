@@ -33,19 +33,19 @@ def _single(model, opt, data) -> None:
         opt.step()
 
 
-def _pipelined(kind: str, run, data, first: bool, last: bool) -> list[float]:
-    """Train ``data`` with one schedule; the bubble of each of its steps on this rank."""
+def _pipelined(kind: str, run, data, first: bool, last: bool) -> list[tuple[float, float]]:
+    """Train ``data`` with one schedule; (bubble, seconds computing) of each step on this rank."""
     _, sched, opt = run
     if kind == "pipedream":
         x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
         sched.step(*((x,) if first else ()), target=y if last else None)
-        return [sched.timeline.bubble()]
+        return [(sched.timeline.bubble(), sched.timeline.busy())]
     bubbles = []
     for x, y in data:
         opt.zero_grad()
         sched.step(*((x,) if first else ()), target=y if last else None)
         opt.step()
-        bubbles.append(sched.timeline.bubble())
+        bubbles.append((sched.timeline.bubble(), sched.timeline.busy()))
     return bubbles
 
 
@@ -83,9 +83,11 @@ def run(args, log) -> None:
 
 
 def _report(args, log, runs, seconds, bubbles, rank: int, world: int) -> None:
-    per_rank = torch.zeros(len(KINDS), world, dtype=torch.float64)  # every rank's mean bubble
+    # every rank's mean bubble, and its seconds computing per round
+    per_rank = torch.zeros(2, len(KINDS), world, dtype=torch.float64)
     for i, kind in enumerate(KINDS):
-        per_rank[i, rank] = statistics.fmean(bubbles[kind])
+        per_rank[0, i, rank] = statistics.fmean(b for b, _ in bubbles[kind])
+        per_rank[1, i, rank] = sum(t for _, t in bubbles[kind]) / args.rounds
     commrt.all_reduce(per_rank)
     if rank != 0:
         return
@@ -94,15 +96,19 @@ def _report(args, log, runs, seconds, bubbles, rank: int, world: int) -> None:
     log.info("model: %d blocks of %d, %d rows x %d tokens per batch, %d micro-batches, %d ranks, "
              "%d rounds of %d batches", args.blocks, args.dim, args.rows, args.seq, args.microbatches,
              world, args.rounds, args.steps)
-    log.info("%-12s %10s %8s  %-22s %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank", "theory")
+    log.info("%-12s %10s %8s  %-16s %6s  %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank", "theory",
+             "compute vs 1 proc")
     log.info("%-12s %10.1f %8s", "single", single, "1.00x")
     for i, kind in enumerate(KINDS):
         n, sched, _ = runs[kind]
         ratio = statistics.median(a / b for a, b in zip(seconds["single"], seconds[kind]))
         m = args.microbatches * (args.steps if kind == "pipedream" else 1)
         theory = theory_bubble(world, m, n // world)
-        log.info("%-12s %10.1f %7.2fx  %-22s %.3f", kind, samples / statistics.median(seconds[kind]), ratio,
-                 " ".join(f"{b:.3f}" for b in per_rank[i].tolist()), theory)
+        # the single process's time over the ranks' summed compute time: what smaller matrices
+        # and the per-micro-batch work cost, apart from the bubble
+        compute = statistics.fmean(seconds["single"]) / float(per_rank[1, i].sum())
+        log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %.2f", kind, samples / statistics.median(seconds[kind]), ratio,
+                 " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist()), theory, compute)
     pd = runs["pipedream"][1]
     ratio = statistics.median(b / a for a, b in zip(seconds["pipedream"], seconds["1f1b"]))
     log.info("pipedream vs 1f1b: %.2fx; its cost: every batch's gradient is computed on weights %d "
