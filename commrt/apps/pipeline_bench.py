@@ -63,11 +63,11 @@ def run(args, log) -> None:
     model = make_model(args.vocab, args.dim, args.blocks) if rank == 0 else None
     single = (model, torch.optim.SGD(model.parameters(), lr=args.lr)) if model is not None else None
     data = [batch(s, args.rows, args.seq, args.vocab) for s in range(args.steps)]
-    seconds, bubbles = defaultdict(list), defaultdict(list)
+    seconds, bubbles, cpu = defaultdict(list), defaultdict(list), defaultdict(lambda: [0.0, 0.0])
     for rnd in range(args.rounds + 1):
         for kind in ("single", *KINDS):
             commrt.barrier()
-            t0 = time.perf_counter()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             if kind == "single":
                 if rank == 0:
                     _single(*single, data)
@@ -79,15 +79,18 @@ def run(args, log) -> None:
             commrt.barrier()
             if rnd:
                 seconds[kind].append(time.perf_counter() - t0)
-    _report(args, log, runs, seconds, bubbles, rank, world)
+                cpu[kind][0] += time.thread_time() - c0  # this (main) thread's CPU seconds
+                cpu[kind][1] += time.process_time() - p0  # and every thread's (the transport's too)
+    _report(args, log, runs, seconds, bubbles, cpu, rank, world)
 
 
-def _report(args, log, runs, seconds, bubbles, rank: int, world: int) -> None:
-    # every rank's mean bubble, and its seconds computing per round
-    per_rank = torch.zeros(2, len(KINDS), world, dtype=torch.float64)
+def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> None:
+    # every rank's mean bubble, its seconds computing, its main thread's and all its threads' CPU
+    per_rank = torch.zeros(4, len(KINDS), world, dtype=torch.float64)
     for i, kind in enumerate(KINDS):
         per_rank[0, i, rank] = statistics.fmean(b for b, _ in bubbles[kind])
         per_rank[1, i, rank] = sum(t for _, t in bubbles[kind]) / args.rounds
+        per_rank[2:, i, rank] = torch.tensor(cpu[kind], dtype=torch.float64)
     commrt.all_reduce(per_rank)
     if rank != 0:
         return
@@ -96,9 +99,10 @@ def _report(args, log, runs, seconds, bubbles, rank: int, world: int) -> None:
     log.info("model: %d blocks of %d, %d rows x %d tokens per batch, %d micro-batches, %d ranks, "
              "%d rounds of %d batches", args.blocks, args.dim, args.rows, args.seq, args.microbatches,
              world, args.rounds, args.steps)
-    log.info("%-12s %10s %8s  %-16s %6s  %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank", "theory",
-             "compute vs 1 proc")
-    log.info("%-12s %10.1f %8s", "single", single, "1.00x")
+    log.info("%-12s %10s %8s  %-16s %6s  %-8s %-8s %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank",
+             "theory", "compute", "cpu", "other threads")
+    log.info("%-12s %10.1f %8s", "single", single, "1.00x")  # compute, cpu: the ratio of the single
+    # process's seconds to the pipeline's summed over its ranks
     for i, kind in enumerate(KINDS):
         n, sched, _ = runs[kind]
         ratio = statistics.median(a / b for a, b in zip(seconds["single"], seconds[kind]))
@@ -106,9 +110,14 @@ def _report(args, log, runs, seconds, bubbles, rank: int, world: int) -> None:
         theory = theory_bubble(world, m, n // world)
         # the single process's time over the ranks' summed compute time: what smaller matrices
         # and the per-micro-batch work cost, apart from the bubble
+        # (wall seconds computing); the same in CPU seconds of the main threads, which machine load
+        # does not inflate; and the CPU the other threads (the transport's) took beside them
         compute = statistics.fmean(seconds["single"]) / float(per_rank[1, i].sum())
-        log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %.2f", kind, samples / statistics.median(seconds[kind]), ratio,
-                 " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist()), theory, compute)
+        main_cpu = float(per_rank[2, i].sum())
+        others = (float(per_rank[3, i].sum()) - main_cpu) / main_cpu
+        log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %-8.2f %-8.2f %.1f%%", kind, samples / statistics.median(seconds[kind]),
+                 ratio, " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist()), theory, compute,
+                 cpu["single"][0] / main_cpu, 100 * others)
     pd = runs["pipedream"][1]
     ratio = statistics.median(b / a for a, b in zip(seconds["pipedream"], seconds["1f1b"]))
     log.info("pipedream vs 1f1b: %.2fx; its cost: every batch's gradient is computed on weights %d "
