@@ -120,6 +120,17 @@ def report_timeline(log, sched, args, ranks: int, per_rank: int, batches: int = 
              theory_bubble(ranks, m, per_rank), tl.waited() * 1e3)
 
 
+def train_pipedream(args, log, sched, data, first: bool, last: bool) -> None:
+    """All ``--steps`` batches in one ``step()``: PipeDream never flushes between them."""
+    xs, ys = zip(*(data(s) for s in range(args.steps)))
+    losses: list = []
+    sched.step(*((torch.cat(xs),) if first else ()), target=torch.cat(ys) if last else None, losses=losses)
+    if last:
+        for s in range(0, args.steps, max(1, args.steps // 10)):
+            chunk = losses[s * args.microbatches:(s + 1) * args.microbatches]
+            log.info("step %d loss %.4f", s, float(sum(chunk) / len(chunk)))
+
+
 def train(args, log) -> None:
     pp_group = dp_group = None
     replica = 0
@@ -135,13 +146,7 @@ def train(args, log) -> None:
         x, y = batch(step, args.rows, args.seq, args.vocab)
         return x.chunk(args.dp)[replica], y.view(args.rows, -1).chunk(args.dp)[replica].reshape(-1)
     if args.schedule == "pipedream":
-        xs, ys = zip(*(data(s) for s in range(args.steps)))
-        losses: list = []
-        sched.step(*((torch.cat(xs),) if first else ()), target=torch.cat(ys) if last else None, losses=losses)
-        if last:
-            for s in range(0, args.steps, max(1, args.steps // 10)):
-                chunk = losses[s * args.microbatches:(s + 1) * args.microbatches]
-                log.info("step %d loss %.4f", s, float(sum(chunk) / len(chunk)))
+        train_pipedream(args, log, sched, data, first, last)
         if args.timeline:
             report_timeline(log, sched, args, ranks, 1, nb)
         return
