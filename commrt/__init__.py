@@ -14,6 +14,7 @@ from .pipeline.p2p import P2POp, batch_isend_irecv
 from .mesh import (DeviceMesh, get_local_rank, get_local_world_size, get_node_rank, get_num_nodes,
                    get_process_group_ranks, init_device_mesh)
 from .stats import comm_stats
+from .distributed import comms_summary, dump_flight_record
 from .stats import register as register_comm_stats
 from .work import CommTimeout, Work
 from . import quant  # noqa: E402,F401 (registers comm_stats()["quant"]; built on distributed)
@@ -29,6 +30,7 @@ __all__ = [
     "ProtocolError", "RendezvousError", "RequestRejected", "CommTimeout", "GroupClosed",
     "get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes", "init_device_mesh",
     "DeviceMesh", "get_process_group_ranks", "comm_stats", "register_comm_stats",
+    "comms_summary", "dump_flight_record",
 ]
 
 from .tdist import register_backend as _register_torch_backend  # noqa: E402

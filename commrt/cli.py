@@ -1,4 +1,5 @@
-"""The ``commrt`` command: launch, bench, config, server, server-status, keygen."""
+"""The ``commrt`` command: launch, bench, config, server, server-status, keygen, node,
+flight-record, trace-merge, estimate."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,8 @@ def _launch(args) -> int:
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
+    if args.hosts:
+        return _launch_hosts(args, cmd, env)
     run = lambda nodes, port: launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
                                               servers=args.servers, env=env, max_restarts=args.max_restarts,
                                               nodes=nodes, port=port)
@@ -34,6 +37,24 @@ def _launch(args) -> int:
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+def _launch_hosts(args, cmd, env) -> int:
+    """--hosts FILE: one node per line of FILE, each started over ssh (commrt/deploy/ssh.py)."""
+    from .deploy.hostlist import parse_hostfile
+    from .deploy.ssh import launch_hosts
+    if args.emulate_network or args.servers or args.node_rank is not None or args.nnodes != 1:
+        raise SystemExit("commrt launch: --hosts sets the nodes itself; it takes no --nnodes, --node-rank, "
+                         "--servers or --emulate-network (list the servers in [ps] servers)")
+    with open(args.hosts) as fh:
+        hosts = parse_hostfile(fh.read())
+    extra = (["--config", os.path.abspath(args.config)] if args.config else []) + \
+        (["--max-restarts", str(args.max_restarts)] if args.max_restarts else []) + (["--curve"] if args.curve else [])
+    code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
+                        args.timeout, env)
+    if code != 0:
+        print(f"commrt launch: a host failed with exit code {code}; stopped every host", file=sys.stderr)
+    return code
 
 
 def _nodes(args) -> "launcher.Nodes":
@@ -75,9 +96,12 @@ def _bench(args) -> int:
     from .bench import metrics
     from .bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    if args.quant:
+        from .bench.quant import with_quant
+        backends = with_quant(backends, args.quant)
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
-                     args.datatype, args.op, args.physical)
+                     args.datatype, args.op, args.physical, args.mode, args.input)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
         raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
@@ -100,7 +124,7 @@ def _bench_rank(spec, args) -> int:
         print(report.table(spec, nproc, rows), flush=True)
         for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
             print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
-                  f"{t['inter_node_bytes']} B", flush=True)
+                  f"{t['inter_node_bytes']} B" + (f"; {t['quant']}" if "quant" in t else ""), flush=True)
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
@@ -170,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after a failure, restart the whole group this many times (resume from your checkpoint)")
     lp.add_argument("--curve", action="store_true",
                     help="authenticate every socket with CURVE, with throw-away keys for this job")
+    lp.add_argument("--hosts", metavar="FILE",
+                    help="run one node per line of FILE ('host [slots=N]') over ssh; the first host is node 0")
+    lp.add_argument("--ssh", default="ssh", help="the ssh command for --hosts (e.g. 'ssh -p 2222')")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     lp.set_defaults(fn=_launch)
 
@@ -186,12 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-w", "--warmup", type=int, default=5)
     bp.add_argument("-d", "--datatype", default="float32")
     bp.add_argument("-o", "--op", default="sum")
-    bp.add_argument("--physical", action="store_true", help="also measure the raw TCP ring ceiling")
+    bp.add_argument("--physical", action="store_true",
+                    help="also measure the raw TCP ring ceiling and this host's memcpy / reduction bandwidth")
+    bp.add_argument("--mode", choices=["both", "back-to-back", "alone"], default="both",
+                    help="back-to-back: a loop of ops, timed as a whole (nccl-tests); alone: each op timed on "
+                         "its own after rewriting its input and a barrier, as a training step calls it "
+                         "(median of the slowest rank); both (default): side by side")
+    bp.add_argument("--input", choices=["torch", "numpy"], default="torch",
+                    help="hand the collectives torch tensors or numpy arrays")
+    bp.add_argument("--quant", help="int8,int4: also the quantized all_reduce / reduce_scatter / all_gather "
+                    "of the first backend (busbw over the unquantized bytes)")
     bp.add_argument("--json", help="write all results to this file")
     bp.add_argument("--plot", help="draw busbw against size to this PNG (needs matplotlib)")
     bp.set_defaults(fn=_bench)
 
     sub.add_parser("server", help="run one parameter-server shard: --config F --index I [--resume]")
+    sub.add_parser("node", help="run this node of a SLURM / Kubernetes job: commrt node slurm|k8s worker|server -- ...")
     kp = sub.add_parser("keygen", help="write CURVE key pairs and the allow-list for a job")
     kp.add_argument("directory")
     kp.add_argument("-n", "--ranks", type=int, required=True, help="key pairs rank0..rank{n-1}")
@@ -205,7 +242,54 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("file", nargs="?")
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
     cp.set_defaults(fn=_config)
+    _add_obs_commands(sub)
+    from .plan import command as estimate_command  # pure until --measure
+    estimate_command.add_parser(sub).set_defaults(fn=estimate_command.run)
     return p
+
+
+def _flight_record(args) -> int:
+    from .obs.analyze import analyze
+    from .obs.flight import read_dumps
+    try:
+        dumps = read_dumps(args.directory)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"commrt flight-record: {exc}") from None
+    if not dumps:
+        raise SystemExit(f"commrt flight-record: no rank*.json flight records in {args.directory}")
+    findings, lines = analyze(dumps, args.world_size)
+    if args.json:
+        import dataclasses
+        import json
+        print(json.dumps({"findings": [dataclasses.asdict(f) for f in findings], "report": lines}, indent=1))
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+def _trace_merge(args) -> int:
+    from .obs import trace
+    files = trace.rank_files(args.files)
+    if not files:
+        raise SystemExit(f"commrt trace-merge: no trace files match {args.files}")
+    try:
+        trace.write(args.output, trace.merge(files))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"commrt trace-merge: {exc}") from None
+    print(f"merged {len(files)} rank traces into {args.output} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _add_obs_commands(sub) -> None:
+    fp = sub.add_parser("flight-record", help="read every rank's flight record and say what happened")
+    fp.add_argument("directory", help="the [log] flight_dir of the job")
+    fp.add_argument("--world-size", type=int, help="ranks in the job (default: from the records)")
+    fp.add_argument("--json", action="store_true", help="findings and report as JSON")
+    fp.set_defaults(fn=_flight_record)
+    mp = sub.add_parser("trace-merge", help="join the ranks' trace files into one for ui.perfetto.dev")
+    mp.add_argument("output")
+    mp.add_argument("files", nargs="+", help="the ranks' files, or the [log] trace_file template")
+    mp.set_defaults(fn=_trace_merge)
 
 
 def main(argv=None) -> int:
@@ -213,6 +297,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
         from .apps.ps_server import main as server_main
         return server_main(argv[1:])
+    if argv[:1] == ["node"]:  # a scheduler's node: its own parser (commrt/apps/node.py)
+        from .apps.node import main as node_main
+        return node_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from .bench.ps import main as bench_ps
         return bench_ps(argv[2:])

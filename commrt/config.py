@@ -194,6 +194,11 @@ class PsConfig:
     bytes the server checkpoints early, so its disk use stays near checkpoint + this bound."""
     fsync: bool = False
     """fsync the log before acknowledging (survives a machine crash, not only a process crash)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics (pushes, pulls, bytes, lag, SSP waits, apply latency) on this
+    HTTP port (``commrt server --metrics-port``); 0: off."""
+    metrics_addr: str = "127.0.0.1"
+    """Where the metrics port binds: loopback unless set explicitly (the page is unauthenticated)."""
 
     def __post_init__(self) -> None:
         _check_choice("ps", "mode", self.mode, PS_MODES)
@@ -209,6 +214,8 @@ class PsConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"[ps] {name} = {getattr(self, name)!r} is invalid; must be in [0, 1)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"[ps] metrics_port = {self.metrics_port!r} is invalid; valid: 0 (off) to 65535")
         for addr in self.servers:
             if not addr.startswith("tcp://") or ":" not in addr[6:]:
                 raise ConfigError(f"[ps] servers entry {addr!r} is invalid; expected 'tcp://host:port'")
@@ -237,12 +244,39 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """Observability (commrt/obs): the comms log, the trace and the flight recorder."""
+    comms: bool = False
+    """Time and count every collective and point-to-point op by op, size bucket (powers of two),
+    group and backend; ``commrt.comms_summary()`` returns the table and rank 0 logs it at exit.
+    Off: one attribute check per op."""
+    verbose: bool = False
+    """With ``comms``: also log one JSON line per completed op (logger ``commrt.obs``)."""
+    trace_file: str = ""
+    """Write a Chrome/Perfetto trace (one track per rank, one thread per group) to this path;
+    ``{rank}`` in it is replaced by the rank, else ``.rank<N>`` goes before the extension.
+    ``commrt trace-merge OUT FILES...`` joins the ranks' files into one."""
+    flight_dir: str = ""
+    """Where every rank writes its flight record (``rank<N>.json``) on PeerLost,
+    CollectiveMismatch, a CommTimeout or SIGUSR1; read with ``commrt flight-record DIR``.
+    Empty: the ring buffers are still kept, but a dump goes nowhere (a line says so)."""
+    flight_entries: int = 64
+    """Ops each group's flight recorder keeps (a ring buffer; always on)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.flight_entries <= 1 << 20:
+            raise ConfigError(f"[log] flight_entries = {self.flight_entries!r} is invalid; "
+                              "it must be between 1 and 1048576")
+
+
+@dataclass(frozen=True)
 class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     ps: PsConfig = field(default_factory=PsConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def digest(self) -> str:
         """Hash of the settings every rank must agree on: what decides the algorithms and the
@@ -261,6 +295,7 @@ DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"
 
 _SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,
                   "ps": PsConfig, "quant": QuantConfig}
+_SECTION_TYPES["log"] = LogConfig
 OTHER_SECTIONS = ("train",)  # read by their own layers (commrt/train/config.py)
 
 

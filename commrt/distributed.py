@@ -16,10 +16,13 @@ from .collectives.reduce_ops import ReduceOp, parse_op
 from .config import Config, load_config
 from .errors import CommError
 from .group import NON_GROUP_MEMBER, ProcessGroup
+from .obs.observer import Observer
 from .wire import MAX_TAG
 from .work import Work
 
 _runtime: bootstrap.Runtime | None = None
+_observer: Observer | None = None  # this runtime's comms log, trace and flight recorder (commrt/obs)
+_last_observer: Observer | None = None  # kept after destroy, for comms_summary()
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
@@ -42,6 +45,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         rank if rank is not None else (cfg.cluster.rank if cfg.cluster.rank >= 0 else None),
         world_size or cfg.cluster.world_size or None)
     _runtime = bootstrap.init_world(cfg, spec)
+    _start_observing(_runtime)
 
 
 def _rt() -> bootstrap.Runtime:
@@ -60,6 +64,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is None or group is rt.world:
         _runtime = None
         bootstrap.shutdown(rt)
+        _stop_observing()
     elif group is not NON_GROUP_MEMBER:
         _live(rt, group).backend.close()
         rt.groups.remove(group)
@@ -143,10 +148,13 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str |
     if (q := _quantized(quant)) is not None:
         return q.all_reduce(tensor, op, group, async_op, quant=quant)
     g = _group(group)
+    if g is None:
+        return None
+    rec = _begin(g, "all_reduce", tensor, async_op)
     if _two_level(g, "all_reduce", tensor):
         from .mesh import all_reduce as two_level
-        return two_level(tensor, _op(op), async_op)
-    return None if g is None else g.backend.all_reduce(tensor, _op(op), async_op)
+        return _call(rec, two_level, tensor, _op(op), async_op)
+    return _call(rec, g.backend.all_reduce, tensor, _op(op), async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
@@ -154,30 +162,42 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if (q := _quantized(quant)) is not None:
         return q.reduce_scatter_tensor(output, input, op, group, async_op, quant=quant)
     g = _group(group)
+    if g is None:
+        return None
+    rec = _begin(g, "reduce_scatter_tensor", input, async_op)
     if _two_level(g, "reduce_scatter", output, input):
         from .mesh import reduce_scatter_tensor as two_level
-        return two_level(output, input, _op(op), async_op)
-    return None if g is None else g.backend.reduce_scatter_tensor(output, input, _op(op), async_op)
+        return _call(rec, two_level, output, input, _op(op), async_op)
+    return _call(rec, g.backend.reduce_scatter_tensor, output, input, _op(op), async_op)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str | None = None) -> Work | None:
     if (q := _quantized(quant)) is not None:
         return q.all_gather_into_tensor(output, input, group, async_op, quant=quant)
     g = _group(group)
+    if g is None:
+        return None
+    rec = _begin(g, "all_gather_into_tensor", output, async_op)
     if _two_level(g, "all_gather", output, input):
         from .mesh import all_gather_into_tensor as two_level
-        return two_level(output, input, async_op)
-    return None if g is None else g.backend.all_gather_into_tensor(output, input, async_op)
+        return _call(rec, two_level, output, input, async_op)
+    return _call(rec, g.backend.all_gather_into_tensor, output, input, async_op)
 
 
 def broadcast(tensor, src: int, group=None, async_op=False) -> Work | None:
     g = _group(group)
-    return None if g is None else g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op)
+    if g is None:
+        return None
+    root = g.group_rank(src, "src")
+    return _call(_begin(g, "broadcast", tensor, async_op), g.backend.broadcast, tensor, root, async_op)
 
 
 def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Work | None:
     g = _group(group)
-    return None if g is None else g.backend.reduce(tensor, g.group_rank(dst, "dst"), _op(op), async_op)
+    if g is None:
+        return None
+    root, rop = g.group_rank(dst, "dst"), _op(op)
+    return _call(_begin(g, "reduce", tensor, async_op), g.backend.reduce, tensor, root, rop, async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
@@ -190,13 +210,13 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     out, inp = dtypes.as_tensor(output), dtypes.as_tensor(input)
     if out.numel() and dtypes.overlaps(out, inp):
         inp = inp.clone()
-    return g.backend.all_to_all_single(
-        out, inp, output_split_sizes, input_split_sizes, async_op)
+    return _call(_begin(g, "all_to_all_single", inp, async_op), g.backend.all_to_all_single,
+                 out, inp, output_split_sizes, input_split_sizes, async_op)
 
 
 def barrier(group=None, async_op=False) -> Work | None:
     g = _group(group)
-    return None if g is None else g.backend.barrier(async_op)
+    return None if g is None else _call(_begin(g, "barrier", None, async_op), g.backend.barrier, async_op)
 
 
 def _tag(tag, what: str) -> int:
@@ -214,13 +234,19 @@ def _tag(tag, what: str) -> int:
 def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
     tag = _tag(tag, "isend")
     g = _group(group)
-    return None if g is None else g.backend.isend(tensor, g.group_rank(dst, "dst"), tag)
+    if g is None:
+        return None
+    peer = g.group_rank(dst, "dst")
+    return _call(_begin(g, "send", tensor, True, dst), g.backend.isend, tensor, peer, tag)
 
 
 def irecv(tensor, src: int, group=None, tag: int = 0) -> Work | None:
     tag = _tag(tag, "irecv")
     g = _group(group)
-    return None if g is None else g.backend.irecv(tensor, g.group_rank(src, "src"), tag)
+    if g is None:
+        return None
+    peer = g.group_rank(src, "src")
+    return _call(_begin(g, "recv", tensor, True, src), g.backend.irecv, tensor, peer, tag)
 
 
 def send(tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -235,3 +261,54 @@ def recv(tensor, src: int, group=None, tag: int = 0) -> int:
     if work is not None:
         work.wait()
     return src
+
+
+# -- observability (commrt/obs): every op above passes _begin and _call -------------------------
+def _start_observing(rt: bootstrap.Runtime) -> None:
+    global _observer, _last_observer
+    _observer = _last_observer = Observer(rt.config, rt.world.rank, rt.world.size())
+
+
+def _stop_observing() -> None:
+    global _observer
+    if _observer is not None:
+        _observer.close()
+    _observer = None
+
+
+def _begin(g: ProcessGroup, op: str, tensor, async_op: bool, peer: int = -1):
+    """The op's flight record (a sync op is started, an async one queued); None when not observed."""
+    obs = _observer
+    if obs is None:
+        return None
+    if tensor is None:
+        return obs.begin(g, op, 0, None, peer, async_op, peer >= 0)
+    t = dtypes.as_tensor(tensor)
+    return obs.begin(g, op, t.numel() * t.element_size(), t.dtype, peer, async_op, peer >= 0)
+
+
+def _call(rec, fn, *args):
+    """Issue an op and tell its record how it went (an async one's end comes from its Work)."""
+    if rec is None:
+        return fn(*args)
+    try:
+        work = fn(*args)
+    except BaseException as exc:
+        rec.end(exc)
+        raise
+    return Observer.issued(rec, work)
+
+
+def comms_summary() -> list[dict]:
+    """The comms log's table (``[log] comms = true``), one dict per (op, size bucket, group,
+    backend): count, bytes, total_s, mean/p50/p99 in microseconds, algbw and busbw in GB/s
+    (nccl-tests' definitions). Empty when the log is off. After destroy_process_group, the
+    table of the runtime just destroyed."""
+    return _last_observer.summary() if _last_observer is not None else []
+
+
+def dump_flight_record(reason: str = "requested") -> str | None:
+    """Write this rank's flight record to ``[log] flight_dir`` now (as SIGUSR1 does); its path."""
+    if _observer is None:
+        raise CommError("commrt is not initialized; call commrt.init_process_group() first")
+    return _observer.dump(reason)

@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import Executor, Work
 
-PIPELINE_SEGMENTS = 4
+PIPELINE_SEGMENTS = 8
 
 
 def _topology():
@@ -141,6 +141,13 @@ def _levels(rt) -> _Levels:
     return levels
 
 
+def node_groups() -> tuple[ProcessGroup, ProcessGroup]:
+    """(this rank's node, this local rank on every node): the world's two-level groups, made
+    on first use (collectively: every rank asks in the same world-collective order)."""
+    levels = _levels(distributed._rt())
+    return levels.intra, levels.inter
+
+
 def wants_hierarchical(group, nbytes: int) -> bool:
     """Whether ``group``'s collective of ``nbytes`` runs in two levels ([comm] hierarchical).
     Only the world group: its node groups can be made on demand, since every rank calls the
@@ -164,9 +171,11 @@ def _submit(name: str, fn, async_op: bool) -> Work | None:
 
 
 def segments_for(nbytes: int, chunk_bytes: int) -> int:
-    """Pipelined pieces of a hierarchical all_reduce: one per two pipelining chunks, at most
-    PIPELINE_SEGMENTS (each piece adds a round of small-message latency to every level)."""
-    return max(1, min(PIPELINE_SEGMENTS, nbytes // (2 * chunk_bytes)))
+    """Pipelined pieces of a hierarchical all_reduce: one per half pipelining chunk, at most
+    PIPELINE_SEGMENTS (each piece adds a round of small-message latency to every level). Only
+    the first piece's node reduce-scatter and the last one's all-gather leave the cross-node
+    link idle, so more pieces leave it idle less: 8 at 16 MiB gained over 2 (issue #14)."""
+    return max(1, min(PIPELINE_SEGMENTS, nbytes // max(1, chunk_bytes // 2)))
 
 
 def all_reduce(tensor, op, async_op: bool = False) -> Work | None:

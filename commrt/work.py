@@ -19,6 +19,9 @@ class CommTimeout(CommError, TimeoutError):
 class Work:
     """Handle of an operation, like ``torch.distributed.Work``."""
 
+    _flight = None
+    """The op's flight-recorder record (commrt/obs), told when the op starts and ends."""
+
     def __init__(self, name: str):
         self.name = name
         self._done = threading.Event()
@@ -31,6 +34,8 @@ class Work:
             self._result, self._error = result, error
             self._done.set()
             callbacks, self._callbacks = self._callbacks or (), None
+        if self._flight is not None:
+            self._flight.done(error)
         for fn in callbacks:
             fn(self)
 
@@ -59,7 +64,10 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; re-raise the operation's error. ``timeout`` in seconds."""
         if not self._done.wait(timeout):
-            raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+            exc = CommTimeout(f"{self.name} did not complete within {timeout}s")
+            if self._flight is not None:
+                self._flight.timed_out(exc)
+            raise exc
         if self._error is not None:
             raise self._error
         return True
@@ -142,6 +150,8 @@ class Executor:
                     return
                 work, fn = self._queue.popleft()
                 self._busy = True
+            if work._flight is not None:
+                work._flight.start()
             try:
                 result = fn()
                 work._finish(result, None)

@@ -1,25 +1,35 @@
 """Train a small next-token model as a pipeline, one stage per rank:
 
     commrt launch -n 2 -- python -m workers.pipeline_lm --schedule 1f1b --microbatches 8 --steps 30
+    python -m workers.pipeline_lm --stages 2 --schedule 1f1b --microbatches 8 --timeline
+    python -m workers.pipeline_lm --stages 2 --dp 2 --dp-wrap zero1       # 2 stages x 2 replicas
+    python -m workers.pipeline_lm --stages 2 --microbatches 8 --bench     # throughput and bubbles
 
+With ``--stages`` and no launcher around it, the program starts its ``stages x dp`` ranks itself.
 The model is an ``nn.Sequential`` (embedding, MLP blocks, output layer) cut with
 ``commrt.pipeline.split``; the data is the counting corpus of ``commrt.apps.train_lm`` (the next
 token is the current one plus one, modulo the vocabulary), so the loss falls well below
 log(vocab). ``--schedule pipedream`` runs PipeDream (no flush, weight stashing, SGD).
+``--dp N`` replicates every stage N times (pipeline x data parallel over a device mesh), each
+replica reducing gradients with DataParallel or ZeRO stage 1 (``--dp-wrap``). ``--timeline``
+prints every rank's last step as a text timeline with its bubble next to the theory; ``--bench``
+measures single-process against pipelined throughput (commrt.apps.pipeline_bench).
 """
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 import torch
 from torch import nn
 
 import commrt
+import commrt.train
+from commrt.apps import reporter
 from commrt.pipeline import GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, split
+from commrt.pipeline.timeline import gantt, theory_bubble
 
-log = logging.getLogger("pipeline_lm")
 SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved1F1B}
 
 
@@ -48,6 +58,10 @@ def batch(step: int, rows: int, seq: int, vocab: int):
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", choices=[*SCHEDULES, "pipedream"], default="1f1b")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline ranks; without a launcher, start stages x dp ranks here")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of every stage")
+    p.add_argument("--dp-wrap", choices=["ddp", "zero1"], default="ddp")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rows", type=int, default=32)
@@ -56,40 +70,118 @@ def parse(argv):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--timeline", action="store_true", help="print each rank's last step and its bubble")
+    p.add_argument("--bench", action="store_true", help="single-process vs pipelined samples/s")
+    p.add_argument("--rounds", type=int, default=3, help="--bench: alternating rounds")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    commrt.init_process_group()
-    rank, world = commrt.get_rank(), commrt.get_world_size()
-    per_rank = 2 if args.schedule == "interleaved" else 1
-    n = world * per_rank
+def self_launch(args, argv) -> int | None:
+    """Start the ranks here when asked for ``--stages`` outside a launcher."""
+    if args.stages is None or "RANK" in os.environ:
+        return None
+    from commrt.launch import launch  # only the parent needs the launcher
+    result = launch(args.stages * args.dp, [sys.executable, "-m", "commrt.apps.pipeline_lm", *argv], prefix=False)
+    return result.returncode
+
+
+def wrap_replicas(part: nn.Module, args, dp_group):
+    """The stage's module, reducing its gradients over ``dp_group`` (None: no replicas)."""
+    if dp_group is None:
+        return part
+    if args.dp_wrap == "zero1":
+        cfg = {"zero_optimization": {"stage": 1},
+               "optimizer": {"type": "SGD", "params": {"lr": args.lr, "momentum": 0.9}}}
+        return commrt.train.initialize(part, cfg, group=dp_group)
+    return commrt.train.DataParallel(part, group=dp_group)
+
+
+def build(args, schedule: str, pp_group=None, dp_group=None, num_batches: int = 1):
+    """This rank's stages and the schedule over them (``pp_group``: None for the world)."""
+    ranks = commrt.get_world_size(pp_group) if pp_group is not None else commrt.get_world_size()
+    rank = commrt.get_rank(pp_group) if pp_group is not None else commrt.get_rank()
+    per_rank = 2 if schedule == "interleaved" else 1
+    n = ranks * per_rank
     parts = split(make_model(args.vocab, args.dim, args.blocks), n, by="params")
-    stages = [PipelineStage(parts[s], s, n) for s in range(rank, n, world)]
+    stages = [PipelineStage(wrap_replicas(parts[s], args, dp_group), s, n, pp_group) for s in range(rank, n, ranks)]
     loss_fn = nn.functional.cross_entropy
-    first, last = 0 in [s.stage_index for s in stages], n - 1 in [s.stage_index for s in stages]
-    if args.schedule == "pipedream":
-        sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=args.steps)
-        xs, ys = zip(*(batch(s, args.rows, args.seq, args.vocab) for s in range(args.steps)))
-        losses: list = []
-        sched.step(*((torch.cat(xs),) if first else ()), target=torch.cat(ys) if last else None, losses=losses)
-        if last:
-            for s in range(0, args.steps, max(1, args.steps // 10)):
-                chunk = losses[s * args.microbatches:(s + 1) * args.microbatches]
-                log.info("rank %d step %d loss %.4f", rank, s, float(sum(chunk) / len(chunk)))
+    if schedule == "pipedream":
+        sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=num_batches)
     else:
-        sched = SCHEDULES[args.schedule](stages if per_rank > 1 else stages[0], args.microbatches, loss_fn)
-        opt = torch.optim.SGD([p for s in stages for p in s.module.parameters()], lr=args.lr, momentum=0.9)
-        for step in range(args.steps):
-            x, y = batch(step, args.rows, args.seq, args.vocab)
+        sched = SCHEDULES[schedule](stages if per_rank > 1 else stages[0], args.microbatches, loss_fn)
+    return stages, sched, n
+
+
+def report_timeline(log, sched, args, ranks: int, per_rank: int, batches: int = 1) -> None:
+    tl = sched.timeline
+    m = args.microbatches * batches
+    log.info("timeline %s |%s| %.1f ms, bubble %.3f (theory %.3f), waited in receives %.1f ms",
+             args.schedule, gantt(tl.events, tl.wall), tl.wall * 1e3, tl.bubble(),
+             theory_bubble(ranks, m, per_rank), tl.waited() * 1e3)
+
+
+def train_pipedream(args, log, sched, data, first: bool, last: bool) -> None:
+    """All ``--steps`` batches in one ``step()``: PipeDream never flushes between them."""
+    xs, ys = zip(*(data(s) for s in range(args.steps)))
+    losses: list = []
+    sched.step(*((torch.cat(xs),) if first else ()), target=torch.cat(ys) if last else None, losses=losses)
+    if last:
+        for s in range(0, args.steps, max(1, args.steps // 10)):
+            chunk = losses[s * args.microbatches:(s + 1) * args.microbatches]
+            log.info("step %d loss %.4f", s, float(sum(chunk) / len(chunk)))
+
+
+def train(args, log) -> None:
+    pp_group = dp_group = None
+    replica = 0
+    if args.dp > 1:
+        mesh = commrt.init_device_mesh((args.dp, commrt.get_world_size() // args.dp), ("dp", "pp"))
+        pp_group, dp_group, replica = mesh.get_group("pp"), mesh.get_group("dp"), mesh.get_local_rank("dp")
+    nb = args.steps if args.schedule == "pipedream" else 1
+    stages, sched, n = build(args, args.schedule, pp_group, dp_group, nb)
+    first, last = 0 in sched.stages, n - 1 in sched.stages
+    ranks = commrt.get_world_size() // args.dp
+
+    def data(step):
+        x, y = batch(step, args.rows, args.seq, args.vocab)
+        return x.chunk(args.dp)[replica], y.view(args.rows, -1).chunk(args.dp)[replica].reshape(-1)
+    if args.schedule == "pipedream":
+        train_pipedream(args, log, sched, data, first, last)
+        if args.timeline:
+            report_timeline(log, sched, args, ranks, 1, nb)
+        return
+    engines = [st.module for st in stages if isinstance(st.module, commrt.train.Engine)]
+    opt = None if engines else torch.optim.SGD([p for s in stages for p in s.module.parameters()],
+                                               lr=args.lr, momentum=0.9)
+    for step in range(args.steps):
+        x, y = data(step)
+        losses = []
+        if opt is not None:
             opt.zero_grad()
-            losses = []
-            sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        for e in engines:
+            e.step()
+        if opt is not None:
             opt.step()
-            if last and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
-                log.info("rank %d step %d loss %.4f", rank, step, float(sum(losses) / len(losses)))
+        if last and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
+            log.info("step %d loss %.4f", step, float(sum(losses) / len(losses)))
+    if args.timeline:
+        report_timeline(log, sched, args, ranks, n // ranks)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    code = self_launch(args, argv)
+    if code is not None:
+        return code
+    commrt.init_process_group()
+    log = reporter("pipeline_lm", f"rank {commrt.get_rank()}")
+    if args.bench:
+        from commrt.apps import pipeline_bench
+        pipeline_bench.run(args, log)
+    else:
+        train(args, log)
     commrt.destroy_process_group()
     return 0
 

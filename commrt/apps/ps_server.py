@@ -7,6 +7,7 @@ root). Settings come from the [ps] section of the config (or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -20,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="cluster TOML file (default: $COMMRT_CONFIG)")
     p.add_argument("--index", type=int, default=0, help="which entry of [ps] servers to serve")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint and log")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port plus the index "
+                   "([ps] metrics_port; bound to [ps] metrics_addr, loopback by default)")
     return p
 
 
@@ -27,7 +30,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s server{args.index} %(levelname)s %(message)s")
     try:
-        server = Server(load_config(args.config), args.index, resume=args.resume)
+        cfg = load_config(args.config)
+        if args.metrics_port is not None:
+            cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, metrics_port=args.metrics_port))
+        server = Server(cfg, args.index, resume=args.resume)
     except CommError as exc:
         print(f"commrt server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from a random start, so the next token is predictable and the loss falls well be
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
@@ -62,6 +63,17 @@ def batch(rank: int, step: int, size: int, seq: int, vocab: int) -> torch.Tensor
     return (start + torch.arange(seq + 1)) % vocab
 
 
+def _write_stats(path: str, engine, first: dict | None, last: dict, steps: int) -> None:
+    per_step, first = {}, first or {"by_op": {}}
+    for op, entry in last["by_op"].items():
+        before = first["by_op"].get(op, {})
+        per_step[op] = {k: (v - before.get(k, 0)) / max(steps, 1) for k, v in entry.items()}
+    out = {"memory": engine.memory_report(), "units": [u.layout.numel for u in engine.zero.units],
+           "per_step_by_op": per_step, "plan": list(engine.plan)}
+    with open(path, "w") as fh:
+        json.dump(out, fh)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, help="ZeRO stage (overrides the config's [train])")
@@ -73,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--stats-json", help="write this rank's memory report, unit sizes and bytes sent per step "
+                   "after the first (by op, inside / across nodes) to PATH.RANK.json (what commrt estimate predicts)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     commrt.init_process_group()
@@ -86,7 +100,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     engine = initialize(model, cfg)
     loss_fn = nn.CrossEntropyLoss()
-    times = []
+    times, first = [], None
     for step in range(args.steps):
         tokens = batch(rank, step, args.batch, args.seq, args.vocab)
         start = time.perf_counter()
@@ -96,6 +110,8 @@ def main(argv=None) -> int:
             engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - start)
+        if step == 0:  # later steps are the steady state (groups and the stage-3 order are set up)
+            first = commrt.comm_stats()
         if rank == 0 and ((step + 1) % args.log_every == 0 or step == 0):
             log.info("step %4d loss %.4f step time %7.1f ms", step + 1, loss.item(), 1000 * times[-1])
     mem = engine.memory_report()
@@ -107,6 +123,8 @@ def main(argv=None) -> int:
              n_params / 1e6, 1000 * steady, mib["total"], mib["parameters"], mib["gradients"],
              mib["optimizer_state"], mib["gathered_peak"], rss)
     sent = commrt.comm_stats()
+    if args.stats_json:
+        _write_stats(f"{args.stats_json}.{rank}.json", engine, first, sent, args.steps - 1)
     log.info("sent per step %.2f MiB inside the node, %.2f MiB to other nodes",
              sent["intra_node_bytes"] / args.steps / 2**20, sent["inter_node_bytes"] / args.steps / 2**20)
     commrt.destroy_process_group()

@@ -72,3 +72,23 @@ def format_size(nbytes: int) -> str:
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale} {unit}"
     return f"{nbytes} B"
+
+
+def shm_busbw_ceiling(collective: str, memcpy_gbs: float, reduce_gbs: float) -> float:
+    """The busbw a shared-memory collective could at best reach, from one rank's memcpy and
+    reduction (a+b -> out) bandwidth measured while every rank runs them at once.
+
+    With shared memory the "link" is memory: each rank reduces its 1/n of the data straight
+    from the peers' buffers ((n-1)/n of the bytes through the reduction) and copies the other
+    ranks' results out ((n-1)/n through memcpy). busbw counts 2(n-1)/n bytes for an
+    all_reduce, so its ceiling is 2 / (1/reduce + 1/memcpy); a reduce-scatter (and reduce)
+    is bound by the reduction alone, the copying collectives by memcpy alone."""
+    if memcpy_gbs <= 0 or reduce_gbs <= 0:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 / (1 / reduce_gbs + 1 / memcpy_gbs)
+    if collective in ("reduce_scatter", "reduce"):
+        return reduce_gbs
+    if collective in ("all_gather", "broadcast", "all_to_all", "sendrecv"):
+        return memcpy_gbs
+    raise ValueError(f"unknown collective '{collective}'; valid: {list(COLLECTIVES)}")

@@ -1,16 +1,22 @@
 """The raw TCP ceiling of a ring on these hosts: every rank sends to its right neighbour and
 receives from its left at the same time over plain sockets, as a ring step does. Per-link
-GB/s from this is what busbw can at best reach (``--physical``)."""
+GB/s from this is what busbw can at best reach (``--physical``).
+
+For ranks that share a node through shared memory the link is memory itself: ``memory_ceiling``
+measures this host's memcpy and reduction (a+b -> out) bandwidth, every rank at once, at the
+size being benchmarked."""
 from __future__ import annotations
 
 import socket
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ..collectives.reduce_ops import ReduceOp
 from ..store import wait_for
+from . import metrics
 
 
 class TcpRing:
@@ -64,3 +70,25 @@ class TcpRing:
         for s in (self.out, self.inp):
             if s is not None:
                 s.close()
+
+
+def memory_ceiling(be, collective: str, nbytes: int, iters: int, warmup: int) -> dict:
+    """memcpy and a+b -> out GB/s (bytes written per second) of the slowest rank, every rank
+    running them at the same time (as the ranks of a node do in a shared-memory collective),
+    and the busbw ceiling they give ``collective`` (metrics.shm_busbw_ceiling)."""
+    count = max(1, nbytes // 4)
+    a, b, out = (np.full(count, v, dtype=np.float32) for v in (1.0, 2.0, 0.0))  # touched: no faults
+    kernels = {"memcpy": lambda: np.copyto(out, a), "reduce": lambda: np.add(a, b, out=out)}
+    got = {}
+    for name, kernel in kernels.items():
+        for _ in range(warmup):
+            kernel()
+        be.barrier(False)
+        start = time.perf_counter()
+        for _ in range(iters):
+            kernel()
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        be.all_reduce(t, ReduceOp.MAX, False)
+        got[name] = count * 4 * iters / float(t[0]) / 1e9
+    got["busbw"] = metrics.shm_busbw_ceiling(collective, got["memcpy"], got["reduce"])
+    return got

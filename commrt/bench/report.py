@@ -12,44 +12,98 @@ def _redop(spec: BenchSpec) -> str:
     return spec.op.lower() if spec.collective in ("all_reduce", "reduce_scatter", "reduce") else "none"
 
 
+def _has(rows: list[dict], name: str, key: str) -> bool:
+    return bool(rows) and key in rows[0][name]
+
+
+def _ceilings(row: dict, name: str) -> float:
+    """The ceiling of the path this backend's bytes take (runner.data_path): TCP or memory."""
+    if row[name].get("path") == "shm" and "memory" in row:
+        return row["memory"]["busbw"]
+    return row["ceiling"]
+
+
 def table(spec: BenchSpec, nproc: int, rows: list[dict]) -> str:
+    """Per backend: the back-to-back columns (time, algbw, busbw, #wrong[, ratio]) and, when
+    measured, the op-by-op ones (median time, busbw[, ratio]); with --physical the TCP ring
+    ceiling, the memory ceiling and each backend's efficiency against its own path's ceiling."""
     names = list(spec.backends)
     first = names[0]
+    b2b = bool(rows) and "time_us" in rows[0][first]
+    by_op = _has(rows, first, "alone")
     head1 = f"#{'':>10} {'':>12} {'':>8} {'':>6}"
     head2 = f"#{'size':>10} {'count':>12} {'type':>8} {'redop':>6}"
     head3 = f"#{'(B)':>10} {'(elements)':>12} {'':>8} {'':>6}"
     for name in names:
-        head1 += f" {name:^36}"
-        head2 += f" {'time':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>8}"
-        head3 += f" {'(us)':>9} {'(GB/s)':>8} {'(GB/s)':>8} {'':>8}"
-        if name != first:
-            head2 += f" {'ratio':>6}"
-            head3 += f" {'':>6}"
-            head1 += f" {'':>6}"
+        ratios = 7 * ((b2b + by_op) if name != first else 0)  # " ratio" columns
+        width = (36 if b2b else 8) + (29 if by_op else 0) + ratios
+        head1 += f" {name:^{width}}"
+        if b2b:
+            head2 += f" {'time':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>8}"
+            head3 += f" {'(us)':>9} {'(GB/s)':>8} {'(GB/s)':>8} {'':>8}"
+            if name != first:
+                head2 += f" {'ratio':>6}"
+                head3 += f" {'':>6}"
+        else:
+            head2 += f" {'#wrong':>8}"
+            head3 += f" {'':>8}"
+        if by_op:
+            head2 += f" {'alone':>9} {'p90':>9} {'busbw':>8}"
+            head3 += f" {'(us)':>9} {'(us)':>9} {'(GB/s)':>8}"
+            if name != first:
+                head2 += f" {'ratio':>6}"
+                head3 += f" {'':>6}"
     if spec.physical:
-        head2 += f" {'ceiling':>8}" + "".join(f" {'eff:' + n:>10}" for n in names)
-        head3 += f" {'(GB/s)':>8}" + "".join(f" {'(%)':>10}" for _ in names)
+        head2 += f" {'ceiling':>8} {'memcpy':>7} {'reduce':>7} {'mem-ceil':>8}" + "".join(f" {'eff:' + n:>10}" for n in names)
+        head3 += f" {'(GB/s)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'(GB/s)':>8}" + "".join(f" {'(%)':>10}" for _ in names)
     lines = [f"# commrt bench {spec.collective}: nproc {nproc}, dtype {spec.dtype}, op {spec.op}, "
-             f"iters {spec.iters}, warmup {spec.warmup}", "#", head1, head2, head3]
+             f"iters {spec.iters}, warmup {spec.warmup}, mode {spec.mode}, input {spec.input}", "#",
+             head1, head2, head3]
     for row in rows:
-        base = row[first]
-        line = f" {base['size']:>10} {base['count']:>12} {spec.dtype:>8} {_redop(spec):>6}"
-        for name in names:
-            r = row[name]
+        lines.append(_line(spec, names, row, b2b, by_op))
+    lines.append("# Out of bounds values : " + ", ".join(
+        f"{n} {sum(r[n]['wrong'] for r in rows)}" for n in names) + " (#wrong, all sizes)")
+    if b2b:
+        lines.append("# Avg bus bandwidth    : " + ", ".join(f"{n} {avg_busbw(rows, n):.3f} GB/s" for n in names))
+    if by_op:
+        lines.append("# Avg bus bw, op by op : " + ", ".join(
+            f"{n} {avg_busbw(rows, n, 'alone'):.3f} GB/s" for n in names))
+        lines.append("# alone = median over samples of the slowest rank's time of one op (input rewritten, "
+                     "barrier, one op; backends alternating sample by sample); p90 = its 90th percentile")
+    if len(names) > 1:
+        lines.append(f"# ratio = that backend's time / {first}'s time (> 1: {first} is faster)")
+    if spec.physical:
+        lines.append("# eff = busbw (op by op if measured, else back-to-back) / the ceiling of the backend's "
+                     "path: " + ", ".join(f"{n} {rows[0][n].get('path', 'tcp')}" for n in names if rows)
+                     + " (tcp: the TCP ring ceiling; shm: mem-ceil, from memcpy and reduce)")
+    return "\n".join(lines)
+
+
+def _line(spec: BenchSpec, names: list[str], row: dict, b2b: bool, by_op: bool) -> str:
+    first = names[0]
+    base = row[first]
+    line = f" {base['size']:>10} {base['count']:>12} {spec.dtype:>8} {_redop(spec):>6}"
+    for name in names:
+        r = row[name]
+        if b2b:
             line += f" {r['time_us']:>9.1f} {r['algbw']:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>8}"
             if name != first:
                 line += f" {ratio(base, r):>6.2f}"
-        if spec.physical:
-            ceil = row["ceiling"]
-            line += f" {ceil:>8.3f}" + "".join(f" {100 * row[n]['busbw'] / ceil if ceil else 0:>10.1f}" for n in names)
-        lines.append(line)
-    lines.append("# Out of bounds values : " + ", ".join(
-        f"{n} {sum(r[n]['wrong'] for r in rows)}" for n in names) + " (#wrong, all sizes)")
-    lines.append("# Avg bus bandwidth    : " + ", ".join(
-        f"{n} {avg_busbw(rows, n):.3f} GB/s" for n in names))
-    if len(names) > 1:
-        lines.append(f"# ratio = that backend's time / {first}'s time (> 1: {first} is faster)")
-    return "\n".join(lines)
+        else:
+            line += f" {r['wrong']:>8}"
+        if by_op:
+            a = r["alone"]
+            line += f" {a['time_us']:>9.1f} {a['p90_us']:>9.1f} {a['busbw']:>8.3f}"
+            if name != first:
+                line += f" {ratio(base['alone'], a):>6.2f}"
+    if spec.physical:
+        mem = row.get("memory", {"memcpy": 0.0, "reduce": 0.0, "busbw": 0.0})
+        line += f" {row['ceiling']:>8.3f} {mem['memcpy']:>7.2f} {mem['reduce']:>7.2f} {mem['busbw']:>8.3f}"
+        for n in names:
+            bw = row[n]["alone"]["busbw"] if by_op else row[n]["busbw"]
+            ceil = _ceilings(row, n)
+            line += f" {100 * bw / ceil if ceil else 0:>10.1f}"
+    return line
 
 
 def ratio(base: dict, other: dict) -> float:
@@ -57,8 +111,10 @@ def ratio(base: dict, other: dict) -> float:
     return other["time_us"] / base["time_us"] if base["time_us"] else 0.0
 
 
-def avg_busbw(rows: list[dict], name: str) -> float:
-    return sum(r[name]["busbw"] for r in rows) / len(rows) if rows else 0.0
+def avg_busbw(rows: list[dict], name: str, mode: str | None = None) -> float:
+    """Mean busbw over sizes, back-to-back (``mode`` None) or of the ``"alone"`` figures."""
+    pick = (lambda r: r[name][mode]["busbw"]) if mode else (lambda r: r[name].get("busbw", 0.0))
+    return sum(pick(r) for r in rows) / len(rows) if rows else 0.0
 
 
 def to_json(spec: BenchSpec, nproc: int, rows: list[dict], command: str) -> dict:
@@ -66,7 +122,10 @@ def to_json(spec: BenchSpec, nproc: int, rows: list[dict], command: str) -> dict
         "tool": "commrt bench", "command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(), "collective": spec.collective, "nproc": nproc, "dtype": spec.dtype,
         "op": spec.op, "iters": spec.iters, "warmup": spec.warmup, "backends": list(spec.backends),
+        "mode": spec.mode, "input": spec.input,
         "rows": rows, "avg_busbw": {n: avg_busbw(rows, n) for n in spec.backends},
+        **({"avg_busbw_alone": {n: avg_busbw(rows, n, "alone") for n in spec.backends}}
+           if rows and "alone" in rows[0][spec.backends[0]] else {}),
     }
 
 
@@ -86,7 +145,8 @@ def plot(path: str, spec: BenchSpec, nproc: int, rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = [r[spec.backends[0]]["size"] for r in rows]
     for name in spec.backends:
-        ax.plot(sizes, [r[name]["busbw"] for r in rows], marker="o", label=name)
+        ax.plot(sizes, [r[name]["busbw"] if "busbw" in r[name] else r[name]["alone"]["busbw"] for r in rows],
+                marker="o", label=name)
     if spec.physical:
         ax.plot(sizes, [r["ceiling"] for r in rows], linestyle="--", color="grey", label="TCP ring ceiling")
     ax.set_xscale("log", base=2)

@@ -129,3 +129,66 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list:
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one P2POp")
     return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+
+
+class _Incoming:
+    """One tensor-list message on its way: the header's receive, then the payloads'."""
+
+    def __init__(self, src: int, group, tag: int):
+        self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self.hwork = dist.irecv(self.header, src, group, tag)
+        self.meta: tuple[int, ...] | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.works: list = []
+
+
+class Inbox:
+    """A step's receives posted ahead (``recv_tensors`` waits for its header before it posts the
+    payloads): the next message's header receive on every channel is always posted, and ``pump()``
+    (called between computations) posts the payload receives as soon as a header has arrived, so
+    payloads land in their tensors while this rank computes (on zmq, without a second copy; on
+    gloo, the sender's transfer can start). Receives on one (source, tag) match in posting order,
+    so a channel's next header is posted only after the payloads of the message before it.
+
+    ``plan``: every (source rank, tag) this step receives on, in the order it takes them."""
+
+    def __init__(self, plan: list[tuple[int, int]], group=None):
+        self.group = group
+        self._left: dict[tuple[int, int], int] = {}
+        for chan in plan:
+            self._left[chan] = self._left.get(chan, 0) + 1
+        self._queue: dict[tuple[int, int], list[_Incoming]] = {chan: [] for chan in self._left}
+        for chan in self._left:
+            self._post_header(chan)
+
+    def _post_header(self, chan: tuple[int, int]) -> None:
+        if self._left[chan] > 0:
+            self._left[chan] -= 1
+            self._queue[chan].append(_Incoming(chan[0], self.group, chan[1]))
+
+    def _open(self, chan: tuple[int, int], msg: _Incoming) -> None:
+        msg.hwork.wait()
+        msg.meta, specs = decode_header(msg.header.numpy().tobytes())
+        msg.tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+        msg.works = [dist.irecv(_bytes(t), chan[0], self.group, chan[1]) for t in msg.tensors if t.numel()]
+        self._post_header(chan)
+
+    def pump(self) -> None:
+        """Post the payload receives of every header that has arrived; never blocks."""
+        for chan, queue in self._queue.items():
+            if queue and queue[-1].meta is None and queue[-1].hwork.is_completed():
+                self._open(chan, queue[-1])
+
+    def take(self, src: int, tag: int) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """The next message on (src, tag), as ``recv_tensors`` returns it."""
+        chan = (src, tag)
+        queue = self._queue.get(chan)
+        if not queue:
+            raise ProtocolError(f"receive from rank {src} tag {tag} that the step's plan does not hold")
+        msg = queue[0]
+        if msg.meta is None:
+            self._open(chan, msg)
+        for w in msg.works:
+            w.wait()
+        queue.pop(0)
+        return msg.meta, msg.tensors

@@ -21,6 +21,7 @@ import torch
 from torch.func import functional_call
 
 from ..errors import ConfigError
+from . import data_parallel
 from . import schedules as S
 from .runtime import PipelineSchedule, _Slot
 from .stage import PipelineStage
@@ -35,6 +36,10 @@ class PipeDream(PipelineSchedule):
                  num_batches: int = 1, stash_weights: bool = True):
         if num_batches < 1:
             raise ConfigError(f"PipeDream: num_batches must be >= 1, got {num_batches}")
+        if data_parallel.replicated(stage.module):
+            # its backwards run on stashed copies of the weights, which a wrapper's hooks never see
+            raise ConfigError("PipeDream does not take a DataParallel or engine-wrapped stage (its weight "
+                              "versions bypass the wrapper's gradient hooks); use GPipe, OneFOneB or Interleaved1F1B")
         self._batches = num_batches
         self.micro, self.num_batches, self.lr, self.stash = num_microbatches, num_batches, lr, stash_weights
         self.staleness = max(1, math.ceil((stage.num_stages - 1) / num_microbatches))

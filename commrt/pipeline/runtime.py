@@ -1,7 +1,8 @@
 """Schedules that run training steps over ``PipelineStage`` objects, torch.distributed.pipelining
 style: ``schedule.step(x, target=y, losses=out)`` on the first and last stages, ``schedule.step()``
 in between. The actions are pure data (schedules.py), validated on construction (validate.py);
-this module only executes them in order.
+this module only executes them in order. Each step's receives are posted ahead (``p2p.Inbox``) so
+payloads land while the rank computes, and each action's time goes to ``self.timeline``.
 
 Loss: each micro-batch's loss is scaled by its share of the batch's rows, so for a mean-reduced
 loss the accumulated gradients equal the full batch's. Gradients accumulate in ``.grad`` like one
@@ -10,14 +11,17 @@ loss the accumulated gradients equal the full batch's. Gradients accumulate in `
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import distributed as dist
 from ..errors import CommError, ConfigError, PeerLost, ProtocolError
+from . import data_parallel
 from . import schedules as S
-from .p2p import isend_tensors, recv_tensors
+from .p2p import Inbox, isend_tensors
+from .timeline import WAIT, Timeline
 from .stage import PipelineStage
 from .validate import validate
 
@@ -61,6 +65,16 @@ class PipelineSchedule:
         if mine != set(self.stages):
             raise ConfigError(f"this rank runs stages {sorted(mine)} but was given {sorted(self.stages)}")
         self.peak_in_flight: dict[int, int] = {}
+        for st in stages:
+            data_parallel.check(st.module)
+        self._recv_plan = [(self._peer_rank(a), _tag(a.stage, a.kind == S.RECV_F))
+                           for a in self.rank_actions if a.kind in (S.RECV_F, S.RECV_B)]
+        self._backwards = {s: sum(1 for a in self.rank_actions if a.stage == s and a.kind == S.B) for s in self.stages}
+        self.timeline = Timeline()
+
+    def _peer_rank(self, a: S.Action) -> int:
+        """Global rank of the stage a receive action takes its message from."""
+        return self.stages[a.stage].rank_of(a.stage - 1 if a.kind == S.RECV_F else a.stage + 1)
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
@@ -71,7 +85,10 @@ class PipelineSchedule:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._sends, self._outs, self._losses = [], {}, losses
         self.peak_in_flight = {s: 0 for s in self.stages}
+        self._backwards_left = dict(self._backwards)
+        self.timeline = Timeline()
         try:
+            self._inbox = Inbox(self._recv_plan, self.group)
             for a in self.rank_actions:
                 self._run(a)
         except PeerLost as exc:
@@ -80,6 +97,7 @@ class PipelineSchedule:
         finally:
             for h in self._sends:
                 h.wait()
+            self.timeline.finish()
         if self._outs:
             return torch.cat([self._outs[m] for m in sorted(self._outs)])
         return None
@@ -98,16 +116,21 @@ class PipelineSchedule:
 
     def _run(self, a: S.Action) -> None:
         kind = a.kind
+        if kind in (S.SEND_F, S.SEND_B):
+            self._send(a)
+            return
+        if kind in (S.RECV_F, S.RECV_B):
+            self._recv(a)
+            return
+        self._inbox.pump()  # payloads whose header has come start landing during this computation
+        t0 = time.perf_counter()
         if kind == S.F:
             self._forward(a.stage, a.mb)
         elif kind == S.B:
             self._backward(a.stage, a.mb)
-        elif kind in (S.SEND_F, S.SEND_B):
-            self._send(a)
-        elif kind in (S.RECV_F, S.RECV_B):
-            self._recv(a)
         else:
             self._other(a)
+        self.timeline.add(kind, a.stage, a.mb, t0, time.perf_counter())
 
     def _other(self, a: S.Action) -> None:
         raise ConfigError(f"{type(self).__name__} cannot run action {a}")
@@ -125,9 +148,10 @@ class PipelineSchedule:
 
     def _recv(self, a: S.Action) -> None:
         fwd = a.kind == S.RECV_F
-        src = a.stage - 1 if fwd else a.stage + 1
-        src_rank = self.stages[a.stage].rank_of(src)
-        meta, tensors = recv_tensors(src_rank, self.group, _tag(a.stage, fwd))
+        src, src_rank = a.stage - 1 if fwd else a.stage + 1, self._peer_rank(a)
+        t0 = time.perf_counter()
+        meta, tensors = self._inbox.take(src_rank, _tag(a.stage, fwd))
+        self.timeline.add(WAIT, a.stage, a.mb, t0, time.perf_counter())
         if len(meta) == 2 and meta[0] == LOST:
             raise PeerLost(meta[1], f"pipeline {a}", 0, f"reported by rank {src_rank}")
         if meta != (src, a.mb):
@@ -179,12 +203,14 @@ class PipelineSchedule:
 
     def _backward(self, stage: int, mb: int) -> None:
         slot = self._slots[(stage, mb)]
+        self._backwards_left[stage] = left = self._backwards_left.get(stage, 1) - 1
+        module = self.stages[stage].module
         if slot.loss is not None:
-            slot.loss.backward()
+            data_parallel.backward(module, [slot.loss], None, sync=left == 0)
         else:
             pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel() == o.numel()]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if pairs:  # the stage's last backward also reduces over its data-parallel replicas
+                data_parallel.backward(module, [o for o, _ in pairs], [g for _, g in pairs], sync=left == 0)
         slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:

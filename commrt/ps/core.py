@@ -17,7 +17,9 @@ request, gets a FAILED reply naming the cause (issue 13.14).
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import time
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ from .state import ShardState
 
 log = logging.getLogger(__name__)
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
+# upper bounds (seconds) of the apply-latency histogram's buckets, as Prometheus' defaults span
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 __all__ = ["MAX_AHEAD", "Reply", "ServerCore", "StorageFailed"]
 
@@ -49,7 +53,11 @@ class ServerCore(Durability, Binding):
         self.pushes = self.waiting.pushes  # (worker, step) -> parked push
         self.failure: str | None = None  # set when a durable write failed: the shard stops
         self.counters = dict(pushes=0, pulls=0, duplicates=0, rejected=0, malformed=0,
-                             bytes_in=0, bytes_out=0)
+                             bytes_in=0, bytes_out=0, ssp_waits=0)
+        # one source of truth for server-status and the Prometheus metrics (ps/metrics.py):
+        # per bucket (not cumulative) counts, the last one for anything slower than every bound
+        self.apply_latency = dict(buckets=list(LATENCY_BUCKETS), counts=[0] * (len(LATENCY_BUCKETS) + 1),
+                                  sum=0.0, count=0)
         self._snapshot: dict[int, bytes] = {}
         self._snapshot_version = -1
         Durability.__init__(self, cfg, index)
@@ -185,9 +193,15 @@ class ServerCore(Durability, Binding):
         if req.step > clock:
             raise ProtocolError(f"pull for step {req.step} is ahead of worker {req.worker}'s step "
                                 f"{clock} here: no schedule can ever serve it")
-        self.waiting.park_pull(Parked(ident, req, now, clock=req.step), self._level(req.step))
+        self._park_pull(Parked(ident, req, now, clock=req.step))
         self.counters["pulls"] += 1
         return []
+
+    def _park_pull(self, p: Parked, bounded: bool = True) -> None:
+        level = self._level(p.clock)
+        self.waiting.park_pull(p, level, bounded)
+        if self.cfg.mode == "ssp" and level > self.state.min_clock():
+            self.counters["ssp_waits"] += 1  # held by the staleness bound, not by its own pushes
 
     def _push(self, ident: bytes, req: P.Request, payload: list, now: float) -> list[Reply]:
         self._check_ids(req.body, payload, with_data=True)
@@ -203,13 +217,14 @@ class ServerCore(Durability, Binding):
         grads = [np.frombuffer(f, dtype=NUMPY_DTYPES[self.state.segs[i].dtype]) for f, i in zip(payload, req.body)]
         if (w, step) not in self.pushes:
             self.counters["pushes"] += 1
+            if self.cfg.mode == "ssp" and step - self.state.min_clock() > self.cfg.staleness:
+                self.counters["ssp_waits"] += 1
         self.waiting.park_push(Parked(ident, req, now, grads=grads))
         return []
 
     def _acknowledge(self, p: Parked, status: int, now: float) -> list[Reply]:
         if p.req.op == P.PUSHPULL:  # the pull half waits for its own condition
-            clock = p.req.step + 1
-            self.waiting.park_pull(Parked(p.ident, p.req, now, clock=clock), self._level(clock), bounded=False)
+            self._park_pull(Parked(p.ident, p.req, now, clock=p.req.step + 1), bounded=False)
             return []
         return [_reply(p.ident, status, p.req.req_id, [self.state.version])]
 
@@ -274,9 +289,17 @@ class ServerCore(Durability, Binding):
             grads.append(torch.from_numpy(total))
         self._log({"k": "u", "v": self.state.version + 1, "ids": ids,
                    "c": [list(c) for c in contributions], "g": gap}, grads)
+        start = time.perf_counter()
         self.state.apply(ids, grads)
+        self._observe_apply(time.perf_counter() - start)
         self.state.record(contributions, gap)
         self.checkpoint_if_due()
+
+    def _observe_apply(self, seconds: float) -> None:
+        h = self.apply_latency
+        h["counts"][bisect.bisect_left(h["buckets"], seconds)] += 1
+        h["sum"] += seconds
+        h["count"] += 1
 
     def _laggards(self, stuck: list[Parked]) -> list[int]:
         """The workers the stuck requests are waiting for."""
@@ -296,4 +319,5 @@ class ServerCore(Durability, Binding):
                 "clocks": list(st.clocks), "lag": [top - c for c in st.clocks],
                 "dropped": sorted(st.dropped), "joined": sorted(st.joined),
                 "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
-                "parked": self.waiting.counts()}
+                "parked": self.waiting.counts(),
+                "apply_latency": {**self.apply_latency, "counts": list(self.apply_latency["counts"])}}

@@ -15,7 +15,7 @@ import zmq
 from .. import optim
 from ..config import Config
 from ..errors import ConfigError
-from ..security import check_bind
+from ..security import check_bind, is_loopback
 from ..transport.hub import Transport
 from ..transport.memory import keep_freed_memory
 from .core import ServerCore, StorageFailed
@@ -64,6 +64,21 @@ class Server:
             raise ConfigError(f"server {index} cannot listen on {self.addr}: {exc}") from None
         self.sock.setsockopt(zmq.LINGER, 1000)  # the last replies still leave on stop
         self._names: dict[bytes, str] = {}  # ROUTER identity -> peer name, for the counters
+        self.metrics = self._serve_metrics(ps.metrics_addr, ps.metrics_port, index)
+
+    def _serve_metrics(self, addr: str, port: int, index: int):
+        """Shard I serves on ``port + I``, so one config fits every shard of a host; None when off."""
+        if not port:
+            return None
+        from .metrics import MetricsServer  # prometheus_client only where metrics are asked for
+        if not is_loopback(addr):
+            log.warning("server %d: metrics page on %s is reachable from other hosts (unauthenticated)", index, addr)
+        try:
+            return MetricsServer(self.core.stats, addr, port + index)
+        except ConfigError:
+            self.sock.close()
+            self.transport.close()
+            raise
 
     def _recover(self, resume: bool) -> None:
         core, where = self.core, self.core.cfg.checkpoint_dir
@@ -102,6 +117,8 @@ class Server:
         finally:
             self.sock.close()
             self.transport.close()
+            if self.metrics is not None:
+                self.metrics.close()
         return EXIT_STORAGE if self.core.failure is not None else 0
 
     def _receive(self) -> list:

@@ -26,6 +26,7 @@ from ..collectives.algorithms import chunk_bounds
 from ..collectives.reduce_ops import ReduceOp
 from .codecs import Codec, codec_for, store_float, to_numpy_float
 from .exchange import Hop, gather_hop, reduce_hop
+from . import hierarchical as two_hop
 from .feedback import ErrorFeedback
 from .stats import STATS
 
@@ -58,13 +59,14 @@ def _done(async_op: bool, name: str):
     return work
 
 
-def _settle(kind: str, hops: list[Hop]) -> None:
-    """Record the stats; raise (on every rank that saw one) the first problem of any hop."""
+def _settle(kind: str, hops: list[Hop], node_bytes: int = 0, path: str = "flat") -> None:
+    """Record the stats (``node_bytes``: sent exact inside the node, by the two-hop path);
+    raise (on every rank that saw one) the first problem of any hop."""
     problems = [p for h in hops for p in h.problems]
     if problems:
         raise ValueError(f"quantized {kind}: {problems[0]}; nothing was written")
-    STATS.record(kind, sum(h.wire_bytes for h in hops), sum(h.exact_bytes for h in hops),
-                 max(h.max_abs_error for h in hops), max(h.max_error_bound for h in hops))
+    STATS.record(kind, sum(h.wire_bytes for h in hops) + node_bytes, sum(h.exact_bytes for h in hops) + node_bytes,
+                 max(h.max_abs_error for h in hops), max(h.max_error_bound for h in hops), path)
 
 
 def _write(dst: torch.Tensor, pieces: list[tuple[int, np.ndarray]]) -> None:
@@ -90,6 +92,11 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str
         raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {x.size}")
     if feedback is not None:
         feedback.begin()
+    if (lv := two_hop.levels(group, output.numel() * 4)) is not None:
+        out, hops, node_bytes = two_hop.all_gather(x, codec, *lv, input, feedback)
+        _settle("all_gather", hops, node_bytes, "hierarchical")
+        _write(output, [(0, out)])
+        return _done(async_op, "quant all_gather")
     hop = gather_hop(x, [x.size] * n, codec, group, input.device, input.element_size(), feedback)
     _settle("all_gather", [hop])
     _write(output, [(r * x.size, v) for r, v in enumerate(hop.values)])
@@ -109,6 +116,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         raise ValueError(f"quantized reduce_scatter: input has {x.size} elements, expected {n} x {m}")
     if feedback is not None:
         feedback.begin()
+    if (lv := two_hop.levels(group, x.size * 4)) is not None:
+        acc, hops, node_bytes = two_hop.reduce_scatter(x, m, op, codec, *lv, input, feedback)
+        _settle("reduce_scatter", hops, node_bytes, "hierarchical")
+        _write(output, [(0, acc)])
+        return _done(async_op, "quant reduce_scatter")
     hop = reduce_hop(x, [(r * m, (r + 1) * m) for r in range(n)], codec, group, input.device,
                      input.element_size(), feedback)
     _settle("reduce_scatter", [hop])
@@ -129,6 +141,11 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
     codec, x = _codec(quant, block), _values(tensor, "tensor")
     if feedback is not None:
         feedback.begin()
+    if (lv := two_hop.levels(group, x.size * 4)) is not None:
+        out, hops, node_bytes = two_hop.all_reduce(x, op, codec, *lv, tensor, feedback)
+        _settle("all_reduce", hops, node_bytes, "hierarchical")
+        _write(tensor, [(0, out)])
+        return _done(async_op, "quant all_reduce")
     bounds = chunk_bounds(x.size, n)
     hops = _all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)
     _settle("all_reduce", hops)

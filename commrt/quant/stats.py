@@ -21,6 +21,9 @@ class KindStats:
     exact_bytes: int = 0
     max_abs_error: float = 0.0
     max_error_bound: float = 0.0
+    hierarchical_calls: int = 0
+    """Calls that ran in two hops on a multi-node world (only the inter-node hop quantized);
+    the rest ran flat, every hop quantized."""
 
     def as_dict(self) -> dict:
         return {**asdict(self), "bytes_saved": self.exact_bytes - self.wire_bytes}
@@ -33,10 +36,12 @@ class QuantStats:
         self._lock = threading.Lock()
         self._kinds: dict[str, KindStats] = {}
 
-    def record(self, kind: str, wire_bytes: int, exact_bytes: int, error: float, bound: float) -> None:
+    def record(self, kind: str, wire_bytes: int, exact_bytes: int, error: float, bound: float,
+               path: str = "flat") -> None:
         with self._lock:
             k = self._kinds.setdefault(kind, KindStats())
             k.calls += 1
+            k.hierarchical_calls += path == "hierarchical"
             k.wire_bytes += wire_bytes
             k.exact_bytes += exact_bytes
             k.max_abs_error = max(k.max_abs_error, error)

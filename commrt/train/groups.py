@@ -3,10 +3,10 @@
 A device mesh ((replicas, shard) over the world) would hand out the same two groups."""
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 from .. import distributed as dist
+from .. import mesh
 from ..errors import ConfigError
 from .sharding import Plan
 
@@ -18,8 +18,9 @@ class ShardGroups(NamedTuple):
 
 
 def ranks_per_node() -> int:
-    """torchrun's LOCAL_WORLD_SIZE (``commrt launch`` sets it too); the world when unset."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    """Ranks on this rank's node, from the runtime's topology (torchrun's variables, or which
+    ranks share a host: the same source as ``commrt.get_local_world_size``)."""
+    return mesh.get_local_world_size()
 
 
 def shard_and_replica_groups(world_size: int, rank: int, shard_size: int):

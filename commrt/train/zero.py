@@ -36,6 +36,18 @@ from .groups import ShardGroups
 from .layout import Unit, buckets, make_unit, pieces
 
 
+def run_ready(works: list) -> int:
+    """Pop the (work, then) pairs at the front of ``works`` whose work is done and run their
+    ``then`` (which may append more); stops at the first one still in flight. Returns how many."""
+    ran = 0
+    while works and works[0][0].is_completed():
+        work, then = works.pop(0)
+        work.wait()  # raises the collective's error, if it failed
+        then()
+        ran += 1
+    return ran
+
+
 class UnitState:
     """One unit's tensors on this rank."""
 
@@ -92,6 +104,7 @@ class Zero:
         # with replicas, one copy of each shard counts towards the global gradient norm
         self.counts_norm = self.rgroup is None or dist.get_rank(self.rgroup) == 0
         self.works: list = []
+        self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
         self.units: list[UnitState] = []
@@ -146,6 +159,7 @@ class Zero:
                                                       lambda: u.grad.add_(out)))
             if self.stage == 3:
                 self.release(u)
+        self.progress()
 
     def _all_reduce(self, flat: torch.Tensor, u: UnitState):
         if self.qgz:
@@ -162,6 +176,13 @@ class Zero:
         self.works.append((work, then))
         if not self.overlap:
             self.wait()
+
+    def progress(self) -> None:
+        """Finish the works at the front of the queue that are done, without blocking: hybrid's
+        cross-replica all-reduce of a unit then starts during backward, as soon as its in-group
+        reduce-scatter is done, not after backward (called from the gradient and gather hooks).
+        Front first only, so every rank starts the follow-up collectives in the same order."""
+        self.started_early += run_ready(self.works)
 
     def wait(self) -> None:
         while self.works:  # a ``then`` may start a further collective (hybrid's second step)
@@ -181,6 +202,7 @@ class Zero:
 
     # -- stage 3 gathering ------------------------------------------------------------------
     def start_gather(self, u: UnitState) -> None:
+        self.progress()
         if u.full is not None or u.gathering is not None:
             return
         buf = torch.empty(u.layout.padded, dtype=self.dtype)

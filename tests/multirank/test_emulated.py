@@ -149,3 +149,17 @@ def test_bench_prints_intra_and_inter_node_bytes_flat_and_hierarchical(emulated_
         r"# (zmq\+?h?i?e?r?): sent inside nodes (\d+) B, across nodes (\d+) B", proc.stdout)}
     assert set(sent) == {"zmq", "zmq+hier"}, proc.stdout[-3000:]
     assert sent["zmq+hier"][1] < sent["zmq"][1]  # the point of it: fewer bytes across nodes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zeropp_on_the_emulated_cluster_tracks_exact_zero3(emulated_cluster):
+    """ZeRO-3 + qwZ + qgZ + hpZ at 2 x 2 over a 1 Gbit link: the quantized gathers and gradient
+    reductions take the two-hop path (only the link quantized), the loss stays within 10% of the
+    exact run's drop and every rank ends with the same parameters (programs/quant_zero.py)."""
+    out = io.StringIO()
+    with emulated_cluster(2, "1gbit") as net:
+        result = launch(2, [sys.executable, "-m", "tests.multirank.programs.quant_zero", "30"], out=out,
+                        timeout_s=500, env={**os.environ, **ENV, "COMMRT_COMM_HIERARCHICAL": "always"}, port=29500,
+                        nodes=Nodes(2, None, emulate.node_address(0), net.wrap))
+    assert result.returncode == 0 and out.getvalue().count("quant zero passed") == 4, out.getvalue()[-6000:]

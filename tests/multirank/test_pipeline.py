@@ -57,3 +57,15 @@ def test_a_dead_stage_is_peer_lost_naming_it_on_the_others(backend):
     _, out = run_ranks(3, "pipeline_job", "die", env={**_env(backend), "COMMRT_COMM_TIMEOUT_S": "20"},
                        timeout_s=120, expect_fail=True, stop_on_failure=False)
     assert out.count("OK peer lost 2\n") == 2, out[-3000:]
+
+
+def test_pipeline_by_data_parallel_trains_like_a_single_process():
+    """2 stages x 2 replicas: GPipe and 1F1B (and interleaved) with DataParallel and ZeRO stage 1
+    over each stage's replicas equal single-process training on the global batches; without the
+    reduction they do not (checked in the same run)."""
+    _, out = run_ranks(4, "pipeline_job", "twod", "3", "4", env=_env("zmq"), timeout_s=300)
+    for kind in ("gpipe", "1f1b"):
+        for wrap in ("ddp", "zero1", "none"):
+            for m in (3, 4):
+                assert out.count(f"OK twod {kind} {wrap} m={m}\n") == 4, f"{kind} {wrap} m={m}:\n{out[-3000:]}"
+    assert out.count("OK twod interleaved ddp m=4\n") == 4, out[-3000:]

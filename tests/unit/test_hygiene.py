@@ -23,12 +23,22 @@ ALLOWED = {
     # the transport layer's process-level memory setting, not its sockets)
     "ps": {"errors", "config", "dtypes", "work", "optim", "security", "transport"},
     # quantized collectives: compositions of the public API's exact collectives on bytes
-    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats"},
+    # (and the world's node groups from mesh, for the two-hop path on multi-node worlds)
+    "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats", "mesh"},
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
-    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant"},
+    # (and the topology through mesh: the node size that hybrid sharding and hpZ default to)
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
+    # commrt estimate: pure formulas over the layers it predicts (their plans, codecs, schedules)
+    "plan": {"errors", "config", "train", "quant", "collectives", "mesh"},
+    # scheduler recipes: pure mappings over config and errors; the ssh launcher reuses the local
+    # launcher's output pumping (commands sit at the top, beside launch)
+    "deploy": {"errors", "config", "launch"},
+    # observability, under the public API that feeds it: Work (async completion), the typed
+    # errors that trigger a flight dump, and bench/metrics.py's nccl-tests bus factors (pure)
+    "obs": {"errors", "config", "work", "bench"},
     # the torch.distributed backend "commrt": a ProcessGroup over one ZmqBackend per group,
     # bootstrapped through torch's store (rendezvous, store's adapter) on the process's Transport
     "tdist": {"errors", "config", "dtypes", "collectives", "backends", "transport", "work", "rendezvous",

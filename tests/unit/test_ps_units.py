@@ -295,3 +295,53 @@ def test_handler_fuzz_keeps_serving(monkeypatch):
     assert grown < 256 << 10, f"memory grew by {grown} bytes over 3000 malformed requests"
     assert core.counters["malformed"] > 0 and core.counters["rejected"] > 0
     assert np.array_equal(_params(core), before)
+
+
+def test_metrics_collector_shows_stats_and_a_cumulative_histogram():
+    """The Prometheus page is server-status's numbers: counters, per-worker lag, and the
+    apply-latency buckets made cumulative (parsed back with the client library's parser)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from commrt.ps.metrics import COUNTERS, MetricsServer, ServerCollector
+    stats = {**{k: i + 1 for i, k in enumerate(COUNTERS)}, "server": 1, "version": 7, "param_bytes": 64,
+             "clocks": [5, 3], "lag": [0, 2], "parked": {"pushes": 1, "pulls": 0, "inits": 0}, "dropped": [],
+             "joined": [0, 1], "segments": 4, "staleness": {"0": 5, "2": 1},
+             "apply_latency": {"buckets": [0.001, 0.01], "counts": [2, 1, 3], "sum": 1.5, "count": 6}}
+    server = MetricsServer(lambda: stats, "127.0.0.1", 0)
+    try:
+        text = generate_latest(server.registry).decode()
+    finally:
+        server.close()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(text) for s in fam.samples}
+    srv = (("server", "1"),)
+    assert all(got[(f"{name}_total", srv)] == stats[key] for key, (name, _) in COUNTERS.items())
+    assert got[("commrt_ps_worker_lag", (("server", "1"), ("worker", "1")))] == 2
+    assert [got[("commrt_ps_apply_seconds_bucket", (("le", le), ("server", "1")))] for le in ("0.001", "0.01", "+Inf")] \
+        == [2, 3, 6]
+    assert got[("commrt_ps_apply_seconds_count", srv)] == 6
+    assert got[("commrt_ps_updates_by_staleness_total", (("gap", "2"), ("server", "1")))] == 1
+    ServerCollector(lambda: stats)  # a collector of its own per server: nothing in the global registry
+    from prometheus_client import REGISTRY
+    assert not [n for n in REGISTRY._names_to_collectors if n.startswith("commrt_")]
+
+
+def test_metrics_port_in_use_is_a_config_error():
+    import socket
+
+    from commrt.errors import ConfigError
+    from commrt.ps.metrics import MetricsServer
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match="cannot serve metrics on 127.0.0.1"):
+            MetricsServer(dict, "127.0.0.1", busy.getsockname()[1])
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_metrics_port_out_of_range_is_refused(port):
+    from commrt.config import load_config
+    from commrt.errors import ConfigError
+    with pytest.raises(ConfigError, match="metrics_port"):
+        load_config(environ={"COMMRT_PS_METRICS_PORT": str(port)})

@@ -74,3 +74,26 @@ def test_auto_picks_the_node():
 def test_with_stage_drops_the_strategy_name():
     cfg = TrainConfig.from_dict({"zero_optimization": {"sharding_strategy": "FULL_SHARD"}})
     assert cfg.with_stage(1).zero.stage == 1
+
+
+def test_run_ready_finishes_only_the_done_front_in_order():
+    """Zero.progress: hybrid's follow-up all-reduce starts from a hook once its reduce-scatter
+    is done; only from the front, so every rank starts follow-ups in the same order."""
+    from commrt.train.zero import run_ready
+
+    class W:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            assert self.done
+
+    ran = []
+    works = [(W(True), lambda: ran.append(1)), (W(True), lambda: works.append((W(True), lambda: ran.append(9)))),
+             (W(False), lambda: ran.append(3)), (W(True), lambda: ran.append(4))]
+    assert run_ready(works) == 2 and ran == [1] and len(works) == 3  # stops at the one in flight
+    works[0][0].done = True
+    assert run_ready(works) == 3 and ran == [1, 3, 4, 9] and not works

@@ -29,6 +29,8 @@ def check_layout(k: int, m: int) -> None:
     assert commrt.get_num_nodes() == k, commrt.get_num_nodes()
     assert commrt.get_local_world_size() == m
     assert commrt.get_node_rank() == rank // m and commrt.get_local_rank() == rank % m
+    from commrt.train import groups  # hybrid sharding's default group: the node, from the topology
+    assert groups.ranks_per_node() == m, groups.ranks_per_node()
 
 
 def check_mesh(k: int, m: int) -> None:

@@ -1,0 +1,139 @@
+"""The one place ops are observed: ``distributed`` calls ``begin`` before handing an op to its
+backend and ``issued``/``failed`` after; an async op's completion arrives through
+``Work._finish`` (``Record.done``), so an op is seen on every backend alike (zmq, gloo, nccl).
+
+The flight recorder is always on (one small record per op). The comms log and the trace cost
+nothing unless configured: ``completed`` checks one attribute each.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import signal
+import threading
+import time
+
+from ..config import Config
+from ..errors import CollectiveMismatch, PeerLost
+from ..work import CommTimeout, Work
+from . import comms, flight, trace
+
+log = logging.getLogger("commrt.obs")
+DUMP_ON = (PeerLost, CollectiveMismatch, CommTimeout)
+MAX_TRACE_EVENTS = 1 << 21  # ~0.5 GiB of JSON at most; later events are counted, not kept
+
+
+class Observer:
+    def __init__(self, cfg: Config, rank: int, world_size: int):
+        c = cfg.log
+        self.rank, self.world_size, self.entries, self.flight_dir = rank, world_size, c.flight_entries, c.flight_dir
+        self.comms = comms.CommsLog() if c.comms else None
+        self.verbose = c.comms and c.verbose
+        self.trace_path = trace.rank_path(c.trace_file, rank) if c.trace_file else ""
+        self.events: list[dict] | None = [] if c.trace_file else None
+        self.dropped = 0
+        self.rings: dict[int, flight.GroupRing] = {}
+        self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock
+        self._closed = False
+        self._last_dump: tuple[str, float] = ("", 0.0)
+        self._old_handler = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) in (
+                signal.SIG_DFL, None):
+            self._old_handler = signal.signal(signal.SIGUSR1, self._on_signal)
+        if c.comms and not log.hasHandlers() and log.level == logging.NOTSET:
+            # the user asked for the log: show it even when the program set up no logging
+            log.addHandler(logging.StreamHandler())
+            log.setLevel(logging.INFO)
+        atexit.register(self.close)
+
+    # -- per op ------------------------------------------------------------------------------
+    def begin(self, g, op: str, nbytes: int, dtype, peer: int = -1, async_op: bool = False,
+              p2p: bool = False) -> flight.Record:
+        ring = self.rings.get(g.group_id)
+        if ring is None:
+            ring = self.rings[g.group_id] = flight.GroupRing(self, g.group_id, g.ranks, g.rank,
+                                                              g.backend.name, self.entries)
+        # a sync op holds the group from here (its turn is taken inside the call); async and
+        # point-to-point ops wait in a queue until their owner thread starts them
+        state = flight.QUEUED if async_op or p2p else flight.STARTED
+        return ring.add(p2p, op, nbytes, dtype, peer, state)
+
+    @staticmethod
+    def issued(rec: flight.Record, work: Work | None) -> Work | None:
+        if work is None:
+            rec.end(None)
+        else:
+            work._flight = rec
+            if work._done.is_set():  # finished before it was registered (done() runs once)
+                rec.done(work._error)
+        return work
+
+    def completed(self, rec: flight.Record, error: BaseException | None) -> None:
+        if self.comms is not None and error is None:
+            begun = rec.started or rec.issued
+            ring = rec.ring
+            self.comms.add(rec.op, rec.nbytes, ring.gid, ring.backend, len(ring.ranks), rec.ended - begun)
+            if self.verbose:
+                log.info("%s", json.dumps({"rank": self.rank, "group": ring.gid, **rec.as_dict(self.wall0)}))
+        if self.events is not None:
+            self._trace(rec)
+        if error is not None and isinstance(error, DUMP_ON):
+            self.dump(f"{type(error).__name__}: {error}")
+
+    def _trace(self, rec: flight.Record) -> None:
+        if len(self.events) >= MAX_TRACE_EVENTS:
+            self.dropped += 1
+            return
+        begun = rec.started or rec.issued
+        args = {"seq": rec.seq, "bytes": rec.nbytes, "dtype": str(rec.dtype).replace("torch.", ""),
+                "state": rec.state, "queued_us": round((begun - rec.issued) * 1e6, 1)}
+        if rec.peer >= 0:
+            args["peer"] = rec.peer
+        self.events.append(trace.complete_event(rec.op, self.rank, rec.ring.gid, (begun + self.wall0) * 1e6,
+                                                (rec.ended - begun) * 1e6, args))
+
+    # -- dumps, the summary, the end -----------------------------------------------------------
+    def dump(self, reason: str) -> str | None:
+        now = time.monotonic()
+        if self._last_dump[0] == reason and now - self._last_dump[1] < 1.0:
+            return None  # the same error again (a polling wait, every async op of a broken group)
+        self._last_dump = (reason, now)
+        data = flight.snapshot(self.rank, self.world_size, reason, list(self.rings.values()), self.wall0)
+        if not self.flight_dir:
+            log.warning("rank %d: %s; no flight record written (set [log] flight_dir to keep one)",
+                        self.rank, reason)
+            return None
+        try:
+            path = flight.write_dump(self.flight_dir, data)
+        except OSError as exc:
+            log.error("rank %d: cannot write the flight record to %s: %s", self.rank, self.flight_dir, exc)
+            return None
+        log.warning("rank %d: %s; flight record written to %s", self.rank, reason, path)
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        self.dump("SIGUSR1")
+
+    def summary(self) -> list[dict]:
+        return self.comms.rows() if self.comms is not None else []
+
+    def close(self) -> None:
+        """Once, at destroy_process_group or at exit: write the trace, log the table (rank 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._old_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._old_handler)
+        if self.events is not None:
+            groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
+            try:
+                trace.write(self.trace_path, trace.track_names(self.rank, groups) + self.events)
+            except OSError as exc:
+                log.error("rank %d: cannot write the trace to %s: %s", self.rank, self.trace_path, exc)
+            if self.dropped:
+                log.warning("rank %d: trace kept the first %d events; %d later ones were dropped",
+                            self.rank, len(self.events), self.dropped)
+        if self.comms is not None and self.rank == 0 and self.comms.table:
+            log.info("comms summary (rank 0):\n%s", comms.format_table(self.summary()))

@@ -1,0 +1,80 @@
+"""Chrome/Perfetto trace files: one process track per rank, one thread per group.
+
+The Trace Event Format (the JSON object form with ``traceEvents``), which ui.perfetto.dev and
+chrome://tracing both open: "X" complete events (ts and dur in microseconds) and "M" metadata
+events naming each track. Times are wall-clock microseconds, so the ranks of one host (and of
+NTP-synchronised hosts) line up in a merged file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+REQUIRED = ("name", "ph", "ts", "pid", "tid")
+_SENTINEL = 987654321  # stands for the rank while a template is turned into a pattern
+
+
+def rank_path(template: str, rank: int) -> str:
+    """``{rank}`` replaced, or ``.rank<N>`` before the extension: one file per rank."""
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    root, ext = os.path.splitext(template)
+    return f"{root}.rank{rank}{ext or '.json'}"
+
+
+def complete_event(name: str, rank: int, group: int, ts_us: float, dur_us: float, args: dict) -> dict:
+    return {"name": name, "cat": "comm", "ph": "X", "ts": round(ts_us, 3), "dur": round(max(dur_us, 0.0), 3),
+            "pid": rank, "tid": group, "args": args}
+
+
+def track_names(rank: int, groups: dict[int, str]) -> list[dict]:
+    """Metadata naming the rank's track and each group's thread, sorted by rank."""
+    events = [{"name": "process_name", "ph": "M", "ts": 0, "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+              {"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
+    for gid, label in sorted(groups.items()):
+        events.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": gid, "args": {"name": label}})
+    return events
+
+
+def document(events: list[dict]) -> dict:
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write(path: str, events: list[dict]) -> None:
+    """Atomically: a reader (or a merge) never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(document(events), fh)
+    os.replace(tmp, path)
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as fh:
+        data = json.load(fh)
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path} is not a trace file (no traceEvents list)")
+    return events
+
+
+def merge(paths: list[str]) -> list[dict]:
+    """Every rank's events in one list (their pids already differ: pid = rank)."""
+    events: list[dict] = []
+    for path in paths:
+        events.extend(load(path))
+    return events
+
+
+def rank_files(pattern_or_files: list[str]) -> list[str]:
+    """The per-rank files, given either the files or the configured trace_file template."""
+    if len(pattern_or_files) != 1 or os.path.exists(pattern_or_files[0]):
+        return list(pattern_or_files)
+    template = pattern_or_files[0]
+    probe = rank_path(template, _SENTINEL)
+    directory = os.path.dirname(os.path.abspath(probe))
+    regex = re.compile(re.escape(os.path.basename(probe)).replace(str(_SENTINEL), r"(\d+)") + "$")
+    found = sorted((int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory)
+                   if (m := regex.match(n)))
+    return [p for _, p in found]

@@ -1,0 +1,164 @@
+"""``commrt estimate``: options -> ``estimate.Job`` / ``Cluster``, a comparison table or JSON.
+
+Several configurations: each ``--compare 'stage=3,hpz=8'`` is the base options with those
+changed (option names without the dashes; ``quant-weights=none`` turns one off); the table gets
+one column per configuration. ``--measure`` replaces ``--intra-bw`` with the point-to-point
+bandwidth a quick ``commrt bench sendrecv`` of two ranks on this host reaches.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # the model imports torch: only once the command runs, not for every commrt command
+    from .estimate import Cluster, Estimate, Job
+
+_BW_UNITS = {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+             "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+_JOB_KEYS = {"params", "stage", "strategy", "hpz", "shard_group_size", "quant_weights", "quant_grads", "dtype",
+             "optimizer", "bucket", "pipeline", "microbatches", "hidden", "seq", "micro_batch"}
+_CLUSTER_KEYS = {"nodes", "per_node", "intra_bw", "inter_bw", "hierarchical"}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'100GB/s' -> 1e11 bytes/s; '100gbit' -> 1.25e10; a plain number is bytes/s."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z/]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or (unit and unit not in _BW_UNITS):
+        raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit")
+    return float(m.group(1)) * (_BW_UNITS[unit] if unit else 1)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    ep = sub.add_parser("estimate", help="predict memory, bytes and communication time per rank and step",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ep.add_argument("--params", type=float, required=True, help="trainable parameters (7e9)")
+    ep.add_argument("--nodes", type=int, default=1)
+    ep.add_argument("--per-node", type=int, default=1, help="ranks per node")
+    ep.add_argument("--stage", type=int, help="ZeRO stage 0-3")
+    ep.add_argument("--strategy", help="FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | _HYBRID_SHARD_ZERO2")
+    ep.add_argument("--shard-group-size", type=int, default=0, help="hybrid: ranks per shard group (0: a node)")
+    ep.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ secondary group size (stage 3)")
+    ep.add_argument("--quant-weights", choices=["int8", "int4"], help="qwZ: stage-3 gathers quantized")
+    ep.add_argument("--quant-grads", choices=["int8", "int4"], help="qgZ: gradient reductions quantized")
+    ep.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ep.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb", "sgd", "sgd-no-momentum"])
+    ep.add_argument("--bucket", type=float, default=25e6, help="elements per unit (reduce_bucket_size)")
+    ep.add_argument("--pipeline", type=int, default=1, help="pipeline stages (blocks of consecutive ranks)")
+    ep.add_argument("--microbatches", type=int, default=1)
+    ep.add_argument("--hidden", type=int, default=0, help="pipeline: hidden size of the activations sent")
+    ep.add_argument("--seq", type=int, default=0, help="pipeline: sequence length")
+    ep.add_argument("--micro-batch", type=int, default=1, help="pipeline: sequences per micro-batch")
+    ep.add_argument("--intra-bw", default="100GB/s", help="per rank, inside a node")
+    ep.add_argument("--inter-bw", default="12.5GB/s", help="per node, to the other nodes")
+    ep.add_argument("--hierarchical", default="auto", choices=["auto", "always", "never"])
+    ep.add_argument("--compare", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                    help="another configuration: the options above with these changed (repeatable)")
+    ep.add_argument("--measure", action="store_true", help="measure --intra-bw here (2 local ranks)")
+    ep.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return ep
+
+
+def _configs(args) -> list[tuple[str, "Job", "Cluster"]]:
+    from .estimate import Cluster, Job
+    base = {k: getattr(args, k) for k in _JOB_KEYS | _CLUSTER_KEYS}
+    out = []
+    for label in ["base", *args.compare]:
+        cfg = dict(base)
+        for item in ([] if label == "base" else label.split(",")):
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in cfg:
+                raise ConfigError(f"--compare {label!r}: {item!r} is not KEY=VALUE with KEY among "
+                                  f"{sorted(k.replace('_', '-') for k in cfg)}")
+            cfg[key] = _typed(key, value.strip(), base[key])
+        job = Job(**{k: cfg[k] for k in _JOB_KEYS if k not in ("params", "bucket")},
+                  params=int(cfg["params"]), bucket=int(cfg["bucket"]))
+        cluster = Cluster(nodes=cfg["nodes"], per_node=cfg["per_node"], intra_bw=parse_bandwidth(cfg["intra_bw"]),
+                          inter_bw=parse_bandwidth(cfg["inter_bw"]), hierarchical=cfg["hierarchical"])
+        out.append((label, job, cluster))
+    return out
+
+
+def _typed(key: str, value: str, like):
+    if value.lower() == "none":
+        return None
+    if key in ("params", "bucket"):
+        return float(value)
+    if isinstance(like, int) or key == "stage":
+        return int(value)
+    return value
+
+
+def measure_intra_bw() -> float:
+    """Point-to-point bytes/s between two local ranks (a 16 MiB commrt bench sendrecv)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "commrt.cli", "bench", "sendrecv", "--nproc", "2", "-b", "16M", "-e", "16M",
+               "-n", "10", "-w", "3", "--json", path]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise ConfigError(f"--measure: the bench probe failed: {proc.stderr[-2000:]}")
+        with open(path) as fh:
+            return float(json.load(fh)["avg_busbw"]["zmq"]) * 1e9
+
+
+def run(args) -> int:
+    from .estimate import estimate
+    if args.measure:
+        args.intra_bw = str(measure_intra_bw())
+        print(f"# measured inside the node: {float(args.intra_bw) / 1e9:.2f} GB/s per rank (commrt bench sendrecv); "
+              f"across nodes as given: {args.inter_bw}", file=sys.stderr)
+    results = [(label, job, cluster, estimate(job, cluster)) for label, job, cluster in _configs(args)]
+    if args.json:
+        print(json.dumps([{"config": label, "job": dataclasses.asdict(job), "cluster": dataclasses.asdict(cluster),
+                           **to_dict(est)} for label, job, cluster, est in results], indent=1))
+    else:
+        print(table([(label, est) for label, _, _, est in results]))
+    return 0
+
+
+def to_dict(est: Estimate) -> dict:
+    return {"plan": est.plan._asdict(), "memory": est.memory,
+            "bytes": {k: {"intra_node": a, "inter_node": b} for k, (a, b) in est.phases.items()},
+            "by_op": {k: {"intra_node": a, "inter_node": b} for k, (a, b) in est.by_op.items()},
+            "seconds": est.seconds}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(results: list[tuple[str, Estimate]]) -> str:
+    """Rows of quantities, one column per configuration."""
+    phases = list(dict.fromkeys(k for _, e in results for k in e.phases))
+    rows: list[tuple[str, list[str]]] = [("plan (stage/shard/replicas/hpZ)", [
+        f"{e.plan.stage}/{e.plan.shard}/{e.plan.replicas}/{e.plan.secondary or '-'}" for _, e in results])]
+    rows.append(("memory per rank", [""] * len(results)))
+    for key in ("parameters", "gradients", "optimizer_state", "total"):
+        rows.append((f"  {key.replace('_', ' ')}", [_size(e.memory[key]) for _, e in results]))
+    rows.append(("sent per step: in node / across", [""] * len(results)))
+    for ph in phases + ["total"]:
+        vals = [(sum(a for a, _ in e.phases.values()), sum(b for _, b in e.phases.values())) if ph == "total"
+                else e.phases.get(ph) for _, e in results]
+        rows.append((f"  {ph}", [f"{_size(v[0])} / {_size(v[1])}" if v else "-" for v in vals]))
+    rows.append(("comm time per step", [""] * len(results)))
+    for ph in phases + ["total"]:
+        rows.append((f"  {ph}", [f"{1e3 * e.seconds[ph]:.1f} ms" if ph in e.seconds else "-" for _, e in results]))
+    head = ("", [label for label, _ in results])
+    width = max(len(name) for name, _ in [head, *rows])
+    cols = [max(len(r[1][i]) for r in [head, *rows]) for i in range(len(results))]
+    return "\n".join((f"{name:<{width}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(vals, cols))).rstrip()
+                     for name, vals in [head, *rows])

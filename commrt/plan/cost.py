@@ -1,0 +1,133 @@
+"""Bytes one collective makes each rank send, inside its node and to other nodes: pure formulas
+that follow ``collectives/ops.py`` and ``collectives/hierarchical.py`` (not the textbook):
+
+    all_reduce      <= small_bytes: direct, the whole buffer to every peer: (g-1) * S
+                    larger: ring, 2 (g-1)/g * S on average (each rank sends all chunks but its own, twice)
+    reduce_scatter  (g-1) * S/g either way (direct or ring)
+    all_gather      (g-1) * S/g either way (S: the gathered output)
+    all_to_all      the part for each peer, to that peer
+
+The world group spanning nodes (K nodes of M ranks, ``[comm] hierarchical``) runs all_reduce,
+reduce_scatter and all_gather in two levels when each rank's part across nodes exceeds
+small_bytes: intra reduce-scatter -> inter all_reduce of 1/M -> intra all_gather (the
+all_reduce in up to ``segments_for`` pipelined pieces, each padded to a multiple of M).
+
+Every figure is the mean over the group's ranks, which is what every rank of a symmetric group
+sends; ``Traffic.by_op`` names ops as ``comm_stats()["by_op"]`` does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..mesh import segments_for
+
+
+@dataclass(frozen=True)
+class Net:
+    """The part of the cluster the formulas need."""
+    nodes: int
+    per_node: int
+    small_bytes: int = 64 << 10
+    chunk_bytes: int = 4 << 20
+    hierarchical: str = "auto"
+    intra_bw: float = 100e9
+    inter_bw: float = 12.5e9
+
+    def seconds(self, intra: float, inter: float) -> float:
+        """One flat step: its intra-node and cross-node links run at once; every rank of a
+        node sends its cross-node bytes through the node's one link."""
+        return max(intra / self.intra_bw, inter * self.per_node / self.inter_bw)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank sends, per wire op: {op: [intra, inter]}."""
+    by_op: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, op: str, intra: float, inter: float) -> None:
+        entry = self.by_op.setdefault(op, [0.0, 0.0])
+        entry[0] += intra
+        entry[1] += inter
+
+    def merge(self, other: "Traffic", times: float = 1.0) -> None:
+        for op, (a, b) in other.by_op.items():
+            self.add(op, a * times, b * times)
+
+    @property
+    def intra(self) -> float:
+        return sum(a for a, _ in self.by_op.values())
+
+    @property
+    def inter(self) -> float:
+        return sum(b for _, b in self.by_op.values())
+
+
+def group(start: int, size: int, stride: int = 1) -> tuple[int, ...]:
+    return tuple(start + i * stride for i in range(size))
+
+
+def _direct_split(ranks: tuple[int, ...], per_node: int) -> float:
+    """Share of a direct exchange's bytes that stays inside nodes (mean over the members)."""
+    g = len(ranks)
+    same = sum(1 for a in ranks for b in ranks if a != b and a // per_node == b // per_node)
+    return same / (g * (g - 1))
+
+
+def _ring_split(ranks: tuple[int, ...], per_node: int) -> float:
+    """Share of the ring's edges (rank -> right neighbour) that stay inside a node."""
+    g = len(ranks)
+    return sum(1 for i in range(g) if ranks[i] // per_node == ranks[(i + 1) % g] // per_node) / g
+
+
+def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -> float:
+    """One flat collective of ``op`` over ``ranks``: ``nbytes`` is the buffer (all_reduce), the
+    input (reduce_scatter), the output (all_gather), or what one rank sends in all (all_to_all)."""
+    g = len(ranks)
+    if g < 2 or nbytes <= 0:
+        return
+    if op == "all_to_all":
+        sent, share = nbytes, _direct_split(ranks, net.per_node)
+    elif op == "all_reduce" and nbytes <= net.small_bytes:
+        sent, share = (g - 1) * nbytes, _direct_split(ranks, net.per_node)
+    elif op == "all_reduce":
+        sent, share = 2 * (g - 1) / g * nbytes, _ring_split(ranks, net.per_node)
+    else:
+        direct = nbytes <= net.small_bytes
+        sent = (g - 1) / g * nbytes
+        share = _direct_split(ranks, net.per_node) if direct else _ring_split(ranks, net.per_node)
+    t.add(op, sent * share, sent * (1 - share))
+    return net.seconds(sent * share, sent * (1 - share))
+
+
+def hierarchical(net: Net, is_world: bool, nbytes: float) -> bool:
+    """Whether ``mesh.wants_hierarchical`` sends this op through two levels."""
+    if not is_world or net.hierarchical == "never" or net.nodes < 2 or net.per_node < 2:
+        return False
+    return net.hierarchical == "always" or nbytes // net.per_node > net.small_bytes
+
+
+def collective(t: Traffic, op: str, ranks: tuple[int, ...], numel: int, itemsize: int, net: Net) -> float:
+    """``op`` on ``numel`` elements (the whole buffer / input / output) over ``ranks``, flat or
+    in two levels as the runtime would choose; returns its predicted seconds (levels in turn)."""
+    is_world = len(ranks) == net.world
+    if not hierarchical(net, is_world, numel * itemsize):
+        return flat(t, op, ranks, numel * itemsize, net)
+    m, k = net.per_node, net.nodes
+    intra, inter = group(0, m), group(0, k, m)
+    if op == "reduce_scatter":
+        return flat(t, op, intra, numel * itemsize, net) + flat(t, op, inter, numel // m * itemsize, net)
+    if op == "all_gather":
+        return flat(t, op, inter, numel // m * itemsize, net) + flat(t, op, intra, numel * itemsize, net)
+    segs = segments_for(numel * itemsize, net.chunk_bytes)
+    per = -(-numel // max(1, segs) // m) * m
+    seconds = 0.0
+    for a in range(0, numel, per):
+        part = -(-min(per, numel - a) // m)
+        seconds += (flat(t, "reduce_scatter", intra, part * m * itemsize, net)
+                    + flat(t, "all_reduce", inter, part * itemsize, net)
+                    + flat(t, "all_gather", intra, part * m * itemsize, net))
+    return seconds

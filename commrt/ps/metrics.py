@@ -1,0 +1,119 @@
+"""Prometheus metrics of one server shard (``[ps] metrics_port``), through ``prometheus_client``.
+
+The numbers are the ones ``commrt server-status`` prints: a custom collector reads
+``ServerCore.stats()`` when Prometheus scrapes, so the request path pays nothing for them (the
+apply-latency histogram is the one thing the core records itself, for both views). Each server
+has its own ``CollectorRegistry``: nothing lands in the process-global default registry, so
+two shards in one process (the tests) or a user's own metrics never collide.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+COUNTERS = {  # stats() key -> (metric name without _total, help)
+    "pushes": ("commrt_ps_pushes", "gradient pushes accepted (a re-sent push counts once)"),
+    "pulls": ("commrt_ps_pulls", "parameter pulls accepted"),
+    "bytes_in": ("commrt_ps_bytes_in", "request bytes received (headers and payloads)"),
+    "bytes_out": ("commrt_ps_bytes_out", "parameter bytes sent in pull replies"),
+    "rejected": ("commrt_ps_rejected", "requests refused with an error reply"),
+    "duplicates": ("commrt_ps_duplicates", "re-sent pushes acknowledged without applying them again"),
+    "malformed": ("commrt_ps_malformed", "requests dropped because their header did not decode"),
+    "ssp_waits": ("commrt_ps_ssp_waits", "requests held by the SSP staleness bound"),
+}
+_SCRAPE_TRIES = 3
+
+
+class ServerCollector(Collector):
+    """The metrics of ``stats()`` (a ``ServerCore.stats``), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def _read(self) -> dict:
+        # the server thread may add a key to a dict stats() iterates (a new staleness gap): a
+        # RuntimeError then, never a torn number; reading again is cheaper than a lock on the
+        # request path
+        for _ in range(_SCRAPE_TRIES - 1):
+            try:
+                return self._stats()
+            except RuntimeError:
+                continue
+        return self._stats()
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._read()
+        server = str(st["server"])
+        for key, (name, doc) in COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["server"])
+            c.add_metric([server], st[key])
+            yield c
+        yield _gauge("commrt_ps_version", "updates applied (the shard's version)", server, st["version"])
+        yield _gauge("commrt_ps_param_bytes", "bytes of parameters held", server, st["param_bytes"])
+        yield _per_worker("commrt_ps_worker_clock", "steps of each worker applied here", server, st["clocks"])
+        yield _per_worker("commrt_ps_worker_lag", "steps each worker is behind the fastest", server, st["lag"])
+        parked = GaugeMetricFamily("commrt_ps_parked", "requests waiting, by kind", labels=["server", "kind"])
+        for kind, n in st["parked"].items():
+            parked.add_metric([server, kind], n)
+        yield parked
+        yield _gauge("commrt_ps_dropped_workers", "workers dropped after going silent", server, len(st["dropped"]))
+        yield _gauge("commrt_ps_joined_workers", "workers whose init matched the seed", server, len(st["joined"]))
+        yield _gauge("commrt_ps_segments", "key ranges (segments) held", server, st["segments"])
+        gaps = CounterMetricFamily("commrt_ps_updates_by_staleness", "updates applied, by how many steps the "
+                                   "pushing worker was ahead of the slowest", labels=["server", "gap"])
+        for gap, n in st["staleness"].items():
+            gaps.add_metric([server, gap], n)
+        yield gaps
+        yield _histogram(st["apply_latency"], server)
+
+
+def _gauge(name: str, doc: str, server: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["server"])
+    g.add_metric([server], value)
+    return g
+
+
+def _per_worker(name: str, doc: str, server: str, values: list[int]) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["server", "worker"])
+    for w, v in enumerate(values):
+        g.add_metric([server, str(w)], v)
+    return g
+
+
+def _histogram(h: dict, server: str) -> HistogramMetricFamily:
+    """Prometheus buckets are cumulative; the core keeps one count per bucket."""
+    out = HistogramMetricFamily("commrt_ps_apply_seconds", "time to apply one update (optimizer step on "
+                                "the segments)", labels=["server"])
+    total, buckets = 0, []
+    for bound, n in zip([*map(str, h["buckets"]), "+Inf"], h["counts"]):
+        total += n
+        buckets.append((bound, total))
+    out.add_metric([server], buckets, h["sum"])
+    return out
+
+
+class MetricsServer:
+    """The HTTP endpoint: ``/metrics`` from a private registry, on its own daemon thread."""
+
+    def __init__(self, stats: Callable[[], dict], addr: str, port: int):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(stats))
+        try:
+            self._httpd, self._thread = start_http_server(port, addr, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc}") from None
+        self.port = self._httpd.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", addr, self.port)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,100 @@
+"""commrt estimate's pure model (the measured check is tests/multirank/test_estimate.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from commrt import cli
+from commrt.errors import ConfigError
+from commrt.plan.command import parse_bandwidth
+from commrt.plan.estimate import Cluster, Job, estimate
+
+P = 7_000_000_000
+
+
+@pytest.mark.parametrize("text,value", [("100GB/s", 1e11), ("12.5GB/s", 12.5e9), ("100gbit", 12.5e9), ("5e9", 5e9)])
+def test_bandwidths(text, value):
+    assert parse_bandwidth(text) == pytest.approx(value)
+
+
+def test_bad_bandwidth_is_a_config_error():
+    with pytest.raises(ConfigError, match="cannot read bandwidth"):
+        parse_bandwidth("fast")
+
+
+@pytest.mark.parametrize("stage,factor", [(0, 2), (1, 3), (2, 2), (3, 3)])
+def test_flat_ring_bytes_are_the_textbook_multiples(stage, factor):
+    """One node, ring sizes: stage 0 all_reduce 2(n-1)/n S; stage 1 + all_gather; stage 2
+    reduce_scatter + all_gather; stage 3 two gathers + reduce_scatter, each (n-1)/n S."""
+    n = 8
+    est = estimate(Job(params=P, stage=stage, dtype="bf16"), Cluster(nodes=1, per_node=n))
+    sent = sum(a + b for k, (a, b) in est.phases.items() if k != "engine checks all_reduce")
+    assert sent == pytest.approx(factor * (n - 1) / n * 2 * P, rel=1e-3)
+    assert all(b == 0 for _, b in est.phases.values())
+
+
+def test_memory_per_stage_divides_as_memory_report_does():
+    mem = [estimate(Job(params=P, stage=s), Cluster(nodes=1, per_node=8)).memory for s in range(4)]
+    assert mem[0] == {"parameters": 4 * P, "gradients": 4 * P, "optimizer_state": 8 * P, "total": 16 * P}
+    assert mem[1]["optimizer_state"] == P  # 8 bytes / 8 ranks
+    assert mem[2]["gradients"] == P // 2 and mem[3]["parameters"] == P // 2
+
+
+def test_hybrid_keeps_gathers_in_the_node_and_hpz_the_backward_gather():
+    c = Cluster(nodes=4, per_node=8)
+    hsdp = estimate(Job(params=P, strategy="HYBRID_SHARD"), c)
+    assert hsdp.plan.replicas == 4 and hsdp.phases["forward all_gather"][1] == 0
+    assert hsdp.phases["replica all_reduce"][0] == 0 < hsdp.phases["replica all_reduce"][1]
+    hpz = estimate(Job(params=P, stage=3, hpz=8), c)
+    assert hpz.phases["hpZ secondary all_gather"][1] == 0 and "backward all_gather" not in hpz.phases
+
+
+def test_quantized_gathers_send_a_quarter_plus_scales():
+    c = Cluster(nodes=1, per_node=8)
+    exact = estimate(Job(params=P, stage=3), c).phases["forward all_gather"][0]
+    q = estimate(Job(params=P, stage=3, quant_weights="int8"), c).phases["forward all_gather"][0]
+    assert q == pytest.approx(exact / 4 * (1 + 4 / 256), rel=1e-3)  # 1 byte of 4, one fp32 scale per 256
+
+
+def test_invalid_layouts_are_refused_like_the_engine():
+    with pytest.raises(ConfigError, match="needs stage 3"):
+        estimate(Job(params=P, stage=2, hpz=8), Cluster(nodes=4, per_node=8))
+    with pytest.raises(ConfigError, match="does not divide"):
+        estimate(Job(params=P, stage=3, hpz=3), Cluster(nodes=4, per_node=8))
+
+
+def test_command_compares_configurations(capsys):
+    argv = ["estimate", "--params", "7e9", "--nodes", "4", "--per-node", "8", "--stage", "3", "--dtype", "bf16",
+            "--intra-bw", "100GB/s", "--inter-bw", "12.5GB/s", "--compare", "hpz=8,quant-weights=int8"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hpz=8,quant-weights=int8" in out and "hpZ secondary all_gather" in out and "ms" in out
+    assert cli.main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["config"] for d in doc] == ["base", "hpz=8,quant-weights=int8"]
+    assert doc[1]["plan"]["secondary"] == 8 and doc[0]["seconds"]["total"] > 0
+
+
+def test_compare_names_a_bad_key():
+    assert cli.main(["estimate", "--params", "1e9", "--compare", "stages=2"]) == 1
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 2), (4, 8)])
+def test_hierarchical_bytes_follow_the_two_level_formulas(k, m):
+    """collectives/hierarchical.py: the node's link carries 2(K-1)/K of 1/M of an all_reduce,
+    (K-1)/(K M) of a reduce_scatter's input; the rest stays in the node."""
+    from commrt.plan import cost
+    net = cost.Net(k, m)
+    n = 1 << 24  # elements: well above small_bytes at every level, a multiple of every M here
+    world = cost.group(0, k * m)
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", world, n, 4, net)
+    assert t.inter == pytest.approx(2 * (k - 1) / k * n * 4 / m)
+    assert t.intra == pytest.approx(2 * (m - 1) / m * n * 4)
+    t = cost.Traffic()
+    cost.collective(t, "reduce_scatter", world, n, 4, net)
+    assert (t.intra, t.inter) == pytest.approx(((m - 1) / m * n * 4, (k - 1) / (k * m) * n * 4))
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", world, n, 4, cost.Net(k, m, hierarchical="never"))
+    assert t.inter == pytest.approx(2 * (k * m - 1) / (k * m) * n * 4 / m)  # one ring edge in M leaves the node

@@ -1,0 +1,189 @@
+"""The comms log, the trace format, the flight recorder and its analysis, without processes."""
+import json
+import os
+import signal
+import types
+
+import pytest
+import torch
+
+from commrt.bench.metrics import bus_factor
+from commrt.config import ConfigError, load_config
+from commrt.errors import PeerLost
+from commrt.obs import analyze, comms, flight, trace
+from commrt.obs.observer import Observer
+from commrt.work import Executor, Work
+
+
+def test_bucket_is_the_power_of_two_at_or_above():
+    assert [comms.bucket(n) for n in (0, 1, 2, 3, 4, 4095, 4096, 4097)] == [0, 1, 2, 4, 4, 4096, 4096, 8192]
+
+
+def test_percentile_nearest_rank():
+    values = [float(i) for i in range(1, 101)]
+    assert comms.percentile(values, 50) == 50.0 and comms.percentile(values, 99) == 99.0
+    assert comms.percentile([7.0], 99) == 7.0 and comms.percentile([], 50) == 0.0
+
+
+def test_summary_counts_bytes_and_nccl_tests_bandwidths():
+    log = comms.CommsLog()
+    for _ in range(4):
+        log.add("all_reduce", 4096, 0, "zmq", 4, 0.001)
+    log.add("all_reduce", 3000, 0, "zmq", 4, 0.002)  # same bucket (4 KiB)
+    log.add("all_gather_into_tensor", 1 << 20, 1, "gloo", 2, 0.01)
+    log.add("barrier", 0, 0, "zmq", 4, 0.001)
+    rows = {(r["op"], r["bucket"]): r for r in log.rows()}
+    ar = rows[("all_reduce", 4096)]
+    assert (ar["count"], ar["bytes"], ar["group_size"]) == (5, 4 * 4096 + 3000, 4)
+    assert ar["algbw_gbps"] == pytest.approx(ar["bytes"] / 0.006 / 1e9)
+    assert ar["busbw_gbps"] == pytest.approx(ar["algbw_gbps"] * bus_factor("all_reduce", 4))  # 2(n-1)/n
+    assert ar["p50_us"] == pytest.approx(1000) and ar["p99_us"] == pytest.approx(2000)
+    ag = rows[("all_gather_into_tensor", 1 << 20)]
+    assert ag["busbw_gbps"] == pytest.approx(ag["algbw_gbps"] * 0.5)  # (n-1)/n at n=2
+    assert rows[("barrier", 0)]["busbw_gbps"] == 0.0
+    text = comms.format_table(log.rows())
+    assert "all_reduce" in text and "busbw GB/s" in text and "4 KiB" in text
+
+
+def test_log_config_section_env_and_errors(tmp_path):
+    cfg = load_config(None, environ={"COMMRT_LOG_COMMS": "1", "COMMRT_LOG_TRACE_FILE": "/x/t.json",
+                                     "COMMRT_LOG_FLIGHT_DIR": "/x/f", "COMMRT_LOG_FLIGHT_ENTRIES": "8"})
+    assert (cfg.log.comms, cfg.log.trace_file, cfg.log.flight_dir, cfg.log.flight_entries) == (True, "/x/t.json", "/x/f", 8)
+    assert load_config(None, environ={}).log.comms is False
+    for env in ({"COMMRT_LOG_COMMS": "perhaps"}, {"COMMRT_LOG_FLIGHT_ENTRIES": "0"},
+                {"COMMRT_LOG_FLIGHT_ENTRIES": "many"}):
+        with pytest.raises(ConfigError, match=r"\[log\]"):
+            load_config(None, environ=env)
+    path = tmp_path / "c.toml"
+    path.write_text("[log]\ncomms = true\nflight_entries = 3\n")
+    assert load_config(path, environ={}).log.flight_entries == 3
+
+
+class _Obs:
+    def __init__(self):
+        self.seen = []
+
+    def completed(self, rec, error):
+        self.seen.append((rec.seq, error))
+
+    def dump(self, reason):
+        self.seen.append(reason)
+
+
+def test_ring_buffer_keeps_the_last_entries_in_order_and_numbers_p2p_apart():
+    ring = flight.GroupRing(_Obs(), 3, (0, 1), 0, "zmq", size=4)
+    for i in range(6):
+        ring.add(False, "all_reduce", 4 * i, torch.float32, -1, flight.STARTED).done(None)
+    sent = ring.add(True, "send", 40, torch.float32, 1, flight.QUEUED)
+    assert [r.seq for r in ring.entries()] == [4, 5, 6, 1]
+    assert (ring.seq, ring.p2p_seq, sent.state) == (6, 1, flight.QUEUED)
+    d = ring.as_dict(0.0)
+    assert d["last_seq"] == 6 and d["entries"][-1]["kind"] == "p2p" and d["entries"][-1]["peer"] == 1
+    assert d["entries"][0]["state"] == flight.COMPLETED and d["entries"][0]["dtype"] == "float32"
+
+
+def test_a_record_ends_once_and_work_tells_it():
+    obs = _Obs()
+    ring = flight.GroupRing(obs, 0, (0, 1), 0, "zmq", size=2)
+    rec = ring.add(False, "all_reduce", 8, torch.float32, -1, flight.QUEUED)
+    ex = Executor("t")
+    gate = __import__("threading").Event()
+    work = ex.submit("all_reduce", gate.wait)
+    work._flight = rec
+    gate.set()
+    work.wait(30)
+    Observer.issued(rec, work)  # registration after completion must not count it twice
+    ex.close()
+    assert obs.seen == [(1, None)] and rec.state == flight.COMPLETED
+    failed = ring.add(False, "all_reduce", 8, torch.float32, -1, flight.QUEUED)
+    w = Work("all_reduce")
+    Observer.issued(failed, w)
+    w._finish(None, PeerLost(1, "all_reduce", 2, "gone"))
+    assert failed.state == flight.FAILED and "PeerLost" in failed.error
+
+
+def test_trace_paths_events_and_merge(tmp_path):
+    assert trace.rank_path("/t/run-{rank}.json", 3) == "/t/run-3.json"
+    assert trace.rank_path("/t/run.json", 3) == "/t/run.rank3.json"
+    template = str(tmp_path / "tr2026.json")
+    for rank in (0, 1, 10):
+        ev = trace.complete_event("all_reduce", rank, 0, 1e15, 12.5, {"seq": 1})
+        trace.write(trace.rank_path(template, rank), trace.track_names(rank, {0: "group 0"}) + [ev])
+    files = trace.rank_files([template])
+    assert [os.path.basename(f) for f in files] == ["tr2026.rank0.json", "tr2026.rank1.json", "tr2026.rank10.json"]
+    merged = tmp_path / "all.json"
+    trace.write(str(merged), trace.merge(files))
+    events = json.loads(merged.read_text())["traceEvents"]
+    assert all(all(k in e for k in trace.REQUIRED) for e in events)
+    complete = [e for e in events if e["ph"] == "X"]
+    assert sorted(e["pid"] for e in complete) == [0, 1, 10] and all(e["dur"] == 12.5 for e in complete)
+
+
+def _group(gid=0, ranks=(0, 1), rank=0):
+    return types.SimpleNamespace(group_id=gid, ranks=ranks, rank=rank, backend=types.SimpleNamespace(name="zmq"))
+
+
+def test_observer_dumps_on_typed_errors_and_sigusr1(tmp_path):
+    cfg = load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": str(tmp_path), "COMMRT_LOG_COMMS": "1"})
+    obs = Observer(cfg, 1, 2)
+    try:
+        g = _group(rank=1)
+        for _ in range(3):
+            obs.issued(obs.begin(g, "all_reduce", 400, torch.float32), None)
+        assert obs.summary()[0]["count"] == 3 and obs.summary()[0]["bytes"] == 1200
+        assert not os.listdir(tmp_path)
+        obs.begin(g, "all_reduce", 400, torch.float32).done(PeerLost(0, "all_reduce", 4, "gone"))
+        (dump,) = flight.read_dumps(str(tmp_path))
+        assert dump["rank"] == 1 and "PeerLost" in dump["reason"] and dump["groups"][0]["last_seq"] == 4
+        os.remove(tmp_path / "rank1.json")
+        assert signal.getsignal(signal.SIGUSR1) == obs._on_signal  # no handler of the program's own
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flight.read_dumps(str(tmp_path))[0]["reason"] == "SIGUSR1"
+    finally:
+        obs.close()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # given back
+
+
+def _dump(rank, entries, world=3, gid=0, ranks=(0, 1, 2)):
+    colls = [e for e in entries if e.get("kind", "coll") == "coll"]
+    full = [{"kind": "coll", "peer": -1, "dtype": "float32", "state": "completed", "error": None, **e} for e in entries]
+    return {"version": 1, "rank": rank, "world_size": world, "groups": [
+        {"id": gid, "ranks": list(ranks), "rank": rank, "backend": "zmq",
+         "last_seq": max((e["seq"] for e in colls), default=0), "last_p2p_seq": 0, "entries": full}]}
+
+
+def test_analysis_names_the_absent_rank():
+    ops = [{"seq": 1, "op": "all_reduce", "nbytes": 40}, {"seq": 2, "op": "all_gather_into_tensor", "nbytes": 96, "state": "failed"}]
+    findings, lines = analyze.analyze([_dump(0, ops), _dump(1, ops)])
+    assert [(f.kind, f.rank, f.seq, f.op) for f in findings] == [("absent", 2, 2, "all_gather_into_tensor")]
+    assert any("no record from ranks [2]" in line for line in lines)
+
+
+def test_analysis_names_the_rank_that_stopped_early():
+    ops = [{"seq": s, "op": "broadcast", "nbytes": 8} for s in (1, 2, 3)]
+    findings, _ = analyze.analyze([_dump(0, ops), _dump(1, ops[:2]), _dump(2, ops)])
+    assert [(f.kind, f.rank, f.seq, f.op) for f in findings] == [("behind", 1, 3, "broadcast")]
+
+
+def test_analysis_names_the_minority_in_a_mismatch_and_both_in_a_tie():
+    good = [{"seq": 1, "op": "all_reduce", "nbytes": 400}]
+    bad = [{"seq": 1, "op": "all_reduce", "nbytes": 404}]
+    findings, _ = analyze.analyze([_dump(0, bad), _dump(1, good), _dump(2, good)])
+    assert [(f.kind, f.rank, f.op) for f in findings] == [("mismatch", 0, "all_reduce")]
+    findings, _ = analyze.analyze([_dump(0, bad, 2, ranks=(0, 1)), _dump(1, good, 2, ranks=(0, 1))])
+    assert sorted(f.rank for f in findings) == [0, 1]
+    findings, lines = analyze.analyze([_dump(r, good) for r in range(3)])
+    assert findings == [] and "no rank is missing" in lines[-1]
+
+
+def test_verbose_logs_one_json_line_per_op(caplog):
+    cfg = load_config(None, environ={"COMMRT_LOG_COMMS": "1", "COMMRT_LOG_VERBOSE": "1"})
+    obs = Observer(cfg, 0, 2)
+    try:
+        with caplog.at_level("INFO", logger="commrt.obs"):
+            obs.issued(obs.begin(_group(), "broadcast", 80, torch.float64), None)
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith("{")]
+        assert (line["op"], line["nbytes"], line["dtype"], line["state"], line["seq"]) == \
+            ("broadcast", 80, "float64", "completed", 1)
+    finally:
+        obs.close()
