@@ -32,3 +32,7 @@ __all__ = [
     "DeviceMesh", "get_process_group_ranks", "comm_stats", "register_comm_stats",
     "comms_summary", "dump_flight_record",
 ]
+
+from .tdist import register_backend as _register_torch_backend  # noqa: E402
+
+_register_torch_backend()  # torch.distributed.init_process_group("commrt") (commrt/tdist)

@@ -9,6 +9,9 @@ from typing import Any, Callable
 from .errors import CommError
 
 
+_CALLBACK_LOCK = threading.Lock()  # registering vs. finishing: every callback runs exactly once
+
+
 class CommTimeout(CommError, TimeoutError):
     """``Work.wait(timeout)`` ran out before the operation finished."""
 
@@ -24,12 +27,30 @@ class Work:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._result: Any = None
+        self._callbacks: list[Callable[[Work], None]] | None = None
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
+        with _CALLBACK_LOCK:  # uncontended: once per operation, not per message
+            self._result, self._error = result, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks or (), None
         if self._flight is not None:
             self._flight.done(error)
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Call ``fn(self)`` once the operation has finished (at once if it has), in the thread
+        that finished it: how torch's futures (commrt/tdist) learn of completion without a
+        thread waiting per operation. ``fn`` must not start a synchronous operation on the same
+        group (that thread still holds the group's turn)."""
+        with _CALLBACK_LOCK:
+            if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def is_completed(self) -> bool:
         return self._done.is_set()

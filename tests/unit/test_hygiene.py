@@ -39,6 +39,10 @@ ALLOWED = {
     # observability, under the public API that feeds it: Work (async completion), the typed
     # errors that trigger a flight dump, and bench/metrics.py's nccl-tests bus factors (pure)
     "obs": {"errors", "config", "work", "bench"},
+    # the torch.distributed backend "commrt": a ProcessGroup over one ZmqBackend per group,
+    # bootstrapped through torch's store (rendezvous, store's adapter) on the process's Transport
+    "tdist": {"errors", "config", "dtypes", "collectives", "backends", "transport", "work", "rendezvous",
+              "security", "store"},
 }
 
 

@@ -1,0 +1,93 @@
+"""Pure helpers: torch's list-shaped operations as commrt's flat ones.
+
+A list all-gather is an all-gather into one flat buffer, then a copy-out; gather and scatter are
+all-to-alls in which only the root's blocks are non-empty; bitwise reductions (which commrt's
+wire does not carry) are an all-gather followed by a local fold. No I/O here.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..collectives.reduce_ops import ReduceOp
+
+_BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+_VIEW_AS = {torch.bool: torch.uint8}  # carried as bytes (commrt's wire has no bool)
+
+
+def op_name(op) -> str:
+    """``'SUM'``, ``'AVG'``, ``'BAND'``... from a torch ReduceOp, RedOpType or name."""
+    return str(getattr(op, "op", op)).rsplit(".", 1)[-1].upper()
+
+
+def reduce_op(op) -> ReduceOp | None:
+    """commrt's op for a torch one; None for the bitwise ops (folded locally, see ``fold``)."""
+    kind = getattr(op, "op", op)
+    try:
+        return _BY_KIND[kind]  # the common case: one dict look-up per call
+    except (KeyError, TypeError):
+        pass
+    name = op_name(op)
+    if name in _BITWISE:
+        return None
+    if name == "PREMUL_SUM":
+        raise NotImplementedError("commrt backend: PREMUL_SUM is not supported; scale the tensor "
+                                  "and use SUM (what NCCL's premul does)")
+    return ReduceOp[name]
+
+
+_BY_KIND = {getattr(dist.ReduceOp, n): ReduceOp[n] for n in ReduceOp.__members__}
+
+
+def fold(op, gathered: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the bitwise ``op`` over ``gathered``'s rows (one per rank)."""
+    out.copy_(functools.reduce(_BITWISE[op_name(op)], gathered.unbind(0)).view(out.shape))
+
+
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a dtype commrt's wire carries (bool as uint8; same memory)."""
+    view = _VIEW_AS.get(t.dtype)
+    return t if view is None else t.view(view)
+
+
+def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat host buffer holding ``tensors`` one after another."""
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([wire_view(t).detach().reshape(-1).cpu() for t in tensors])
+
+
+def copy_out(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Scatter ``flat`` back into ``tensors`` (the inverse of ``flat_cat``)."""
+    start = 0
+    for t in tensors:
+        n = t.numel()
+        wire_view(t).copy_(flat[start:start + n].view(t.shape))
+        start += n
+
+
+def same_dtype(tensors: list[torch.Tensor], what: str) -> None:
+    if len({t.dtype for t in tensors}) > 1:
+        raise TypeError(f"{what}: all tensors must have one dtype, got {sorted({str(t.dtype) for t in tensors})}")
+
+
+def rooted_splits(size: int, root: int, rank: int, counts: list[int], mine: int) -> tuple[list[int], list[int]]:
+    """(input splits, output splits) in elements for a gather to ``root`` as an all-to-all:
+    every rank sends its ``mine`` elements to the root alone, the root receives ``counts``."""
+    send = [mine if r == root else 0 for r in range(size)]
+    recv = counts if rank == root else [0] * size
+    return send, recv
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def timeout_s(value) -> float | None:
+    """Seconds from torch's timeout argument (a timedelta; negative or zero: none)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if hasattr(value, "total_seconds") else float(value)
+    return seconds if seconds > 0 else None

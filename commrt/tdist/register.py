@@ -1,0 +1,105 @@
+"""``torch.distributed`` backend "commrt": registration and the creator torch calls per group.
+
+torch creates its own store first (env://, tcp://, file:// or the one passed in) and hands each
+group's creator a copy prefixed with the group's name. The creator uses that store only for the
+rendezvous exchange (keys under ``commrt/<n>/rdzv/``: socket addresses, wire version, config
+digest; nothing secret), then opens the group's sockets through commrt's ``Transport``, so the
+data plane is authenticated exactly as under commrt's own API (job secret or CURVE, from
+``COMMRT_*`` / the TOML config). torch's store itself stays torch's: unauthenticated TCP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import threading
+import zlib
+
+import torch.distributed as dist
+
+from .. import rendezvous, security
+from ..backends.zmq_backend import ZmqBackend
+from ..config import Config, load_config
+from ..store import TorchStore
+from ..transport import Transport
+from .process_group import CommrtProcessGroup
+
+log = logging.getLogger(__name__)
+
+NAME = "commrt"
+_lock = threading.Lock()
+_shared: dict = {"transport": None, "config": None, "groups": 0}
+
+
+def register_backend() -> None:
+    """Make ``init_process_group("commrt")`` and ``new_group(backend="commrt")`` work. Cheap and
+    idempotent (``import commrt`` calls it). gloo/nccl stay torch's defaults for cpu/cuda."""
+    if NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def create(opts, _backend_options=None) -> CommrtProcessGroup:
+    """torch's creator call for one group (``extended_api``: global ranks and the group name)."""
+    members = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    return create_group(opts.store, opts.group_rank, opts.group_size, opts.timeout, members,
+                        str(opts.group_id))
+
+
+def create_group(store, rank: int, size: int, timeout: datetime.timedelta, members: list[int],
+                 name: str, config: Config | None = None) -> CommrtProcessGroup:
+    cfg, transport = _acquire(members[rank], config, timeout)
+    try:
+        group_id = zlib.crc32(name.encode()) & 0x7FFFFFFF  # the same on every member
+        backend = ZmqBackend(transport, cfg, rank, size, group_id, members)
+        try:
+            _connect(backend, TorchStore(store, "commrt/"), cfg, rank, size)
+        except BaseException:
+            backend.close()
+            raise
+    except BaseException:
+        _release()
+        raise
+    log.info("rank %d: commrt group %r (%d ranks) ready", members[rank], name, size)
+    return CommrtProcessGroup(backend, rank, size, members, _release, name)
+
+
+def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, size: int) -> None:
+    """Exchange addresses through torch's store, then prove the data plane with a barrier.
+    Each (re)creation of a group with the same name on the same store is one incarnation."""
+    incarnation = store.add(f"incarnation/{rank}", 1)
+    hello = {"config": cfg.digest(), "backend": NAME, "addr": backend.addresses}
+    table = rendezvous.exchange(store, rank, size, hello, cfg.comm.timeout_s, f"{incarnation}/")
+    backend.connect([peer["addr"] for peer in table])
+    backend.barrier()
+
+
+def _acquire(global_rank: int, config: Config | None, timeout: datetime.timedelta) -> tuple[Config, Transport]:
+    """The process's config and Transport, made by its first commrt group, closed with its last.
+    The timeout is the shorter of commrt's ``[comm] timeout_s`` and torch's ``timeout=``."""
+    with _lock:
+        if _shared["transport"] is None:
+            cfg = _effective(config or load_config(None), timeout)
+            _shared["transport"], _shared["config"] = Transport(cfg, f"rank{global_rank}"), cfg
+        _shared["groups"] += 1
+        return _shared["config"], _shared["transport"]
+
+
+def _release() -> None:
+    with _lock:
+        _shared["groups"] -= 1
+        if _shared["groups"] == 0 and _shared["transport"] is not None:
+            _shared["transport"].close()
+            _shared["transport"] = _shared["config"] = None
+
+
+def _effective(cfg: Config, timeout: datetime.timedelta | None) -> Config:
+    """Bind where the config says (loopback by default), advertise a dialable address."""
+    cl, master = cfg.cluster, os.environ.get("MASTER_ADDR", "127.0.0.1")
+    security.check_bind(cfg, [cl.bind_host])
+    advertise = rendezvous.advertised_host(cl.bind_host, cl.advertise_host, rendezvous.lookup(master, "MASTER_ADDR"))
+    comm = cfg.comm
+    if timeout is not None and 0 < timeout.total_seconds() < comm.timeout_s:
+        comm = dataclasses.replace(comm, timeout_s=timeout.total_seconds())
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise), comm=comm)

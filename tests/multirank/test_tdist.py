@@ -1,0 +1,47 @@
+"""commrt as a torch.distributed backend (issue 18): DDP (plain, no_sync, a bf16 compression
+hook), FSDP2 fully_shard (reshard_after_forward both ways), HSDP over a 2x2 DeviceMesh and a
+2-stage GPipe from torch.distributed.pipelining, each trained on gloo and on "commrt" in the same
+ranks: parameters equal gloo's within 1e-6 and a single process's within 1e-5. The checks live
+in programs/tdist_job.py and print 'OK <case>'."""
+import pytest
+
+from tests.multirank.harness import run_ranks
+
+
+def _run(nproc, *cases, timeout_s=240):
+    _, out = run_ranks(nproc, "tdist_job", *cases, timeout_s=timeout_s)
+    for case in cases:
+        assert out.count(f"OK {case}\n") == nproc, f"{case} missing:\n{out[-3000:]}"
+
+
+def test_ddp_fsdp_and_pipelining_equal_gloo_and_one_process():
+    _run(2, "ddp", "ddp_no_sync", "ddp_bf16", "fsdp", "pipe")
+
+
+@pytest.mark.slow
+def test_fsdp_keeping_parameters_after_forward():
+    _run(2, "fsdp_keep")
+
+
+@pytest.mark.slow
+def test_hsdp_over_a_2x2_mesh():
+    _run(4, "hsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_ddp_and_fsdp_at_more_ranks(nproc):
+    _run(nproc, "ddp", "ddp_no_sync", "fsdp", "fsdp_keep", timeout_s=400)
+
+
+def test_every_op_and_subgroups_then_a_dead_rank_surfaces_through_torch_as_peer_lost_naming_it():
+    """programs/tdist_ops.py checks every operation against a single-process computation."""
+    _, out = run_ranks(3, "tdist_job", "peerlost", env={"COMMRT_COMM_TIMEOUT_S": "10"}, timeout_s=120)
+    assert out.count("OK ops") == 3, out[-3000:]
+    assert out.count("OK subgroups") == 3, out[-3000:]
+    assert out.count("OK peerlost") == 2 and out.count("lost peer rank 2") == 2, out[-3000:]
+
+
+def test_a_rank_with_another_job_secret_is_refused_on_the_data_plane():
+    _, out = run_ranks(2, "tdist_job", "wrongsecret", env={"COMMRT_COMM_TIMEOUT_S": "5"}, timeout_s=120)
+    assert out.count("OK wrongsecret init refused") == 2, out[-3000:]

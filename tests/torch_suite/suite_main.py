@@ -1,0 +1,62 @@
+"""PyTorch's own distributed test suite (torch.testing._internal.distributed.distributed_test),
+driven the way PyTorch's test/distributed/test_distributed_spawn.py drives it: env BACKEND,
+WORLD_SIZE, TEMP_DIR (INIT_METHOD: the suite's file:// store), one process per rank per test.
+Run through tests/torch_suite/run.py, which runs commrt and gloo and writes the table."""
+import json
+import os
+import sys
+import unittest
+
+import torch.distributed as dist  # noqa: F401
+from torch.testing._internal.common_distributed import DistTestCases
+
+import commrt  # noqa: F401 (registers the "commrt" backend)
+
+# what the suite needs to be told about a plugin backend (test_distributed_spawn does the same for
+# gloo/nccl/ucc by name); commrt has no recv from any source (matching is by (src, tag))
+for feature in ("plugin", "ddp", "subgroup"):
+    DistTestCases.backend_feature[feature].add("commrt")
+DistTestCases.skip_collective["sendrecv anysource"].add("commrt")
+
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+# SUITE_RUN_BACKEND: run on this backend the tests the suite selects for $BACKEND (its skips are
+# decided by name at import; the backend it initialises is read when a test runs). This runs
+# gloo-only-by-name tests (e.g. coalesced all_reduce, batch_isend_irecv on CPU) on commrt.
+if os.environ.get("SUITE_RUN_BACKEND"):
+    distributed_test.BACKEND = os.environ["SUITE_RUN_BACKEND"]
+
+if os.environ.get("BACKEND") in ("commrt", "gloo"):
+    class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+        def setUp(self):
+            super().setUp()
+            self._spawn_processes()
+
+
+class Recording(unittest.TextTestResult):
+    """unittest's verdicts by test name (the suite's ranks log to the same streams)."""
+    outcomes: dict = {}
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.outcomes[test._testMethodName] = "pass"
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.outcomes[test._testMethodName] = "fail"
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.outcomes[getattr(test, "_testMethodName", str(test))] = "fail"
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.outcomes[test._testMethodName] = f"skip: {reason}"
+
+
+if __name__ == "__main__":
+    runner = unittest.TextTestRunner(resultclass=Recording, verbosity=2)
+    unittest.main(module="__main__", testRunner=runner, exit=False)
+    with open(os.environ["TORCH_SUITE_RESULTS"], "w") as f:
+        json.dump(Recording.outcomes, f)

@@ -1,0 +1,96 @@
+"""The torch.distributed backend's pure parts: op translation, list flattening, the gather /
+scatter split plans, and TorchWork's completion (future, copy-out, errors, timeouts)."""
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commrt
+from commrt.tdist import compose
+from commrt.tdist.work import TorchWork
+from commrt.work import CommTimeout, Work
+
+
+def test_import_registers_the_backend_once_and_leaves_the_defaults():
+    commrt.tdist.register_backend()
+    commrt.tdist.register_backend()
+    assert "commrt" in dist.Backend.backend_list and dist.Backend.backend_list.count("commrt") == 1
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
+    assert dist.Backend("commrt") == "commrt"
+
+
+@pytest.mark.parametrize("op,name", [(dist.ReduceOp.SUM, "SUM"), (dist.ReduceOp.AVG, "AVG"),
+                                     (dist.ReduceOp.PRODUCT, "PRODUCT"), (dist.ReduceOp.MAX, "MAX"),
+                                     (dist.ReduceOp.MIN, "MIN")])
+def test_reduce_ops_map_to_commrt(op, name):
+    assert compose.reduce_op(op).name == name
+    opts = dist.distributed_c10d.AllreduceOptions()
+    opts.reduceOp = op
+    assert compose.reduce_op(opts.reduceOp).name == name
+
+
+def test_bitwise_ops_fold_locally_and_premul_sum_is_refused():
+    assert compose.reduce_op(dist.ReduceOp.BAND) is None
+    rows = torch.tensor([[0b1100, 0b1010], [0b1010, 0b0110]])
+    out = torch.empty(2, dtype=torch.int64)
+    for op, want in ((dist.ReduceOp.BAND, [0b1000, 0b0010]), (dist.ReduceOp.BOR, [0b1110, 0b1110]),
+                     (dist.ReduceOp.BXOR, [0b0110, 0b1100])):
+        compose.fold(op, rows, out)
+        assert out.tolist() == want
+    with pytest.raises(NotImplementedError, match="PREMUL_SUM"):
+        compose.reduce_op(dist._make_nccl_premul_sum(2.0))
+
+
+def test_flat_cat_and_copy_out_round_trip_bool_and_shapes():
+    tensors = [torch.tensor([[True, False]]), torch.tensor([False, True, True])]
+    flat = compose.flat_cat(tensors)
+    assert flat.dtype == torch.uint8 and flat.tolist() == [1, 0, 0, 1, 1]
+    outs = [torch.zeros(1, 2, dtype=torch.bool), torch.zeros(3, dtype=torch.bool)]
+    compose.copy_out(flat, outs)
+    assert all(torch.equal(a, b) for a, b in zip(outs, tensors))
+    with pytest.raises(TypeError, match="one dtype"):
+        compose.same_dtype([torch.zeros(1), torch.zeros(1, dtype=torch.int32)], "alltoall")
+
+
+def test_gather_plan_sends_only_to_the_root():
+    assert compose.rooted_splits(3, 1, 0, [], 4) == ([0, 4, 0], [0, 0, 0])
+    assert compose.rooted_splits(3, 1, 1, [2, 4, 6], 4) == ([0, 4, 0], [2, 4, 6])
+
+
+def test_torch_work_completes_its_future_after_the_copy_out():
+    a, b = Work("a"), Work("b")
+    landed = []
+    w = TorchWork("allgather", [a, b], ["result"], after=lambda: landed.append(1))
+    assert not w.is_completed() and not w.get_future().done()
+    a._finish(None, None)
+    assert not w.is_completed()
+    seen = threading.Event()
+    w.get_future().then(lambda fut: seen.set())
+    b._finish(None, None)
+    assert w.is_completed() and landed == [1] and seen.is_set()
+    assert w.wait() and w.get_future().value() == ["result"]
+
+
+def test_torch_work_hands_over_the_first_error_and_times_out_typed():
+    a, b = Work("a"), Work("b")
+    w = TorchWork("allreduce", [a, b], [])
+    with pytest.raises(CommTimeout):
+        w.wait(datetime.timedelta(milliseconds=10))
+    lost = commrt.PeerLost(1, "all_reduce", 3, "gone")
+    a._finish(None, lost)
+    b._finish(None, None)
+    with pytest.raises(commrt.PeerLost, match="rank 1"):
+        w.wait()
+    assert w.exception() is lost and not w.is_success()
+    with pytest.raises(commrt.PeerLost):
+        w.get_future().wait()
+
+
+def test_done_callbacks_run_once_whether_added_before_or_after_finishing():
+    w, calls = Work("x"), []
+    w.add_done_callback(lambda _: calls.append("before"))
+    w._finish(None, None)
+    w.add_done_callback(lambda _: calls.append("after"))
+    assert calls == ["before", "after"]
