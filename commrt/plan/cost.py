@@ -12,13 +12,27 @@ reduce_scatter and all_gather in two levels when each rank's part across nodes e
 small_bytes: intra reduce-scatter -> inter all_reduce of 1/M -> intra all_gather (the
 all_reduce in up to ``segments_for`` pipelined pieces, each padded to a multiple of M).
 
+Quantized collectives (``quant/collectives.py``, ``code(n)``: encoded bytes of n values, scales
+per block and the 4-byte padding included) go flat over any group but the world spanning nodes,
+which they cross in two hops (``quant/hierarchical.py``) whenever ``hierarchical`` says so for
+their fp32 size, whatever the compute dtype: exact fp32 collectives inside the node and only the
+codes across nodes:
+
+    all_gather      codes of the own part, all_gather over inter; fp32 all_gather of K x own over intra
+    reduce_scatter  fp32 reduce_scatter of the K*M chunks over intra; the node sums' K chunks
+                    encoded, all_to_all over inter
+    all_reduce      fp32 reduce_scatter over intra (padded to M parts of P); the flat quantized
+                    all_reduce of P over inter; fp32 all_gather of the M parts over intra
+
 Every figure is the mean over the group's ranks, which is what every rank of a symmetric group
 sends; ``Traffic.by_op`` names ops as ``comm_stats()["by_op"]`` does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+from ..collectives.algorithms import chunk_bounds
 from ..mesh import segments_for
 
 
@@ -88,7 +102,7 @@ def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -
     input (reduce_scatter), the output (all_gather), or what one rank sends in all (all_to_all)."""
     g = len(ranks)
     if g < 2 or nbytes <= 0:
-        return
+        return 0.0
     if op == "all_to_all":
         sent, share = nbytes, _direct_split(ranks, net.per_node)
     elif op == "all_reduce" and nbytes <= net.small_bytes:
@@ -131,3 +145,50 @@ def collective(t: Traffic, op: str, ranks: tuple[int, ...], numel: int, itemsize
                     + flat(t, "all_reduce", inter, part * itemsize, net)
                     + flat(t, "all_gather", intra, part * m * itemsize, net))
     return seconds
+
+
+def _two_hop(net: Net, ranks: tuple[int, ...], numel: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(intra, inter) when ``quant.hierarchical.levels`` takes the two hops for ``numel`` fp32 values."""
+    if not hierarchical(net, len(ranks) == net.world, numel * 4):
+        return None
+    return group(0, net.per_node), group(0, net.nodes, net.per_node)
+
+
+def q_all_gather(t: Traffic, ranks: tuple[int, ...], own: int, code: Callable[[int], int], net: Net) -> float:
+    """Quantized all_gather of ``own`` values per rank (the gather hop: one all_gather of codes)."""
+    lv = _two_hop(net, ranks, len(ranks) * own)
+    if lv is None:
+        return flat(t, "all_gather", ranks, len(ranks) * code(own), net)
+    intra, inter = lv
+    return flat(t, "all_gather", inter, len(inter) * code(own), net) + \
+        flat(t, "all_gather", intra, len(intra) * len(inter) * own * 4, net)
+
+
+def q_reduce_scatter(t: Traffic, ranks: tuple[int, ...], out: int, code: Callable[[int], int], net: Net) -> float:
+    """Quantized reduce_scatter to ``out`` values per rank (the reduce hop: each chunk for a
+    peer encoded, one all_to_all; the own chunk stays)."""
+    lv = _two_hop(net, ranks, len(ranks) * out)
+    if lv is None:
+        return flat(t, "all_to_all", ranks, (len(ranks) - 1) * code(out), net)
+    intra, inter = lv
+    return flat(t, "reduce_scatter", intra, len(ranks) * out * 4, net) + \
+        flat(t, "all_to_all", inter, (len(inter) - 1) * code(out), net)
+
+
+def q_all_reduce(t: Traffic, ranks: tuple[int, ...], numel: int, code: Callable[[int], int], net: Net) -> float:
+    """Quantized all_reduce: the reduce hop on ``chunk_bounds``, then the gather hop of the
+    reduced chunks, each padded to the largest; two-hop around the inter-node part."""
+    lv = _two_hop(net, ranks, numel)
+    if lv is None:
+        return _q_all_reduce_flat(t, ranks, numel, code, net)
+    intra, inter = lv
+    part = -(-numel // len(intra))  # the tail pads the last local rank's part
+    return (flat(t, "reduce_scatter", intra, part * len(intra) * 4, net)
+            + _q_all_reduce_flat(t, inter, part, code, net)
+            + flat(t, "all_gather", intra, part * len(intra) * 4, net))
+
+
+def _q_all_reduce_flat(t: Traffic, ranks: tuple[int, ...], numel: int, code: Callable[[int], int], net: Net) -> float:
+    g = len(ranks)
+    sizes = [code(b - a) for a, b in chunk_bounds(numel, g)]
+    return flat(t, "all_to_all", ranks, sum(sizes) * (g - 1) / g, net) + flat(t, "all_gather", ranks, g * max(sizes), net)

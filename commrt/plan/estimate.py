@@ -15,6 +15,8 @@ The model follows what ``train/zero.py`` and the engine do per step (not the pap
                backward gather: the same again, or with hpZ an all_gather of the secondary copy
                inside its group
     engine     one all_reduce of world+1 float64 (non-finite flags and the squared norm)
+    qwZ / qgZ over the world spanning nodes: two hops, exact fp32 inside the node, the codes
+               across nodes (``cost.q_all_gather`` and the others; sub-groups stay flat)
 
 Memory is ``Engine.memory_report()``'s accounting: fp32 gradients and master values (so mixed
 precision is 4 (master) + 2 (compute copy) + 4 (gradient) + 8 (Adam) bytes per parameter at
@@ -169,30 +171,28 @@ class _Step:
         return self.phases.setdefault(phase, cost.Traffic())
 
     def op(self, phase: str, op: str, ranks, numel: int, itemsize: int) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + cost.collective(self._t(phase), op, ranks, numel,
-                                                                              itemsize, self.net)
+        self._add(phase, cost.collective(self._t(phase), op, ranks, numel, itemsize, self.net))
 
     def _codec(self, quant: str) -> Codec:
         return Codec(bits=8 if quant == "int8" else 4, block=self.job.quant_block)
 
     def q_gather(self, phase: str, ranks, own: int) -> None:
-        """quant.all_gather_into_tensor: an all_gather of each rank's codes and scales."""
-        self.op(phase, "all_gather", ranks, len(ranks) * self._codec(self.job.quant_weights).nbytes(own), 1)
+        """quant.all_gather_into_tensor of ``own`` values per rank (see ``cost.q_all_gather``)."""
+        self._add(phase, cost.q_all_gather(self._t(phase), ranks, own, self._codec(self.job.quant_weights).nbytes,
+                                           self.net))
 
     def q_reduce_scatter(self, phase: str, ranks, out: int) -> None:
-        """quant.reduce_scatter_tensor: each rank's chunk for every peer, encoded, all_to_all."""
-        sent = (len(ranks) - 1) * self._codec(self.job.quant_grads).nbytes(out)
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + cost.flat(self._t(phase), "all_to_all", ranks, sent,
-                                                                        self.net)
+        """quant.reduce_scatter_tensor to ``out`` values per rank (see ``cost.q_reduce_scatter``)."""
+        self._add(phase, cost.q_reduce_scatter(self._t(phase), ranks, out, self._codec(self.job.quant_grads).nbytes,
+                                               self.net))
 
     def q_all_reduce(self, phase: str, ranks, numel: int) -> None:
-        """quant.all_reduce: the reduce-scatter hop on chunk_bounds, then an all_gather of the
-        reduced chunks, each padded to the largest."""
-        g, codec = len(ranks), self._codec(self.job.quant_grads)
-        sizes = [codec.nbytes(numel // g + (1 if i < numel % g else 0)) for i in range(g)]
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + cost.flat(self._t(phase), "all_to_all", ranks,
-                                                                        sum(sizes) * (g - 1) / g, self.net)
-        self.op(phase, "all_gather", ranks, g * max(sizes), 1)
+        """quant.all_reduce of ``numel`` values (see ``cost.q_all_reduce``)."""
+        self._add(phase, cost.q_all_reduce(self._t(phase), ranks, numel, self._codec(self.job.quant_grads).nbytes,
+                                           self.net))
+
+    def _add(self, phase: str, seconds: float | None) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + (seconds or 0.0)
 
     def unit(self, n: int) -> None:
         p, b, job = self.p, self.b, self.job

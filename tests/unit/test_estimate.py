@@ -98,3 +98,40 @@ def test_hierarchical_bytes_follow_the_two_level_formulas(k, m):
     t = cost.Traffic()
     cost.collective(t, "all_reduce", world, n, 4, cost.Net(k, m, hierarchical="never"))
     assert t.inter == pytest.approx(2 * (k * m - 1) / (k * m) * n * 4 / m)  # one ring edge in M leaves the node
+
+
+def test_quantized_collectives_on_the_world_spanning_nodes_take_two_hops():
+    """quant/hierarchical.py on 2 nodes x 2 (auto, decided on the fp32 size even in bf16): exact
+    fp32 hops inside the node, only the codes across. Stage 3, own = 1024 values per rank:
+    qwZ gather: int8 codes of 1024 = 1024 + 4 scales x 4 = 1040 B to the other node, then an fp32
+    all_gather of 2 x 2048 values (8192 B sent inside); qgZ reduce_scatter: fp32 reduce_scatter of
+    4096 values inside (8192 B), int4 codes of the other node's chunk, 512 + 16 = 528 B, across."""
+    c = Cluster(nodes=2, per_node=2, small_bytes=4096)
+    est = estimate(Job(params=4096, stage=3, dtype="bf16", quant_weights="int8", quant_grads="int4",
+                       units=(4096,)), c)
+    assert est.phases["forward all_gather"] == est.phases["backward all_gather"] == (8192, 1040)
+    assert est.phases["gradient reduce_scatter"] == (8192, 528)
+    assert est.by_op["all_to_all"] == (0, 528) and est.by_op["reduce_scatter"] == (8192, 0)
+
+
+def test_quantized_all_reduce_two_hop_pads_to_the_node_and_sub_groups_stay_flat():
+    """4097 values on 2 nodes x 2: fp32 reduce_scatter of 2 x 2049 (padded) inside, the flat
+    int4 all_reduce of 2049 across (chunks 1025 / 1024: codes 536 / 528 B, padded to 4; the
+    all_to_all sends the other's chunk, 532 B on average, the all_gather 536 B), fp32 all_gather
+    inside. HYBRID_SHARD's shard group is one node: its quantized reduce_scatter stays flat."""
+    from commrt.plan import cost
+    net = cost.Net(nodes=2, per_node=2, small_bytes=1 << 20, hierarchical="always")
+    t = cost.Traffic()
+    cost.q_all_reduce(t, cost.group(0, 4), 4097, _int4_nbytes, net)
+    assert t.by_op == {"reduce_scatter": [8196, 0], "all_to_all": [0, 532], "all_gather": [8196, 536]}
+    flat = cost.Traffic()
+    cost.q_all_reduce(flat, cost.group(0, 2), 4097, _int4_nbytes, net)  # a sub-group: one hop
+    assert set(flat.by_op) == {"all_to_all", "all_gather"}
+    hsdp = estimate(Job(params=4096, strategy="HYBRID_SHARD", quant_grads="int4", units=(4096,)),
+                    Cluster(nodes=2, per_node=2, hierarchical="always"))
+    assert hsdp.phases["gradient reduce_scatter"] == (1056, 0)  # int4 of 2048: 1024 + 8 x 4
+
+
+def _int4_nbytes(n: int) -> int:
+    from commrt.quant.codecs import Codec
+    return Codec(bits=4, block=256).nbytes(n)
