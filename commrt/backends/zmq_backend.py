@@ -97,7 +97,7 @@ class ZmqBackend:
         maps = []
         try:
             for p, name in enumerate(names):
-                maps.append(seg[1] if p == self.rank else shm.attach(name))
+                maps.append(seg[1] if p == self.rank else shm.attach(name, shm.SLOT_BYTES))
             for p in range(self.size):  # their connections' monitors tell us a peer died
                 if p != self.rank:
                     self._coll.socket_to(p)
@@ -309,7 +309,7 @@ def make_segment(mode: str):
     why = shm.supported()
     if why is None:
         try:
-            return shm.create()
+            return shm.create(shm.SLOT_BYTES)
         except OSError as exc:
             why = f"cannot create a segment in {shm.SHM_DIR}: {exc}"
     if mode == "shm":

@@ -101,7 +101,7 @@ def _rounds(total: int, per: int):
 def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
     n, numel = ctx.size, flat.numel()
     if n > 1 and numel:
-        if numel * ctx.itemsize <= ctx.small_bytes:
+        if numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes):
             slot = ctx.begin()
             copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
             ctx.exchange()
@@ -115,14 +115,19 @@ def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
 
 
 def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None:
-    n, m, me = ctx.size, part.numel(), ctx.rank
-    bounds = chunk_bounds(m, n)
+    """Each rank publishes the slices its peers reduce (its own it reads in place), reduces
+    its slice into its next slot, then copies every rank's reduced slice out."""
+    n, me = ctx.size, ctx.rank
+    bounds = chunk_bounds(part.numel(), n)
     slot = ctx.begin()
-    copy_(ctx.view(me, slot, 0, m), part)
+    for p, (lo, hi) in enumerate(bounds):
+        if p != me:
+            copy_(ctx.view(me, slot, lo, hi - lo), part[lo:hi])
     ctx.exchange()
     lo, hi = bounds[me]
     result = ctx.begin()  # the next step's slot: free once every peer reached this one
-    reduce_in_order_(ctx.view(me, result, lo, hi - lo), [ctx.view(p, slot, lo, hi - lo) for p in range(n)], op)
+    reduce_in_order_(ctx.view(me, result, lo, hi - lo),
+                     [part[lo:hi] if p == me else ctx.view(p, slot, lo, hi - lo) for p in range(n)], op)
     ctx.exchange()
     for p, (lo, hi) in enumerate(bounds):
         copy_(part[lo:hi], ctx.view(p, result, lo, hi - lo))
@@ -142,9 +147,14 @@ def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: Re
         for x, y in _rounds(m, w):
             slot = ctx.begin()
             for j in range(n):
-                copy_(ctx.view(me, slot, j * w, y - x), inp[j * m + x:j * m + y])
+                if j != me:  # our own block is read in place
+                    copy_(ctx.view(me, slot, j * w, y - x), inp[j * m + x:j * m + y])
             ctx.exchange()
-            reduce_in_order_(out[x:y], [ctx.view(p, slot, me * w, y - x) for p in range(n)], op)
+            own = inp[me * m + x:me * m + y]
+            if me > 1 and out.data_ptr() == inp[me * m:].data_ptr():
+                own = own.clone()  # in place: out may only be the first or second part
+            reduce_in_order_(out[x:y], [own if p == me else ctx.view(p, slot, me * w, y - x)
+                                        for p in range(n)], op)
     if op == ReduceOp.AVG:
         finish_avg_(out, n)
 
