@@ -28,3 +28,34 @@ def test_every_collective_matches_the_reference(nproc):
     names = _segments(out)
     assert len(names) == nproc, out
     assert not _left_in_dev_shm(names)
+
+
+def _segments_made(out: str) -> set[str]:
+    return set(re.findall(r"segment: (commrt-[0-9a-f]+)", out))
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_rank_killed_during_setup_leaves_nothing_in_dev_shm(nproc):
+    """SIGKILL after every segment exists and before any is unlinked: the survivors name the
+    victim and remove every name of the group, the victim's included."""
+    _, out = run_ranks(nproc, "shm_faults", "setup-kill", env=ENV, timeout_s=120, stop_on_failure=False,
+                       expect_fail=True)
+    names = _segments_made(out)
+    assert len(names) == nproc, out
+    caught = re.findall(r"CAUGHT PeerLost: lost peer rank 1 during connect", out)
+    assert len(caught) == nproc - 1, out
+    assert not _left_in_dev_shm(names), out
+
+
+def test_a_mismatch_is_a_typed_error_on_every_rank():
+    _, out = run_ranks(3, "shm_faults", "mismatch", env=ENV, timeout_s=120)
+    caught = re.findall(r"CAUGHT CollectiveMismatch: collective mismatch at seq 2", out)
+    assert len(caught) == 3, out
+
+
+def test_garbage_in_a_peers_control_page_is_a_typed_error():
+    """The reader names the scribbler; the scribbler then loses its peer: typed errors, no crash."""
+    _, out = run_ranks(2, "shm_faults", "garbage", env=ENV, timeout_s=120)
+    assert "[rank 0] CAUGHT CollectiveMismatch" in out, out
+    assert re.search(r"\[rank 1\] CAUGHT (CollectiveMismatch|PeerLost)", out), out
+    assert not _left_in_dev_shm(_segments_made(out))
