@@ -87,6 +87,11 @@ class ShmContext:
             mine["step"], other["step"] = self.chan.t, h[0]
         return CollectiveMismatch(self.name, self.seq, mine, other, peer=p, rank=self.rank)
 
+    def sent(self, p: int, numel: int) -> None:
+        """``numel`` of this rank's elements that rank ``p`` reads (the transport's counters)."""
+        if numel:
+            self.chan.count(p, self._words[1], numel * self.itemsize)
+
     def view(self, p: int, slot: int, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start + numel) of rank p's slot, as this op's dtype."""
         a = slot * self.chan.slot_bytes + start * self.itemsize
@@ -104,6 +109,9 @@ def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
         if numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes):
             slot = ctx.begin()
             copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
+            for p in range(n):
+                if p != ctx.rank:
+                    ctx.sent(p, numel)
             ctx.exchange()
             reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(n)], op)
         else:
@@ -123,6 +131,7 @@ def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None
     for p, (lo, hi) in enumerate(bounds):
         if p != me:
             copy_(ctx.view(me, slot, lo, hi - lo), part[lo:hi])
+            ctx.sent(p, hi - lo + bounds[me][1] - bounds[me][0])  # its slice now, our result next
     ctx.exchange()
     lo, hi = bounds[me]
     result = ctx.begin()  # the next step's slot: free once every peer reached this one
@@ -149,6 +158,7 @@ def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: Re
             for j in range(n):
                 if j != me:  # our own block is read in place
                     copy_(ctx.view(me, slot, j * w, y - x), inp[j * m + x:j * m + y])
+                    ctx.sent(j, y - x)
             ctx.exchange()
             own = inp[me * m + x:me * m + y]
             if me > 1 and out.data_ptr() == inp[me * m:].data_ptr():
@@ -171,6 +181,9 @@ def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     for x, y in _rounds(m, ctx.slot_elems):
         slot = ctx.begin()
         copy_(ctx.view(me, slot, 0, y - x), inp[x:y])
+        for p in range(n):
+            if p != me:
+                ctx.sent(p, y - x)
         ctx.exchange()
         for p in range(n):
             if p != me:
@@ -186,6 +199,9 @@ def broadcast(ctx: ShmContext, flat: torch.Tensor, src: int) -> None:
         slot = ctx.begin()
         if ctx.rank == src:
             copy_(ctx.view(src, slot, 0, b - a), flat[a:b])
+            for p in range(ctx.size):
+                if p != src:
+                    ctx.sent(p, b - a)
         ctx.exchange()
         if ctx.rank != src:
             copy_(flat[a:b], ctx.view(src, slot, 0, b - a))
@@ -198,6 +214,7 @@ def reduce(ctx: ShmContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
             slot = ctx.begin()
             if me != dst:
                 copy_(ctx.view(me, slot, 0, b - a), flat[a:b])
+                ctx.sent(dst, b - a)
             ctx.exchange()
             if me == dst and b > a:
                 parts = [flat[a:b] if p == dst else ctx.view(p, slot, 0, b - a) for p in range(n)]
@@ -225,6 +242,7 @@ def all_to_all(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor,
             a, b = min(hi, lo + r * w), min(hi, lo + (r + 1) * w)
             if j != me and b > a:
                 copy_(ctx.view(me, slot, j * w, b - a), inp[a:b])
+                ctx.sent(j, b - a)
         aux = ctx.exchange()
         if r == 0:
             if any(not 0 <= x <= MAX_AUX for x in aux):

@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from ..errors import GroupClosed, PeerLost, ProtocolError
-from ..wire import ABORT
+from ..wire import ABORT, COLL
 from .endpoint import Endpoint, MismatchReport, decode_report
 
 SHM_DIR = "/dev/shm"
@@ -59,10 +59,11 @@ def supported() -> str | None:
     return None
 
 
-def node_key() -> str:
+def node_key(environ=os.environ) -> str:
     """Equal for processes that can share memory and sockets alike: one boot of one host, in
-    one network namespace (emulated nodes are namespaces on one machine)."""
-    parts = [socket.gethostname()]
+    one network namespace (emulated nodes are namespaces on one machine), and, when the
+    launcher numbers nodes (torchrun's GROUP_RANK), one node: the topology's nodes, never more."""
+    parts = [socket.gethostname(), environ.get("GROUP_RANK", "")]
     for path in ("/proc/sys/kernel/random/boot_id",):
         try:
             with open(path) as f:
@@ -179,6 +180,16 @@ class Channel:
             else:
                 return
         self._wait(lambda: [p for p, c in self._peers if c[W_COUNTER] < t], op, seq)
+
+    def count(self, peer: int, op: int, nbytes: int) -> None:
+        """Account ``nbytes`` that ``peer`` reads from our segment as sent to it, like the
+        socket path's counters (the bench's and comm_stats' intra-node bytes)."""
+        ep = self.ep
+        c = ep._counters[peer]
+        c.sent_bytes += nbytes
+        c.sent_msgs += 1
+        key = (COLL, op & 0xFF, ep.names[peer])
+        ep._op_sent[key] = ep._op_sent.get(key, 0) + nbytes
 
     def header(self, p: int, slot: int) -> list[int]:
         base = HDR_BASE + HDR_WORDS * slot
