@@ -21,11 +21,13 @@ import torch
 from commrt import bootstrap, rendezvous
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.config import load_config
-from commrt.transport import Transport
+from commrt.transport import Transport, shm
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "4096,65536,1048576,16777216,67108864").split(",")]
 SAMPLES = int(os.environ.get("SAMPLES", "9"))
 BACKENDS = {"shm": ("zmq", "shm"), "tcp": ("zmq", "tcp"), "gloo": ("gloo", "tcp")}
+# SLOTS=1048576,... adds shared-memory runtimes with those slot sizes (shm<bytes>) to compare
+SLOTS = [int(s) for s in os.environ.get("SLOTS", "").split(",") if s]
 
 
 def _op(be, coll: str, n: int, nbytes: int):
@@ -57,9 +59,13 @@ def main() -> int:
     transport = Transport(cfg, f"rank{rdzv.rank}")
     store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)
     rts = {}
-    for name, (backend, intra) in BACKENDS.items():
+    default_slot = shm.SLOT_BYTES
+    backends = {**BACKENDS, **{f"shm{s}": ("zmq", "shm", s) for s in SLOTS}}
+    for name, (backend, intra, *slot) in backends.items():
+        shm.SLOT_BYTES = slot[0] if slot else default_slot
         c = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=backend, intra_node=intra))
         rts[name] = bootstrap.init_world(c, rdzv, store=(store, None), namespace=f"{name}/")
+    shm.SLOT_BYTES = default_slot
     n = rdzv.world_size
     for coll in colls:
         if rdzv.rank == 0:
