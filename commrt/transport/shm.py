@@ -19,6 +19,7 @@ control page is validated like a wire header: it is compared, never used as a si
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import mmap
 import os
@@ -47,7 +48,8 @@ MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
 SPIN_CHECKS = 64  # busy checks before yielding the core
 YIELD_S = 0.002  # then sched_yield for this long, then sleep, escalating to MAX_NAP_S
 MAX_NAP_S = 0.001
-_NAME = re.compile(r"commrt-[0-9a-f]{32}")
+_NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
+_mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
 
 
 def supported() -> str | None:
@@ -84,7 +86,8 @@ def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
 def create(slot_bytes: int = SLOT_BYTES) -> tuple[str, mmap.mmap]:
     """A new 0600 segment under an unguessable name, its memory reserved now (a full /dev/shm
     fails here with OSError, not later with SIGBUS)."""
-    name = f"commrt-{secrets.token_hex(16)}"
+    sweep()
+    name = f"commrt-{os.getpid()}-{secrets.token_hex(16)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -95,6 +98,7 @@ def create(slot_bytes: int = SLOT_BYTES) -> tuple[str, mmap.mmap]:
         raise
     finally:
         os.close(fd)
+    _mine.add(name)
     ctl = memoryview(mm)[:CTL_BYTES].cast("q")
     ctl[W_MAGIC] = MAGIC
     ctl.release()
@@ -128,10 +132,43 @@ def attach(name: str, slot_bytes: int = SLOT_BYTES) -> mmap.mmap:
 
 def unlink(name: str) -> None:
     if _NAME.fullmatch(name or ""):
+        _mine.discard(name)
         try:
             os.unlink(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
             pass
+
+
+def sweep() -> None:
+    """Unlink our user's segments whose creator process is gone: one SIGKILLed before its
+    group's address exchange, when no peer knew the name to remove it (the name carries the
+    creator's pid; the 128-bit token keeps it unguessable)."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in entries:
+        if not _NAME.fullmatch(name):
+            continue
+        pid = int(name.split("-")[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
+                unlink(name)
+        except OSError:
+            pass
+
+
+@atexit.register
+def _unlink_mine() -> None:
+    for name in list(_mine):
+        unlink(name)
 
 
 class Channel:

@@ -24,8 +24,8 @@ def _alive(pid: int) -> bool:
 
 
 MODES = ["exit0", "exit1", "abort", "sigkill", "sigterm", "sigstop"]
-# the shared-memory path (issue 17) by default on a death, a kill and a freeze; the rest slow
-SHM_DEFAULT = {("sigkill", 3), ("sigstop", 2), ("exit1", 2)}
+# the shared-memory path (issue 17) by default on a kill and a freeze; the rest slow
+SHM_DEFAULT = {("sigkill", 3), ("sigstop", 2)}
 CASES = [(m, n, "tcp") for m in MODES for n in (2, 3)] + [
     pytest.param(m, n, "shm", marks=() if (m, n) in SHM_DEFAULT else pytest.mark.slow)
     for m in MODES for n in (2, 3)]

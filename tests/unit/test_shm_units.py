@@ -27,13 +27,13 @@ def test_segments_are_0600_under_unguessable_names(segment):
     other, mm = shm.create(SLOT)
     shm.unlink(other)
     mm.close()
-    assert len(name) == len("commrt-") + 32 and name != other
+    assert name.startswith(f"commrt-{os.getpid()}-") and len(name.rsplit("-", 1)[1]) == 32 and name != other
 
 
 def test_attach_accepts_only_our_segments(segment):
     name, _ = segment
     shm.attach(name, SLOT).close()
-    for bad in ("../etc/passwd", "commrt-xyz", "", None, name + "0"):
+    for bad in ("../etc/passwd", "commrt-1-xyz", "", None, name + "0"):
         with pytest.raises(ProtocolError):
             shm.attach(bad, SLOT)
     with pytest.raises(ProtocolError, match="bytes"):
@@ -44,7 +44,7 @@ def test_attach_accepts_only_our_segments(segment):
 
 
 def test_attach_refuses_a_file_without_our_header():
-    name = "commrt-" + "ab" * 16
+    name = f"commrt-{os.getpid()}-" + "ab" * 16
     path = os.path.join(shm.SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -68,3 +68,17 @@ def test_intra_node_setting():
 
 def test_node_key_is_stable():
     assert shm.node_key() == shm.node_key() and len(shm.node_key()) == 16
+
+
+def test_a_dead_creators_segment_is_swept():
+    """A rank SIGKILLed before its group learnt the name: the next segment made on the host
+    removes it (pid 2**22 + 1 is above Linux's pid_max: never alive)."""
+    name = f"commrt-{(1 << 22) + 1}-" + "cd" * 16
+    path = os.path.join(shm.SHM_DIR, name)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    made, mm = shm.create(SLOT)
+    try:
+        assert not os.path.exists(path)
+    finally:
+        shm.unlink(made)
+        mm.close()
