@@ -290,12 +290,12 @@ class ZmqBackend:
         closed = lambda name: GroupClosed(self.group_id, name, None)
         coll_stopped = self._exec.close(closed, timeout_s)
         p2p_stopped = self._p2p.close(timeout_s)
+        if self._segment is not None:  # made, never connected
+            shm.unlink(self._segment[0])
         if coll_stopped:
             if self._shm is not None:
                 self._shm.close()
             self._coll.close()
-        if self._segment is not None:  # made, never connected
-            shm.unlink(self._segment[0])
         else:
             log.warning("group %d: an operation did not stop within %gs; leaving its sockets open",
                         self.group_id, timeout_s)
