@@ -23,6 +23,7 @@ from .errors import ConfigError
 
 BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
 HIERARCHICAL_MODES = ("auto", "always", "never")
+INTRA_NODE_MODES = ("auto", "shm", "tcp")
 
 
 def _check_choice(section: str, name: str, value: Any, valid: tuple) -> None:
@@ -80,10 +81,15 @@ class CommConfig:
     (inside each node, then across nodes on 1/M of the data), ``never`` flat, ``auto``
     hierarchically when each rank's part across nodes is above small_bytes (below that the
     extra latency of three steps outweighs the link bytes saved). All ranks must agree."""
+    intra_node: str = "auto"
+    """How ranks of one node (one host and network namespace) exchange collective payloads:
+    ``auto`` through shared memory where the host allows it (x86-64, /dev/shm writable), else
+    TCP; ``shm`` shared memory or an error; ``tcp`` always the zmq/TCP path. All ranks must agree."""
 
     def __post_init__(self) -> None:
         _check_choice("comm", "backend", self.backend, BACKEND_NAMES)
         _check_choice("comm", "hierarchical", self.hierarchical, HIERARCHICAL_MODES)
+        _check_choice("comm", "intra_node", self.intra_node, INTRA_NODE_MODES)
         for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
             _check_positive("comm", name, getattr(self, name))
         _check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
@@ -290,7 +296,7 @@ class Config:
 
 DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"),
             ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("comm", "hierarchical"),
-            ("security", "mode"))
+            ("security", "mode"), ("comm", "intra_node"))
 
 
 _SECTION_TYPES = {"comm": CommConfig, "cluster": ClusterConfig, "security": SecurityConfig,

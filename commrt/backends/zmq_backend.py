@@ -12,11 +12,13 @@ from typing import Callable
 import torch
 
 from .. import dtypes
-from ..collectives import ops
+from ..collectives import ops, shm_ops
 from ..collectives.context import _NAMES, Coll, Journal, OpContext
+from ..collectives.shm_ops import ShmContext
 from ..collectives.reduce_ops import ReduceOp, copy_
 from ..config import Config
-from ..errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
+from ..errors import CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost, ProtocolError
+from ..transport import shm
 from ..transport import Endpoint, Transport
 from ..transport.endpoint import MismatchReport, encode_report
 from ..transport.memory import keep_freed_memory
@@ -67,15 +69,48 @@ class ZmqBackend:
         self._broken: BaseException | None = None
         self._largest = 0  # bytes of the largest collective so far
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
+        self._ops = ops  # shm_ops once connect() finds every member on this rank's node
+        self._shm: shm.Channel | None = None
+        self._segment = make_segment(c.intra_node)  # (name, mapping) or None
 
     @property
     def addresses(self) -> list[str]:
-        return [self._coll.address, self._p2p_address]
+        seg = f"shm:{shm.node_key()}:{self._segment[0]}" if self._segment else "shm:-"
+        return [self._coll.address, self._p2p_address, seg]
 
     def connect(self, table: list[list[str]]) -> None:
         """``table[r]`` is rank r's ``addresses``; sockets are dialled when first needed."""
         self._coll.connect({r: a[0] for r, a in enumerate(table)})
         self._p2p_ep.connect({r: a[1] for r, a in enumerate(table)})
+        self._connect_shm([a[2] if len(a) > 2 else "shm:-" for a in table])
+
+    def _connect_shm(self, entries: list[str]) -> None:
+        """Shared memory when every member published a segment on this rank's node (every rank
+        sees the same table, so all decide alike); otherwise our segment goes at once."""
+        seg, self._segment = self._segment, None
+        names = [e.rsplit(":", 1)[-1] for e in entries]
+        if seg is None or self.size == 1 or len({e.rsplit(":", 1)[0] for e in entries}) != 1 or "-" in names:
+            if seg is not None:
+                shm.unlink(seg[0])
+                seg[1].close()
+            return
+        maps = []
+        try:
+            for p, name in enumerate(names):
+                maps.append(seg[1] if p == self.rank else shm.attach(name, shm.SLOT_BYTES))
+            for p in range(self.size):  # their connections' monitors tell us a peer died
+                if p != self.rank:
+                    self._coll.socket_to(p)
+            self._shm = shm.Channel(self._coll, maps, names, shm.SLOT_BYTES, self.cfg.comm.heartbeat_s)
+            self._shm.attach_all()
+        except BaseException:
+            for name in names:  # a peer killed before its peers attached leaves nothing behind
+                shm.unlink(name)
+            if self._shm is not None:
+                self._shm.close()
+            self._shm = None
+            raise
+        self._ops = shm_ops
 
     # -- running an operation ----------------------------------------------------------------
     def _collective(self, coll: Coll, dtype: torch.dtype, count: int,
@@ -109,9 +144,13 @@ class ZmqBackend:
         try:
             self._check_usable()
             self._seq += 1
-            ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                            count, self.cfg.comm.chunk_bytes, self.cfg.comm.small_bytes, site,
-                            reduce, root, self._journal)
+            c = self.cfg.comm
+            if self._shm is not None:
+                ctx = ShmContext(self._shm, self.group_id, self.rank, self.size, self._seq, coll, dtype,
+                                 count, site, reduce, root, c.small_bytes)
+            else:
+                ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
+                                count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal)
             try:
                 body(ctx)
             except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:
@@ -157,11 +196,11 @@ class ZmqBackend:
         if t.is_cuda:  # pieces staged through pinned memory, copies overlapping the network
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
             return self._collective(Coll.ALL_REDUCE, t.dtype, t.numel(),
-                                    lambda ctx: staged.run(lambda piece: ops.all_reduce(ctx, piece, op)),
+                                    lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
                                     async_op, reduce=op)
         flat, wb = flat_view(tensor)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
+                                lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb = flat_view(output, "output")
@@ -171,7 +210,7 @@ class ZmqBackend:
             raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                              f"output ({out.numel()}) x world size ({self.size})")
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, inp.numel(),
-                                lambda ctx: ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
+                                lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, wb = flat_view(output, "output")
@@ -181,17 +220,17 @@ class ZmqBackend:
             raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
                              f"input ({inp.numel()}) x world size ({self.size})")
         return self._collective(Coll.ALL_GATHER, out.dtype, out.numel(),
-                                lambda ctx: ops.all_gather(ctx, out, inp), async_op, wb)
+                                lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
     def broadcast(self, tensor, src, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.BROADCAST, flat.dtype, flat.numel(),
-                                lambda ctx: ops.broadcast(ctx, flat, src), async_op, wb, root=src)
+                                lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         flat, wb = flat_view(tensor)
         return self._collective(Coll.REDUCE, flat.dtype, flat.numel(),
-                                lambda ctx: ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
+                                lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
@@ -202,11 +241,11 @@ class ZmqBackend:
         out_b = split_bounds(out.numel(), o.shape[0] if o.dim() else 1, output_split_sizes, self.size, "output")
         in_b = split_bounds(inp.numel(), i.shape[0] if i.dim() else 1, input_split_sizes, self.size, "input")
         return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
-                                lambda ctx: ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
+                                lambda ctx: self._ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
                                 nbytes=max(inp.numel(), out.numel()) * out.element_size())
 
     def barrier(self, async_op=False):
-        return self._collective(Coll.BARRIER, torch.uint8, 0, ops.barrier, async_op)
+        return self._collective(Coll.BARRIER, torch.uint8, 0, lambda ctx: self._ops.barrier(ctx), async_op)
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
@@ -251,12 +290,32 @@ class ZmqBackend:
         closed = lambda name: GroupClosed(self.group_id, name, None)
         coll_stopped = self._exec.close(closed, timeout_s)
         p2p_stopped = self._p2p.close(timeout_s)
+        if self._segment is not None:  # made, never connected
+            shm.unlink(self._segment[0])
         if coll_stopped:
+            if self._shm is not None:
+                self._shm.close()
             self._coll.close()
         else:
             log.warning("group %d: an operation did not stop within %gs; leaving its sockets open",
                         self.group_id, timeout_s)
         return coll_stopped and p2p_stopped
+
+
+def make_segment(mode: str):
+    """This rank's shared-memory segment for ``[comm] intra_node`` (None: TCP only)."""
+    if mode == "tcp":
+        return None
+    why = shm.supported()
+    if why is None:
+        try:
+            return shm.create(shm.SLOT_BYTES)
+        except OSError as exc:
+            why = f"cannot create a segment in {shm.SHM_DIR}: {exc}"
+    if mode == "shm":
+        raise ConfigError(f"[comm] intra_node = 'shm' cannot be used here: {why}")
+    log.info("intra-node traffic stays on TCP: %s", why)
+    return None
 
 
 def _land(piece: torch.Tensor, frame) -> None:

@@ -23,10 +23,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("mode", ["exit0", "exit1", "abort", "sigkill", "sigterm", "sigstop"])
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_survivors_name_the_lost_rank(mode, nproc):
-    result, out = run_ranks(nproc, "faults", mode, env=ENV, timeout_s=40, stop_on_failure=False,
+MODES = ["exit0", "exit1", "abort", "sigkill", "sigterm", "sigstop"]
+# the shared-memory path (issue 17) by default on a kill and a freeze; the rest slow
+SHM_DEFAULT = {("sigkill", 3), ("sigstop", 2)}
+CASES = [(m, n, "tcp") for m in MODES for n in (2, 3)] + [
+    pytest.param(m, n, "shm", marks=() if (m, n) in SHM_DEFAULT else pytest.mark.slow)
+    for m in MODES for n in (2, 3)]
+
+
+@pytest.mark.parametrize("mode,nproc,intra", CASES)
+def test_survivors_name_the_lost_rank(mode, nproc, intra):
+    env = {**ENV, "COMMRT_COMM_INTRA_NODE": intra}
+    result, out = run_ranks(nproc, "faults", mode, env=env, timeout_s=40, stop_on_failure=False,
                             expect_fail=mode not in ("exit0", "sigstop"))
     caught = re.findall(r"CAUGHT PeerLost: (.*) \(detected after ([\d.]+)s\)", out)
     assert len(caught) == nproc - 1, out

@@ -8,14 +8,19 @@ from tests.multirank.harness import run_ranks
 pytestmark = pytest.mark.timeout(330)
 
 
-@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+@pytest.mark.parametrize("backend", ["zmq", "gloo", pytest.param("zmq-shm", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_matrix(backend, world_size):
-    _, out = run_ranks(world_size, "matrix", env={"COMMRT_COMM_BACKEND": backend}, timeout_s=300)
+    """zmq: the TCP ring; zmq-shm: the intra-node shared-memory path (tests/multirank/test_shm.py
+    covers it by default)."""
+    name, _, intra = backend.partition("-")
+    env = {"COMMRT_COMM_BACKEND": name, "COMMRT_COMM_INTRA_NODE": intra or "tcp"}
+    _, out = run_ranks(world_size, "matrix", env=env, timeout_s=300)
     assert out.count("matrix passed") == world_size
 
 
 def test_matrix_tiny_pipeline_pieces():
     """8 KiB pieces: every ring step is split into many pipelined pieces."""
-    run_ranks(3, "matrix", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_CHUNK_BYTES": "8192",
+    run_ranks(3, "matrix", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "tcp",
+                                "COMMRT_COMM_CHUNK_BYTES": "8192",
                                 "COMMRT_COMM_SMALL_BYTES": "64"}, timeout_s=300)

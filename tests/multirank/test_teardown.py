@@ -50,7 +50,8 @@ def test_queued_async_work_is_not_a_peers_silence(tmp_path):
 
 
 def test_read_ahead_flood_breaks_the_group_naming_the_peer(tmp_path):
-    _, out = _run(3, "flood", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "60"})
+    # the socket path's read-ahead bound (shared memory has no read-ahead to flood)
+    _, out = _run(3, "flood", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_INTRA_NODE": "tcp"})
     caught = re.findall(r"CAUGHT (\w+): (.*)", out)
     assert len(caught) == 1 and caught[0][0] == "ProtocolError" and "rank 1" in caught[0][1], out
     grew = int(re.search(r"RSS GREW (\d+) MiB", out).group(1))
@@ -60,7 +61,9 @@ def test_read_ahead_flood_breaks_the_group_naming_the_peer(tmp_path):
 
 def test_a_busy_peer_does_not_keep_a_wait_alive(tmp_path):
     # before: the wait never ended (the harness's limit); now PeerLost after timeout + heartbeats
-    _, out = _run(3, "busy", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "1", "COMMRT_COMM_HEARTBEAT_S": "0.2"},
+    # on the sockets (on shared memory a wait covers every peer, and rank 1 never joins either)
+    _, out = _run(3, "busy", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "1", "COMMRT_COMM_HEARTBEAT_S": "0.2",
+                                            "COMMRT_COMM_INTRA_NODE": "tcp"},
                   timeout_s=60)
     caught = re.findall(r"CAUGHT (\w+): (.*)", out)
     assert len(caught) == 1 and caught[0][0] == "PeerLost", out

@@ -94,3 +94,10 @@ def test_the_distribution_installs_only_commrt(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         top = {name.split("/")[0] for name in zf.namelist() if not name.split("/")[0].endswith(".dist-info")}
     assert top == {"commrt"}, top
+
+
+def test_no_multiprocessing_shared_memory():
+    """Its resource tracker unlinks a segment when any process that attached it exits (cpython
+    82300): the shared-memory transport maps /dev/shm files itself (commrt/transport/shm.py)."""
+    hits = [str(p.relative_to(ROOT)) for p in CODE if re.search(r"import.*shared_memory|SharedMemory\(", p.read_text())]
+    assert not hits, hits

@@ -1,0 +1,261 @@
+"""The collectives over shared memory (transport/shm.py), for a group whose ranks share a node.
+Same signatures as ops.py; ``ctx`` is a ShmContext.
+
+A step (ShmContext.step) writes this rank's part into its slot, waits until every peer has
+published the same step, and then reads the peers' slots in place: data is copied once into
+shared memory and consumed from there straight into the output, never staged again.
+all_reduce of a small payload is one step in which every rank reduces all parts in rank
+order; a large one runs rounds of two steps as DeepSpeed's CPU all-reduce does: each rank
+reduces its 1/n of the round straight from the peers' slots, then everyone copies the n
+reduced parts out. Every element is reduced by one rank (or by all in the same order), so
+results are bit-identical across ranks. Aliasing follows ops.py's rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dtypes
+from ..dtypes import overlaps
+from ..errors import CollectiveMismatch, ProtocolError
+from ..transport.shm import Channel
+from ..wire import COLL, Coll, Header
+from .algorithms import chunk_bounds
+from .context import _NAMES, _describe
+from .reduce_ops import ReduceOp, copy_, finish_avg_, reduce_in_order_
+
+MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
+
+
+@dataclass
+class ShmContext:
+    chan: Channel
+    group: int
+    rank: int
+    size: int
+    seq: int
+    coll: Coll
+    dtype: torch.dtype
+    count: int
+    site: int = 0
+    reduce: int = 0
+    root: int = 0
+    small_bytes: int = 0  # all_reduce up to this size runs in one step
+    name: str = field(init=False)
+    itemsize: int = field(init=False)
+    slot_elems: int = field(init=False)
+    _words: tuple = field(init=False)
+    _slot: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = _NAMES[self.coll]
+        self.itemsize = self.dtype.itemsize
+        self.slot_elems = self.chan.slot_bytes // self.itemsize
+        self.reduce = int(self.reduce)
+        self._words = (self.seq, int(self.coll) | self.site << 8, dtypes.code_of(self.dtype), self.count,
+                       self.reduce, self.root)
+        self._slot = 0
+
+    def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
+        return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._words[1],
+                      self._words[2], self.count, step, nbytes, self.reduce, self.root)
+
+    def begin(self, aux: int = 0) -> int:
+        """Start a step; returns its slot, whose data this rank may now write."""
+        self._slot = self.chan.begin(self._words + (aux,))
+        return self._slot
+
+    def exchange(self) -> list[int]:
+        """Publish the step and wait for every peer; check their headers against this op.
+        Returns each rank's ``aux`` word (unchecked: the caller validates it)."""
+        chan, slot = self.chan, self._slot
+        chan.publish_and_wait(self.name, self.seq)
+        want = [chan.t, *self._words]
+        aux = [0] * self.size
+        for p in range(self.size):
+            h = chan.header(p, slot)
+            if h[:-1] != want:
+                raise self._mismatch(p, h)
+            aux[p] = h[-1]
+        return aux
+
+    def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch:
+        theirs = Header(COLL, self.group, h[1], p, h[2], h[3], h[4], 0, 0, h[5], h[6])
+        mine, other = _describe(self.header(0, 0)), _describe(theirs)
+        if h[0] != self.chan.t and mine == other:
+            mine["step"], other["step"] = self.chan.t, h[0]
+        return CollectiveMismatch(self.name, self.seq, mine, other, peer=p, rank=self.rank)
+
+    def sent(self, p: int, numel: int) -> None:
+        """``numel`` of this rank's elements that rank ``p`` reads (the transport's counters)."""
+        if numel:
+            self.chan.count(p, self._words[1], numel * self.itemsize)
+
+    def view(self, p: int, slot: int, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start + numel) of rank p's slot, as this op's dtype."""
+        a = slot * self.chan.slot_bytes + start * self.itemsize
+        return self.chan.data[p][a:a + numel * self.itemsize].view(self.dtype)
+
+
+def _rounds(total: int, per: int):
+    for a in range(0, total, per):
+        yield a, min(a + per, total)
+
+
+def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
+    n, numel = ctx.size, flat.numel()
+    if n > 1 and numel:
+        if numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes):
+            slot = ctx.begin()
+            copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
+            for p in range(n):
+                if p != ctx.rank:
+                    ctx.sent(p, numel)
+            ctx.exchange()
+            reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(n)], op)
+        else:
+            per = max(n, ctx.slot_elems // n * n)
+            for a, b in _rounds(numel, per):
+                _all_reduce_round(ctx, flat[a:b], op)
+    if op == ReduceOp.AVG:
+        finish_avg_(flat, n)
+
+
+def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None:
+    """Each rank publishes the slices its peers reduce (its own it reads in place), reduces
+    its slice into its next slot, then copies every rank's reduced slice out."""
+    n, me = ctx.size, ctx.rank
+    bounds = chunk_bounds(part.numel(), n)
+    slot = ctx.begin()
+    for p, (lo, hi) in enumerate(bounds):
+        if p != me:
+            copy_(ctx.view(me, slot, lo, hi - lo), part[lo:hi])
+            ctx.sent(p, hi - lo + bounds[me][1] - bounds[me][0])  # its slice now, our result next
+    ctx.exchange()
+    lo, hi = bounds[me]
+    result = ctx.begin()  # the next step's slot: free once every peer reached this one
+    reduce_in_order_(ctx.view(me, result, lo, hi - lo),
+                     [part[lo:hi] if p == me else ctx.view(p, slot, lo, hi - lo) for p in range(n)], op)
+    ctx.exchange()
+    for p, (lo, hi) in enumerate(bounds):
+        copy_(part[lo:hi], ctx.view(p, result, lo, hi - lo))
+
+
+def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    n, m, me = ctx.size, out.numel(), ctx.rank
+    if m and overlaps(out, inp) and out.data_ptr() != inp[me * m:].data_ptr():
+        tmp = torch.empty_like(out)  # not the in-place form (see ops.reduce_scatter)
+        reduce_scatter(ctx, tmp, inp, op)
+        copy_(out, tmp)
+        return
+    if n == 1 or m == 0:
+        copy_(out, inp)
+    else:
+        w = max(1, ctx.slot_elems // n)
+        for x, y in _rounds(m, w):
+            slot = ctx.begin()
+            for j in range(n):
+                if j != me:  # our own block is read in place
+                    copy_(ctx.view(me, slot, j * w, y - x), inp[j * m + x:j * m + y])
+                    ctx.sent(j, y - x)
+            ctx.exchange()
+            own = inp[me * m + x:me * m + y]
+            if me > 1 and out.data_ptr() == inp[me * m:].data_ptr():
+                own = own.clone()  # in place: out may only be the first or second part
+            reduce_in_order_(out[x:y], [own if p == me else ctx.view(p, slot, me * w, y - x)
+                                        for p in range(n)], op)
+    if op == ReduceOp.AVG:
+        finish_avg_(out, n)
+
+
+def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
+    n, m, me = ctx.size, inp.numel(), ctx.rank
+    mine = out[me * m:(me + 1) * m]
+    in_place = m and mine.data_ptr() == inp.data_ptr()
+    if m and not in_place and overlaps(out, inp):
+        inp = inp.clone()
+    if n == 1 or m == 0:
+        copy_(mine, inp)
+        return
+    for x, y in _rounds(m, ctx.slot_elems):
+        slot = ctx.begin()
+        copy_(ctx.view(me, slot, 0, y - x), inp[x:y])
+        for p in range(n):
+            if p != me:
+                ctx.sent(p, y - x)
+        ctx.exchange()
+        for p in range(n):
+            if p != me:
+                copy_(out[p * m + x:p * m + y], ctx.view(p, slot, 0, y - x))
+    if not in_place:
+        copy_(mine, inp)
+
+
+def broadcast(ctx: ShmContext, flat: torch.Tensor, src: int) -> None:
+    if ctx.size == 1:
+        return
+    for a, b in _rounds(flat.numel(), ctx.slot_elems) if flat.numel() else [(0, 0)]:
+        slot = ctx.begin()
+        if ctx.rank == src:
+            copy_(ctx.view(src, slot, 0, b - a), flat[a:b])
+            for p in range(ctx.size):
+                if p != src:
+                    ctx.sent(p, b - a)
+        ctx.exchange()
+        if ctx.rank != src:
+            copy_(flat[a:b], ctx.view(src, slot, 0, b - a))
+
+
+def reduce(ctx: ShmContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+    n, me = ctx.size, ctx.rank
+    if n > 1:
+        for a, b in _rounds(flat.numel(), ctx.slot_elems) if flat.numel() else [(0, 0)]:
+            slot = ctx.begin()
+            if me != dst:
+                copy_(ctx.view(me, slot, 0, b - a), flat[a:b])
+                ctx.sent(dst, b - a)
+            ctx.exchange()
+            if me == dst and b > a:
+                parts = [flat[a:b] if p == dst else ctx.view(p, slot, 0, b - a) for p in range(n)]
+                if dst > 1:  # out may only be the first or second part: keep ours apart
+                    parts[dst] = parts[dst].clone()
+                reduce_in_order_(flat[a:b], parts, op)
+    if op == ReduceOp.AVG and me == dst:
+        finish_avg_(flat, n)
+
+
+def all_to_all(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor,
+               out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
+    """Blocks move in rounds of ``w`` elements per destination; the number of rounds comes
+    from the longest block any rank sends (each rank's ``aux`` of the first step)."""
+    n, me = ctx.size, ctx.rank
+    if out.numel() and overlaps(out, inp):
+        inp = inp.clone()
+    copy_(out[out_bounds[me][0]:out_bounds[me][1]], inp[in_bounds[me][0]:in_bounds[me][1]])
+    w = max(1, ctx.slot_elems // n)
+    longest = max(hi - lo for lo, hi in list(in_bounds) + list(out_bounds))
+    rounds, r = 1, 0
+    while r < rounds:
+        slot = ctx.begin(longest)
+        for j, (lo, hi) in enumerate(in_bounds):
+            a, b = min(hi, lo + r * w), min(hi, lo + (r + 1) * w)
+            if j != me and b > a:
+                copy_(ctx.view(me, slot, j * w, b - a), inp[a:b])
+                ctx.sent(j, b - a)
+        aux = ctx.exchange()
+        if r == 0:
+            if any(not 0 <= x <= MAX_AUX for x in aux):
+                raise ProtocolError(f"rank {me}, all_to_all (seq {ctx.seq}): a peer published an "
+                                    f"impossible block length {max(aux, key=abs)}")
+            rounds = max(1, -(-max(aux) // w))
+        for p, (lo, hi) in enumerate(out_bounds):
+            a, b = min(hi, lo + r * w), min(hi, lo + (r + 1) * w)
+            if p != me and b > a:
+                copy_(out[a:b], ctx.view(p, slot, me * w, b - a))
+        r += 1
+
+
+def barrier(ctx: ShmContext) -> None:
+    ctx.begin()
+    ctx.exchange()

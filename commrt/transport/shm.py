@@ -1,0 +1,295 @@
+"""Shared-memory segments between the ranks of one node, and the step counter that orders them.
+
+Each rank of a group creates one segment: a control page (a step counter, the header of the
+operation each slot holds, attach marks from its peers) and two data slots. A collective runs
+in steps; step ``t`` writes into this rank's slot ``t % 2``, publishes ``t`` in its counter and
+waits until every peer has published ``t``, then reads the peers' slot ``t % 2`` in place. A
+peer that has published ``t + 1`` has finished reading step ``t - 1``, so a rank may write slot
+``(t + 1) % 2`` as soon as its wait at ``t`` returns: one synchronisation per step, never two.
+Stores become visible in program order on x86-64 (TSO): data is written before the counter,
+so a peer that sees the counter sees the data. Other architectures keep the TCP path.
+
+Safety: a segment is a file under /dev/shm opened with O_CREAT | O_EXCL | O_NOFOLLOW and mode
+0600, named by 128 random bits that travel only in the group's authenticated address exchange,
+mapped with mmap (not multiprocessing.shared_memory, whose resource tracker unlinks a segment
+when any process that attached to it exits, cpython 82300) and unlinked by its creator once
+every peer has marked it attached (any rank unlinks all of its group's names on a failed setup,
+so a rank killed before that point leaves nothing behind either). What a peer writes in its
+control page is validated like a wire header: it is compared, never used as a size or index.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import mmap
+import os
+import platform
+import re
+import secrets
+import socket
+import stat
+import time
+
+import torch
+import zmq
+
+from ..errors import GroupClosed, PeerLost, ProtocolError
+from ..wire import ABORT, COLL
+from .endpoint import Endpoint, MismatchReport, decode_report
+
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 4 << 20  # one step's data per rank; large payloads are pipelined through it
+CTL_BYTES = 8192
+MAGIC = 0x316D6873746D6D63  # b"cmmtshm1", little-endian
+W_MAGIC, W_COUNTER = 0, 1
+HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, root, aux
+ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
+MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
+SPIN_CHECKS = 64  # busy checks before yielding the core
+YIELD_S = 0.002  # then sched_yield for this long, then sleep, escalating to MAX_NAP_S
+MAX_NAP_S = 0.001
+_NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
+_mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
+
+
+def supported() -> str | None:
+    """Why shared memory cannot be used on this host, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the step counters rely on x86-64 store ordering (this host is {platform.machine()})"
+    if not os.access(SHM_DIR, os.W_OK):
+        return f"{SHM_DIR} is not writable"
+    return None
+
+
+def node_key(environ=os.environ) -> str:
+    """Equal for processes that can share memory and sockets alike: one boot of one host, in
+    one network namespace (emulated nodes are namespaces on one machine), and, when the
+    launcher numbers nodes (torchrun's GROUP_RANK), one node: the topology's nodes, never more."""
+    parts = [socket.gethostname(), environ.get("GROUP_RANK", "")]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    try:
+        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
+    except OSError:
+        pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
+    return CTL_BYTES + 2 * slot_bytes
+
+
+def create(slot_bytes: int = SLOT_BYTES) -> tuple[str, mmap.mmap]:
+    """A new 0600 segment under an unguessable name, its memory reserved now (a full /dev/shm
+    fails here with OSError, not later with SIGBUS)."""
+    sweep()
+    name = f"commrt-{os.getpid()}-{secrets.token_hex(16)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, segment_bytes(slot_bytes))
+        mm = mmap.mmap(fd, segment_bytes(slot_bytes))
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    _mine.add(name)
+    ctl = memoryview(mm)[:CTL_BYTES].cast("q")
+    ctl[W_MAGIC] = MAGIC
+    ctl.release()
+    return name, mm
+
+
+def attach(name: str, slot_bytes: int = SLOT_BYTES) -> mmap.mmap:
+    """Map a peer's segment after checking that it is one of ours: our name pattern, a regular
+    file of this user with mode 0600, the expected size and magic."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ProtocolError(f"invalid shared-memory segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        want = segment_bytes(slot_bytes)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != want):
+            raise ProtocolError(f"shared-memory segment {name} is not a 0600 file of this user "
+                                f"of {want} bytes")
+        mm = mmap.mmap(fd, want)
+    finally:
+        os.close(fd)
+    ctl = memoryview(mm)[:CTL_BYTES].cast("q")
+    magic = ctl[W_MAGIC]
+    ctl.release()
+    if magic != MAGIC:
+        mm.close()
+        raise ProtocolError(f"shared-memory segment {name} has no commrt header")
+    return mm
+
+
+def unlink(name: str) -> None:
+    if _NAME.fullmatch(name or ""):
+        _mine.discard(name)
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+def sweep() -> None:
+    """Unlink our user's segments whose creator process is gone: one SIGKILLed before its
+    group's address exchange, when no peer knew the name to remove it (the name carries the
+    creator's pid; the 128-bit token keeps it unguessable)."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in entries:
+        if not _NAME.fullmatch(name):
+            continue
+        pid = int(name.split("-")[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
+                unlink(name)
+        except OSError:
+            pass
+
+
+@atexit.register
+def _unlink_mine() -> None:
+    for name in list(_mine):
+        unlink(name)
+
+
+class Channel:
+    """The mapped segments of one group's ranks on one node (index = group rank), and the
+    step protocol over them. One owner at a time, like the Endpoint whose sockets watch the
+    peers' liveness and carry their ABORT notices."""
+
+    def __init__(self, ep: Endpoint, maps: list[mmap.mmap], names: list[str], slot_bytes: int,
+                 grace_s: float):
+        self.ep, self.rank, self.size = ep, ep.rank, len(maps)
+        self.slot_bytes, self.names, self._maps = slot_bytes, names, maps
+        self._grace_s = grace_s
+        self.ctl = [memoryview(m)[:CTL_BYTES].cast("q") for m in maps]
+        self.data = [torch.frombuffer(m, dtype=torch.uint8, offset=CTL_BYTES) for m in maps]
+        self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
+        self.t = 0  # last step this rank published
+
+    def attach_all(self) -> None:
+        """Mark every peer's segment attached, wait for their marks on ours, unlink ours."""
+        for _, c in self._peers:
+            c[ATTACH_BASE + self.rank] = 1
+        mine = self.ctl[self.rank]
+        try:
+            self._wait(lambda: [p for p, _ in self._peers if mine[ATTACH_BASE + p] != 1], "connect", 0)
+        finally:
+            unlink(self.names[self.rank])
+
+    def begin(self, words: tuple) -> int:
+        """Start the next step: write its header into this rank's slot; returns the slot."""
+        t = self.t + 1
+        slot = t & 1
+        base = HDR_BASE + HDR_WORDS * slot
+        ctl = self.ctl[self.rank]
+        ctl[base] = t
+        for i, w in enumerate(words, 1):
+            ctl[base + i] = w
+        return slot
+
+    def publish_and_wait(self, op: str, seq: int) -> None:
+        self.t = t = self.t + 1
+        self.ctl[self.rank][W_COUNTER] = t  # after the data: see the module's note on ordering
+        for _ in range(SPIN_CHECKS):
+            for _, c in self._peers:
+                if c[W_COUNTER] < t:
+                    break
+            else:
+                return
+        self._wait(lambda: [p for p, c in self._peers if c[W_COUNTER] < t], op, seq)
+
+    def count(self, peer: int, op: int, nbytes: int) -> None:
+        """Account ``nbytes`` that ``peer`` reads from our segment as sent to it, like the
+        socket path's counters (the bench's and comm_stats' intra-node bytes)."""
+        ep = self.ep
+        c = ep._counters[peer]
+        c.sent_bytes += nbytes
+        c.sent_msgs += 1
+        key = (COLL, op & 0xFF, ep.names[peer])
+        ep._op_sent[key] = ep._op_sent.get(key, 0) + nbytes
+
+    def header(self, p: int, slot: int) -> list[int]:
+        base = HDR_BASE + HDR_WORDS * slot
+        return self.ctl[p][base:base + HDR_WORDS].tolist()
+
+    def _wait(self, pending, op: str, seq: int) -> None:
+        """Until ``pending()`` is empty: yield, then sleep in growing naps; the peers'
+        liveness, ABORT notices and the deadline are checked once a slice (as Endpoint.recv)."""
+        ep = self.ep
+        start = time.monotonic()
+        deadline, extended, nap, watched = start + ep.timeout_s, False, 0.0, start
+        while True:
+            waiting = pending()
+            if not waiting:
+                return
+            now = time.monotonic()
+            if ep.cancelled:
+                raise GroupClosed(ep.group, op, seq)
+            if now - watched >= ep._slice_s:
+                watched = now
+                self._watch(waiting, op, seq, now)
+            if now >= deadline:
+                if not ep.down and not extended:  # let the heartbeats name a frozen peer first
+                    deadline, extended = now + 4 * self._grace_s, True
+                    continue
+                gone = sorted(ep.down, key=ep.down.get) or waiting
+                raise PeerLost(gone[0], op, seq, f"rank {waiting[0]} did not reach step {self.t} "
+                               f"within {ep.timeout_s:g}s (shared memory)")
+            if now - start < YIELD_S:
+                time.sleep(0)
+            else:
+                nap = min(MAX_NAP_S, max(2e-5, nap * 2))
+                time.sleep(nap)
+
+    def _watch(self, waiting: list[int], op: str, seq: int, now: float) -> None:
+        ep = self.ep
+        ep.watch_peers()
+        for p in waiting:
+            if p in ep.down and now - ep.down[p] > self._grace_s:
+                first = min(ep.down, key=ep.down.get)
+                raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
+                               "(process ended, or stopped answering heartbeats)")
+        while (msg := ep.read(zmq.NOBLOCK)) is not None:
+            h = msg.header
+            if h.kind != ABORT:
+                continue  # nothing else travels on a shared-memory group's collective socket
+            if h.nbytes == 0:
+                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
+            try:
+                mine, theirs = decode_report(msg.payload.buffer)
+            except ProtocolError:
+                continue
+            raise MismatchReport(h.src, mine, theirs)
+
+    def close(self) -> None:
+        """Unmap (and unlink, should setup have stopped early) every segment."""
+        for name in self.names:
+            unlink(name)
+        for v in self.ctl:
+            v.release()
+        self.ctl, self.data, self._peers = [], [], []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor view still exported: the mapping goes with the process
+                pass

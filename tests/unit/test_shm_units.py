@@ -1,0 +1,84 @@
+"""The shared-memory transport's segment rules and the [comm] intra_node setting (no processes)."""
+import os
+import stat
+
+import pytest
+
+from commrt.config import load_config
+from commrt.errors import ConfigError, ProtocolError
+from commrt.transport import shm
+
+SLOT = 4096
+
+
+@pytest.fixture
+def segment():
+    name, mm = shm.create(SLOT)
+    yield name, mm
+    shm.unlink(name)
+    mm.close()
+
+
+def test_segments_are_0600_under_unguessable_names(segment):
+    name, _ = segment
+    st = os.stat(os.path.join(shm.SHM_DIR, name))
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size == shm.segment_bytes(SLOT)
+    other, mm = shm.create(SLOT)
+    shm.unlink(other)
+    mm.close()
+    assert name.startswith(f"commrt-{os.getpid()}-") and len(name.rsplit("-", 1)[1]) == 32 and name != other
+
+
+def test_attach_accepts_only_our_segments(segment):
+    name, _ = segment
+    shm.attach(name, SLOT).close()
+    for bad in ("../etc/passwd", "commrt-1-xyz", "", None, name + "0"):
+        with pytest.raises(ProtocolError):
+            shm.attach(bad, SLOT)
+    with pytest.raises(ProtocolError, match="bytes"):
+        shm.attach(name, 2 * SLOT)  # a peer with another slot size
+    os.chmod(os.path.join(shm.SHM_DIR, name), 0o644)
+    with pytest.raises(ProtocolError, match="0600"):
+        shm.attach(name, SLOT)
+
+
+def test_attach_refuses_a_file_without_our_header():
+    name = f"commrt-{os.getpid()}-" + "ab" * 16
+    path = os.path.join(shm.SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, shm.segment_bytes(SLOT))
+        with pytest.raises(ProtocolError, match="header"):
+            shm.attach(name, SLOT)
+    finally:
+        os.close(fd)
+        shm.unlink(name)
+    assert not os.path.exists(path)
+
+
+def test_intra_node_setting():
+    assert load_config(environ={}).comm.intra_node == "auto"
+    assert load_config(environ={"COMMRT_COMM_INTRA_NODE": "tcp"}).comm.intra_node == "tcp"
+    with pytest.raises(ConfigError, match="intra_node"):
+        load_config(environ={"COMMRT_COMM_INTRA_NODE": "nvlink"})
+    a, b = load_config(environ={}), load_config(environ={"COMMRT_COMM_INTRA_NODE": "tcp"})
+    assert a.digest() != b.digest()  # ranks must agree on it
+
+
+def test_node_key_is_stable():
+    assert shm.node_key() == shm.node_key() and len(shm.node_key()) == 16
+
+
+def test_a_dead_creators_segment_is_swept():
+    """A rank SIGKILLed before its group learnt the name: the next segment made on the host
+    removes it (pid 2**22 + 1 is above Linux's pid_max: never alive)."""
+    name = f"commrt-{(1 << 22) + 1}-" + "cd" * 16
+    path = os.path.join(shm.SHM_DIR, name)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    made, mm = shm.create(SLOT)
+    try:
+        assert not os.path.exists(path)
+    finally:
+        shm.unlink(made)
+        mm.close()
