@@ -110,7 +110,21 @@ class ZmqBackend:
                 self._shm.close()
             self._shm = None
             raise
+        self._verify_peers()
         self._ops = shm_ops
+
+    def _verify_peers(self) -> None:
+        """One barrier over the authenticated sockets before any data goes through shared memory.
+        The segments' names come from the address exchange, and under torch.distributed's store
+        (commrt/tdist) nobody authenticated that: a rank without the job's secret (or CURVE key)
+        must fail here, as it would on the TCP path, not share our memory."""
+        channel, self._shm = self._shm, None
+        try:
+            self.barrier()
+        except BaseException:
+            channel.close()
+            raise
+        self._shm = channel
 
     # -- running an operation ----------------------------------------------------------------
     def _collective(self, coll: Coll, dtype: torch.dtype, count: int,

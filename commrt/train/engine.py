@@ -47,7 +47,9 @@ class Engine:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for p in model.parameters() if p.requires_grad]
         z = cfg.zero
-        self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node())
+        auto = "auto" in (z.sharding_strategy, z.zero_hpz_partition_size)
+        links = groups.measure_links() if auto and group is None else None
+        self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node(), links)
         self.zero = Zero(model, self.params, self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
                          group, overlap=z.overlap_comm, groups=groups.build(self.plan, group),
                          qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients,

@@ -3,12 +3,15 @@
 A device mesh ((replicas, shard) over the world) would hand out the same two groups."""
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
+
+import torch
 
 from .. import distributed as dist
 from .. import mesh
 from ..errors import ConfigError
-from .sharding import Plan
+from .sharding import Links, Plan
 
 
 class ShardGroups(NamedTuple):
@@ -21,6 +24,26 @@ def ranks_per_node() -> int:
     """Ranks on this rank's node, from the runtime's topology (torchrun's variables, or which
     ranks share a host: the same source as ``commrt.get_local_world_size``)."""
     return mesh.get_local_world_size()
+
+
+def measure_links(nbytes: int = 4 << 20, rounds: int = 3) -> Links | None:
+    """Bus bandwidth of an all_reduce inside this node and across nodes, measured once over the
+    world's two-level groups (the ones the hierarchical collectives use), the slowest rank's time
+    on every rank so every rank decides the same. None on one node or one rank per node."""
+    if mesh.get_num_nodes() < 2 or mesh.get_local_world_size() < 2:
+        return None
+    levels = mesh.node_groups()
+    buf = torch.zeros(nbytes // 4)
+    took = torch.zeros(len(levels), dtype=torch.float64)
+    for i, g in enumerate(levels):
+        dist.all_reduce(buf, group=g)  # first use: connections, pages
+        start = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(buf, group=g)
+        took[i] = (time.perf_counter() - start) / rounds
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    sizes = [dist.get_world_size(g) for g in levels]
+    return Links(*(2 * (n - 1) / n * nbytes / max(float(t), 1e-9) for n, t in zip(sizes, took)))
 
 
 def shard_and_replica_groups(world_size: int, rank: int, shard_size: int):

@@ -21,6 +21,29 @@ from .config import ZeroConfig
 log = logging.getLogger(__name__)
 
 
+class Links(NamedTuple):
+    """Bus bandwidth measured once at start-up inside a node and across nodes (bytes/s)."""
+    intra: float
+    inter: float
+
+
+# A two-level layout pays when the link between nodes is this much slower than the path inside
+# one: hybrid sharding and hpZ trade more traffic inside the node for less across, which is a
+# loss on a flat network (one switch, or ranks that only look like separate nodes).
+HIERARCHY_PAYS = 1.5
+
+
+def hierarchy_pays(links: Links | None) -> bool:
+    return links is None or links.inter * HIERARCHY_PAYS <= links.intra
+
+
+def _why(links: Links | None) -> str:
+    if links is None:
+        return "from the topology alone"
+    return (f"measured {links.intra / 1e9:.2f} GB/s inside a node, {links.inter / 1e9:.2f} GB/s across: "
+            f"{'' if hierarchy_pays(links) else 'not '}at least {HIERARCHY_PAYS}x apart")
+
+
 class Plan(NamedTuple):
     stage: int
     shard: int       # ranks one unit is sharded over (the world size unless hybrid)
@@ -28,20 +51,24 @@ class Plan(NamedTuple):
     secondary: int   # hpZ: ranks holding one secondary copy; 0 when off
 
 
-def plan(z: ZeroConfig, world: int, per_node: int) -> Plan:
+def plan(z: ZeroConfig, world: int, per_node: int, links: Links | None = None) -> Plan:
     """The layout for ``world`` ranks with ``per_node`` of them on each node, or a ConfigError
-    that says which sizes would work."""
+    that says which sizes would work. ``links``: the bandwidths measured at start-up, which the
+    "auto" settings weigh (None: decide from the topology alone)."""
     stage, hybrid = z.stage, z.hybrid
     hpz = z.zero_hpz_partition_size
     if z.sharding_strategy == "auto":  # the group is the node; hybrid only when there are nodes
         stage = 3 if stage == 0 else stage
-        hybrid = stage >= 2 and 1 < world // max(per_node, 1) and world % max(per_node, 1) == 0
-        log.info("sharding_strategy auto: stage %d, %s (world %d, %d ranks per node)", stage,
-                 "sharded inside each node, replicated across nodes" if hybrid else "sharded over every rank "
-                 "(one node)", world, per_node)
+        nodes = 1 < world // max(per_node, 1) and world % max(per_node, 1) == 0
+        hybrid = stage >= 2 and nodes and hierarchy_pays(links)
+        log.info("sharding_strategy auto: stage %d, %s (world %d, %d ranks per node; %s)", stage,
+                 "sharded inside each node, replicated across nodes" if hybrid else "sharded over every rank",
+                 world, per_node, _why(links))
     if hpz == "auto":
-        hpz = per_node if 1 < per_node < world and world % per_node == 0 else 1
-        log.info("zero_hpz_partition_size auto: %d (world %d, %d ranks per node)", hpz, world, per_node)
+        nodes = 1 < per_node < world and world % per_node == 0
+        hpz = per_node if nodes and hierarchy_pays(links) else 1
+        log.info("zero_hpz_partition_size auto: %d (world %d, %d ranks per node; %s)", hpz, world, per_node,
+                 _why(links))
     if hybrid:
         size = z.mics_shard_size if z.mics_shard_size > 0 else z.shard_group_size or per_node
         what = "mics_shard_size" if z.mics_shard_size > 0 else "the shard group size"

@@ -21,7 +21,8 @@ def test_bench_alone_mode_with_numpy_inputs(tmp_path):
     assert [r["zmq"]["size"] for r in doc["rows"]] == [1024, 131072]
     for row in doc["rows"]:
         assert row["memory"]["memcpy"] > 0 and row["memory"]["reduce"] > 0 and row["memory"]["busbw"] > 0
-        for b in ("zmq", "gloo"):
-            assert row[b]["wrong"] == 0 and row[b]["time_us"] > 0 and row[b]["path"] == "tcp"
+        # ours goes through shared memory between ranks of one host ([comm] intra_node = "auto")
+        for b, path in (("zmq", "shm"), ("gloo", "tcp")):
+            assert row[b]["wrong"] == 0 and row[b]["time_us"] > 0 and row[b]["path"] == path
             assert row[b]["alone"]["samples"] == 3 and row[b]["alone"]["time_us"] > 0
     assert "alone" in proc.stdout and "# Avg bus bw, op by op" in proc.stdout

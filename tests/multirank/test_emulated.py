@@ -78,6 +78,16 @@ def test_without_torchrun_variables_the_nodes_come_from_the_hosts(emulated_clust
 
 
 @pytest.mark.timeout(600)
+def test_auto_sharding_measures_the_links_and_uses_the_node_when_across_is_slow(emulated_cluster):
+    with emulated_cluster(2, "100mbit") as net:
+        out = run_emulated(net, 2, 2, "links")
+    found = re.findall(r"LINKS intra (\d+) inter (\d+) hpz (\d+)", out)
+    assert len(found) == 4 and len(set(found)) == 1, out[-3000:]  # every rank decides the same
+    intra, inter, hpz = map(int, found[0])
+    assert inter * 1.5 <= intra and inter < 100e6 / 8 and hpz == 2, found[0]
+
+
+@pytest.mark.timeout(600)
 def test_cli_emulated_cluster_runs_and_leaves_nothing(emulated_cluster):
     proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "3", "--nproc-per-node", "2",
                            "--emulate-network", "1gbit", "--timeout", "300", "--", sys.executable, "-m",

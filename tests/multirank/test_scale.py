@@ -8,7 +8,9 @@ from tests.multirank.harness import run_ranks
 
 
 def _scale(nproc: int, tmp_path, timeout_s: float):
-    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
+    # the lazy dialling of the TCP path: shared memory between ranks of a host dials every peer
+    # at once (their connections' monitors report a peer's death)
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "tcp", "COMMRT_COMM_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
     _, out = run_ranks(nproc, "teardown", "scale", str(tmp_path), env=env, timeout_s=timeout_s)
     rows = [tuple(map(int, m)) for m in
             re.findall(r"SCALE rank (\d+) world \d+ fds (\d+) (\d+) rss_kib (\d+)", out)]

@@ -49,7 +49,8 @@ def test_a_rank_killed_during_setup_leaves_nothing_in_dev_shm(nproc):
 
 def test_a_mismatch_is_a_typed_error_on_every_rank():
     _, out = run_ranks(3, "shm_faults", "mismatch", env=ENV, timeout_s=120)
-    caught = re.findall(r"CAUGHT CollectiveMismatch: collective mismatch at seq 2", out)
+    # seq 1: the barrier over TCP that admits the peers; 2: the init barrier; 3: the bad all_reduce
+    caught = re.findall(r"CAUGHT CollectiveMismatch: collective mismatch at seq 3", out)
     assert len(caught) == 3, out
 
 

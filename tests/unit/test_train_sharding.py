@@ -97,3 +97,14 @@ def test_run_ready_finishes_only_the_done_front_in_order():
     assert run_ready(works) == 2 and ran == [1] and len(works) == 3  # stops at the one in flight
     works[0][0].done = True
     assert run_ready(works) == 3 and ran == [1, 3, 4, 9] and not works
+
+
+def test_auto_weighs_the_measured_links():
+    from commrt.train.sharding import Links
+    slow_across, flat = Links(intra=2e9, inter=0.1e9), Links(intra=1e9, inter=0.9e9)
+    assert plan(zero(stage=3, zero_hpz_partition_size="auto"), 8, 4, slow_across) == Plan(3, 8, 1, 4)
+    assert plan(zero(stage=3, zero_hpz_partition_size="auto"), 8, 4, flat) == Plan(3, 8, 1, 0)
+    assert plan(zero(sharding_strategy="auto"), 8, 4, slow_across) == Plan(3, 4, 2, 0)
+    assert plan(zero(sharding_strategy="auto"), 8, 4, flat) == Plan(3, 8, 1, 0)
+    # a setting that is not "auto" is never second-guessed
+    assert plan(zero(stage=3, zero_hpz_partition_size=4), 8, 4, flat) == Plan(3, 8, 1, 4)

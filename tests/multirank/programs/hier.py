@@ -1,6 +1,6 @@
 """Topology getters, the device mesh and the hierarchical collectives on a K x M layout.
 
-argv: expected nodes, ranks per node, "matrix" | "bytes" | "mesh". Every result is compared
+argv: expected nodes, ranks per node, "matrix" | "bytes" | "mesh" | "links". Every result is compared
 with a single-process reference built from every rank's (deterministic) inputs; every rank's
 result bytes are compared through a flat group spanning the world.
 """
@@ -107,6 +107,17 @@ def check_bytes(flat_world, k: int, m: int) -> None:
     print(f"rank {rank}: BYTES hier {hier} flat {flat}", flush=True)
 
 
+def check_links(k: int, m: int) -> None:
+    """The bandwidths "auto" sharding weighs, measured over the two-level groups, and its choice."""
+    from commrt.train import groups, sharding
+    from commrt.train.config import TrainConfig
+    links = groups.measure_links()
+    z = TrainConfig.from_dict({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": "auto"}}).zero
+    p = sharding.plan(z, k * m, m, links)
+    print(f"rank {commrt.get_rank()}: LINKS intra {links.intra:.0f} inter {links.inter:.0f} hpz {p.secondary}",
+          flush=True)
+
+
 def main() -> None:
     k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
@@ -120,6 +131,8 @@ def main() -> None:
         flat_world = commrt.new_group(list(range(commrt.get_world_size())))  # not the world: flat
         if what == "mesh":
             check_mesh(k, m)
+        elif what == "links":
+            check_links(k, m)
         elif what == "matrix":
             check_matrix(flat_world)
         else:
