@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -173,3 +174,26 @@ def test_zeropp_on_the_emulated_cluster_tracks_exact_zero3(emulated_cluster):
                         timeout_s=500, env={**os.environ, **ENV, "COMMRT_COMM_HIERARCHICAL": "always"}, port=29500,
                         nodes=Nodes(2, None, emulate.node_address(0), net.wrap))
     assert result.returncode == 0 and out.getvalue().count("quant zero passed") == 4, out.getvalue()[-6000:]
+
+
+@pytest.mark.timeout(600)
+def test_estimate_measure_times_the_links_of_the_job_it_runs_in(emulated_cluster):
+    """``commrt estimate --measure`` under a 2x2 emulated launch at 100 Mbit: the node's link
+    across is measured near its shaped rate (the model's inter-bw, per node), the path inside the
+    node far above it, rank 0 alone prints, and the predicted times use the measured figures."""
+    from commrt.plan.estimate import Cluster, Job, estimate
+    cmd = [sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+           "--emulate-network", "100mbit", "--timeout", "300", "--", sys.executable, "-m", "commrt.cli",
+           "estimate", "--measure", "--measure-bytes", "2M", "--params", "1e6", "--nodes", "2", "--per-node", "2",
+           "--stage", "3", "--json"]
+    proc = subprocess.run(cmd, env={**os.environ, **ENV}, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    text = "\n".join(line.split("] ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[rank 0] "))
+    assert not re.search(r"^\[rank [123]\] [\[{#]", proc.stdout, re.M), proc.stdout[-3000:]  # rank 0 alone prints
+    (result,) = json.loads(("\n" + text)[("\n" + text).index("\n["):])
+    c = result["cluster"]
+    assert 0.5 * 100e6 / 8 <= c["inter_bw"] <= 1.1 * 100e6 / 8, c  # the shaped node link, ~12.5 MB/s
+    assert c["intra_bw"] >= 4 * c["inter_bw"], c
+    assert "across nodes" in result["measured"] and "measured" in result["measured"]
+    est = estimate(Job(params=1_000_000, stage=3), Cluster(**c))
+    assert result["seconds"] == pytest.approx(est.seconds) and est.seconds["total"] > 0
