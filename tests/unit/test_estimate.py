@@ -157,3 +157,19 @@ def test_probe_sizes_parse_or_say_how():
     assert [parse_size(s) for s in ("16M", "4MiB", "65536", "2k", "1G")] == [16 << 20, 4 << 20, 65536, 2048, 1 << 30]
     with pytest.raises(ConfigError, match="use e.g. 4M"):
         parse_size("lots")
+
+
+def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model():
+    """mesh.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
+    predicts the same probe: a slow link across picks two levels, a link as fast per rank as the
+    node does not (its world collectives stay flat, and so do their predicted bytes)."""
+    from commrt import mesh
+    from commrt.plan import cost
+    assert mesh.helps(1.0, 0.5) and mesh.helps(1.1, 1.0) and not mesh.helps(1.05, 1.0)
+    slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6)
+    fast = cost.Net(nodes=2, per_node=2, intra_bw=1e9, inter_bw=2e9)
+    assert cost.auto_helps(slow) and not cost.auto_helps(fast)
+    assert cost.hierarchical(slow, True, 16 << 20) and not cost.hierarchical(fast, True, 16 << 20)
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", cost.group(0, 4), 1 << 20, 4, fast)
+    assert set(t.by_op) == {"all_reduce"}  # flat: no reduce_scatter / all_gather steps
