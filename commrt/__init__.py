@@ -16,6 +16,10 @@ from .mesh import (DeviceMesh, get_local_rank, get_local_world_size, get_node_ra
 from .stats import comm_stats
 from .distributed import comms_summary, dump_flight_record
 from .stats import register as register_comm_stats
+from .mesh import auto_stats as _hierarchical_auto
+
+# commrt.comm_stats()["hierarchical_auto"]: what [comm] hierarchical = "auto" measured and chose
+register_comm_stats("hierarchical_auto", _hierarchical_auto)
 from .work import CommTimeout, Work
 from . import quant  # noqa: E402,F401 (registers comm_stats()["quant"]; built on distributed)
 

@@ -9,18 +9,31 @@ local index on every node. No device argument: a rank's device is its own busine
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from typing import Sequence
 
 import torch
 
 from . import bootstrap, distributed
 from .collectives import hierarchical
+from .collectives.reduce_ops import ReduceOp
 from .errors import ConfigError
 from .group import NON_GROUP_MEMBER, ProcessGroup
 from .work import Executor, Work
 
 PIPELINE_SEGMENTS = 8
+# [comm] hierarchical = "auto" times one all_reduce of this size both ways, once per job, and
+# keeps the two levels only when they are this much faster: on a flat network (one switch, or
+# ranks that only look like separate nodes) they add steps and node-local copies for nothing.
+# Large enough that bandwidth, not latency, decides: at 2 MiB an emulated 100 Mbit link showed
+# the two levels only 1.07x faster, where 16-64 MiB show 1.49x.
+AUTO_PROBE_BYTES = 8 << 20
+AUTO_PROBE_ROUNDS = 2
+HIERARCHY_HELPS = 1.1
+
+log = logging.getLogger(__name__)
 
 
 def _topology():
@@ -151,14 +164,71 @@ def node_groups() -> tuple[ProcessGroup, ProcessGroup]:
 def wants_hierarchical(group, nbytes: int) -> bool:
     """Whether ``group``'s collective of ``nbytes`` runs in two levels ([comm] hierarchical).
     Only the world group: its node groups can be made on demand, since every rank calls the
-    world's collectives in the same order."""
+    world's collectives in the same order. "auto": above the size where each rank's part across
+    nodes exceeds small_bytes, and only if the probe (``auto_choice``) found the two levels faster."""
     rt = distributed._rt()
     mode, topo = rt.config.comm.hierarchical, rt.topology
     if mode == "never" or (group is not None and group is not rt.world) or topo is None:
         return False
     if topo.num_nodes < 2 or topo.per_node() < 2:
         return False
-    return mode == "always" or nbytes // topo.per_node() > rt.config.comm.small_bytes
+    if mode == "always":
+        return True
+    return nbytes // topo.per_node() > rt.config.comm.small_bytes and auto_choice(rt).hierarchical
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What "auto" measured (the slowest rank's best time of each path) and chose."""
+    hierarchical: bool
+    flat_s: float
+    hierarchical_s: float
+    probe_bytes: int
+
+    def close(self) -> None:  # kept in rt.extras, which closes its entries at teardown
+        pass
+
+
+def helps(flat_s: float, hierarchical_s: float) -> bool:
+    return hierarchical_s * HIERARCHY_HELPS <= flat_s
+
+
+def auto_choice(rt) -> AutoChoice:
+    """Decided at the first world collective that could go either way (every rank reaches it
+    at the same point, so the probe is collective too) and kept for the rest of the job."""
+    choice = rt.extras.get("hierarchical_auto")
+    if choice is None:
+        choice = rt.extras["hierarchical_auto"] = _probe(rt)
+        log.info("rank %d: [comm] hierarchical = auto: a %d B all_reduce took %.2f ms flat, %.2f ms in two "
+                 "levels (slowest rank): %s", rt.world.rank, choice.probe_bytes, 1e3 * choice.flat_s,
+                 1e3 * choice.hierarchical_s, "two levels" if choice.hierarchical else
+                 f"flat (two levels help only when {HIERARCHY_HELPS}x faster)")
+    return choice
+
+
+def _probe(rt) -> AutoChoice:
+    levels, world = _levels(rt), rt.world.backend
+    buf = torch.zeros(AUTO_PROBE_BYTES // 4)
+    segments = segments_for(AUTO_PROBE_BYTES, rt.config.comm.chunk_bytes)
+    paths = (lambda: world.all_reduce(buf, ReduceOp.SUM),
+             lambda: levels.executor.run("all_reduce", lambda: hierarchical.all_reduce(
+                 levels.intra, levels.inter, buf, ReduceOp.SUM, segments), rt.config.comm.timeout_s))
+    best = torch.full((2,), math.inf, dtype=torch.float64)
+    for r in range(AUTO_PROBE_ROUNDS + 1):  # alternating, the first round a warm-up (pages, connections)
+        for i, path in enumerate(paths):
+            start = time.perf_counter()
+            path()
+            if r:
+                best[i] = min(float(best[i]), time.perf_counter() - start)
+    world.all_reduce(best, ReduceOp.MAX)
+    flat_s, hier_s = float(best[0]), float(best[1])
+    return AutoChoice(helps(flat_s, hier_s), flat_s, hier_s, AUTO_PROBE_BYTES)
+
+
+def auto_stats() -> dict | None:
+    """``comm_stats()["hierarchical_auto"]``: the auto decision, once made (None before)."""
+    choice = distributed._rt().extras.get("hierarchical_auto")
+    return None if choice is None else dataclasses.asdict(choice)
 
 
 def _submit(name: str, fn, async_op: bool) -> Work | None:

@@ -45,6 +45,7 @@ class Observer:
             # the user asked for the log: show it even when the program set up no logging
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
+            log.propagate = False  # a program that sets up logging later must not print every line twice
         atexit.register(self.close)
 
     # -- per op ------------------------------------------------------------------------------

@@ -2,8 +2,16 @@
 
 Several configurations: each ``--compare 'stage=3,hpz=8'`` is the base options with those
 changed (option names without the dashes; ``quant-weights=none`` turns one off); the table gets
-one column per configuration. ``--measure`` replaces ``--intra-bw`` with the point-to-point
-bandwidth a quick ``commrt bench sendrecv`` of two ranks on this host reaches.
+one column per configuration.
+
+``--measure`` replaces the bandwidths with measured ones. Run inside a launched job (``commrt
+launch``, torchrun: WORLD_SIZE > 1), every rank joins and times an all_reduce over its node and
+across nodes (``train.groups.measure_levels``, the probe auto sharding uses; the slowest rank's
+time): ``--intra-bw`` = the node group's busbw (bytes a rank sends per second inside its node),
+``--inter-bw`` = the cross-node group's busbw x ranks per node (all local ranks cross at once,
+through the node's one link, which is what the model's inter-bw is); rank 0 prints. A level the
+job does not have (one node, one rank per node) keeps the given figure, and the output says so.
+Outside a job, only ``--intra-bw`` is measured, by a 2-rank ``commrt bench sendrecv`` on this host.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ConfigError
 
@@ -63,7 +71,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ep.add_argument("--hierarchical", default="auto", choices=["auto", "always", "never"])
     ep.add_argument("--compare", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                     help="another configuration: the options above with these changed (repeatable)")
-    ep.add_argument("--measure", action="store_true", help="measure --intra-bw here (2 local ranks)")
+    ep.add_argument("--measure", action="store_true",
+                    help="measure the bandwidths: inside a launched job, over its nodes' links; else --intra-bw "
+                         "with 2 local ranks")
+    ep.add_argument("--measure-bytes", default="16M", help="--measure: the probe's all_reduce size")
     ep.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ep
 
@@ -99,6 +110,13 @@ def _typed(key: str, value: str, like):
     return value
 
 
+class Measured(NamedTuple):
+    intra_bw: str
+    inter_bw: str
+    note: str
+    prints: bool = True  # False on the ranks of a job other than rank 0
+
+
 def measure_intra_bw() -> float:
     """Point-to-point bytes/s between two local ranks (a 16 MiB commrt bench sendrecv)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,16 +130,73 @@ def measure_intra_bw() -> float:
             return float(json.load(fh)["avg_busbw"]["zmq"]) * 1e9
 
 
+def in_job() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def bandwidths(found: dict[str, float], per_node: int, given: tuple[str, str]) -> tuple[str, str, list[str]]:
+    """The model's (intra_bw, inter_bw) from ``measure_levels``' busbw per level: the node
+    link carries every local rank's cross-node bytes at once, so inter = busbw x per_node.
+    A level not measured keeps its given figure; the lines say which is which."""
+    intra, inter = given
+    lines = []
+    if "intra" in found:
+        intra = str(found["intra"])
+        lines.append(f"inside a node {found['intra'] / 1e9:.3f} GB/s per rank (all_reduce busbw): measured")
+    else:
+        lines.append(f"inside a node {intra}: as given (one rank per node: nothing to measure)")
+    if "inter" in found:
+        inter = str(found["inter"] * per_node)
+        lines.append(f"across nodes {found['inter'] * per_node / 1e9:.3f} GB/s per node ({per_node} ranks x "
+                     f"{found['inter'] / 1e9:.3f} GB/s all_reduce busbw at once): measured")
+    else:
+        lines.append(f"across nodes {inter}: as given (one node: nothing to measure)")
+    return intra, inter, lines
+
+
+def measure(args) -> Measured:
+    nbytes = parse_size(args.measure_bytes)
+    if not in_job():
+        intra = measure_intra_bw()
+        return Measured(str(intra), args.inter_bw,
+                        f"# measured inside the node: {intra / 1e9:.2f} GB/s per rank (commrt bench sendrecv, "
+                        f"2 ranks here); across nodes as given: {args.inter_bw} (not measured outside a job: "
+                        f"run --measure under commrt launch --nnodes K to measure the links between nodes)")
+    from .. import distributed, mesh
+    from ..train import groups
+    distributed.init_process_group()
+    try:
+        found = groups.measure_levels(nbytes, rounds=3)
+        nodes, per_node = mesh.get_num_nodes(), mesh.get_local_world_size()
+        rank0 = distributed.get_rank() == 0
+    finally:
+        distributed.destroy_process_group()
+    intra, inter, lines = bandwidths(found, per_node, (args.intra_bw, args.inter_bw))
+    head = f"# measured on this job ({nodes} nodes x {per_node} ranks, a {nbytes} B all_reduce, slowest rank):"
+    return Measured(intra, inter, "\n# ".join([head, *lines]), rank0)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
+    if m is None:
+        raise ConfigError(f"cannot read size {text!r}; use e.g. 4M, 16MiB, 65536")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
 def run(args) -> int:
     from .estimate import estimate
+    measured = None
     if args.measure:
-        args.intra_bw = str(measure_intra_bw())
-        print(f"# measured inside the node: {float(args.intra_bw) / 1e9:.2f} GB/s per rank (commrt bench sendrecv); "
-              f"across nodes as given: {args.inter_bw}", file=sys.stderr)
+        measured = measure(args)
+        args.intra_bw, args.inter_bw = measured.intra_bw, measured.inter_bw
+        if not measured.prints:
+            return 0
+        print(measured.note, file=sys.stderr)
     results = [(label, job, cluster, estimate(job, cluster)) for label, job, cluster in _configs(args)]
     if args.json:
         print(json.dumps([{"config": label, "job": dataclasses.asdict(job), "cluster": dataclasses.asdict(cluster),
-                           **to_dict(est)} for label, job, cluster, est in results], indent=1))
+                           **({"measured": measured.note} if measured else {}), **to_dict(est)}
+                          for label, job, cluster, est in results], indent=1))
     else:
         print(table([(label, est) for label, _, _, est in results]))
     return 0

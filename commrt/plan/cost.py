@@ -29,11 +29,12 @@ sends; ``Traffic.by_op`` names ops as ``comm_stats()["by_op"]`` does.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..collectives.algorithms import chunk_bounds
-from ..mesh import segments_for
+from ..mesh import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,20 @@ def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -
 
 
 def hierarchical(net: Net, is_world: bool, nbytes: float) -> bool:
-    """Whether ``mesh.wants_hierarchical`` sends this op through two levels."""
+    """Whether ``mesh.wants_hierarchical`` sends this op through two levels; "auto" as the
+    runtime's probe would decide on a cluster with these bandwidths (``auto_helps``)."""
     if not is_world or net.hierarchical == "never" or net.nodes < 2 or net.per_node < 2:
         return False
-    return net.hierarchical == "always" or nbytes // net.per_node > net.small_bytes
+    return net.hierarchical == "always" or (nbytes // net.per_node > net.small_bytes and auto_helps(net))
+
+
+def auto_helps(net: Net) -> bool:
+    """The runtime's "auto" probe, predicted: a world all_reduce of AUTO_PROBE_BYTES, two levels
+    at least HIERARCHY_HELPS times faster than flat."""
+    ranks, numel = group(0, net.world), AUTO_PROBE_BYTES // 4
+    flat_s = collective(Traffic(), "all_reduce", ranks, numel, 4, dataclasses.replace(net, hierarchical="never"))
+    two_s = collective(Traffic(), "all_reduce", ranks, numel, 4, dataclasses.replace(net, hierarchical="always"))
+    return two_s * HIERARCHY_HELPS <= flat_s
 
 
 def collective(t: Traffic, op: str, ranks: tuple[int, ...], numel: int, itemsize: int, net: Net) -> float:

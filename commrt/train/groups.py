@@ -26,24 +26,33 @@ def ranks_per_node() -> int:
     return mesh.get_local_world_size()
 
 
-def measure_links(nbytes: int = 4 << 20, rounds: int = 3) -> Links | None:
-    """Bus bandwidth of an all_reduce inside this node and across nodes, measured once over the
-    world's two-level groups (the ones the hierarchical collectives use), the slowest rank's time
-    on every rank so every rank decides the same. None on one node or one rank per node."""
-    if mesh.get_num_nodes() < 2 or mesh.get_local_world_size() < 2:
-        return None
-    levels = mesh.node_groups()
-    buf = torch.zeros(nbytes // 4)
-    took = torch.zeros(len(levels), dtype=torch.float64)
-    for i, g in enumerate(levels):
+def measure_levels(nbytes: int = 4 << 20, rounds: int = 3) -> dict[str, float]:
+    """Bus bandwidth (bytes/s) of an all_reduce over this rank's node ("intra") and over the
+    same local rank on every node ("inter"; all local ranks at once, so they share the node's
+    link as training shares it): the slowest rank's time, so every rank gets the same figures.
+    Only the levels of two or more ranks; collective over the world."""
+    levels = dict(zip(("intra", "inter"), mesh.node_groups()))
+    sizes = {k: dist.get_world_size(g) for k, g in levels.items()}
+    levels = {k: g for k, g in levels.items() if sizes[k] > 1}
+    buf = torch.zeros(max(1, nbytes // 4))
+    took = torch.zeros(max(1, len(levels)), dtype=torch.float64)
+    for i, g in enumerate(levels.values()):
         dist.all_reduce(buf, group=g)  # first use: connections, pages
         start = time.perf_counter()
         for _ in range(rounds):
             dist.all_reduce(buf, group=g)
         took[i] = (time.perf_counter() - start) / rounds
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    sizes = [dist.get_world_size(g) for g in levels]
-    return Links(*(2 * (n - 1) / n * nbytes / max(float(t), 1e-9) for n, t in zip(sizes, took)))
+    return {k: 2 * (sizes[k] - 1) / sizes[k] * buf.numel() * 4 / max(float(t), 1e-9)
+            for k, t in zip(levels, took)}
+
+
+def measure_links(nbytes: int = 4 << 20, rounds: int = 3) -> Links | None:
+    """``measure_levels`` as the sharding plan's Links; None on one node or one rank per node."""
+    if mesh.get_num_nodes() < 2 or mesh.get_local_world_size() < 2:
+        return None
+    found = measure_levels(nbytes, rounds)
+    return Links(found["intra"], found["inter"])
 
 
 def shard_and_replica_groups(world_size: int, rank: int, shard_size: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -85,6 +86,12 @@ def test_auto_sharding_measures_the_links_and_uses_the_node_when_across_is_slow(
     assert len(found) == 4 and len(set(found)) == 1, out[-3000:]  # every rank decides the same
     intra, inter, hpz = map(int, found[0])
     assert inter * 1.5 <= intra and inter < 100e6 / 8 and hpz == 2, found[0]
+    # [comm] hierarchical = "auto" times a 2 MiB all_reduce both ways at the first world collective
+    # that could go either way; every rank chooses alike, and the next all_reduce takes two levels
+    auto = re.findall(r"AUTO (\w+) flat ([\d.]+) two ([\d.]+) steps (.*)", out)
+    assert len(auto) == 4 and len(set(a[:3] for a in auto)) == 1, out[-3000:]
+    assert auto[0][0] == "True" and float(auto[0][2]) * 1.1 <= float(auto[0][1]), auto[0]
+    assert all("reduce_scatter" in a[3] and "all_gather" in a[3] for a in auto), auto
 
 
 @pytest.mark.timeout(600)
@@ -173,3 +180,26 @@ def test_zeropp_on_the_emulated_cluster_tracks_exact_zero3(emulated_cluster):
                         timeout_s=500, env={**os.environ, **ENV, "COMMRT_COMM_HIERARCHICAL": "always"}, port=29500,
                         nodes=Nodes(2, None, emulate.node_address(0), net.wrap))
     assert result.returncode == 0 and out.getvalue().count("quant zero passed") == 4, out.getvalue()[-6000:]
+
+
+@pytest.mark.timeout(600)
+def test_estimate_measure_times_the_links_of_the_job_it_runs_in(emulated_cluster):
+    """``commrt estimate --measure`` under a 2x2 emulated launch at 100 Mbit: the node's link
+    across is measured near its shaped rate (the model's inter-bw, per node), the path inside the
+    node far above it, rank 0 alone prints, and the predicted times use the measured figures."""
+    from commrt.plan.estimate import Cluster, Job, estimate
+    cmd = [sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+           "--emulate-network", "100mbit", "--timeout", "300", "--", sys.executable, "-m", "commrt.cli",
+           "estimate", "--measure", "--measure-bytes", "2M", "--params", "1e6", "--nodes", "2", "--per-node", "2",
+           "--stage", "3", "--json"]
+    proc = subprocess.run(cmd, env={**os.environ, **ENV}, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    text = "\n".join(line.split("] ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[rank 0] "))
+    assert not re.search(r"^\[rank [123]\] [\[{#]", proc.stdout, re.M), proc.stdout[-3000:]  # rank 0 alone prints
+    (result,) = json.loads(("\n" + text)[("\n" + text).index("\n["):])
+    c = result["cluster"]
+    assert 0.5 * 100e6 / 8 <= c["inter_bw"] <= 1.1 * 100e6 / 8, c  # the shaped node link, ~12.5 MB/s
+    assert c["intra_bw"] >= 4 * c["inter_bw"], c
+    assert "across nodes" in result["measured"] and "measured" in result["measured"]
+    est = estimate(Job(params=1_000_000, stage=3), Cluster(**c))
+    assert result["seconds"] == pytest.approx(est.seconds) and est.seconds["total"] > 0

@@ -25,7 +25,8 @@ SLOW = ["_HYBRID_SHARD_ZERO2", "qgZ stage1", "hpZ+qwZ bf16", "stage2 bf16"]
 def run_cases(tmp_path, cases: list[str], nodes: Nodes, timeout_s: float = 240, port: int | None = None) -> None:
     out = io.StringIO()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_SMALL_BYTES": str(SMALL)}
+           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_SMALL_BYTES": str(SMALL),
+           "COMMRT_COMM_HIERARCHICAL": "always"}  # auto would time both paths: the model cannot know its choice
     cmd = [sys.executable, "-m", "tests.multirank.programs.estimate_job", str(tmp_path), *cases]
     result = launch(2, cmd, out=out, timeout_s=timeout_s, env=env, nodes=nodes, port=port)
     assert result.returncode == 0, f"{result.describe()}\n{out.getvalue()[-6000:]}"
@@ -41,7 +42,7 @@ def job_of(case: str, units: list[int]) -> Job:
 
 def check(tmp_path, case: str) -> None:
     runs = [json.loads((tmp_path / f"{case}.{r}.json").read_text()) for r in range(4)]
-    est = estimate(job_of(case, runs[0]["units"]), Cluster(nodes=2, per_node=2, small_bytes=SMALL))
+    est = estimate(job_of(case, runs[0]["units"]), Cluster(nodes=2, per_node=2, small_bytes=SMALL, hierarchical="always"))
     assert list(est.plan) == runs[0]["plan"], case
     for r in runs:
         measured = {k: v for k, v in r["memory"].items() if k != "gathered_peak"}

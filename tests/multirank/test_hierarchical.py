@@ -45,7 +45,7 @@ def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m, chunk):
 
 @pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
 def test_byte_counters_follow_the_formulas(k, m):
-    out = run_layout(k, m, "bytes", env={"COMMRT_COMM_HIERARCHICAL": "auto"})
+    out = run_layout(k, m, "bytes", env={"COMMRT_COMM_HIERARCHICAL": "always"})
     assert out.count("hier bytes passed") == k * m
 
 

@@ -28,7 +28,8 @@ def test_bench_quant_columns_beside_the_exact_op():
     flat ring's crossings; a flat quantized all-to-all would send 0.34x)."""
     out = io.StringIO()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq"}
+           "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq",
+           "COMMRT_COMM_HIERARCHICAL": "always"}  # "auto" on loopback may measure flat as fast
     cmd = [sys.executable, "-m", "commrt.cli", "bench", "reduce_scatter", "--quant", "int8,int4", "-b", "1M",
            "-e", "1M", "-n", "2", "-w", "1"]
     result = launch(2, cmd, out=out, timeout_s=240, env=env, nodes=Nodes(2, None), prefix=False)

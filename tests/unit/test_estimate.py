@@ -135,3 +135,41 @@ def test_quantized_all_reduce_two_hop_pads_to_the_node_and_sub_groups_stay_flat(
 def _int4_nbytes(n: int) -> int:
     from commrt.quant.codecs import Codec
     return Codec(bits=4, block=256).nbytes(n)
+
+
+def test_measured_levels_become_the_models_bandwidths():
+    """--measure inside a job: the node group's busbw is intra-bw as is; the cross-node busbw is
+    per rank while every local rank crosses at once, so the node's link (the model's inter-bw)
+    carries per_node times it. A level the job lacks keeps the given figure and says so."""
+    from commrt.plan.command import bandwidths
+    intra, inter, lines = bandwidths({"intra": 2e9, "inter": 5e6}, 4, ("100GB/s", "12.5GB/s"))
+    assert (float(intra), float(inter)) == (2e9, 2e7)
+    assert all("measured" in line for line in lines)
+    intra, inter, lines = bandwidths({"intra": 2e9}, 2, ("100GB/s", "12.5GB/s"))
+    assert (float(intra), inter) == (2e9, "12.5GB/s") and "as given" in lines[1]
+    assert parse_bandwidth(inter) == 12.5e9
+    intra, inter, _ = bandwidths({"inter": 1e8}, 1, ("100GB/s", "12.5GB/s"))
+    assert (intra, float(inter)) == ("100GB/s", 1e8)
+
+
+def test_probe_sizes_parse_or_say_how():
+    from commrt.plan.command import parse_size
+    assert [parse_size(s) for s in ("16M", "4MiB", "65536", "2k", "1G")] == [16 << 20, 4 << 20, 65536, 2048, 1 << 30]
+    with pytest.raises(ConfigError, match="use e.g. 4M"):
+        parse_size("lots")
+
+
+def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model():
+    """mesh.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
+    predicts the same probe: a slow link across picks two levels, a link as fast per rank as the
+    node does not (its world collectives stay flat, and so do their predicted bytes)."""
+    from commrt import mesh
+    from commrt.plan import cost
+    assert mesh.helps(1.0, 0.5) and mesh.helps(1.1, 1.0) and not mesh.helps(1.05, 1.0)
+    slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6)
+    fast = cost.Net(nodes=2, per_node=2, intra_bw=1e9, inter_bw=2e9)
+    assert cost.auto_helps(slow) and not cost.auto_helps(fast)
+    assert cost.hierarchical(slow, True, 16 << 20) and not cost.hierarchical(fast, True, 16 << 20)
+    t = cost.Traffic()
+    cost.collective(t, "all_reduce", cost.group(0, 4), 1 << 20, 4, fast)
+    assert set(t.by_op) == {"all_reduce"}  # flat: no reduce_scatter / all_gather steps

@@ -32,7 +32,8 @@ ALLOWED = {
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
     # commrt estimate: pure formulas over the layers it predicts (their plans, codecs, schedules)
-    "plan": {"errors", "config", "train", "quant", "collectives", "mesh"},
+    # (and, for --measure inside a launched job, the public API: it joins the job to time its links)
+    "plan": {"errors", "config", "train", "quant", "collectives", "mesh", "distributed"},
     # scheduler recipes: pure mappings over config and errors; the ssh launcher reuses the local
     # launcher's output pumping (commands sit at the top, beside launch)
     "deploy": {"errors", "config", "launch"},

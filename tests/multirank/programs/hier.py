@@ -116,6 +116,18 @@ def check_links(k: int, m: int) -> None:
     p = sharding.plan(z, k * m, m, links)
     print(f"rank {commrt.get_rank()}: LINKS intra {links.intra:.0f} inter {links.inter:.0f} hpz {p.secondary}",
           flush=True)
+    # [comm] hierarchical = "auto": nothing measured until a world collective could go either way
+    assert commrt.comm_stats()["hierarchical_auto"] is None
+    t = torch.arange(1 << 18, dtype=torch.float64)  # 2 MiB: each rank's part across is above small_bytes
+    commrt.all_reduce(t)
+    assert torch.equal(t, torch.arange(1 << 18, dtype=torch.float64) * k * m)
+    auto = commrt.comm_stats()["hierarchical_auto"]
+    s0 = commrt.comm_stats()
+    commrt.all_reduce(t)
+    steps = set(commrt.comm_stats()["by_op"]) - {op for op, v in s0["by_op"].items()
+                                                 if v == commrt.comm_stats()["by_op"][op]}
+    print(f"rank {commrt.get_rank()}: AUTO {auto['hierarchical']} flat {auto['flat_s']:.6f} "
+          f"two {auto['hierarchical_s']:.6f} steps {sorted(steps)}", flush=True)
 
 
 def main() -> None:
