@@ -179,6 +179,8 @@ class ZmqBackend:
         rank has issued and not finished (all of an op can reach us early: all_to_all, a
         reduce root) plus a few ops not issued here yet, sized like the largest op so far
         (programs repeat their ops), never less than READ_AHEAD_FLOOR."""
+        if self._shm is not None:  # no collective data arrives on the socket: nothing to bound
+            return
         p = self._pending
         p[0] += ops
         p[1] += nbytes
