@@ -64,6 +64,12 @@ class ShmContext:
         self._header = array("q", (0, *self._words, 0))
         self._slot = 0
 
+    def renew(self, seq: int) -> None:
+        """The same op shape again, as operation ``seq`` (what every field derives from seq)."""
+        self.seq = seq
+        self._words = (seq, *self._words[1:])
+        self._header[1] = seq
+
     def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
         return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._words[1],
                       self._words[2], self.count, step, nbytes, self.reduce, self.root)
