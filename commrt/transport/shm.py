@@ -47,8 +47,9 @@ HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, roo
 ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
 MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
 SPIN_CHECKS = 64  # busy checks (a few microseconds) before yielding the core
-YIELD_S = 0.0005  # then sched_yield for this long, then sleep, escalating to MAX_NAP_S
-MAX_NAP_S = 0.001
+YIELD_S = 0.0002  # then sched_yield for this long (a peer a few microseconds behind: issue 17)
+SHORT_NAPS_S = 0.002  # then the shortest sleep (the timer slack, ~55 us here) until this long
+MIN_NAP_S, MAX_NAP_S = 1e-6, 0.001  # then naps doubling up to MAX_NAP_S
 MAX_CACHED_VIEWS = 64  # (dtype, size, slot) view lists a channel keeps for small ops
 _NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
 _mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
@@ -264,8 +265,10 @@ class Channel:
         return self.ctl[p][base:base + HDR_WORDS].tolist()
 
     def _wait(self, pending, op: str, seq: int) -> None:
-        """Until ``pending()`` is empty: yield, then sleep in growing naps; the peers'
-        liveness, ABORT notices and the deadline are checked once a slice (as Endpoint.recv)."""
+        """Until ``pending()`` is empty: yield the core while the wait is short (most waits
+        of small ops end within microseconds), then sleep, in growing naps past SHORT_NAPS_S;
+        the peers' liveness, ABORT notices and the deadline are checked once a slice (as
+        Endpoint.recv), after the spin has failed, never per check."""
         ep = self.ep
         start = time.monotonic()
         deadline, extended, nap, watched = start + ep.timeout_s, False, 0.0, start
@@ -286,8 +289,10 @@ class Channel:
                 gone = sorted(ep.down, key=ep.down.get) or waiting
                 raise PeerLost(gone[0], op, seq, f"rank {waiting[0]} did not reach step {self.t} "
                                f"within {ep.timeout_s:g}s (shared memory)")
-            if now - start < YIELD_S:
-                os.sched_yield()  # not time.sleep(0): that sleeps for the timer slack (~55 us)
+            if now - start < YIELD_S:  # not time.sleep(0): that sleeps for the timer slack
+                os.sched_yield()
+            elif now - start < SHORT_NAPS_S:
+                time.sleep(MIN_NAP_S)
             else:
                 nap = min(MAX_NAP_S, max(2e-5, nap * 2))
                 time.sleep(nap)
