@@ -48,6 +48,7 @@ ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
 MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
 SPIN_CHECKS = 64  # busy checks (a few microseconds) before yielding the core
 YIELD_S = 0.0002  # then sched_yield for this long (a peer a few microseconds behind: issue 17)
+CROWDED_YIELD_S = 0.00005  # the same when the node's ranks outnumber its cores (see yield_window)
 SHORT_NAPS_S = 0.002  # then the shortest sleep (the timer slack, ~55 us here) until this long
 MIN_NAP_S, MAX_NAP_S = 1e-6, 0.001  # then naps doubling up to MAX_NAP_S
 MAX_CACHED_VIEWS = 64  # (dtype, size, slot) view lists a channel keeps for small ops
@@ -62,6 +63,20 @@ def supported() -> str | None:
     if not os.access(SHM_DIR, os.W_OK):
         return f"{SHM_DIR} is not writable"
     return None
+
+
+def yield_window(ranks: int, cores: int) -> float:
+    """How long a wait keeps yielding the core before it sleeps. When ranks outnumber cores, a
+    yielding rank still takes turns on a core that a rank with work needs (sched_yield only
+    skips it once): it sleeps sooner there."""
+    return YIELD_S if ranks <= cores else CROWDED_YIELD_S
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def node_key(environ=os.environ) -> str:
@@ -193,6 +208,7 @@ class Channel:
         self._peer_ctl = [c for _, c in self._peers]
         self._sent_keys: dict = {}  # (op word, peer) -> its counter key (see count)
         self.t = 0  # last step this rank published
+        self._yield_s = yield_window(self.size, _cores())
 
     def attach_all(self) -> None:
         """Mark every peer's segment attached, wait for their marks on ours, unlink ours."""
@@ -289,7 +305,7 @@ class Channel:
                 gone = sorted(ep.down, key=ep.down.get) or waiting
                 raise PeerLost(gone[0], op, seq, f"rank {waiting[0]} did not reach step {self.t} "
                                f"within {ep.timeout_s:g}s (shared memory)")
-            if now - start < YIELD_S:  # not time.sleep(0): that sleeps for the timer slack
+            if now - start < self._yield_s:  # not time.sleep(0): that sleeps for the timer slack
                 os.sched_yield()
             elif now - start < SHORT_NAPS_S:
                 time.sleep(MIN_NAP_S)

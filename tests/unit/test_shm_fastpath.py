@@ -118,7 +118,7 @@ def test_a_wait_yields_then_sleeps_never_for_zero(pair, monkeypatch):
         advance(s, "sleep")
     monkeypatch.setattr(shm.time, "monotonic", lambda: clock.now)
     monkeypatch.setattr(shm.time, "sleep", sleep)
-    monkeypatch.setattr(shm.os, "sched_yield", lambda: advance(shm.YIELD_S / 50, "yield"))
+    monkeypatch.setattr(shm.os, "sched_yield", lambda: advance(pair._yield_s / 50, "yield"))
     pair.publish_and_wait("all_reduce", 1)
     assert calls["yield"] >= 40 and calls["sleep"] >= 10
 
@@ -130,3 +130,8 @@ def test_sent_bytes_are_counted_per_peer(pair):
     ep = pair.ep
     assert (ep._counters[1].sent_bytes, ep._counters[1].sent_msgs, ep._counters[0].sent_msgs) == (32, 2, 0)
     assert ep._op_sent == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 32}
+
+
+def test_a_crowded_node_yields_for_less_long():
+    assert shm.yield_window(2, 2) == shm.YIELD_S
+    assert shm.yield_window(4, 2) == shm.CROWDED_YIELD_S < shm.YIELD_S
