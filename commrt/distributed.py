@@ -123,6 +123,8 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: str 
 
 
 def _op(op) -> ReduceOp:
+    if type(op) is ReduceOp:  # the common case, on every reducing call
+        return op
     return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
 
 

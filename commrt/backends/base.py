@@ -32,6 +32,8 @@ def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], Non
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""
     t = dtypes.as_tensor(obj)
     dtypes.code_of(t.dtype)
+    if t.is_cpu and t.is_contiguous():  # the common case first: no torch.device object per call
+        return (t if t.dim() == 1 else t.reshape(-1)), None
     if t.device.type == "cuda":
         from .staging import host_copy
         return host_copy(t)

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
 READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
+MAX_CACHED_CONTEXTS = 64  # op shapes whose shared-memory context a group keeps
 
 
 def _call_site() -> int:
@@ -71,6 +72,7 @@ class ZmqBackend:
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
         self._ops = ops  # shm_ops once connect() finds every member on this rank's node
         self._shm: shm.Channel | None = None
+        self._shm_contexts: dict = {}  # op shape -> its ShmContext (see _shm_context)
         self._segment = make_segment(c.intra_node)  # (name, mapping) or None
 
     @property
@@ -160,8 +162,7 @@ class ZmqBackend:
             self._seq += 1
             c = self.cfg.comm
             if self._shm is not None:
-                ctx = ShmContext(self._shm, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                                 count, site, reduce, root, c.small_bytes)
+                ctx = self._shm_context(coll, dtype, count, site, reduce, root)
             else:
                 ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
                                 count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal)
@@ -174,11 +175,29 @@ class ZmqBackend:
         finally:
             self._budget(-1, -nbytes)
 
+    def _shm_context(self, coll, dtype, count, site, reduce, root) -> ShmContext:
+        """The op's context over shared memory. Programs repeat a few op shapes: a context is
+        kept per shape and given the new sequence number (ops of a group run one at a time),
+        which saves building one per call (a few microseconds on a small op)."""
+        key = (coll, dtype, count, site, reduce, root)
+        ctx = self._shm_contexts.get(key)
+        if ctx is None:
+            if len(self._shm_contexts) >= MAX_CACHED_CONTEXTS:
+                self._shm_contexts.clear()
+            ctx = self._shm_contexts[key] = ShmContext(self._shm, self.group_id, self.rank, self.size, self._seq,
+                                                       coll, dtype, count, site, reduce, root,
+                                                       self.cfg.comm.small_bytes)
+        else:
+            ctx.renew(self._seq)
+        return ctx
+
     def _budget(self, ops: int, nbytes: int) -> None:
         """How far a peer may legitimately be ahead, per peer: all the bytes of every op this
         rank has issued and not finished (all of an op can reach us early: all_to_all, a
         reduce root) plus a few ops not issued here yet, sized like the largest op so far
         (programs repeat their ops), never less than READ_AHEAD_FLOOR."""
+        if self._shm is not None:  # no collective data arrives on the socket: nothing to bound
+            return
         p = self._pending
         p[0] += ops
         p[1] += nbytes

@@ -67,11 +67,33 @@ def reduce_in_order_(out: torch.Tensor, parts: list, op: ReduceOp) -> None:
             combine_(out, t, op)
         return
     o = out.numpy()
-    arrs = [p.numpy() if isinstance(p, torch.Tensor) else np.frombuffer(p, dtype=o.dtype) for p in parts]
+    reduce_arrays_(o, [p.numpy() if isinstance(p, torch.Tensor) else np.frombuffer(p, dtype=o.dtype)
+                       for p in parts], op)
+
+
+def reduce_arrays_(out: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> None:
+    """reduce_in_order_ on numpy arrays of ``out``'s dtype (the one place the order is fixed)."""
     fn = _UFUNC[op]
-    fn(arrs[0], arrs[1], out=o)
-    for a in arrs[2:]:
-        fn(o, a, out=o)
+    fn(parts[0], parts[1], out=out)
+    for a in parts[2:]:
+        fn(out, a, out=out)
+
+
+_NUMPY: dict = {}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """numpy's type for a torch dtype (cached), or None where numpy has none (bfloat16)."""
+    try:
+        return _NUMPY[dtype]
+    except KeyError:
+        pass
+    try:
+        got = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        got = None
+    _NUMPY[dtype] = got
+    return got
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -12,18 +12,20 @@ results are bit-identical across ranks. Aliasing follows ops.py's rules.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .. import dtypes
 from ..dtypes import overlaps
 from ..errors import CollectiveMismatch, ProtocolError
-from ..transport.shm import Channel
+from ..transport.shm import HDR_WORDS, Channel
 from ..wire import COLL, Coll, Header
 from .algorithms import chunk_bounds
 from .context import _NAMES, _describe
-from .reduce_ops import ReduceOp, copy_, finish_avg_, reduce_in_order_
+from .reduce_ops import ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_, reduce_in_order_
 
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
 
@@ -42,20 +44,31 @@ class ShmContext:
     reduce: int = 0
     root: int = 0
     small_bytes: int = 0  # all_reduce up to this size runs in one step
+    # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)
     slot_elems: int = field(init=False)
+    np_dtype: np.dtype | None = field(init=False)  # None: no numpy type (bfloat16)
     _words: tuple = field(init=False)
+    _header: array = field(init=False)  # step, *_words, aux: what begin() publishes
     _slot: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.name = _NAMES[self.coll]
         self.itemsize = self.dtype.itemsize
         self.slot_elems = self.chan.slot_bytes // self.itemsize
+        self.np_dtype = numpy_dtype(self.dtype)
         self.reduce = int(self.reduce)
         self._words = (self.seq, int(self.coll) | self.site << 8, dtypes.code_of(self.dtype), self.count,
                        self.reduce, self.root)
+        self._header = array("q", (0, *self._words, 0))
         self._slot = 0
+
+    def renew(self, seq: int) -> None:
+        """The same op shape again, as operation ``seq`` (what every field derives from seq)."""
+        self.seq = seq
+        self._words = (seq, *self._words[1:])
+        self._header[1] = seq
 
     def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
         return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._words[1],
@@ -63,17 +76,21 @@ class ShmContext:
 
     def begin(self, aux: int = 0) -> int:
         """Start a step; returns its slot, whose data this rank may now write."""
-        self._slot = self.chan.begin(self._words + (aux,))
+        self._header[HDR_WORDS - 1] = aux
+        self._slot = self.chan.begin(self._header)
         return self._slot
 
     def exchange(self) -> list[int]:
         """Publish the step and wait for every peer; check their headers against this op.
         Returns each rank's ``aux`` word (unchecked: the caller validates it)."""
-        chan, slot = self.chan, self._slot
+        chan, slot, me = self.chan, self._slot, self.rank
         chan.publish_and_wait(self.name, self.seq)
         want = [chan.t, *self._words]
         aux = [0] * self.size
         for p in range(self.size):
+            if p == me:  # our own header: written by this rank a moment ago
+                aux[p] = self._header[HDR_WORDS - 1]
+                continue
             h = chan.header(p, slot)
             if h[:-1] != want:
                 raise self._mismatch(p, h)
@@ -92,6 +109,12 @@ class ShmContext:
         if numel:
             self.chan.count(p, self._words[1], numel * self.itemsize)
 
+    def sent_to_all(self, numel: int) -> None:
+        """``numel`` of this rank's elements that every peer reads."""
+        for p in range(self.size):
+            if p != self.rank:
+                self.chan.count(p, self._words[1], numel * self.itemsize)
+
     def view(self, p: int, slot: int, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start + numel) of rank p's slot, as this op's dtype."""
         a = slot * self.chan.slot_bytes + start * self.itemsize
@@ -106,12 +129,13 @@ def _rounds(total: int, per: int):
 def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
     n, numel = ctx.size, flat.numel()
     if n > 1 and numel:
-        if numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes):
+        small = numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes)
+        if small and ctx.np_dtype is not None:
+            _all_reduce_one_step(ctx, flat.numpy(), op)
+        elif small:
             slot = ctx.begin()
             copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
-            for p in range(n):
-                if p != ctx.rank:
-                    ctx.sent(p, numel)
+            ctx.sent_to_all(numel)
             ctx.exchange()
             reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(n)], op)
         else:
@@ -120,6 +144,19 @@ def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
                 _all_reduce_round(ctx, flat[a:b], op)
     if op == ReduceOp.AVG:
         finish_avg_(flat, n)
+
+
+def _all_reduce_one_step(ctx: ShmContext, out: np.ndarray, op: ReduceOp) -> None:
+    """A small payload in one step: every rank reduces all parts in rank order. Over numpy
+    views of the slots, made once per dtype: at 4 KiB, torch's views and calls cost several
+    times the copy and the sum themselves (docs/PERFORMANCE.md, small collectives)."""
+    numel = out.size
+    slot = ctx.begin()
+    parts = ctx.chan.parts(ctx.np_dtype, numel, slot)
+    np.copyto(parts[ctx.rank], out)
+    ctx.sent_to_all(numel)
+    ctx.exchange()
+    reduce_arrays_(out, parts, op)
 
 
 def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None:
@@ -181,9 +218,7 @@ def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     for x, y in _rounds(m, ctx.slot_elems):
         slot = ctx.begin()
         copy_(ctx.view(me, slot, 0, y - x), inp[x:y])
-        for p in range(n):
-            if p != me:
-                ctx.sent(p, y - x)
+        ctx.sent_to_all(y - x)
         ctx.exchange()
         for p in range(n):
             if p != me:

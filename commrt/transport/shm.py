@@ -30,6 +30,7 @@ import socket
 import stat
 import time
 
+import numpy as np
 import torch
 import zmq
 
@@ -45,9 +46,12 @@ W_MAGIC, W_COUNTER = 0, 1
 HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, root, aux
 ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
 MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
-SPIN_CHECKS = 64  # busy checks before yielding the core
-YIELD_S = 0.002  # then sched_yield for this long, then sleep, escalating to MAX_NAP_S
-MAX_NAP_S = 0.001
+SPIN_CHECKS = 64  # busy checks (a few microseconds) before yielding the core
+YIELD_S = 0.0002  # then sched_yield for this long (a peer a few microseconds behind: issue 17)
+CROWDED_YIELD_S = 0.00005  # the same when the node's ranks outnumber its cores (see yield_window)
+SHORT_NAPS_S = 0.002  # then the shortest sleep (the timer slack, ~55 us here) until this long
+MIN_NAP_S, MAX_NAP_S = 1e-6, 0.001  # then naps doubling up to MAX_NAP_S
+MAX_CACHED_VIEWS = 64  # (dtype, size, slot) view lists a channel keeps for small ops
 _NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
 _mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
 
@@ -59,6 +63,20 @@ def supported() -> str | None:
     if not os.access(SHM_DIR, os.W_OK):
         return f"{SHM_DIR} is not writable"
     return None
+
+
+def yield_window(ranks: int, cores: int) -> float:
+    """How long a wait keeps yielding the core before it sleeps. When ranks outnumber cores, a
+    yielding rank still takes turns on a core that a rank with work needs (sched_yield only
+    skips it once): it sleeps sooner there."""
+    return YIELD_S if ranks <= cores else CROWDED_YIELD_S
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def node_key(environ=os.environ) -> str:
@@ -183,8 +201,14 @@ class Channel:
         self._grace_s = grace_s
         self.ctl = [memoryview(m)[:CTL_BYTES].cast("q") for m in maps]
         self.data = [torch.frombuffer(m, dtype=torch.uint8, offset=CTL_BYTES) for m in maps]
+        self._arrays = [np.frombuffer(m, dtype=np.uint8, offset=CTL_BYTES) for m in maps]
+        self._slots: dict = {}  # numpy dtype -> per rank, its two slots as arrays of that dtype
+        self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
+        self._peer_ctl = [c for _, c in self._peers]
+        self._sent_keys: dict = {}  # (op word, peer) -> its counter key (see count)
         self.t = 0  # last step this rank published
+        self._yield_s = yield_window(self.size, _cores())
 
     def attach_all(self) -> None:
         """Mark every peer's segment attached, wait for their marks on ours, unlink ours."""
@@ -196,22 +220,44 @@ class Channel:
         finally:
             unlink(self.names[self.rank])
 
-    def begin(self, words: tuple) -> int:
-        """Start the next step: write its header into this rank's slot; returns the slot."""
+    def begin(self, header) -> int:
+        """Start the next step: write its header (HDR_WORDS int64, an array('q') whose first
+        word this sets to the step) into this rank's slot; returns the slot."""
         t = self.t + 1
         slot = t & 1
         base = HDR_BASE + HDR_WORDS * slot
-        ctl = self.ctl[self.rank]
-        ctl[base] = t
-        for i, w in enumerate(words, 1):
-            ctl[base + i] = w
+        header[0] = t
+        self.ctl[self.rank][base:base + HDR_WORDS] = header  # one copy, not a store per word
         return slot
+
+    def slots(self, dtype: np.dtype) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per rank, its two data slots as numpy arrays of ``dtype`` (made once per dtype):
+        slicing these costs a fraction of a torch view, which matters for small payloads."""
+        views = self._slots.get(dtype)
+        if views is None:
+            n = self.slot_bytes // dtype.itemsize
+            views = self._slots[dtype] = [
+                (a[:self.slot_bytes].view(dtype)[:n], a[self.slot_bytes:2 * self.slot_bytes].view(dtype)[:n])
+                for a in self._arrays]
+        return views
+
+    def parts(self, dtype: np.dtype, numel: int, slot: int) -> list[np.ndarray]:
+        """Every rank's first ``numel`` elements of ``slot`` as ``dtype``; the views are kept
+        for the sizes a program repeats (a few dozen at most), so a small op makes none."""
+        key = (dtype, numel, slot)
+        got = self._parts.get(key)
+        if got is None:
+            if len(self._parts) >= MAX_CACHED_VIEWS:
+                self._parts.clear()
+            got = self._parts[key] = [s[slot][:numel] for s in self.slots(dtype)]
+        return got
 
     def publish_and_wait(self, op: str, seq: int) -> None:
         self.t = t = self.t + 1
         self.ctl[self.rank][W_COUNTER] = t  # after the data: see the module's note on ordering
+        peers = self._peer_ctl
         for _ in range(SPIN_CHECKS):
-            for _, c in self._peers:
+            for c in peers:
                 if c[W_COUNTER] < t:
                     break
             else:
@@ -225,7 +271,9 @@ class Channel:
         c = ep._counters[peer]
         c.sent_bytes += nbytes
         c.sent_msgs += 1
-        key = (COLL, op & 0xFF, ep.names[peer])
+        key = self._sent_keys.get((op, peer))
+        if key is None:
+            key = self._sent_keys[(op, peer)] = (COLL, op & 0xFF, ep.names[peer])
         ep._op_sent[key] = ep._op_sent.get(key, 0) + nbytes
 
     def header(self, p: int, slot: int) -> list[int]:
@@ -233,8 +281,10 @@ class Channel:
         return self.ctl[p][base:base + HDR_WORDS].tolist()
 
     def _wait(self, pending, op: str, seq: int) -> None:
-        """Until ``pending()`` is empty: yield, then sleep in growing naps; the peers'
-        liveness, ABORT notices and the deadline are checked once a slice (as Endpoint.recv)."""
+        """Until ``pending()`` is empty: yield the core while the wait is short (most waits
+        of small ops end within microseconds), then sleep, in growing naps past SHORT_NAPS_S;
+        the peers' liveness, ABORT notices and the deadline are checked once a slice (as
+        Endpoint.recv), after the spin has failed, never per check."""
         ep = self.ep
         start = time.monotonic()
         deadline, extended, nap, watched = start + ep.timeout_s, False, 0.0, start
@@ -255,8 +305,10 @@ class Channel:
                 gone = sorted(ep.down, key=ep.down.get) or waiting
                 raise PeerLost(gone[0], op, seq, f"rank {waiting[0]} did not reach step {self.t} "
                                f"within {ep.timeout_s:g}s (shared memory)")
-            if now - start < YIELD_S:
-                time.sleep(0)
+            if now - start < self._yield_s:  # not time.sleep(0): that sleeps for the timer slack
+                os.sched_yield()
+            elif now - start < SHORT_NAPS_S:
+                time.sleep(MIN_NAP_S)
             else:
                 nap = min(MAX_NAP_S, max(2e-5, nap * 2))
                 time.sleep(nap)
@@ -287,7 +339,8 @@ class Channel:
             unlink(name)
         for v in self.ctl:
             v.release()
-        self.ctl, self.data, self._peers = [], [], []
+        self.ctl, self.data, self._peers, self._peer_ctl = [], [], [], []
+        self._arrays, self._slots, self._parts = [], {}, {}
         for m in self._maps:
             try:
                 m.close()

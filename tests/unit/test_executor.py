@@ -2,6 +2,7 @@
 size-1 group runs every collective locally; endpoints talk over loopback to each other)."""
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -157,3 +158,40 @@ def test_busy_peer_does_not_extend_a_wait(cfg):
         a.close()
         b.close()
         transport.close()
+
+
+def test_waiters_are_woken_when_the_turn_comes_back_not_at_their_deadline():
+    """_done skips the notify when nobody waits (issue 17, small ops): a caller queued behind
+    an async op, and a worker with an async op queued behind a sync one, must still wake when
+    the running op ends (their deadlines are far beyond the join's bound)."""
+    ex = Executor("t")
+    release, ran = threading.Event(), []
+    first = ex.submit("async", release.wait)
+    caller = threading.Thread(target=lambda: ran.append(ex.run("sync", lambda: "s", 600.0)))
+    caller.start()
+    _until_someone_waits(ex)
+    release.set()
+    caller.join(60)
+    assert ran == ["s"] and first.wait(60)
+
+    started, release = threading.Event(), threading.Event()
+
+    def sync_op():
+        started.set()
+        release.wait(60)
+    runner = threading.Thread(target=ex.run, args=("sync", sync_op, 600.0))
+    runner.start()
+    assert started.wait(60)
+    queued = ex.submit("async", lambda: "a")  # the worker now waits for the turn
+    _until_someone_waits(ex)
+    release.set()
+    runner.join(60)
+    assert queued.wait(60) and queued.result() == "a"
+    ex.close()
+
+
+def _until_someone_waits(ex: Executor) -> None:
+    deadline = time.monotonic() + 60
+    while not ex._waiting and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert ex._waiting, "nobody started waiting for the turn"
