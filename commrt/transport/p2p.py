@@ -242,6 +242,8 @@ class P2PEngine:
             c = self._ep._counters[op.dst]
             c.sent_bytes += len(payload)
             c.sent_msgs += 1
+            key = (P2P, 0, self._ep.names[op.dst])  # comm_stats()["by_op"]["p2p"], inside / across nodes
+            self._ep._op_sent[key] = self._ep._op_sent.get(key, 0) + len(payload)
             op.sent += 1
             op.since = now
         return True

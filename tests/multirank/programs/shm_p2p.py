@@ -75,6 +75,10 @@ def data(rank: int, n: int) -> None:
             assert torch.equal(got, expected(1 << 18, torch.float32, p, 5)), p
 
 
+def count_bytes() -> int:
+    return (3 * shm_p2p.RING_BYTES // (1 << 20) // 4 + 2) * (1 << 18) * 4
+
+
 def kill(rank: int, n: int) -> None:
     if rank == 1:
         commrt.send(expected(1 << 20, torch.float32, 0, 1), 0, tag=1)
@@ -100,6 +104,12 @@ def main() -> int:
     engine = commrt.distributed._rt().world.backend._p2p
     rings = engine._rings
     used = bool(rings and (rings._out or rings._in))
+    if mode == "data":  # comm_stats counts what each rank sent, whichever way it went
+        p2p = commrt.comm_stats()["by_op"]["p2p"]
+        sent = (sum(expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
+                    for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES) * (n - 1)
+                + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
+        assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
     print(f"rank {rank}: p2p {mode} passed, rings used {used}", flush=True)
     if mode == "kill":
         os._exit(0)  # the group's peer is gone: skip the goodbye barrier
