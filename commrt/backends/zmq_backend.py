@@ -114,6 +114,7 @@ class ZmqBackend:
             raise
         self._verify_peers()
         self._ops = shm_ops
+        self._p2p.use_shm(set(range(self.size)) - {self.rank})  # large p2p payloads through rings too
 
     def _verify_peers(self) -> None:
         """One barrier over the authenticated sockets before any data goes through shared memory.

@@ -20,6 +20,7 @@ import zmq
 
 from ..errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
 from ..wire import P2P, encode_header
+from . import shm_p2p
 from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ class P2PEngine:
         self._recvs: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._early_bytes: collections.Counter = collections.Counter()
+        self._rings: shm_p2p.Rings | None = None
+
+    def use_shm(self, peers: set[int]) -> None:
+        """Large payloads to and from ``peers`` (this node's members of a shared-memory group)
+        through shared-memory rings; called once, before the first transfer."""
+        self._rings = shm_p2p.Rings(peers)
 
     def post(self, op: Send | Recv) -> Any:
         with self._lock:
@@ -103,6 +110,8 @@ class P2PEngine:
             self._fail_all(lambda op: GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq))
             self._ep.close()  # the owner closes its sockets, after their last use
             self._wake_rx.close(linger=0)
+            if self._rings is not None:
+                self._rings.close()
 
     def _take_posted(self) -> None:
         while True:
@@ -130,6 +139,11 @@ class P2PEngine:
             h = msg.header
             if h.kind != P2P:
                 continue  # collectives' ABORTs travel on the collective endpoint
+            if h.root == shm_p2p.SHM_ROOT:
+                msg = self._from_ring(msg)
+                if msg is None:
+                    continue
+                h = msg.header
             key = (h.src, h.op)
             waiting = self._recvs.get(key)
             if waiting:
@@ -141,10 +155,25 @@ class P2PEngine:
                     f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
                     "of point-to-point data no receive was posted for"), peer=h.src)
                 for k in [k for k in self._early if k[0] == h.src]:
-                    del self._early[k]
+                    for dropped in self._early.pop(k):
+                        _release(dropped)
                 self._early_bytes[h.src] = 0
                 continue
             self._early[key].append(msg)
+
+    def _from_ring(self, msg: Message) -> Message | None:
+        """A descriptor -> the message as if its payload had come over the socket."""
+        h = msg.header
+        try:
+            if self._rings is None:
+                raise ProtocolError(f"rank index {h.src} sent a shared-memory descriptor to a TCP-only group")
+            region = self._rings.region(h.src, msg.payload)
+        except (ProtocolError, OSError) as exc:
+            error = exc if isinstance(exc, ProtocolError) else ProtocolError(f"cannot map rank index {h.src}'s ring: {exc}")
+            log.warning("rank %d: %s", self._ep.rank, error)
+            self._fail_all(lambda op: error, peer=h.src)
+            return None
+        return Message(h._replace(nbytes=len(region), root=0), region)
 
     def _match_early(self, op: Recv) -> None:
         early = self._early.get((op.src, op.tag))
@@ -174,6 +203,8 @@ class P2PEngine:
         except BaseException as exc:
             waiting.popleft()
             op.work._finish(None, exc)
+        finally:
+            _release(msg)
 
     def _progress(self, now: float) -> None:
         for dst, queue in self._sends.items():
@@ -190,6 +221,10 @@ class P2PEngine:
         sock = self._ep.socket_to(op.dst)
         while op.sent < len(op.frames):
             header, payload = op.frames[op.sent]
+            place = self._rings.place(op.dst, payload) if self._rings is not None else None
+            if place is not None:  # the payload goes into our ring to dst; the socket says where
+                desc = shm_p2p.descriptor(*place)
+                header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)
             try:
                 sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
             except zmq.Again:
@@ -197,13 +232,18 @@ class P2PEngine:
                     self._fail(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
                     return True
                 return False
-            if len(payload) >= ZERO_COPY_MIN_BYTES:
+            if place is not None:
+                self._rings.write(op.dst, place[0], payload)
+                sock.send(desc, copy=True)
+            elif len(payload) >= ZERO_COPY_MIN_BYTES:
                 op.trackers.append(sock.send(payload, copy=False, track=True))
             else:
                 sock.send(payload, copy=True)
             c = self._ep._counters[op.dst]
             c.sent_bytes += len(payload)
             c.sent_msgs += 1
+            key = (P2P, 0, self._ep.names[op.dst])  # comm_stats()["by_op"]["p2p"], inside / across nodes
+            self._ep._op_sent[key] = self._ep._op_sent.get(key, 0) + len(payload)
             op.sent += 1
             op.since = now
         return True
@@ -276,3 +316,9 @@ class P2PEngine:
             if stopped:
                 self._wake_tx.close(linger=0)
         return stopped
+
+
+def _release(msg: Message) -> None:
+    """Hand a ring payload's space back to its sender (a socket frame needs nothing)."""
+    if isinstance(msg.payload, shm_p2p.Region):
+        msg.payload.release()

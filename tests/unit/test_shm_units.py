@@ -82,3 +82,41 @@ def test_a_dead_creators_segment_is_swept():
     finally:
         shm.unlink(made)
         mm.close()
+
+
+def test_p2p_ring_wraps_fills_and_frees_in_arrival_order():
+    """shm_p2p's ring: payloads never wrap (a piece that does not fit before the end starts at
+    the next lap), a full ring says None (the piece goes inline), space comes back only as the
+    oldest held regions are released (out-of-order releases wait for the earlier ones), and a
+    descriptor outside the ring is a ProtocolError."""
+    from commrt.errors import ProtocolError
+    from commrt.transport import shm_p2p
+    cap = shm_p2p.RING_BYTES
+    out = shm_p2p.OutRing()
+    try:
+        inn = shm_p2p.InRing(out.name)  # maps, marks mapped, unlinks the name
+        assert not os.path.exists(os.path.join("/dev/shm", out.name))
+        third = bytes(range(256)) * (cap // 3 // 256)
+        regions = []
+        for _ in range(3):
+            pos = out.reserve(len(third))
+            out.write(pos, third)
+            regions.append(inn.region(pos, len(third)))
+        assert bytes(regions[1].buffer) == third
+        assert out.reserve(len(third)) is None  # full: inline
+        regions[1].release()
+        assert out.reserve(len(third)) is None  # the oldest is still held
+        regions[0].release()
+        pos = out.reserve(len(third))
+        assert pos == cap and pos % cap == 0  # the rest of the lap is too short: the next lap
+        with pytest.raises(ProtocolError, match="outside ring"):
+            inn.region(pos, cap + 8)
+        name, length = shm_p2p.parse(shm_p2p.descriptor(pos, 40, out.name))[2], shm_p2p.parse(
+            shm_p2p.descriptor(pos, 40, out.name))[1]
+        assert (name, length) == (out.name, 40)
+        with pytest.raises(ProtocolError):
+            shm_p2p.parse(b"\x01" * 12)
+        regions[2].release()
+        inn.close()
+    finally:
+        out.close(0)

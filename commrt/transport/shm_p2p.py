@@ -1,0 +1,195 @@
+"""Point-to-point payloads between ranks of one node through shared memory.
+
+The point-to-point engine (p2p.py) keeps doing everything else: its sockets carry every
+message's header, in order, and with it the matching by (source, tag), the early-message
+bound, the deadlines and the peers' liveness. What changes is where a large payload travels.
+The sender copies it into a ring it owns, one per destination, and the socket frame carries
+only where it lies (``Descriptor``); the receiver copies it out into the posted tensor and
+hands the space back. One copy each side, no kernel copies, no I/O thread, and an isend is
+complete as soon as its pieces are in the ring: it never waits for the receiver.
+
+A ring is a segment like the collectives' (shm.py: 0600, an unguessable name, attached only
+after checking owner, mode, size and magic). Its name travels in the descriptor, over the
+group's authenticated point-to-point socket, and only between members of a group that runs on
+shared memory; the receiver unlinks it as soon as it has mapped it (the sender at close, and
+the sweep of dead creators otherwise). The receiver publishes how far it has consumed in the
+ring's control word; the sender writes only behind that. Data is written before the socket
+send that announces it, so a receiver that has the header sees the bytes (the send is a
+system call; the receiver reads after its own). When a ring is full the piece goes inline over
+the socket as before: nothing ever waits for space.
+"""
+from __future__ import annotations
+
+import collections
+import mmap
+import struct
+import time
+
+import torch
+
+from ..errors import ProtocolError
+from ..wire import P2P_SHM_ROOT as SHM_ROOT
+from . import shm
+
+RING_BYTES = 8 << 20  # per (sender, receiver) pair: two 4 MiB pieces (the default chunk_bytes) in flight
+MIN_BYTES = 32 << 10  # smaller payloads stay inline on the socket: one message beats two copies
+W_TAIL = shm.W_COUNTER  # the receiver's consumed position (bytes, counting up forever)
+W_MAPPED = shm.ATTACH_BASE  # set by the receiver once it has mapped the ring
+CLOSE_WAIT_S = 5.0  # a closing sender waits this long for a receiver to map what it was sent
+_DESC = struct.Struct("<qq")  # position, length; then the ring's name, padded to 8 bytes
+
+
+def descriptor(pos: int, length: int, name: str) -> bytes:
+    raw = _DESC.pack(pos, length) + name.encode()
+    return raw + b"\0" * (-len(raw) % 8)  # a multiple of every item size (wire.problem)
+
+
+def parse(frame: bytes | memoryview) -> tuple[int, int, str]:
+    buf = bytes(frame)
+    if len(buf) < _DESC.size + 8 or len(buf) % 8:
+        raise ProtocolError(f"a shared-memory descriptor of {len(buf)} bytes")
+    pos, length = _DESC.unpack_from(buf)
+    try:
+        name = buf[_DESC.size:].rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("a shared-memory descriptor with an undecodable name") from None
+    return pos, length, name
+
+
+class OutRing:
+    """The sender's ring to one destination (one owner: the engine thread)."""
+
+    def __init__(self) -> None:
+        self.name, self._mm = shm.create(RING_BYTES // 2)  # shm's layout: CTL + 2 x slot = CTL + RING_BYTES
+        self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
+        self._data = memoryview(self._mm)[shm.CTL_BYTES:]
+        self.head = 0
+
+    def reserve(self, length: int) -> int | None:
+        """Where ``length`` bytes would go (contiguous: skip the ring's end if needed), or None."""
+        if length > RING_BYTES:
+            return None
+        at = self.head % RING_BYTES
+        pos = self.head + (RING_BYTES - at if at + length > RING_BYTES else 0)
+        return pos if pos + length - self._ctl[W_TAIL] <= RING_BYTES else None
+
+    def write(self, pos: int, payload) -> None:
+        at, n = pos % RING_BYTES, len(payload)
+        self._data[at:at + n] = memoryview(payload).cast("B")
+        self.head = pos + n
+
+    def close(self, wait_s: float) -> None:
+        """Unlink once the receiver has mapped the ring (it unlinks the name itself then), or
+        after ``wait_s``: a receiver that has not read our descriptor by then never asked for
+        it, and a closing socket drops unread messages too."""
+        deadline = time.monotonic() + wait_s
+        while self.head and self._ctl[W_MAPPED] != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        shm.unlink(self.name)
+        self._ctl.release()
+        self._data.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+class InRing:
+    """The receiver's view of one sender's ring to it, and what of it is still in use."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._mm: mmap.mmap = shm.attach(name, RING_BYTES // 2)
+        shm.unlink(name)  # mapped by both ends now: nothing needs the name any more
+        self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
+        self._ctl[W_MAPPED] = 1
+        self._data = memoryview(self._mm)[shm.CTL_BYTES:]
+        self._held: collections.deque = collections.deque()  # [pos, end, freed] in arrival order
+        self._expect = 0  # no region may start before the end of the last one
+
+    def region(self, pos: int, length: int) -> "Region":
+        at = pos % RING_BYTES
+        if pos < self._expect or length < 0 or at + length > RING_BYTES or pos + length - self._ctl[W_TAIL] > RING_BYTES:
+            raise ProtocolError(f"a shared-memory descriptor ({pos}, {length}) outside ring {self.name}")
+        self._expect = pos + length
+        entry = [pos, pos + length, False]
+        self._held.append(entry)
+        return Region(self, entry, self._data[at:at + length])
+
+    def free(self, entry: list) -> None:
+        entry[2] = True
+        tail = None
+        while self._held and self._held[0][2]:
+            tail = self._held.popleft()[1]
+        if tail is not None:
+            self._ctl[W_TAIL] = tail  # after our reads of it (x86-64 keeps loads before later stores)
+
+    def close(self, wait_s: float = 0.0) -> None:
+        self._held.clear()
+        self._ctl.release()
+        self._data.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+class Region:
+    """A payload lying in a ring: ``buffer`` as a zmq frame's, then ``release`` once copied out."""
+
+    def __init__(self, ring: InRing, entry: list, view: memoryview):
+        self._ring, self._entry, self.buffer = ring, entry, view
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def release(self) -> None:
+        if self._entry is not None:
+            self.buffer.release()
+            self._ring.free(self._entry)
+            self._entry = None
+
+
+class Rings:
+    """One engine's rings: out to each destination (made on first use), in from each source
+    (mapped on first descriptor). Only peers in ``peers`` (members of a shared-memory group)."""
+
+    def __init__(self, peers: set[int]):
+        self.peers = peers
+        self._out: dict[int, OutRing] = {}
+        self._in: dict[int, InRing] = {}
+
+    def place(self, dst: int, payload) -> tuple[int, int, str] | None:
+        """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), or None (inline)."""
+        n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
+        if dst not in self.peers or n < MIN_BYTES:
+            return None
+        ring = self._out.get(dst)
+        if ring is None:
+            try:
+                ring = self._out[dst] = OutRing()
+            except OSError:
+                self.peers = self.peers - {dst}  # /dev/shm full: this pair stays on the socket
+                return None
+        pos = ring.reserve(n)
+        return None if pos is None else (pos, n, ring.name)
+
+    def write(self, dst: int, pos: int, payload) -> None:
+        self._out[dst].write(pos, payload)
+
+    def region(self, src: int, frame) -> Region:
+        if src not in self.peers:
+            raise ProtocolError(f"rank index {src} sent a shared-memory descriptor but is not on this node's group")
+        pos, length, name = parse(frame.buffer)
+        ring = self._in.get(src)
+        if ring is None:
+            ring = self._in[src] = InRing(name)
+        elif ring.name != name:
+            raise ProtocolError(f"rank index {src} switched shared-memory rings ({ring.name} -> {name})")
+        return ring.region(pos, length)
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        for ring in [*self._out.values(), *self._in.values()]:
+            ring.close(wait_s)
+        self._out.clear()
+        self._in.clear()

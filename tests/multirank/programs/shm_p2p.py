@@ -1,0 +1,121 @@
+"""Point-to-point transfers between ranks of one node, each against what was sent.
+
+    shm_p2p MODE   with MODE in
+      data   rank 0 sends every size, dtype and tag to every peer; tags out of order; more
+             in flight than a ring holds, sent before the receiver posts; replies back
+      kill   rank 1 sends one large message (its ring to rank 0 exists), then is SIGKILLed;
+             rank 0's next recv from it is a PeerLost naming rank 1
+Every rank prints the ring segments it made and whether its transfers went through rings."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import commrt
+from commrt.transport import shm_p2p
+
+SIZES = [0, 1, 7, (32 << 10) // 4 - 1, (32 << 10) // 4 + 3, shm_p2p.RING_BYTES // 8 + 5, (3 << 20) + 1]
+
+
+def _announce_rings() -> None:
+    made = shm_p2p.OutRing.__init__
+
+    def init(self):
+        made(self)
+        print(f"ring: {self.name}", flush=True)
+    shm_p2p.OutRing.__init__ = init
+
+
+def expected(size: int, dtype: torch.dtype, dst: int, tag: int) -> torch.Tensor:
+    return ((torch.arange(size) * (dst + 3) + tag) % 113).to(dtype)
+
+
+def data(rank: int, n: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for tag, size in enumerate(SIZES):
+            if rank == 0:
+                works = [commrt.isend(expected(size, dtype, p, tag), p, tag=tag) for p in range(1, n)]
+                for w in works:
+                    w.wait()
+            else:
+                out = torch.full((size,), -1, dtype=dtype)
+                commrt.recv(out, 0, tag=tag)
+                assert torch.equal(out, expected(size, dtype, rank, tag)), (dtype, size, tag)
+    big = [expected(3 << 18, torch.float32, 1, t) for t in (1, 2)]
+    if rank == 0:  # tag 1 then tag 2; rank 1 takes tag 2 first
+        for w in [commrt.isend(big[0], 1, tag=1), commrt.isend(big[1], 1, tag=2)]:
+            w.wait()
+    elif rank == 1:
+        got = [torch.empty_like(b) for b in big]
+        commrt.recv(got[1], 0, tag=2)
+        commrt.recv(got[0], 0, tag=1)
+        assert all(torch.equal(g, b) for g, b in zip(got, big))
+    count = 3 * shm_p2p.RING_BYTES // (1 << 20) // 4 + 2  # 1 MiB each: more than the ring holds
+    if rank == 0:  # every isend completes before rank 1 posts a receive (it waits for our word)
+        works = [commrt.isend(torch.full((1 << 18,), float(i)), 1, tag=9) for i in range(count)]
+        for w in works:
+            w.wait()
+        commrt.send(torch.ones(1), 1, tag=10)
+    elif rank == 1:
+        commrt.recv(torch.empty(1), 0, tag=10)
+        for i in range(count):
+            got = torch.empty(1 << 18)
+            commrt.recv(got, 0, tag=9)
+            assert bool((got == i).all()), i
+    if rank:  # and back: every rank sends to rank 0 at once
+        commrt.send(expected(1 << 18, torch.float32, rank, 5), 0, tag=5)
+    else:
+        for p in range(1, n):
+            got = torch.empty(1 << 18)
+            commrt.recv(got, p, tag=5)
+            assert torch.equal(got, expected(1 << 18, torch.float32, p, 5)), p
+
+
+def count_bytes() -> int:
+    return (3 * shm_p2p.RING_BYTES // (1 << 20) // 4 + 2) * (1 << 18) * 4
+
+
+def kill(rank: int, n: int) -> None:
+    if rank == 1:
+        commrt.send(expected(1 << 20, torch.float32, 0, 1), 0, tag=1)
+        commrt.recv(torch.empty(1), 0, tag=2)  # rank 0 has it: now die with our ring mapped on both sides
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == 0:
+        got = torch.empty(1 << 20)
+        commrt.recv(got, 1, tag=1)
+        assert torch.equal(got, expected(1 << 20, torch.float32, 0, 1))
+        commrt.send(torch.ones(1), 1, tag=2)
+        try:
+            commrt.recv(got, 1, tag=3)
+        except commrt.PeerLost as exc:
+            print(f"CAUGHT PeerLost: {exc}", flush=True)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    _announce_rings()
+    commrt.init_process_group()
+    rank, n = commrt.get_rank(), commrt.get_world_size()
+    (data if mode == "data" else kill)(rank, n)
+    engine = commrt.distributed._rt().world.backend._p2p
+    rings = engine._rings
+    used = bool(rings and (rings._out or rings._in))
+    if mode == "data":  # comm_stats counts what each rank sent, whichever way it went
+        p2p = commrt.comm_stats()["by_op"]["p2p"]
+        sent = (sum(expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
+                    for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES) * (n - 1)
+                + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
+        assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
+    print(f"rank {rank}: p2p {mode} passed, rings used {used}", flush=True)
+    if mode == "kill":
+        os._exit(0)  # the group's peer is gone: skip the goodbye barrier
+    commrt.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
