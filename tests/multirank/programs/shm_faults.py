@@ -3,13 +3,14 @@
     shm_faults MODE   with MODE in
       setup-kill   rank 1 is SIGKILLed while mapping its peers' segments (before anyone unlinked)
       mismatch     rank 1 calls all_reduce with another count than the others
-      garbage      rank 1 scribbles over its own control page (step headers) mid-job
+      garbage      rank 1 publishes a step whose header is garbage mid-job
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -43,11 +44,17 @@ def main() -> int:
             commrt.all_reduce(torch.ones(10 + (RANK == VICTIM)))
         elif MODE == "garbage":
             commrt.all_reduce(torch.ones(10))
-            if RANK == VICTIM:
-                ctl = commrt.distributed._rt().world.backend._shm.ctl[RANK]
+            if RANK == VICTIM:  # garbage in the next step's header, published as if it were one
+                channel = commrt.distributed._rt().world.backend._shm
+                ctl, t = channel.ctl[RANK], channel.t + 1
                 for w in range(shm.HDR_BASE, shm.ATTACH_BASE):
                     ctl[w] = -(1 << 62) + w
-            commrt.all_reduce(torch.ones(1000))
+                ctl[shm.HDR_BASE + shm.HDR_WORDS * (t & 1)] = t  # the step word right, the rest garbage
+                ctl[shm.W_COUNTER] = t
+                time.sleep(2)  # rank 0 is already waiting for step t: let it read the garbage before
+                # our own all_reduce writes a real header over it
+            commrt.all_reduce(torch.ones(1000))  # rank 1's completes: rank 0 published valid data first
+            commrt.all_reduce(torch.ones(10))  # ... and its next op finds rank 0 gone
         print("NOT CAUGHT", flush=True)
     except commrt.CommError as exc:
         print(f"CAUGHT {type(exc).__name__}: {exc}", flush=True)
