@@ -33,6 +33,7 @@ from ..collectives.reduce_ops import ReduceOp
 from .codecs import Codec
 from .exchange import Hop, gather_hop, reduce_hop
 from .feedback import ErrorFeedback
+from .profile import add, span
 
 
 def levels(group, nbytes: int):
@@ -75,24 +76,30 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
     from .collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
     m, k = dist.get_world_size(intra), dist.get_world_size(inter)
     part = -(-x.size // m)
-    if x.size == part * m:  # read in place: the reduce-scatter does not write its input
-        padded = torch.from_numpy(np.asarray(x, dtype=np.float32))
-    else:  # the tail pads the last local rank's part
-        padded = torch.zeros(part * m, dtype=torch.float32)
-        padded[:x.size] = torch.from_numpy(x)
-    own = _own_problem(x)
+    with span("copy_in"):
+        if x.size == part * m:  # read in place: the reduce-scatter does not write its input
+            padded = torch.from_numpy(np.asarray(x, dtype=np.float32))
+        else:  # the tail pads the last local rank's part
+            padded = torch.zeros(part * m, dtype=torch.float32)
+            padded[:x.size] = torch.from_numpy(x)
+    with span("check_finite"):
+        own = _own_problem(x)
     shard = torch.empty(part, dtype=torch.float32)
-    dist.reduce_scatter_tensor(shard, padded, ReduceOp.SUM, group=intra)
+    with span("node_rs"):
+        dist.reduce_scatter_tensor(shard, padded, ReduceOp.SUM, group=intra)
     s = shard.numpy()
     sub = chunk_bounds(part, k)
     hops = _all_reduce_hops(s, sub, ReduceOp.SUM, k, codec, inter, like, fb, ".inter")
-    node_shard = np.empty(part, dtype=np.float32)
-    for (a, b), v in zip(sub, hops[-1].values):
-        node_shard[a:b] = v
-    if op == ReduceOp.AVG:
-        node_shard /= m * k
+    add("cross_wire_bytes", sum(h.wire_bytes for h in hops))
+    with span("copy_mid"):
+        node_shard = np.empty(part, dtype=np.float32)
+        for (a, b), v in zip(sub, hops[-1].values):
+            node_shard[a:b] = v
+        if op == ReduceOp.AVG:
+            node_shard /= m * k
     problems = own + [p for h in hops for p in h.problems]
-    out = _node_gather(node_shard, intra, problems).reshape(-1)[:x.size]
+    with span("node_ag"):
+        out = _node_gather(node_shard, intra, problems).reshape(-1)[:x.size]
     hops.append(Hop([], problems=problems))
     return out, hops, 2 * (m - 1) * part * 4
 
