@@ -24,17 +24,19 @@ log = logging.getLogger(__name__)
 
 
 class _Span:
-    __slots__ = ("name", "t0")
+    __slots__ = ("name", "t0", "c0")
 
     def __init__(self, name: str):
         self.name = TAG[0] + name
 
     def __enter__(self):
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
 
     def __exit__(self, *exc):
         TOTALS[self.name] = TOTALS.get(self.name, 0.0) + time.perf_counter() - self.t0
         COUNTS[self.name] = COUNTS.get(self.name, 0) + 1
+        if self.name.endswith("total"):  # this process's CPU (all its threads, user + system)
+            TOTALS[self.name + "_cpu"] = TOTALS.get(self.name + "_cpu", 0.0) + time.process_time() - self.c0
 
 
 def span(name: str):
