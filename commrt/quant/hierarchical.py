@@ -23,6 +23,8 @@ last node-local exchange, and a rank whose own input was non-finite names its fi
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -47,8 +49,9 @@ def levels(group, nbytes: int):
     return mesh.node_groups()
 
 
-PIECES = 8
-"""At most this many pipelined pieces per all_reduce (as ``collectives.hierarchical``)."""
+PIECES = int(os.environ.get("COMMRT_QUANT_PIECES", "8"))
+"""At most this many pipelined pieces per all_reduce (as ``collectives.hierarchical``);
+``COMMRT_QUANT_PIECES=1`` runs the one-piece path, to measure what the pipeline brings."""
 MIN_PIECE = 1 << 20
 """Elements: a smaller payload is not cut (each piece costs a few collective calls)."""
 
