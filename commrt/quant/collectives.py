@@ -29,6 +29,7 @@ from .exchange import Hop, gather_hop, reduce_hop
 from . import hierarchical as two_hop
 from .feedback import ErrorFeedback
 from .stats import STATS
+from . import profile
 
 _REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
 
@@ -142,9 +143,14 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
     if feedback is not None:
         feedback.begin()
     if (lv := two_hop.levels(group, x.size * 4)) is not None:
-        out, hops, node_bytes = two_hop.all_reduce(x, op, codec, *lv, tensor, feedback)
-        _settle("all_reduce", hops, node_bytes, "hierarchical")
-        _write(tensor, [(0, out)])
+        if profile.ON:
+            profile.TAG[0] = f"{codec.name}.{x.size * 4 >> 20}MiB."
+            profile.add("calls", 1)
+        with profile.span("total"):
+            out, hops, node_bytes = two_hop.all_reduce(x, op, codec, *lv, tensor, feedback)
+            _settle("all_reduce", hops, node_bytes, "hierarchical")
+            with profile.span("copy_out"):
+                _write(tensor, [(0, out)])
         return _done(async_op, "quant all_reduce")
     bounds = chunk_bounds(x.size, n)
     hops = _all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)

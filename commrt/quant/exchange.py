@@ -19,6 +19,7 @@ import torch
 from .. import distributed as dist
 from .codecs import Codec
 from .feedback import ErrorFeedback
+from .profile import add, span
 
 
 @dataclass
@@ -37,7 +38,8 @@ def _exchange(fn, send: np.ndarray, recv: np.ndarray, device: torch.device, grou
     s, r = torch.from_numpy(send), torch.from_numpy(recv)
     if device.type != "cpu":
         s, r = s.to(device), torch.empty(recv.size, dtype=torch.uint8, device=device)
-    fn(r, s, group=group, **kw)
+    with span("cross_exchange"):
+        fn(r, s, group=group, **kw)
     if device.type != "cpu":
         recv[:] = r.cpu().numpy()
 
@@ -56,23 +58,18 @@ def reduce_hop(x: np.ndarray, bounds: list[tuple[int, int]], codec: Codec, group
     src = fb.compensate(stage, x) if fb is not None else x
     send = np.empty(int(offsets[-1]), dtype=np.uint8)
     hop = Hop([])
-    for j, (a, b) in enumerate(bounds):
-        scale, bad = codec.encode_into(send[offsets[j]:offsets[j + 1]], src[a:b], offset=a, mark=True)
-        hop.max_error_bound = max(hop.max_error_bound, _bound(codec, scale))
-        hop.problems += [bad] if bad else []
+    with span("encode"):
+        for j, (a, b) in enumerate(bounds):
+            scale, bad = codec.encode_into(send[offsets[j]:offsets[j + 1]], src[a:b], offset=a, mark=True)
+            hop.max_error_bound = max(hop.max_error_bound, _bound(codec, scale))
+            hop.problems += [bad] if bad else []
     recv = np.empty(n * sizes[me], dtype=np.uint8)
     _exchange(dist.all_to_all_single, send, recv, device, group,
               output_split_sizes=[sizes[me]] * n, input_split_sizes=sizes)
     a, b = bounds[me]
     acc = np.zeros(b - a, dtype=np.float32)
-    for r in range(n):  # rank order: the same sum wherever it is computed
-        buf = recv[r * sizes[me]:(r + 1) * sizes[me]]
-        if r != me and codec.marked(buf, b - a):
-            hop.problems.append(f"rank {r} of the group sent values that cannot be quantized (it raised naming them)")
-        part = codec.decode(buf, b - a)
-        acc += part
-        if r == me and b > a and not hop.problems:
-            hop.max_abs_error = float(np.abs(part - src[a:b]).max())
+    with span("decode_reduce"):
+        _decode_sum(codec, recv, sizes[me], n, me, a, b, src, acc, hop)
     if fb is not None and not hop.problems:
         fb.update(stage, src, np.concatenate([codec.decode(send[offsets[j]:offsets[j + 1]], hi - lo)
                                               for j, (lo, hi) in enumerate(bounds)]))
@@ -80,6 +77,19 @@ def reduce_hop(x: np.ndarray, bounds: list[tuple[int, int]], codec: Codec, group
     hop.wire_bytes = int(offsets[-1]) - sizes[me]
     hop.exact_bytes = (x.size - (b - a)) * itemsize
     return hop
+
+
+def _decode_sum(codec: Codec, recv: np.ndarray, size: int, n: int, me: int, a: int, b: int, src: np.ndarray,
+                acc: np.ndarray, hop: Hop) -> None:
+    """acc += each rank's decoded part, in rank order: the same sum wherever it is computed."""
+    for r in range(n):
+        buf = recv[r * size:(r + 1) * size]
+        if r != me and codec.marked(buf, b - a):
+            hop.problems.append(f"rank {r} of the group sent values that cannot be quantized (it raised naming them)")
+        part = codec.decode(buf, b - a)
+        acc += part
+        if r == me and b > a and not hop.problems:
+            hop.max_abs_error = float(np.abs(part - src[a:b]).max())
 
 
 def gather_hop(own: np.ndarray, counts: list[int], codec: Codec, group, device: torch.device, itemsize: int,
@@ -90,15 +100,17 @@ def gather_hop(own: np.ndarray, counts: list[int], codec: Codec, group, device: 
     width = max(codec.nbytes(c) for c in counts)  # uneven parts: each padded to the largest
     src = fb.compensate(stage, own) if fb is not None else own
     send = np.zeros(width, dtype=np.uint8)
-    scale, bad = codec.encode_into(send[:codec.nbytes(own.size)], src, offset=offset, mark=True)
+    with span("encode"):
+        scale, bad = codec.encode_into(send[:codec.nbytes(own.size)], src, offset=offset, mark=True)
     hop = Hop([], max_error_bound=_bound(codec, scale), problems=[bad] if bad else [])
     recv = np.empty(n * width, dtype=np.uint8)
     _exchange(dist.all_gather_into_tensor, send, recv, device, group)
-    for r, c in enumerate(counts):
-        buf = recv[r * width:r * width + codec.nbytes(c)]
-        if r != me and codec.marked(buf, c):
-            hop.problems.append(f"rank {r} of the group sent values that cannot be quantized (it raised naming them)")
-        hop.values.append(codec.decode(buf, c))
+    with span("decode"):
+        for r, c in enumerate(counts):
+            buf = recv[r * width:r * width + codec.nbytes(c)]
+            if r != me and codec.marked(buf, c):
+                hop.problems.append(f"rank {r} of the group sent values that cannot be quantized (it raised naming them)")
+            hop.values.append(codec.decode(buf, c))
     if not hop.problems:
         if fb is not None:
             fb.update(stage, src, hop.values[me])

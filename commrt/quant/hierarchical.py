@@ -23,6 +23,8 @@ last node-local exchange, and a rank whose own input was non-finite names its fi
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -33,6 +35,7 @@ from ..collectives.reduce_ops import ReduceOp
 from .codecs import Codec
 from .exchange import Hop, gather_hop, reduce_hop
 from .feedback import ErrorFeedback
+from .profile import add, span
 
 
 def levels(group, nbytes: int):
@@ -46,18 +49,33 @@ def levels(group, nbytes: int):
     return mesh.node_groups()
 
 
-def _own_problem(x: np.ndarray) -> list[str]:
+PIECES = int(os.environ.get("COMMRT_QUANT_PIECES", "8"))
+"""At most this many pipelined pieces per all_reduce (as ``collectives.hierarchical``);
+``COMMRT_QUANT_PIECES=1`` runs the one-piece path, to measure what the pipeline brings."""
+MIN_PIECE = 1 << 20
+"""Elements: a smaller payload is not cut (each piece costs a few collective calls)."""
+
+
+def piece_bounds(n: int, unit: int, pieces: int = PIECES, min_piece: int | None = None) -> list[tuple[int, int]]:
+    """[a, b) cuts of ``n`` values into at most ``pieces`` of at least ``min_piece``, each a
+    multiple of ``unit`` but the last (so every piece but the last splits into whole blocks
+    on every rank and needs no padding)."""
+    count = max(1, min(pieces, n // max(1, MIN_PIECE if min_piece is None else min_piece)))
+    per = max(unit, -(-(-(-n // count)) // unit) * unit)
+    return [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+
+
+def _own_problem(x: np.ndarray, offset: int = 0) -> list[str]:
     """The node-local hops would carry a non-finite input silently: name it here."""
     if x.size == 0 or np.isfinite(x).all():
         return []
     bad = int(np.flatnonzero(~np.isfinite(x))[0])
-    return [f"cannot quantize a non-finite value: element {bad} is {x[bad]}"]
+    return [f"cannot quantize a non-finite value: element {offset + bad} is {x[bad]}"]
 
 
 def _node_gather(part: np.ndarray, intra, problems: list[str]) -> np.ndarray:
-    """Exact all-gather of ``part`` inside the node, returned as [M, part.size]. A rank that
-    saw a problem sends a NaN first element (a decoded value never is NaN: the codec refuses
-    non-finite input), so every rank of the node raises together, at no extra cost."""
+    """Exact all-gather of ``part`` inside the node, returned as [M, part.size]; the NaN
+    flag of ``_Piece.gather`` tells every rank of the node about a problem."""
     m = dist.get_world_size(intra)
     if problems and part.size:
         part[0] = np.nan
@@ -69,32 +87,90 @@ def _node_gather(part: np.ndarray, intra, problems: list[str]) -> np.ndarray:
     return rows
 
 
+class _Piece:
+    """One pipelined piece ``x[a:b]`` of the two-hop all_reduce: its (padded) fp32 input,
+    this rank's 1/M shard of the node's sum, and the node-gathered result rows."""
+
+    def __init__(self, x: np.ndarray, a: int, b: int, m: int, out: np.ndarray):
+        self.a, self.b, self.part = a, b, -(-(b - a) // m)
+        with span("copy_in"):
+            self.direct = b - a == self.part * m
+            if self.direct:  # read in place: the reduce-scatter does not write its input
+                self.padded = torch.from_numpy(np.asarray(x[a:b], dtype=np.float32))
+                self.rows = torch.from_numpy(out[a:b])  # gathered straight into the result
+            else:  # the tail pads the last local rank's part
+                self.padded = torch.zeros(self.part * m, dtype=torch.float32)
+                self.padded[:b - a] = torch.from_numpy(x[a:b])
+                self.rows = torch.empty(self.part * m, dtype=torch.float32)
+        with span("check_finite"):
+            self.problems = _own_problem(x[a:b], a)
+        self.shard = torch.empty(self.part, dtype=torch.float32)
+        self.rs = self.ag = None
+
+    def gather(self, node_shard: np.ndarray, intra, m: int) -> None:
+        """Issue the node's all-gather; a rank that saw a problem sends a NaN first element (a
+        decoded value never is NaN: the codec refuses non-finite input), so every rank of the
+        node raises together, at no extra cost."""
+        if self.problems and node_shard.size:
+            node_shard[0] = np.nan
+        self.ag = dist.all_gather_into_tensor(self.rows, torch.from_numpy(node_shard), group=intra, async_op=True)
+
+    def finish(self, out: np.ndarray, m: int) -> None:
+        with span("node_ag"):
+            self.ag.wait()
+        rows = self.rows.numpy()
+        if not self.problems and self.part and np.isnan(rows[::self.part]).any():
+            self.problems.append("a rank of this node saw values that cannot be quantized (it raised naming them)")
+        if not self.direct:
+            with span("copy_mid"):
+                out[self.a:self.b] = rows[:self.b - self.a]
+
+
 def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: torch.Tensor,
                fb: ErrorFeedback | None) -> tuple[np.ndarray, list[Hop], int]:
-    """(the reduced values, the quantized hops, fp32 bytes this rank sent inside the node)."""
+    """(the reduced values, the quantized hops, fp32 bytes this rank sent inside the node).
+    Cut in pieces (none with error feedback, whose state is kept per whole tensor): every
+    node-local reduce-scatter is issued at once on the node group's executor, then piece by
+    piece the quantized hop runs across nodes while the node group reduces later pieces and
+    gathers earlier ones. Each piece is the one-piece algorithm on ``x[a:b]``."""
     from .collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
     m, k = dist.get_world_size(intra), dist.get_world_size(inter)
-    part = -(-x.size // m)
-    if x.size == part * m:  # read in place: the reduce-scatter does not write its input
-        padded = torch.from_numpy(np.asarray(x, dtype=np.float32))
-    else:  # the tail pads the last local rank's part
-        padded = torch.zeros(part * m, dtype=torch.float32)
-        padded[:x.size] = torch.from_numpy(x)
-    own = _own_problem(x)
-    shard = torch.empty(part, dtype=torch.float32)
-    dist.reduce_scatter_tensor(shard, padded, ReduceOp.SUM, group=intra)
-    s = shard.numpy()
-    sub = chunk_bounds(part, k)
-    hops = _all_reduce_hops(s, sub, ReduceOp.SUM, k, codec, inter, like, fb, ".inter")
-    node_shard = np.empty(part, dtype=np.float32)
-    for (a, b), v in zip(sub, hops[-1].values):
-        node_shard[a:b] = v
-    if op == ReduceOp.AVG:
-        node_shard /= m * k
-    problems = own + [p for h in hops for p in h.problems]
-    out = _node_gather(node_shard, intra, problems).reshape(-1)[:x.size]
+    cuts = piece_bounds(x.size, m * k * codec.block, 1 if fb is not None else PIECES)
+    out = np.empty(x.size, dtype=np.float32)
+    pieces = [_Piece(x, a, b, m, out) for a, b in cuts]
+    hops: list[Hop] = []
+    try:
+        for p in pieces:
+            p.rs = dist.reduce_scatter_tensor(p.shard, p.padded, ReduceOp.SUM, group=intra, async_op=True)
+        for p in pieces:
+            with span("node_rs"):
+                p.rs.wait()
+            sub = chunk_bounds(p.part, k)
+            piece_hops = _all_reduce_hops(p.shard.numpy(), sub, ReduceOp.SUM, k, codec, inter, like, fb, ".inter")
+            add("cross_wire_bytes", sum(h.wire_bytes for h in piece_hops))
+            hops += piece_hops
+            with span("copy_mid"):
+                node_shard = np.concatenate(piece_hops[-1].values) if p.part else np.empty(0, np.float32)
+                if op == ReduceOp.AVG:
+                    node_shard /= m * k
+            p.problems += [q for h in piece_hops for q in h.problems]
+            p.gather(node_shard, intra, m)
+        for p in pieces:
+            p.finish(out, m)
+    finally:  # never return while a queued op may still read or write our buffers
+        _drain([w for p in pieces for w in (p.rs, p.ag)])
+    problems = [q for p in pieces for q in p.problems]
     hops.append(Hop([], problems=problems))
-    return out, hops, 2 * (m - 1) * part * 4
+    return out, hops, sum(2 * (m - 1) * p.part * 4 for p in pieces)
+
+
+def _drain(works: list) -> None:
+    for w in works:
+        if w is not None and not w.is_completed():
+            try:
+                w.wait()
+            except BaseException:  # the first error is already on its way up
+                pass
 
 
 def reduce_scatter(x: np.ndarray, s: int, op: ReduceOp, codec: Codec, intra, inter, like: torch.Tensor,

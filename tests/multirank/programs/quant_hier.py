@@ -9,10 +9,11 @@ import torch
 
 import commrt
 import commrt.quant as cq
+import commrt.quant.hierarchical as two_hop
 from commrt.collectives.algorithms import chunk_bounds
 
 K = M = 2
-SIZES = (0, 1, 7, 1003, 70001)
+SIZES = (0, 1, 7, 1003, 20000, 70001)
 
 
 def qd(codec, x: np.ndarray) -> np.ndarray:
@@ -23,6 +24,12 @@ def qd(codec, x: np.ndarray) -> np.ndarray:
 
 
 def ref_all_reduce(codec, parts: list[np.ndarray], avg: bool) -> np.ndarray:
+    """The one-piece algorithm on each pipelined piece (two_hop.piece_bounds) in turn."""
+    cuts = two_hop.piece_bounds(parts[0].size, K * M * codec.block)
+    return np.concatenate([ref_piece(codec, [p[a:b] for p in parts], avg) for a, b in cuts])
+
+
+def ref_piece(codec, parts: list[np.ndarray], avg: bool) -> np.ndarray:
     n, part = parts[0].size, -(-parts[0].size // M)
     padded = [np.concatenate([p, np.zeros(part * M - n, np.float32)]) for p in parts]
     out = []
@@ -132,6 +139,28 @@ def check_nonfinite() -> None:
     assert torch.allclose(t, torch.full((300,), 4.0), rtol=1e-5), t[:4]
 
 
+def check_pieces(flat_world) -> None:
+    """The pipelined path: pieces of 4096+ values, the last one short (not a multiple of the
+    block, nor of M), and a NaN in a later piece than the first."""
+    two_hop.MIN_PIECE = 4096
+    try:
+        assert len(two_hop.piece_bounds(70001, K * M * 256)) == 8 and len(two_hop.piece_bounds(20000, 1024)) == 4
+        for mode in ("int8", "int4"):
+            check(flat_world, mode, torch.float32)
+        rank = commrt.get_rank()
+        t = torch.ones(30001)
+        if rank == 2:
+            t[25000] = float("inf")
+        try:
+            commrt.all_reduce(t, quant="int8")
+            raise AssertionError("an inf on rank 2 was accepted")
+        except ValueError as exc:
+            assert rank != 2 or "element 25000" in str(exc), exc
+        assert torch.equal(t[:4], torch.ones(4)) or rank == 2, "a failed call wrote its tensor"
+    finally:
+        two_hop.MIN_PIECE = 1 << 20
+
+
 def main() -> None:
     commrt.init_process_group()
     try:
@@ -142,6 +171,7 @@ def main() -> None:
         check(flat_world, "int8", torch.bfloat16)
         check_paths(flat_world)
         check_nonfinite()
+        check_pieces(flat_world)
         print(f"rank {commrt.get_rank()}: quant hier passed", flush=True)
     finally:
         commrt.destroy_process_group()
