@@ -222,6 +222,10 @@ class P2PEngine:
         while op.sent < len(op.frames):
             header, payload = op.frames[op.sent]
             place = self._rings.place(op.dst, payload) if self._rings is not None else None
+            if place is shm_p2p.FULL:
+                if now - op.since < shm_p2p.FULL_WAIT_S:
+                    return False  # retried within BUSY_POLL_MS: the receiver is usually copying out
+                place = None  # it is not taking it: inline, as the socket would have it
             if place is not None:  # the payload goes into our ring to dst; the socket says where
                 desc = shm_p2p.descriptor(*place)
                 header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)

@@ -15,8 +15,9 @@ shared memory; the receiver unlinks it as soon as it has mapped it (the sender a
 the sweep of dead creators otherwise). The receiver publishes how far it has consumed in the
 ring's control word; the sender writes only behind that. Data is written before the socket
 send that announces it, so a receiver that has the header sees the bytes (the send is a
-system call; the receiver reads after its own). When a ring is full the piece goes inline over
-the socket as before: nothing ever waits for space.
+system call; the receiver reads after its own). When a ring has had no room for FULL_WAIT_S
+(the receiver is not taking what it was sent) the piece goes inline over the socket, so a send
+never waits on a receive that is posted only after it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ RING_BYTES = 8 << 20  # per (sender, receiver) pair: two 4 MiB pieces (the defau
 MIN_BYTES = 32 << 10  # smaller payloads stay inline on the socket: one message beats two copies
 W_TAIL = shm.W_COUNTER  # the receiver's consumed position (bytes, counting up forever)
 W_MAPPED = shm.ATTACH_BASE  # set by the receiver once it has mapped the ring
+FULL = (-1, -1, "")  # Rings.place: eligible, but the ring has no room yet
+FULL_WAIT_S = 0.05  # a piece waits this long for room (the receiver is copying out), then goes inline
 CLOSE_WAIT_S = 5.0  # a closing sender waits this long for a receiver to map what it was sent
 _DESC = struct.Struct("<qq")  # position, length; then the ring's name, padded to 8 bytes
 
@@ -160,7 +163,8 @@ class Rings:
         self._in: dict[int, InRing] = {}
 
     def place(self, dst: int, payload) -> tuple[int, int, str] | None:
-        """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), or None (inline)."""
+        """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), FULL (no room
+        yet), or None (inline: not a ring peer, small, or no segment could be made)."""
         n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
         if dst not in self.peers or n < MIN_BYTES:
             return None
@@ -172,7 +176,7 @@ class Rings:
                 self.peers = self.peers - {dst}  # /dev/shm full: this pair stays on the socket
                 return None
         pos = ring.reserve(n)
-        return None if pos is None else (pos, n, ring.name)
+        return FULL if pos is None else (pos, n, ring.name)
 
     def write(self, dst: int, pos: int, payload) -> None:
         self._out[dst].write(pos, payload)

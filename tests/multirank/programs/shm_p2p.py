@@ -54,7 +54,7 @@ def data(rank: int, n: int) -> None:
         commrt.recv(got[1], 0, tag=2)
         commrt.recv(got[0], 0, tag=1)
         assert all(torch.equal(g, b) for g, b in zip(got, big))
-    count = 3 * shm_p2p.RING_BYTES // (1 << 20) // 4 + 2  # 1 MiB each: more than the ring holds
+    count = shm_p2p.RING_BYTES // (1 << 20) + 2  # 1 MiB each: more than the ring holds
     if rank == 0:  # every isend completes before rank 1 posts a receive (it waits for our word)
         works = [commrt.isend(torch.full((1 << 18,), float(i)), 1, tag=9) for i in range(count)]
         for w in works:
@@ -76,7 +76,7 @@ def data(rank: int, n: int) -> None:
 
 
 def count_bytes() -> int:
-    return (3 * shm_p2p.RING_BYTES // (1 << 20) // 4 + 2) * (1 << 18) * 4
+    return (shm_p2p.RING_BYTES // (1 << 20) + 2) * (1 << 18) * 4
 
 
 def kill(rank: int, n: int) -> None:
