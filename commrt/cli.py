@@ -157,6 +157,16 @@ def _server_status(args) -> int:
     return 0
 
 
+def _estimate(args) -> int:
+    from .plan import command as estimate_command
+    out = estimate_command.render(args)
+    if out is not None:  # None: a rank other than 0 of a --measure job
+        if out.note:
+            print(out.note, file=sys.stderr)
+        print(out.text)
+    return 0
+
+
 def _config(args) -> int:
     from .config import env_table, load_config
     if args.env_table:
@@ -244,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(fn=_config)
     _add_obs_commands(sub)
     from .plan import command as estimate_command  # pure until --measure
-    estimate_command.add_parser(sub).set_defaults(fn=estimate_command.run)
+    estimate_command.add_parser(sub).set_defaults(fn=_estimate)
     return p
 
 

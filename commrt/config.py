@@ -79,10 +79,8 @@ class CommConfig:
     """Collectives over the world group when it spans several nodes with several ranks on each:
     ``always`` runs all_reduce, reduce_scatter_tensor and all_gather_into_tensor in two levels
     (inside each node, then across nodes on 1/M of the data), ``never`` flat, ``auto``
-    hierarchically when each rank's part across nodes is above small_bytes (below that the
-    extra latency of three steps outweighs the link bytes saved) and a probe at the first such
-    collective (an 8 MiB all_reduce timed both ways, once per job) found the two levels at least
-    1.1x faster; ``comm_stats()["hierarchical_auto"]`` shows what it measured. All ranks must agree."""
+    hierarchically above small_bytes per rank's cross-node part when a one-time probe (mesh.py)
+    finds two levels >= 1.1x faster (comm_stats()["hierarchical_auto"]). All ranks must agree."""
     intra_node: str = "auto"
     """How ranks of one node (one host and network namespace) exchange collective payloads:
     ``auto`` through shared memory where the host allows it (x86-64, /dev/shm writable), else

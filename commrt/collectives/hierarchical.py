@@ -55,12 +55,7 @@ def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp, segments: int = 1
             p.ag.wait()
             p.finish()
     finally:  # never return while a queued op may still read or write our buffers
-        for w in works:
-            if w is not None and not w.is_completed():
-                try:
-                    w.wait()
-                except BaseException:  # the first error is already on its way up
-                    pass
+        drain(works)
     if op == ReduceOp.AVG:
         finish_avg_(flat, m * inter.size())
 
@@ -102,3 +97,13 @@ def all_gather(intra, inter, out: torch.Tensor, inp: torch.Tensor) -> None:
     intra.backend.all_gather_into_tensor(by_local, same_local, False)  # [M, K, s]
     out.view(k, m, s).copy_(by_local.view(m, k, s).transpose(0, 1))
 
+
+def drain(works: list) -> None:
+    """Wait for every queued op of a composition that is giving up (None entries skipped):
+    their buffers are the caller's. Their errors are dropped: the first is already on its way up."""
+    for w in works:
+        if w is not None and not w.is_completed():
+            try:
+                w.wait()
+            except BaseException:
+                pass

@@ -183,23 +183,29 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
 
 
-def run(args) -> int:
+class Output(NamedTuple):
+    text: str            # the table or JSON, for stdout
+    note: str | None     # what --measure measured, for stderr
+
+
+def render(args) -> Output | None:
+    """The estimate for ``args``; None on a job's ranks other than 0 (``--measure`` in a job).
+    The CLI prints it (commrt/cli.py)."""
     from .estimate import estimate
     measured = None
     if args.measure:
         measured = measure(args)
         args.intra_bw, args.inter_bw = measured.intra_bw, measured.inter_bw
         if not measured.prints:
-            return 0
-        print(measured.note, file=sys.stderr)
+            return None
     results = [(label, job, cluster, estimate(job, cluster)) for label, job, cluster in _configs(args)]
     if args.json:
-        print(json.dumps([{"config": label, "job": dataclasses.asdict(job), "cluster": dataclasses.asdict(cluster),
-                           **({"measured": measured.note} if measured else {}), **to_dict(est)}
-                          for label, job, cluster, est in results], indent=1))
+        text = json.dumps([{"config": label, "job": dataclasses.asdict(job), "cluster": dataclasses.asdict(cluster),
+                            **({"measured": measured.note} if measured else {}), **to_dict(est)}
+                           for label, job, cluster, est in results], indent=1)
     else:
-        print(table([(label, est) for label, _, _, est in results]))
-    return 0
+        text = table([(label, est) for label, _, _, est in results])
+    return Output(text, measured.note if measured else None)
 
 
 def to_dict(est: Estimate) -> dict:

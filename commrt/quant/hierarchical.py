@@ -31,6 +31,7 @@ import torch
 from .. import distributed as dist
 from .. import mesh
 from ..collectives.algorithms import chunk_bounds
+from ..collectives.hierarchical import drain
 from ..collectives.reduce_ops import ReduceOp
 from .codecs import Codec
 from .exchange import Hop, gather_hop, reduce_hop
@@ -158,19 +159,10 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
         for p in pieces:
             p.finish(out, m)
     finally:  # never return while a queued op may still read or write our buffers
-        _drain([w for p in pieces for w in (p.rs, p.ag)])
+        drain([w for p in pieces for w in (p.rs, p.ag)])
     problems = [q for p in pieces for q in p.problems]
     hops.append(Hop([], problems=problems))
     return out, hops, sum(2 * (m - 1) * p.part * 4 for p in pieces)
-
-
-def _drain(works: list) -> None:
-    for w in works:
-        if w is not None and not w.is_completed():
-            try:
-                w.wait()
-            except BaseException:  # the first error is already on its way up
-                pass
 
 
 def reduce_scatter(x: np.ndarray, s: int, op: ReduceOp, codec: Codec, intra, inter, like: torch.Tensor,

@@ -89,12 +89,7 @@ class OutRing:
         while self.head and self._ctl[W_MAPPED] != 1 and time.monotonic() < deadline:
             time.sleep(0.001)
         shm.unlink(self.name)
-        self._ctl.release()
-        self._data.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        _unmap(self._ctl, self._data, self._mm)
 
 
 class InRing:
@@ -129,12 +124,7 @@ class InRing:
 
     def close(self, wait_s: float = 0.0) -> None:
         self._held.clear()
-        self._ctl.release()
-        self._data.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        _unmap(self._ctl, self._data, self._mm)
 
 
 class Region:
@@ -197,3 +187,12 @@ class Rings:
             ring.close(wait_s)
         self._out.clear()
         self._in.clear()
+
+
+def _unmap(ctl: memoryview, data: memoryview, mm: mmap.mmap) -> None:
+    ctl.release()
+    data.release()
+    try:
+        mm.close()
+    except BufferError:  # a tensor view still exported: the mapping goes with the process
+        pass
