@@ -38,18 +38,20 @@ def run_backend(backend: str, tests: list[str], world: int, timeout_s: int) -> t
                "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(timeout_s),
                "TORCH_SUITE_RESULTS": os.path.join(tmp, "results.json")}
         names = [f"TestDistBackendWithSpawn.{t}" for t in tests]
+        log_dir = os.environ.get("TORCH_SUITE_LOG_DIR") or tmp  # the whole output, for reading failures
+        log = os.path.join(log_dir, f"{backend}-{select}.log")
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "suite_main.py"), "-v", *names], env=env,
-                              capture_output=True, text=True, timeout=timeout_s * max(1, len(tests)) + 600)
-        text = proc.stdout + proc.stderr
+        with open(log, "w") as out:
+            try:
+                subprocess.run([sys.executable, os.path.join(HERE, "suite_main.py"), "-v", *names], env=env,
+                               stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s * max(1, len(tests)) + 600)
+            except subprocess.TimeoutExpired:  # what finished is in the results file; the rest is "not run"
+                pass
         try:
             with open(env["TORCH_SUITE_RESULTS"]) as f:
                 results = json.load(f)
-        except FileNotFoundError:  # the run died: every test counts as not run
+        except FileNotFoundError:  # the run died before its first verdict
             results = {}
-    if os.environ.get("TORCH_SUITE_LOG_DIR"):  # the whole output, for reading failures
-        with open(os.path.join(os.environ["TORCH_SUITE_LOG_DIR"], f"{backend}-{select}.log"), "w") as f:
-            f.write(text)
     for t in tests:
         results.setdefault(t, "not run")
     return results, time.monotonic() - start
@@ -80,6 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     tests = args.tests or SUBSET
     if args.all:
+        for k, v in {"BACKEND": "gloo", "WORLD_SIZE": str(args.world), "TEMP_DIR": "/nonexistent"}.items():
+            os.environ.setdefault(k, v)  # read at import by the suite's module; the runs set their own
         from torch.testing._internal.distributed.distributed_test import DistributedTest
         tests = sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_"))
     runs = {b: run_backend(b, tests, args.world, args.timeout) for b in args.backends.split(",")}

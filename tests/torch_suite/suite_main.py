@@ -35,8 +35,14 @@ if os.environ.get("BACKEND") in ("commrt", "gloo"):
 
 
 class Recording(unittest.TextTestResult):
-    """unittest's verdicts by test name (the suite's ranks log to the same streams)."""
+    """unittest's verdicts by test name (the suite's ranks log to the same streams), written after
+    every test so that a run cut short still reports what it ran."""
     outcomes: dict = {}
+
+    def stopTest(self, test):
+        super().stopTest(test)
+        with open(os.environ["TORCH_SUITE_RESULTS"], "w") as f:
+            json.dump(self.outcomes, f)
 
     def addSuccess(self, test):
         super().addSuccess(test)
