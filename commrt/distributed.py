@@ -242,13 +242,14 @@ def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
     return _call(_begin(g, "send", tensor, True, dst), g.backend.isend, tensor, peer, tag)
 
 
-def irecv(tensor, src: int, group=None, tag: int = 0) -> Work | None:
+def irecv(tensor, src: int | None = None, group=None, tag: int = 0) -> Work | None:
+    """``src`` None: from any peer; ``work.result()`` is then the sender's group rank."""
     tag = _tag(tag, "irecv")
     g = _group(group)
     if g is None:
         return None
-    peer = g.group_rank(src, "src")
-    return _call(_begin(g, "recv", tensor, True, src), g.backend.irecv, tensor, peer, tag)
+    peer = None if src is None else g.group_rank(src, "src")
+    return _call(_begin(g, "recv", tensor, True, -1 if src is None else src), g.backend.irecv, tensor, peer, tag)
 
 
 def send(tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -257,12 +258,14 @@ def send(tensor, dst: int, group=None, tag: int = 0) -> None:
         work.wait()
 
 
-def recv(tensor, src: int, group=None, tag: int = 0) -> int:
-    """Returns the sender's rank, like torch."""
+def recv(tensor, src: int | None = None, group=None, tag: int = 0) -> int:
+    """Returns the sender's (global) rank, like torch; ``src`` None takes the first message with
+    ``tag`` from any peer."""
     work = irecv(tensor, src, group, tag)
-    if work is not None:
-        work.wait()
-    return src
+    if work is None:
+        return -1
+    work.wait()
+    return src if src is not None else _group(group).ranks[work.result()]
 
 
 # -- observability (commrt/obs): every op above passes _begin and _call -------------------------

@@ -23,7 +23,8 @@ class PeerLost(CommError):
 
     def __init__(self, rank: int, op: str, seq: int, reason: str, role: str = "peer rank"):
         self.rank, self.op, self.seq, self.reason, self.role = rank, op, seq, reason, role
-        super().__init__(f"lost {role} {rank} during {op} (seq {seq}): {reason}")
+        who = role if rank < 0 else f"{role} {rank}"  # rank -1: a receive from any source
+        super().__init__(f"lost {who} during {op} (seq {seq}): {reason}")
 
 
 class RequestRejected(CommError):

@@ -34,9 +34,9 @@ class TorchWork(Work):
     ``wait(timeout)`` that runs out raises ``CommTimeout`` and leaves the work pending: a later
     wait can still succeed. Only torch's own failure is kept as the work's error."""
 
-    def __init__(self, name: str, inner, after=None, polls: bool = True):
+    def __init__(self, name: str, inner, after=None, polls: bool = True, result=None):
         super().__init__(name)
-        self._inner, self._after = inner, after
+        self._inner, self._after, self._result_of = inner, after, result
         # gloo's point-to-point works report completion only from inside wait() (checked with
         # torch 2.13: is_completed() stays False after the peer has received), so they are
         # waited with torch's own timeout instead of polled
@@ -52,7 +52,7 @@ class TorchWork(Work):
                     self._inner.wait()  # completed: returns at once, or raises torch's error
                 if self._after is not None:
                     self._after()
-                self._finish(None, None)
+                self._finish(self._result_of() if self._result_of is not None else None, None)
             except Exception as exc:
                 self._finish(None, exc)
 
@@ -149,9 +149,14 @@ class TorchBackend:
         return TorchWork("send", tdist.isend(as_tensor(tensor), self.ranks[dst], group=self.pg, tag=tag),
                          polls=False)
 
-    def irecv(self, tensor, src: int, tag: int = 0) -> Work:
-        return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag),
-                         polls=False)
+    def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
+        """``src`` None: from any peer (gloo; nccl refuses); the Work's result is the sender's group rank."""
+        if src is not None:
+            return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag),
+                             polls=False)
+        inner = tdist.irecv(as_tensor(tensor), None, group=self.pg, tag=tag)
+        return TorchWork("recv", inner, polls=False,
+                         result=lambda: self.ranks.index(tdist.get_global_rank(self.pg, inner._source_rank())))
 
     def close(self) -> None:
         pass

@@ -22,7 +22,7 @@ from ..transport import shm
 from ..transport import Endpoint, Transport
 from ..transport.endpoint import MismatchReport, encode_report
 from ..transport.memory import keep_freed_memory
-from ..transport.p2p import P2PEngine, Recv, Send
+from ..transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
 from ..wire import P2P, Header
 from ..work import CommTimeout, Executor, Work
 from .base import check_same_dtype, flat_view, split_bounds
@@ -293,7 +293,9 @@ class ZmqBackend:
                                       len(payload)), payload))
             return self._p2p.post(Send(dst, tag, seq, frames, Work("send")))
 
-    def irecv(self, tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
+        """``src`` None: from any peer; the Work's result is the sender's group rank."""
+        src = ANY_SOURCE if src is None else src
         flat, wb, code, steps = self._p2p_plan(tensor, "recv", src, tag)
         with self._p2p_lock:
             seq = self._next_p2p("recv", src, tag)
@@ -302,7 +304,7 @@ class ZmqBackend:
     def _p2p_plan(self, tensor, direction: str, peer: int, tag: int):
         """(flat, write-back, dtype code, pieces) of one point-to-point transfer."""
         self._check_usable()
-        if not 0 <= peer < self.size or peer == self.rank:
+        if not (0 <= peer < self.size or peer == ANY_SOURCE and direction == "recv") or peer == self.rank:
             raise ValueError(f"{direction}: peer rank {peer} is invalid (rank {self.rank} of {self.size})")
         if tag < 0:
             raise ValueError(f"{direction}: tag must be >= 0, got {tag}")

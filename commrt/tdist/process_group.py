@@ -222,9 +222,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return TorchWork("recv", [self._b.irecv(wire_view(t), src, tag)], [t])
 
     def recv_anysource(self, tensors, tag: int):
-        raise NotImplementedError(
-            "commrt backend: recv without src is not supported (commrt matches point-to-point "
-            "messages by (src, tag)); pass src=, or exchange the sender's rank first")
+        (t,) = _one(tensors, "recv")
+        return TorchWork("recv", [self._b.irecv(wire_view(t), None, tag)], [t])  # _source_rank(): who sent
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         from .monitor import monitored_barrier  # rarely used; kept out of this file's fast paths

@@ -120,3 +120,8 @@ class TorchWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a receive from any source (torch's ``recv`` asks)."""
+        self.wait()
+        return self._works[-1].result()

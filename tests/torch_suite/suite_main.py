@@ -13,10 +13,9 @@ from torch.testing._internal.common_distributed import DistTestCases
 import commrt  # noqa: F401 (registers the "commrt" backend)
 
 # what the suite needs to be told about a plugin backend (test_distributed_spawn does the same for
-# gloo/nccl/ucc by name); commrt has no recv from any source (matching is by (src, tag))
+# gloo/nccl/ucc by name)
 for feature in ("plugin", "ddp", "subgroup"):
     DistTestCases.backend_feature[feature].add("commrt")
-DistTestCases.skip_collective["sendrecv anysource"].add("commrt")
 
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402

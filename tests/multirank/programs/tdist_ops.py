@@ -2,7 +2,7 @@
 inputs (issue 18): reductions (SUM/AVG/PRODUCT/MAX and the bitwise ones), coalesced all_reduce,
 all_gather (list, uneven, into-tensor, coalesced), reduce_scatter (list, uneven, tensor),
 all_to_all (list, single with uneven splits), reduce, gather, scatter, the *_object helpers,
-async handles with futures. Called by tdist_job's peerlost case after init."""
+async handles with futures, send/recv (from one peer and from any). Called by tdist_job's peerlost case after init."""
 from __future__ import annotations
 
 import torch
@@ -83,9 +83,28 @@ def all_to_all(rank: int, world: int) -> None:
     assert torch.equal(out, torch.cat(outs))
 
 
+def point_to_point(rank: int, world: int) -> None:
+    """Every rank sends x(rank) to rank 0, which takes them from any source (torch's
+    recv_anysource) and by rank; dist.recv returns who sent each."""
+    if rank:
+        dist.send(x(rank), 0, tag=7)
+        dist.send(x(rank) * 2, 0, tag=8)
+        return
+    got = {}
+    for _ in range(world - 1):
+        t = torch.empty(6)
+        src = dist.recv(t, tag=7)
+        got[src] = t
+    assert sorted(got) == list(range(1, world)) and all(torch.equal(t, x(r)) for r, t in got.items()), got
+    for r in range(1, world):
+        t = torch.empty(6)
+        assert dist.recv(t, r, tag=8) == r and torch.equal(t, x(r) * 2)
+
+
 def check_all(rank: int, world: int) -> None:
     reductions(rank, world)
     gathers(rank, world)
     scatters(rank, world)
     all_to_all(rank, world)
+    point_to_point(rank, world)
     print(f"OK ops rank {rank}", flush=True)
