@@ -1,11 +1,9 @@
 """Point-to-point progress engine: one thread owns a group's point-to-point Endpoint.
 
 Callers post transfers (``post_send``/``post_recv``) and get a ``Work``; the engine thread sends
-posted pieces as the sockets take them, matches arriving messages to posted receives by
-(source, tag) in posting order, and keeps what arrives early (bounded per peer). A receive from
-any source (``ANY_SOURCE``) takes the first message with its tag from whichever peer, unless a
-receive for that peer posted before it is waiting (MPI's matching order); once it has a
-message it belongs to that sender, and its Work's result is the sender's rank. Nothing
+posted pieces as the sockets take them, matches arriving messages to posted receives
+(matching.py: by (source, tag) in posting order, or from any source by tag) and keeps what
+arrives early (bounded per peer). A receive's Work result is the sender's rank. Nothing
 blocks on one transfer, so irecv-then-isend on both sides cannot deadlock, and transfers
 overlap the caller's compute. The MPI progress-engine design, and NCCL's proxy thread, in
 small: one owner per socket (hub.py's rules), woken through an inproc pair.
@@ -21,16 +19,16 @@ from typing import Any, Callable
 
 import zmq
 
-from ..errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
+from ..errors import GroupClosed, PeerLost, ProtocolError
 from ..wire import P2P, encode_header
 from . import shm_p2p
 from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
+from .matching import ANY_SOURCE, Matching
 
 log = logging.getLogger(__name__)
 
 UNEXPECTED_BYTES = 1 << 30  # early point-to-point data kept per peer before it counts as a flood
 BUSY_POLL_MS = 1  # while sends wait on a full pipe or ZeroMQ still reads our buffers
-ANY_SOURCE = -1  # Recv.src of a receive from any peer, until a message binds it to one
 
 
 @dataclass
@@ -71,13 +69,7 @@ class P2PEngine:
         self._thread: threading.Thread | None = None
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._draining: list[Send] = []
-        self._recvs: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
-        self._any: dict[int, collections.deque] = collections.defaultdict(collections.deque)  # by tag
-        self._early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
-        self._arrivals = 0  # early messages are kept as (arrival number, message)
-        self._posts = 0
-        self._removed: collections.Counter = collections.Counter()  # receives done per (src, tag)
-        self._early_bytes: collections.Counter = collections.Counter()
+        self._match = Matching(ep.rank, ep.socket_to, _release, time.monotonic)  # socket_to: liveness
         self._rings: shm_p2p.Rings | None = None
 
     def use_shm(self, peers: set[int]) -> None:
@@ -136,32 +128,7 @@ class P2PEngine:
             if isinstance(op, Send):
                 self._sends[op.dst].append(op)
                 continue
-            self._posts += 1
-            op.order = self._posts
-            if op.src == ANY_SOURCE:
-                self._any[op.tag].append(op)
-                self._any_take_early(op.tag)
-            else:
-                self._ep.socket_to(op.src)  # its connection's monitor is the sender's liveness
-                self._recvs[(op.src, op.tag)].append(op)
-                self._match_early(op)
-
-    def _bind(self, op: Recv, src: int) -> None:
-        """A receive from any source becomes ``src``'s next receive with its tag."""
-        op.src = src
-        self._ep.socket_to(src)
-        self._recvs[(src, op.tag)].appendleft(op)
-
-    def _any_take_early(self, tag: int) -> None:
-        """Receives from any source take kept messages with their tag, earliest arrival first."""
-        waiting = self._any[tag]
-        while waiting:
-            heads = [(q[0][0], k) for k, q in self._early.items() if k[1] == tag and q]
-            if not heads:
-                return
-            op = waiting.popleft()
-            self._bind(op, min(heads)[1][0])
-            self._match_early(op)
+            self._match.post(op)
 
     def _read_all(self) -> None:
         while True:
@@ -176,27 +143,12 @@ class P2PEngine:
                 if msg is None:
                     continue
                 h = msg.header
-            key = (h.src, h.op)
-            waiting = self._recvs.get(key)
-            anyq = self._any.get(h.op)
-            if anyq and not (waiting and (waiting[0].got or waiting[0].order < anyq[0].order)):
-                self._bind(anyq.popleft(), h.src)  # no receive for this peer before it: it is its
-                waiting = self._recvs[key]
-            if waiting:
-                self._land(waiting, msg)
+            if self._match.arrive(msg) or self._match.keep(msg) <= UNEXPECTED_BYTES:
                 continue
-            self._early_bytes[h.src] += h.nbytes
-            if self._early_bytes[h.src] > UNEXPECTED_BYTES:
-                self._fail_all(lambda op: ProtocolError(
-                    f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
-                    "of point-to-point data no receive was posted for"), peer=h.src)
-                for k in [k for k in self._early if k[0] == h.src]:
-                    for _, dropped in self._early.pop(k):
-                        _release(dropped)
-                self._early_bytes[h.src] = 0
-                continue
-            self._arrivals += 1
-            self._early[key].append((self._arrivals, msg))
+            self._fail_all(lambda op: ProtocolError(
+                f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
+                "of point-to-point data no receive was posted for"), peer=h.src)
+            self._match.drop_early(h.src)
 
     def _from_ring(self, msg: Message) -> Message | None:
         """A descriptor -> the message as if its payload had come over the socket."""
@@ -211,38 +163,6 @@ class P2PEngine:
             self._fail_all(lambda op: error, peer=h.src)
             return None
         return Message(h._replace(nbytes=len(region), root=0), region)
-
-    def _match_early(self, op: Recv) -> None:
-        early = self._early.get((op.src, op.tag))
-        waiting = self._recvs[(op.src, op.tag)]
-        while early and waiting and waiting[0] is op:
-            _, msg = early.popleft()
-            self._early_bytes[op.src] -= msg.header.nbytes
-            self._land(waiting, msg)
-
-    def _land(self, waiting: collections.deque, msg: Message) -> None:
-        op, h = waiting[0], msg.header
-        op.seq = self._removed[(op.src, op.tag)] + 1  # the sender numbers its sends to us by tag
-        want = (op.seq, op.code, op.count, op.got, op.pieces[op.got].nbytes if op.got < len(op.pieces) else -1)
-        try:
-            if (h.seq, h.dtype, h.count, h.step, h.nbytes) != want:
-                raise CollectiveMismatch("recv", op.seq, {"tag": op.tag, "seq": op.seq, "dtype code": op.code,
-                                                         "count": op.count, "step": op.got},
-                                         {"tag": h.op, "seq": h.seq, "dtype code": h.dtype,
-                                          "count": h.count, "step": h.step}, peer=op.src, rank=self._ep.rank)
-            op.land(op.pieces[op.got], msg.payload)
-            op.got += 1
-            op.since = time.monotonic()
-            if op.got == len(op.pieces):
-                self._pop(waiting)
-                if op.done is not None:
-                    op.done()
-                op.work._finish(op.src, None)  # the result: who sent it (a receive from any source asks)
-        except BaseException as exc:
-            self._pop(waiting)
-            op.work._finish(None, exc)
-        finally:
-            _release(msg)
 
     def _progress(self, now: float) -> None:
         for dst, queue in self._sends.items():
@@ -301,14 +221,9 @@ class P2PEngine:
             return True
         return False
 
-    def _pop(self, waiting: collections.deque) -> Recv:
-        op = waiting.popleft()
-        self._removed[(op.src, op.tag)] += 1
-        return op
-
     def _check_recvs(self, now: float) -> None:
         ep = self._ep
-        for waiting in self._recvs.values():
+        for waiting in self._match.recvs.values():
             if not waiting:
                 continue
             op = waiting[0]
@@ -318,10 +233,10 @@ class P2PEngine:
                 error = PeerLost(op.src, "recv", op.seq, f"no message within {self._timeout_s:g}s")
             else:
                 continue
-            self._pop(waiting)
+            self._match.pop(waiting)
             op.work._finish(None, error)
         gone = {p for p, t in ep.down.items() if now - t > ep._grace_s}
-        for tag, waiting in self._any.items():
+        for tag, waiting in self._match.any.items():
             if not waiting:
                 continue
             op = waiting[0]
@@ -341,8 +256,8 @@ class P2PEngine:
             op.work._finish(None, error)
 
     def _fail_all(self, error: Callable, peer: int | None = None) -> None:
-        anywhere = list(self._any.values()) if peer is None else []  # from any source: only when all fail
-        for queue in list(self._sends.values()) + list(self._recvs.values()) + anywhere:
+        anywhere = list(self._match.any.values()) if peer is None else []  # from any source: only when all fail
+        for queue in list(self._sends.values()) + list(self._match.recvs.values()) + anywhere:
             for op in list(queue):
                 if peer is None or peer in (getattr(op, "dst", None), getattr(op, "src", None)):
                     self._fail(op, error(op))

@@ -1,0 +1,127 @@
+"""Which posted receive an arriving point-to-point message belongs to (no sockets, no threads).
+
+Receives from one peer wait per (source, tag) in posting order; a receive from any source
+(``ANY_SOURCE``) waits per tag. A message goes to its (source, tag)'s first receive, unless a
+receive from any source posted before that one is waiting (MPI's matching order): that receive
+then belongs to the sender, at the front of its queue, and takes this message and the rest of
+its pieces. A message no receive wants is kept with its arrival number, so a later receive from
+any source takes the earliest. Receive sequence numbers count completed receives per (source,
+tag), which is what the sender's numbering of its sends to us means. The progress engine
+(p2p.py) owns one of these; only its thread touches it.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+from ..errors import CollectiveMismatch
+
+ANY_SOURCE = -1  # Recv.src of a receive from any peer, until a message binds it to one
+
+
+class Matching:
+    def __init__(self, rank: int, bind: Callable[[int], Any], release: Callable[[Any], None],
+                 clock: Callable[[], float]):
+        """``bind(src)``: a receive now waits on ``src`` (the engine watches its connection);
+        ``release(msg)``: a message's payload is no longer needed (a ring hands its space back);
+        ``clock()``: now, for a receive's last progress."""
+        self._rank, self._on_bind, self._release, self._clock = rank, bind, release, clock
+        self.recvs: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self.any: dict[int, collections.deque] = collections.defaultdict(collections.deque)  # by tag
+        self.early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self.early_bytes: collections.Counter = collections.Counter()  # kept per source
+        self._arrivals = self._posts = 0
+        self._removed: collections.Counter = collections.Counter()  # receives done per (src, tag)
+
+    def post(self, op) -> None:
+        """A new receive (p2p.Recv); takes what was kept for it."""
+        self._posts += 1
+        op.order = self._posts
+        if op.src == ANY_SOURCE:
+            self.any[op.tag].append(op)
+            self._any_take_early(op.tag)
+        else:
+            self._on_bind(op.src)
+            self.recvs[(op.src, op.tag)].append(op)
+            self._match_early(op)
+
+    def arrive(self, msg) -> bool:
+        """Land ``msg`` in the receive it belongs to; False when none is posted (keep or drop it)."""
+        h = msg.header
+        key = (h.src, h.op)
+        waiting = self.recvs.get(key)
+        anyq = self.any.get(h.op)
+        if anyq and not (waiting and (waiting[0].got or waiting[0].order < anyq[0].order)):
+            self._bind(anyq.popleft(), h.src)
+            waiting = self.recvs[key]
+        if not waiting:
+            return False
+        self._land(waiting, msg)
+        return True
+
+    def keep(self, msg) -> int:
+        """Keep a message no receive wants yet; returns the bytes now kept from its sender."""
+        h = msg.header
+        self._arrivals += 1
+        self.early[(h.src, h.op)].append((self._arrivals, msg))
+        self.early_bytes[h.src] += h.nbytes
+        return self.early_bytes[h.src]
+
+    def drop_early(self, src: int) -> None:
+        for k in [k for k in self.early if k[0] == src]:
+            for _, dropped in self.early.pop(k):
+                self._release(dropped)
+        self.early_bytes[src] = 0
+
+    def pop(self, waiting: collections.deque):
+        """Remove a (source, tag) queue's first receive: done, failed or expired."""
+        op = waiting.popleft()
+        self._removed[(op.src, op.tag)] += 1
+        return op
+
+    def _bind(self, op, src: int) -> None:
+        op.src = src
+        self._on_bind(src)
+        self.recvs[(src, op.tag)].appendleft(op)
+
+    def _any_take_early(self, tag: int) -> None:
+        waiting = self.any[tag]
+        while waiting:
+            heads = [(q[0][0], k) for k, q in self.early.items() if k[1] == tag and q]
+            if not heads:
+                return
+            op = waiting.popleft()
+            self._bind(op, min(heads)[1][0])
+            self._match_early(op)
+
+    def _match_early(self, op) -> None:
+        early = self.early.get((op.src, op.tag))
+        waiting = self.recvs[(op.src, op.tag)]
+        while early and waiting and waiting[0] is op:
+            _, msg = early.popleft()
+            self.early_bytes[op.src] -= msg.header.nbytes
+            self._land(waiting, msg)
+
+    def _land(self, waiting: collections.deque, msg) -> None:
+        op, h = waiting[0], msg.header
+        op.seq = self._removed[(op.src, op.tag)] + 1
+        want = (op.seq, op.code, op.count, op.got, op.pieces[op.got].nbytes if op.got < len(op.pieces) else -1)
+        try:
+            if (h.seq, h.dtype, h.count, h.step, h.nbytes) != want:
+                raise CollectiveMismatch("recv", op.seq, {"tag": op.tag, "seq": op.seq, "dtype code": op.code,
+                                                         "count": op.count, "step": op.got},
+                                         {"tag": h.op, "seq": h.seq, "dtype code": h.dtype,
+                                          "count": h.count, "step": h.step}, peer=op.src, rank=self._rank)
+            op.land(op.pieces[op.got], msg.payload)
+            op.got += 1
+            op.since = self._clock()
+            if op.got == len(op.pieces):
+                self.pop(waiting)
+                if op.done is not None:
+                    op.done()
+                op.work._finish(op.src, None)  # the result: who sent it (a receive from any source asks)
+        except BaseException as exc:
+            self.pop(waiting)
+            op.work._finish(None, exc)
+        finally:
+            self._release(msg)

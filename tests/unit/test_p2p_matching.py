@@ -1,0 +1,111 @@
+"""transport/matching.py without processes: which posted receive each arriving message lands in
+(posting order between receives from one peer and from any, the earliest kept message first,
+multi-piece messages, sequence numbers) against what MPI's matching rules say."""
+import numpy as np
+
+from commrt.errors import CollectiveMismatch
+from commrt.transport.endpoint import Message
+from commrt.transport.matching import ANY_SOURCE, Matching
+from commrt.transport.p2p import Recv
+from commrt.wire import P2P, Header
+
+
+class Done:
+    def __init__(self):
+        self.result, self.error, self.finished = None, None, False
+
+    def _finish(self, result, error):
+        self.result, self.error, self.finished = result, error, True
+
+
+def recv(src, tag=0, pieces=1, count=2):
+    bufs = [np.zeros(count, dtype=np.float32) for _ in range(pieces)]
+    return Recv(src, tag, 0, 1, count * pieces, bufs, lambda dst, b: dst.__setitem__(slice(None), b), None, Done())
+
+
+def msg(src, seq, value, tag=0, step=0, pieces=1, count=2):
+    payload = np.full(count, value, dtype=np.float32)
+    return Message(Header(P2P, 0, seq, src, tag, 1, count * pieces, step, payload.nbytes), payload)
+
+
+def matching():
+    bound = []
+    return Matching(0, bound.append, lambda m: None, lambda: 0.0), bound
+
+
+def test_a_receive_from_one_peer_posted_first_takes_its_first_message():
+    m, bound = matching()
+    one, anyone = recv(1), recv(ANY_SOURCE)
+    m.post(one)
+    m.post(anyone)
+    assert m.arrive(msg(1, 1, 10.0)) and m.arrive(msg(1, 2, 20.0))
+    assert one.pieces[0][0] == 10 and anyone.pieces[0][0] == 20
+    assert anyone.work.result == 1 and one.work.result == 1 and not one.work.error and not anyone.work.error
+
+
+def test_a_receive_from_any_posted_first_takes_it_and_the_rest_keep_their_numbers():
+    m, _ = matching()
+    anyone, one = recv(ANY_SOURCE), recv(1)
+    m.post(anyone)
+    m.post(one)
+    assert m.arrive(msg(1, 1, 10.0)) and m.arrive(msg(1, 2, 20.0))
+    assert anyone.pieces[0][0] == 10 and one.pieces[0][0] == 20
+    assert not one.work.error  # the receive from 1 expects the sender's second message (seq 2)
+
+
+def test_kept_messages_go_to_receives_from_any_earliest_arrival_first():
+    m, bound = matching()
+    for src, seq, value in ((2, 1, 20.0), (1, 1, 10.0), (2, 2, 21.0)):
+        assert not m.arrive(msg(src, seq, value))  # nothing posted: the engine keeps it
+        m.keep(msg(src, seq, value))
+    got = [recv(ANY_SOURCE) for _ in range(3)]
+    for r in got:
+        m.post(r)
+    assert [(r.work.result, r.pieces[0][0]) for r in got] == [(2, 20.0), (1, 10.0), (2, 21.0)]
+    assert not any(r.work.error for r in got) and not m.early_bytes[1] and not m.early_bytes[2]
+    assert bound == [2, 1, 2]  # the engine watches each sender a receive waits on
+
+
+def test_a_message_in_pieces_stays_with_the_receive_that_took_its_first_piece():
+    m, _ = matching()
+    first, second = recv(ANY_SOURCE, pieces=2), recv(ANY_SOURCE, pieces=2)
+    m.post(first)
+    m.post(second)
+    m.arrive(msg(1, 1, 1.0, step=0, pieces=2))
+    m.arrive(msg(2, 1, 2.0, step=0, pieces=2))  # rank 2's message goes to the second receive
+    m.arrive(msg(1, 1, 1.5, step=1, pieces=2))
+    m.arrive(msg(2, 1, 2.5, step=1, pieces=2))
+    assert (first.work.result, second.work.result) == (1, 2)
+    assert [p[0] for p in first.pieces] == [1.0, 1.5] and [p[0] for p in second.pieces] == [2.0, 2.5]
+
+
+def test_a_receive_from_one_peer_in_the_middle_of_a_message_keeps_it_from_a_later_any():
+    m, _ = matching()
+    one = recv(1, pieces=2)
+    m.post(one)
+    m.arrive(msg(1, 1, 1.0, step=0, pieces=2))
+    anyone = recv(ANY_SOURCE, pieces=2)
+    m.post(anyone)
+    m.arrive(msg(1, 1, 1.5, step=1, pieces=2))
+    assert one.work.result == 1 and not one.work.error and not anyone.work.finished
+
+
+def test_a_wrong_count_or_number_fails_that_receive_only():
+    m, _ = matching()
+    a, b = recv(ANY_SOURCE), recv(ANY_SOURCE)
+    m.post(a)
+    m.post(b)
+    m.arrive(msg(1, 1, 1.0, count=3))
+    assert isinstance(a.work.error, CollectiveMismatch) and "count=3" in str(a.work.error)
+    m.arrive(msg(1, 3, 1.0))  # the sender's third message where its second is due
+    assert isinstance(b.work.error, CollectiveMismatch) and "seq=3" in str(b.work.error)
+
+
+def test_an_expired_receive_uses_its_number():
+    m, _ = matching()
+    m.post(recv(1))
+    m.pop(m.recvs[(1, 0)])  # the engine's deadline removed it: the sender's first message is its
+    nxt = recv(1)
+    m.post(nxt)
+    m.arrive(msg(1, 2, 5.0))
+    assert nxt.pieces[0][0] == 5.0 and nxt.work.result == 1 and not nxt.work.error
