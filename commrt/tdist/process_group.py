@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import dtypes
 from . import compose
 from .compose import copy_out, flat_cat, reduce_op, same_dtype, wire_view
+from .sparse import all_reduce_sparse
 from .work import TorchWork
 
 _Launch = Callable[[bool], list]  # async_op -> commrt Works (None for a synchronous call)
@@ -73,6 +74,11 @@ class CommrtProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
         (t,) = _one(tensors, "allreduce")
         rop = reduce_op(opts.reduceOp)
+        if t.is_sparse:
+            if compose.op_name(opts.reduceOp) != "SUM":
+                raise ValueError(f"commrt backend: a sparse all_reduce sums; got {compose.op_name(opts.reduceOp)}")
+            all_reduce_sparse(self._b, t, self.size())
+            return TorchWork.done("allreduce", [t]) if opts.asyncOp else None
         if rop is not None and not opts.asyncOp and t.dtype != torch.bool:  # the latency path, direct
             self._b.all_reduce(t, rop, False)
             return None

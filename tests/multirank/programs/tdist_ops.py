@@ -2,7 +2,7 @@
 inputs (issue 18): reductions (SUM/AVG/PRODUCT/MAX and the bitwise ones), coalesced all_reduce,
 all_gather (list, uneven, into-tensor, coalesced), reduce_scatter (list, uneven, tensor),
 all_to_all (list, single with uneven splits), reduce, gather, scatter, the *_object helpers,
-async handles with futures, send/recv (from one peer and from any). Called by tdist_job's peerlost case after init."""
+async handles with futures, send/recv (from one peer and from any), a sparse SUM. Called by tdist_job's peerlost case after init."""
 from __future__ import annotations
 
 import torch
@@ -83,6 +83,19 @@ def all_to_all(rank: int, world: int) -> None:
     assert torch.equal(out, torch.cat(outs))
 
 
+def sparse(rank: int, world: int) -> None:
+    """Rank r holds r + 1 non-zeros of a 5 x 3 matrix (rows overlap across ranks, one row empty
+    on rank 0): the sum equals the dense sum of every rank's matrix."""
+    def mine(r):
+        rows = torch.tensor([(r + k) % 5 for k in range(r + 1)])
+        return torch.sparse_coo_tensor(torch.stack([rows, rows % 3]), x(r, r + 1), (5, 3))
+    t = mine(rank)
+    dist.all_reduce(t)
+    assert t.is_sparse and torch.equal(t.to_dense(), sum(mine(r).to_dense() for r in range(world))), t
+    w = dist.all_reduce(mine(rank).coalesce(), async_op=True)
+    w.wait()
+
+
 def point_to_point(rank: int, world: int) -> None:
     """Every rank sends x(rank) to rank 0, which takes them from any source (torch's
     recv_anysource) and by rank; dist.recv returns who sent each."""
@@ -106,5 +119,6 @@ def check_all(rank: int, world: int) -> None:
     gathers(rank, world)
     scatters(rank, world)
     all_to_all(rank, world)
+    sparse(rank, world)
     point_to_point(rank, world)
     print(f"OK ops rank {rank}", flush=True)
