@@ -49,7 +49,8 @@ def create(opts, _backend_options=None) -> CommrtProcessGroup:
 
 def create_group(store, rank: int, size: int, timeout: datetime.timedelta, members: list[int],
                  name: str, config: Config | None = None) -> CommrtProcessGroup:
-    cfg, transport = _acquire(members[rank], config, timeout)
+    cfg, transport = _acquire(members[rank], config)
+    cfg = _with_timeout(cfg, timeout)  # this group's deadlines: torch's timeout= where shorter
     try:
         group_id = zlib.crc32(name.encode()) & 0x7FFFFFFF  # the same on every member
         backend = ZmqBackend(transport, cfg, rank, size, group_id, members)
@@ -75,12 +76,11 @@ def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, siz
     backend.barrier()
 
 
-def _acquire(global_rank: int, config: Config | None, timeout: datetime.timedelta) -> tuple[Config, Transport]:
-    """The process's config and Transport, made by its first commrt group, closed with its last.
-    The timeout is the shorter of commrt's ``[comm] timeout_s`` and torch's ``timeout=``."""
+def _acquire(global_rank: int, config: Config | None) -> tuple[Config, Transport]:
+    """The process's config and Transport, made by its first commrt group, closed with its last."""
     with _lock:
         if _shared["transport"] is None:
-            cfg = _effective(config or load_config(None), timeout)
+            cfg = _effective(config or load_config(None))
             _shared["transport"], _shared["config"] = Transport(cfg, f"rank{global_rank}"), cfg
         _shared["groups"] += 1
         return _shared["config"], _shared["transport"]
@@ -94,12 +94,17 @@ def _release() -> None:
             _shared["transport"] = _shared["config"] = None
 
 
-def _effective(cfg: Config, timeout: datetime.timedelta | None) -> Config:
+def _effective(cfg: Config) -> Config:
     """Bind where the config says (loopback by default), advertise a dialable address."""
     cl, master = cfg.cluster, os.environ.get("MASTER_ADDR", "127.0.0.1")
     security.check_bind(cfg, [cl.bind_host])
     advertise = rendezvous.advertised_host(cl.bind_host, cl.advertise_host, rendezvous.lookup(master, "MASTER_ADDR"))
-    comm = cfg.comm
-    if timeout is not None and 0 < timeout.total_seconds() < comm.timeout_s:
-        comm = dataclasses.replace(comm, timeout_s=timeout.total_seconds())
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise), comm=comm)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise))
+
+
+def _with_timeout(cfg: Config, timeout: datetime.timedelta | None) -> Config:
+    """A group's deadlines: the shorter of commrt's ``[comm] timeout_s`` and torch's ``timeout=``
+    (``init_process_group`` / ``new_group``), so each group keeps its own."""
+    if timeout is None or not 0 < timeout.total_seconds() < cfg.comm.timeout_s:
+        return cfg
+    return dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, timeout_s=timeout.total_seconds()))

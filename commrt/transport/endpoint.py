@@ -299,7 +299,7 @@ class Endpoint:
         if gone:
             return PeerLost(gone[0], op, seq, f"no message from rank {src} within {limit:g}s, and rank "
                             f"{gone[0]}'s connection was lost {time.monotonic() - self.down[gone[0]]:.2f}s ago")
-        return PeerLost(src, op, seq, f"no message within {limit:g}s")
+        return PeerLost(src, op, seq, f"timeout after {limit:g}s: no message from it")
 
     def read(self, flags: int) -> Message | None:
         """One well-formed message, or None (nothing within the slice, or a malformed one)."""

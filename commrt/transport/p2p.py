@@ -230,7 +230,7 @@ class P2PEngine:
             if op.src in ep.down and now - ep.down[op.src] > ep._grace_s:
                 error = ep._lost(op.src, "recv", op.seq, now)
             elif now - op.since > self._timeout_s:
-                error = PeerLost(op.src, "recv", op.seq, f"no message within {self._timeout_s:g}s")
+                error = PeerLost(op.src, "recv", op.seq, f"timeout after {self._timeout_s:g}s: no message from it")
             else:
                 continue
             self._match.pop(waiting)

@@ -303,8 +303,8 @@ class Channel:
                     deadline, extended = now + 4 * self._grace_s, True
                     continue
                 gone = sorted(ep.down, key=ep.down.get) or waiting
-                raise PeerLost(gone[0], op, seq, f"rank {waiting[0]} did not reach step {self.t} "
-                               f"within {ep.timeout_s:g}s (shared memory)")
+                raise PeerLost(gone[0], op, seq, f"timeout after {ep.timeout_s:g}s: rank {waiting[0]} did not "
+                               f"reach step {self.t} (shared memory)")
             if now - start < self._yield_s:  # not time.sleep(0): that sleeps for the timer slack
                 os.sched_yield()
             elif now - start < SHORT_NAPS_S:

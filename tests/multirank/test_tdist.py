@@ -39,6 +39,7 @@ def test_every_op_and_subgroups_then_a_dead_rank_surfaces_through_torch_as_peer_
     _, out = run_ranks(3, "tdist_job", "peerlost", env={"COMMRT_COMM_TIMEOUT_S": "10"}, timeout_s=120)
     assert out.count("OK ops") == 3, out[-3000:]
     assert out.count("OK subgroups") == 3, out[-3000:]
+    assert out.count("OK group timeout") == 1, out[-3000:]
     assert out.count("OK peerlost") == 2 and out.count("lost peer rank 2") == 2, out[-3000:]
 
 

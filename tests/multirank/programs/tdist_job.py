@@ -152,6 +152,21 @@ def subgroups(rank: int, world: int) -> None:
     print(f"OK subgroups rank {rank}", flush=True)
 
 
+def group_timeout(rank: int) -> None:
+    """new_group(timeout=1s): its barrier, which only rank 0 enters, fails on rank 0 after about
+    that timeout (plus the heartbeats' grace to name a frozen peer), not the world's."""
+    sub = dist.new_group(backend="commrt", timeout=datetime.timedelta(seconds=1))
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.barrier(group=sub)
+            raise AssertionError("a barrier nobody else entered succeeded")
+        except commrt.PeerLost as exc:
+            took = time.monotonic() - start
+            assert "timeout after 1s" in str(exc) and took < 8, (took, exc)  # the world's is 10 s
+            print(f"OK group timeout after {took:.1f}s: {exc}", flush=True)
+
+
 def faults(case: str, rank: int, world: int) -> None:
     """peerlost: the last rank leaves after init; the others' all_reduce raises commrt's PeerLost
     naming it, through torch's API. wrongsecret: the last rank has another job secret, so its
@@ -169,6 +184,7 @@ def faults(case: str, rank: int, world: int) -> None:
     from tests.multirank.programs.tdist_ops import check_all
     check_all(rank, world)
     subgroups(rank, world)
+    group_timeout(rank)
     dist.barrier()  # every connection is up and used ...
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
