@@ -20,11 +20,25 @@ for feature in ("plugin", "ddp", "subgroup"):
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
-# SUITE_RUN_BACKEND: run on this backend the tests the suite selects for $BACKEND (its skips are
-# decided by name at import; the backend it initialises is read when a test runs). This runs
-# gloo-only-by-name tests (e.g. coalesced all_reduce, batch_isend_irecv on CPU) on commrt.
+# SUITE_RUN_BACKEND: run on this backend the tests the suite selects for $BACKEND. The suite
+# believes it runs $BACKEND (its skips by name, and the branches by name inside test bodies, such
+# as "if BACKEND == 'gloo': build the CPU model"), while every process group it creates is
+# SUITE_RUN_BACKEND's. This runs gloo-only-by-name tests (coalesced all_reduce, batch_isend_irecv
+# on CPU, sparse all_reduce, barrier timeouts, DDP no_sync) on commrt unchanged.
 if os.environ.get("SUITE_RUN_BACKEND"):
-    distributed_test.BACKEND = os.environ["SUITE_RUN_BACKEND"]
+    _run_on, _named = os.environ["SUITE_RUN_BACKEND"], os.environ["BACKEND"]
+    _init, _new_group = dist.init_process_group, dist.new_group
+
+    def _swap(backend):
+        return _run_on if backend in (None, _named) else backend
+
+    def init_process_group(backend=None, *args, **kwargs):
+        return _init(_swap(backend), *args, **kwargs)
+
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        return _new_group(ranks, timeout, _swap(backend), *args, **kwargs)
+
+    dist.init_process_group, dist.new_group = init_process_group, new_group
 
 if os.environ.get("BACKEND") in ("commrt", "gloo"):
     class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
