@@ -83,11 +83,3 @@ def rooted_splits(size: int, root: int, rank: int, counts: list[int], mine: int)
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
-
-
-def timeout_s(value) -> float | None:
-    """Seconds from torch's timeout argument (a timedelta; negative or zero: none)."""
-    if value is None:
-        return None
-    seconds = value.total_seconds() if hasattr(value, "total_seconds") else float(value)
-    return seconds if seconds > 0 else None

@@ -1,14 +1,41 @@
 """``monitored_barrier``: like gloo's, rank 0 collects one message from every rank and names
 those that did not arrive in time; then it releases everyone. Runs on point-to-point messages
-with a tag above torch's range, so it never matches a user's transfer."""
+with a tag above torch's range, so it never matches a user's transfer.
+
+The error texts are gloo's (``ProcessGroupGloo::monitoredBarrier``), because code and tests
+written for ``torch.distributed.monitored_barrier`` match on them: "Rank 1 failed to pass
+monitoredBarrier", "Ranks 1, 2 failed ..." (``wait_all_ranks``), "Rank 0 timed out in
+monitoredBarrier" (rank 0's own time ran out before it heard from a rank), and on the other
+ranks "Rank r successfully reached monitoredBarrier, but received errors while waiting for
+send/recv from rank 0". Ranks are named by their global rank.
+
+torch's ``dist.monitored_barrier`` refuses every backend not named gloo before it reaches the
+process group; ``route_torch_api`` wraps it so that on a commrt group it calls the group's
+``monitored_barrier`` (and on any other group torch's own function, unchanged).
+"""
 from __future__ import annotations
 
+import datetime
+import functools
 import time
 
 import torch
 
-from ..errors import CommError
+from ..errors import CommError, PeerLost
 from ..work import CommTimeout
+
+
+class MonitoredBarrierError(CommError):
+    """A rank did not reach ``monitored_barrier`` in time (or rank 0 never released this one)."""
+
+
+def seconds(timeout) -> float | None:
+    """torch's timeout argument (a timedelta or seconds) -> seconds, None for the default;
+    zero or less stays zero: rank 0 times out at once, as on gloo."""
+    if timeout is None:
+        return None
+    value = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return max(0.0, value)
 
 
 def monitored_barrier(backend, rank: int, size: int, members: list[int], timeout_s: float | None,
@@ -17,28 +44,66 @@ def monitored_barrier(backend, rank: int, size: int, members: list[int], timeout
     token = torch.zeros(1, dtype=torch.uint8)
     if rank != 0:
         backend.isend(token, 0, tag)
-        _wait(backend.irecv(torch.zeros(1, dtype=torch.uint8), 0, tag), limit,
-              f"rank {members[rank]}: monitored_barrier: no release from rank {members[0]} within {limit:g}s")
-        return
-    works = {r: backend.irecv(torch.zeros(1, dtype=torch.uint8), r, tag) for r in range(1, size)}
-    deadline, missing = time.monotonic() + limit, []
-    for r, work in works.items():
         try:
-            work.wait(max(0.0, deadline - time.monotonic()))
-        except CommTimeout:
-            missing.append(members[r])
-            if not wait_all_ranks:
-                break
-    if missing:
-        which = ", ".join(str(r) for r in missing)
-        raise CommError(f"Ranks {which} failed to pass monitoredBarrier in {limit:g}s "
-                        f"(rank {members[0]} waited for them)")
+            backend.irecv(torch.zeros(1, dtype=torch.uint8), 0, tag).wait(limit)
+        except (CommTimeout, PeerLost) as exc:
+            raise MonitoredBarrierError(
+                f"Rank {members[rank]} successfully reached monitoredBarrier, but received errors while waiting "
+                f"for send/recv from rank {members[0]} ({_why(exc, limit)}). Please check rank "
+                f"{members[0]}'s log for the faulty rank.") from None
+        return
+    _collect(backend, size, members, limit, wait_all_ranks, tag)
     for r in range(1, size):
         backend.isend(token, r, tag).wait()
 
 
-def _wait(work, limit: float, message: str) -> None:
-    try:
-        work.wait(limit)
-    except CommTimeout:
-        raise CommError(message) from None
+def _collect(backend, size: int, members: list[int], limit: float, wait_all_ranks: bool, tag: int) -> None:
+    """Rank 0: one token from every other rank before the shared deadline, in rank order."""
+    works = {r: backend.irecv(torch.zeros(1, dtype=torch.uint8), r, tag) for r in range(1, size)}
+    deadline, passed, missing = time.monotonic() + limit, [], []
+    for r, work in works.items():
+        left = deadline - time.monotonic()
+        if left <= 0 and not work.is_completed() and not wait_all_ranks:
+            done = ", ".join(str(members[p]) for p in passed) or "none"
+            raise MonitoredBarrierError(f"Rank {members[0]} timed out in monitoredBarrier after {limit * 1e3:.0f} ms "
+                                        f"(ranks that passed: {done}; rank {members[r]} had not arrived)")
+        try:
+            work.wait(max(0.0, left))
+            passed.append(r)
+        except (CommTimeout, PeerLost) as exc:  # a rank that left the group never arrives either
+            missing.append((members[r], _why(exc, limit)))
+            if not wait_all_ranks:
+                raise MonitoredBarrierError(f"Rank {members[r]} failed to pass monitoredBarrier in "
+                                            f"{limit * 1e3:.0f} ms (rank {members[0]} waited: {missing[0][1]})") from None
+    if missing:
+        why = "; ".join(f"rank {r}: {w}" for r, w in missing)
+        raise MonitoredBarrierError(f"Ranks {', '.join(str(r) for r, _ in missing)} failed to pass monitoredBarrier "
+                                    f"in {limit * 1e3:.0f} ms (rank {members[0]} waited: {why})")
+
+
+def _why(exc: BaseException, limit: float) -> str:
+    return f"nothing within {limit:g}s" if isinstance(exc, CommTimeout) else str(exc)
+
+
+def route_torch_api(is_ours) -> None:
+    """Make ``torch.distributed.monitored_barrier`` serve groups for which ``is_ours(pg)`` holds
+    (torch itself raises "only implemented for GLOO backend" for them). Idempotent."""
+    import torch.distributed as dist
+    c10d = dist.distributed_c10d
+    original = c10d.monitored_barrier
+    if getattr(original, "__commrt__", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(group=None, timeout=None, wait_all_ranks=False):
+        if c10d._rank_not_in_group(group):
+            return original(group, timeout, wait_all_ranks)
+        pg = c10d._get_default_group() if group is None else group
+        if not is_ours(pg):
+            return original(group, timeout, wait_all_ranks)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    wrapper.__commrt__ = True
+    c10d.monitored_barrier = dist.monitored_barrier = wrapper

@@ -232,9 +232,9 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return TorchWork("recv", [self._b.irecv(wire_view(t), None, tag)], [t])  # _source_rank(): who sent
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
-        from .monitor import monitored_barrier  # rarely used; kept out of this file's fast paths
-        monitored_barrier(self._b, self.rank(), self.size(), self._members, compose.timeout_s(timeout),
-                          wait_all_ranks, MONITOR_TAG)
+        from .monitor import monitored_barrier, seconds  # rarely used; kept out of this file's fast paths
+        monitored_barrier(self._b, self.rank(), self.size(), self._members, seconds(timeout), wait_all_ranks,
+                          MONITOR_TAG)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

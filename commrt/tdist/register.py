@@ -23,6 +23,7 @@ from ..backends.zmq_backend import ZmqBackend
 from ..config import Config, load_config
 from ..store import TorchStore
 from ..transport import Transport
+from .monitor import route_torch_api
 from .process_group import CommrtProcessGroup
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def register_backend() -> None:
     if NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+    route_torch_api(lambda pg: isinstance(pg, CommrtProcessGroup))  # torch refuses non-gloo groups by name
 
 
 def create(opts, _backend_options=None) -> CommrtProcessGroup:

@@ -18,6 +18,12 @@ def test_ddp_fsdp_and_pipelining_equal_gloo_and_one_process():
     _run(2, "ddp", "ddp_no_sync", "ddp_bf16", "fsdp", "pipe")
 
 
+def test_torch_monitored_barrier_names_absent_ranks_as_on_gloo():
+    """torch's dist.monitored_barrier on commrt groups (torch refuses non-gloo backends by name;
+    commrt routes its own groups): gloo's error texts, checked on gloo and commrt alike."""
+    _run(3, "monitored")
+
+
 @pytest.mark.slow
 def test_fsdp_keeping_parameters_after_forward():
     _run(2, "fsdp_keep")

@@ -21,6 +21,21 @@ def test_import_registers_the_backend_once_and_leaves_the_defaults():
     assert dist.Backend("commrt") == "commrt"
 
 
+def test_monitored_barrier_wrapper_leaves_other_backends_to_torch():
+    """``import commrt`` wraps dist.monitored_barrier once; a gloo group still gets torch's own
+    function (one rank: it passes, a float timeout included)."""
+    commrt.tdist.register_backend()
+    assert dist.monitored_barrier.__commrt__ and dist.distributed_c10d.monitored_barrier is dist.monitored_barrier
+    original = dist.monitored_barrier.__wrapped__
+    assert not getattr(original, "__commrt__", False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))
+        dist.monitored_barrier(timeout=5.0, wait_all_ranks=True)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("op,name", [(dist.ReduceOp.SUM, "SUM"), (dist.ReduceOp.AVG, "AVG"),
                                      (dist.ReduceOp.PRODUCT, "PRODUCT"), (dist.ReduceOp.MAX, "MAX"),
                                      (dist.ReduceOp.MIN, "MIN")])

@@ -4,12 +4,13 @@ Every case trains the same model from the same seed for STEPS optimizer steps, o
 once on commrt (one torch TCPStore on MASTER_PORT serves both inits, prefixed), and rank 0
 trains it alone on the whole batch. Prints 'OK <case>' per case on every rank.
 Usage: python -m tests.multirank.programs.tdist_job CASE [CASE ...]
-cases: ddp, ddp_no_sync, ddp_bf16, fsdp, fsdp_keep, hsdp, pipe
+cases: ddp, ddp_no_sync, ddp_bf16, fsdp, fsdp_keep, hsdp, pipe, monitored
 """
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import time
 
@@ -121,7 +122,49 @@ def train_pipe(rank: int, world: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in part.parameters()]
 
 
+def monitored(rank: int, world: int) -> list[torch.Tensor]:
+    """torch's dist.monitored_barrier at 3+ ranks, the same checks on gloo and commrt (torch
+    itself refuses non-gloo groups; commrt routes its groups to their own): all pass; one rank
+    absent (rank 0 names it, the rank that arrived says rank 0 never released it); two absent
+    with wait_all_ranks (both named); rank 0's own time out (timeout 0); a subgroup whose absent
+    member is named while a non-member's call does nothing. Each case on a fresh group, so no
+    token of one reaches the next."""
+    def expect(pattern: str, call) -> None:
+        try:
+            call()
+        except RuntimeError as exc:
+            assert re.search(pattern, str(exc)), f"{pattern!r} not in {exc!r}"
+            return
+        raise AssertionError(f"monitored_barrier passed; expected {pattern!r}")
+
+    sec = datetime.timedelta(seconds=1.5)
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+    g = dist.new_group()
+    if rank == 0:
+        expect(f"Rank {world - 1} failed to pass monitoredBarrier", lambda: dist.monitored_barrier(g, sec))
+    elif rank < world - 1:
+        expect(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for "
+               "send/recv from rank 0", lambda: dist.monitored_barrier(g, sec))
+    g = dist.new_group()
+    if rank == 0:
+        absent = ", ".join(str(r) for r in range(1, world))
+        expect(f"Ranks {absent} failed to pass monitoredBarrier",
+               lambda: dist.monitored_barrier(g, datetime.timedelta(seconds=0.5), wait_all_ranks=True))
+    g = dist.new_group()
+    if rank == 0:
+        expect("Rank 0 timed out in monitoredBarrier", lambda: g.monitored_barrier(datetime.timedelta(0)))
+    g = dist.new_group([0, 1])
+    if rank == 0:
+        expect("Rank 1 failed to pass monitoredBarrier", lambda: dist.monitored_barrier(g, sec))
+    elif rank > 1:
+        dist.monitored_barrier(g, sec)  # not a member: returns at once
+    return []
+
+
 def run(case: str, rank: int, world: int) -> list[torch.Tensor]:
+    if case == "monitored":
+        return monitored(rank, world)
     if case.startswith("ddp"):
         return train_ddp(case, rank)
     if case == "pipe":
@@ -221,7 +264,7 @@ def main() -> None:
             ref = single_process(world)
             mine = ref[:2] if rank == 0 else ref[2:]
             close(results["commrt"], mine, SINGLE_TOL, f"{case}: commrt vs one process")
-        elif case != "ddp_bf16":  # bf16 compression is not meant to equal fp32 training
+        elif case not in ("ddp_bf16", "monitored"):  # bf16 compression is not meant to equal fp32 training
             close(results["commrt"], single_process(world), SINGLE_TOL, f"{case}: commrt vs one process")
         print(f"OK {case}", flush=True)
     store.add("done", 1)  # rank 0 serves the store: it leaves last
