@@ -47,11 +47,12 @@ class ZeroConfig:
     many elements ahead, at least one (0 disables prefetch)."""
     zero_quantized_weights: bool = False
     """Stage 3 (ZeRO++ qwZ): gather parameters in int8 (block-wise scales). The fp32 master
-    weights and the optimizer state stay exact; only the compute copy is quantized. The
-    quantized gather runs synchronously (no prefetch overlap)."""
+    weights and the optimizer state stay exact; only the compute copy is quantized. With
+    ``overlap_comm`` the quantized gathers run on the engine's comm thread, beside compute."""
     zero_quantized_gradients: bool = False
     """ZeRO++ qgZ: reduce gradients in int4: an all-to-all of int4 chunks, then an fp32
-    reduction (stages 2-3: reduce-scatter; 0-1: all-reduce), synchronously from the hooks."""
+    reduction (stages 2-3: reduce-scatter; 0-1: all-reduce), from the hooks: on the engine's
+    comm thread with ``overlap_comm``, else synchronously."""
     zeropp_loco_param: dict | None = None
     """LoCo error feedback for the quantized gradients: ``{"err_beta": 0.8, "reset_T": 1024}``
     as in DeepSpeed; None: off."""

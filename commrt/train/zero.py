@@ -21,6 +21,14 @@ ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for G
 Training", 2023): qwZ gathers stage-3 parameters in int8, qgZ reduces gradients in int4 (an
 all-to-all of quantized chunks, then an fp32 reduction), optionally with LoCo error feedback
 per unit. Master weights and optimizer state stay fp32 and exact.
+
+A quantized collective is a composition (encode, exchange, decode, node-local hops) that runs to
+the end in the thread that calls it. So that it still overlaps compute, as the exact stage-3
+prefetch and the gradient reduce-scatters do, ZeRO++ with ``overlap_comm`` issues every one of
+the engine's collectives from one comm stream (``work.Executor``: a thread running them in
+submission order). The hooks submit in the same order on every rank, so each group still sees
+its collectives in one order everywhere; ``wait`` ends with a fence on the stream, after which
+the engine's own calls (norms, LAMB, checkpoints) may use the groups directly.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from .. import optim
 from .. import quant as cq
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import ConfigError
+from ..work import Executor
 from .groups import ShardGroups
 from .layout import Unit, buckets, make_unit, pieces
 
@@ -46,6 +55,23 @@ def run_ready(works: list) -> int:
         then()
         ran += 1
     return ran
+
+
+class _Streamed:
+    """A collective submitted to the comm stream: done when the stream has issued it and the
+    collective it started (a Work, or None for one that ran to the end there) has finished."""
+
+    def __init__(self, issued):
+        self.issued = issued
+
+    def is_completed(self) -> bool:
+        inner = self.issued._result if self.issued.is_completed() else None
+        return self.issued.is_completed() and (inner is None or inner.is_completed())
+
+    def wait(self) -> None:
+        inner = self.issued.result()
+        if inner is not None:
+            inner.wait()
 
 
 class UnitState:
@@ -104,6 +130,8 @@ class Zero:
         # with replicas, one copy of each shard counts towards the global gradient norm
         self.counts_norm = self.rgroup is None or dist.get_rank(self.rgroup) == 0
         self.works: list = []
+        # ZeRO++: quantized compositions run on this thread, beside compute (see the module doc)
+        self.stream = Executor("zero-stream") if overlap and (qwz or qgz) else None
         self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
@@ -155,22 +183,35 @@ class Zero:
             if self.rgroup is None:
                 self._track(work, lambda: u.grad.add_(out))
             else:  # hybrid: the group's average of the shard, then the average over the groups
-                self._track(work, lambda: self._track(dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True),
-                                                      lambda: u.grad.add_(out)))
+                self._track(work, lambda: self._track(
+                    self._issue("replica all_reduce", lambda: dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True)),
+                    lambda: u.grad.add_(out)))
             if self.stage == 3:
                 self.release(u)
         self.progress()
 
     def _all_reduce(self, flat: torch.Tensor, u: UnitState):
         if self.qgz:
-            return cq.all_reduce(flat, ReduceOp.AVG, self.group, True, quant="int4", feedback=u.feedback)
-        return dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
+            return self._issue("qgZ all_reduce", lambda: cq.all_reduce(flat, ReduceOp.AVG, self.group, True,
+                                                                        quant="int4", feedback=u.feedback))
+        return self._issue("all_reduce", lambda: dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True))
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, u: UnitState):
         if self.qgz:
-            return cq.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, True, quant="int4",
-                                            feedback=u.feedback)
-        return dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, async_op=True)
+            return self._issue("qgZ reduce_scatter", lambda: cq.reduce_scatter_tensor(
+                out, flat, ReduceOp.AVG, self.sgroup, True, quant="int4", feedback=u.feedback))
+        return self._issue("reduce_scatter", lambda: dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup,
+                                                                                async_op=True))
+
+    def _issue(self, name: str, start):
+        """Start a collective (``start()`` returns its Work): here, or on the comm stream."""
+        return start() if self.stream is None else _Streamed(self.stream.submit(name, start))
+
+    def _fence(self) -> None:
+        """Return once the stream has issued everything submitted so far (then this thread may
+        call collectives on the same groups without changing their order)."""
+        if self.stream is not None:
+            self.stream.submit("fence", lambda: None).wait()
 
     def _track(self, work, then) -> None:
         self.works.append((work, then))
@@ -189,6 +230,7 @@ class Zero:
             work, then = self.works.pop(0)
             work.wait()
             then()
+        self._fence()
 
     def own_grad(self, u: UnitState) -> torch.Tensor:
         return u.grad[u.own[0]:u.own[1]] if self.stage < 2 else u.grad
@@ -207,12 +249,15 @@ class Zero:
             return
         buf = torch.empty(u.layout.padded, dtype=self.dtype)
         if u.fresh:  # hpZ: inside the node only
-            u.gathering = (dist.all_gather_into_tensor(buf, u.secondary, self.hgroup, async_op=True), buf, False)
+            sec = u.secondary
+            u.gathering = (self._issue("hpZ all_gather", lambda: dist.all_gather_into_tensor(
+                buf, sec, self.hgroup, async_op=True)), buf, False)
         else:
             send = u.master.to(self.dtype, copy=True)
             gather = cq.all_gather_into_tensor if self.qwz else dist.all_gather_into_tensor
             kw = {"quant": "int8"} if self.qwz else {}  # qwZ: the primary (cross-node) gathers in int8
-            u.gathering = (gather(buf, send, self.sgroup, async_op=True, **kw), buf, True)
+            u.gathering = (self._issue("all_gather", lambda: gather(buf, send, self.sgroup, async_op=True, **kw)),
+                           buf, True)
         self._count_live(buf.numel() * buf.element_size())
 
     def gather(self, u: UnitState) -> None:
@@ -304,6 +349,7 @@ class Zero:
         """The whole unit's fp32 values (a collective for stages 1-3)."""
         if self.stage == 0:
             return u.master.clone()
+        self._fence()
         out = torch.empty(u.layout.padded)
         dist.all_gather_into_tensor(out, u.master.clone(), self.sgroup)
         return out

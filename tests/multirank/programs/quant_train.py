@@ -3,6 +3,8 @@
 A TinyLM (commrt.apps.train_lm) learns its counting corpus for STEPS steps under: DataParallel
 exact / int8 / int4 / int4 + error feedback, and ZeRO-3 exact / qwZ + qgZ / qwZ + qgZ + LoCo.
 Each run prints its mean loss over the last 10 steps; rank 0 checks the stated tolerances.
+ZeRO++ with ``overlap_comm`` (its collectives issued from the engine's comm stream) must give the
+very same losses as with the collectives run inline: the stream changes when, not what.
 """
 from __future__ import annotations
 
@@ -68,19 +70,22 @@ def main() -> None:
         "dp int4 + feedback": lambda: run_dp(rank, comm_quant="int4", error_feedback=True),
         "zero3 fp32": lambda: run_zero(rank),
         "zero3 qwZ+qgZ": lambda: run_zero(rank, zero_quantized_weights=True, zero_quantized_gradients=True),
+        "zero3 qwZ+qgZ inline": lambda: run_zero(rank, zero_quantized_weights=True, zero_quantized_gradients=True,
+                                                 overlap_comm=False),
         "zero3 qwZ+qgZ+LoCo": lambda: run_zero(rank, zero_quantized_weights=True, zero_quantized_gradients=True,
                                                zeropp_loco_param=loco),
     }
-    final = {}
+    final, every = {}, {}
     for name, fn in runs.items():
         t0 = time.perf_counter()
-        losses = fn()
+        losses = every[name] = fn()
         print(f"{name}: {time.perf_counter() - t0:.1f}s", flush=True)
         final[name] = sum(losses[-10:]) / 10
         print(f"{name}: first {losses[0]:.4f} last-10 mean {final[name]:.4f}", flush=True)
     stats = commrt.comm_stats()["quant"]
     print(f"quant stats: {stats}", flush=True)
     start = losses[0]
+    assert every["zero3 qwZ+qgZ"] == every["zero3 qwZ+qgZ inline"], "the comm stream changed ZeRO++'s results"
     for exact, quantized, tol in (("dp fp32", "dp int8", 0.05), ("dp fp32", "dp int4 + feedback", 0.10),
                                   ("zero3 fp32", "zero3 qwZ+qgZ", 0.10), ("zero3 fp32", "zero3 qwZ+qgZ+LoCo", 0.10)):
         # tolerance: a fraction of the loss the exact run shed (first step -> last 10 steps)
