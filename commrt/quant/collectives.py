@@ -156,7 +156,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     _settle("reduce_scatter", [hop])
     acc = hop.values[0]
     if op == ReduceOp.AVG:
-        acc /= n
+        kernels.of(acc).divide(acc, n)
     _write(output, [(0, acc)])
     return _done(async_op, "quant reduce_scatter")
 
@@ -192,7 +192,7 @@ def _all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") ->
     first = reduce_hop(x, bounds, codec, group, like.device, like.element_size(), fb, "send" + tag)
     acc = first.values[0]
     if op == ReduceOp.AVG:
-        acc /= n
+        kernels.of(acc).divide(acc, n)
     me = dist.get_rank(group)
     second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
                         "shard" + tag, offset=bounds[me][0])
@@ -218,7 +218,7 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_gro
     intra = reduce_hop(x, bounds, codec, intra_group, tensor.device, tensor.element_size(), feedback, "send")
     shard = intra.values[0]
     if op == ReduceOp.AVG:
-        shard /= L * N
+        kernels.of(shard).divide(shard, L * N)
     sub = chunk_bounds(len(shard), N)
     inter = _all_reduce_hops(shard, sub, ReduceOp.SUM, N, codec, inter_group, tensor, feedback, ".inter")
     node_shard = kernels.of(shard).cat(inter[-1].values)  # the sub-shards in order

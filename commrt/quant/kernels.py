@@ -46,6 +46,10 @@ class Host:
     def max_abs_diff(a, b) -> float:
         return float(np.abs(a - b).max()) if a.size else 0.0
 
+    @staticmethod
+    def divide(acc: np.ndarray, n: int) -> None:
+        acc /= n
+
 
 class Device:
     """torch tensors: the torch codec on the tensor's device; nothing goes through host memory."""
@@ -81,6 +85,13 @@ class Device:
     @staticmethod
     def max_abs_diff(a, b) -> float:
         return float((a - b).abs().max()) if a.numel() else 0.0
+
+    @staticmethod
+    def divide(acc: torch.Tensor, n: int) -> None:
+        """acc /= n, correctly rounded as numpy's: torch's CUDA kernel multiplies by the
+        reciprocal when the divisor is a Python or CPU scalar (one bit off at times), not when
+        it is a tensor on the device."""
+        acc.div_(torch.tensor(n, dtype=acc.dtype, device=acc.device))
 
 
 def of(x) -> type[Host] | type[Device]:

@@ -10,7 +10,9 @@ because every step is one correctly rounded IEEE operation (a division, a produc
 conversion) or exact (abs, max, widening, integer packing), and correctly rounded operations
 give the same bits on every device: PyTorch builds its CPU and CUDA kernels without fast-math
 (no reciprocal-multiply in place of ``/``, no flushing of subnormals), so ranks that hold CUDA
-tensors and ranks that hold CPU tensors produce the same bytes and the same sums. The one
+tensors and ranks that hold CPU tensors produce the same bytes and the same sums. One exception
+is torch's own: its CUDA division by a Python or CPU scalar multiplies by the reciprocal, so
+every divisor here (and in kernels.Device.divide) is a tensor on the device. The one
 conversion that may round twice (fp64 -> fp16 goes through fp32 in torch) is followed by the
 round-up to the smallest scale >= absmax / qmax, which is the same value whichever neighbour
 the first rounding picked. Stochastic rounding draws from a ``torch.Generator`` on the device
@@ -84,7 +86,7 @@ def _scales(codec: Codec, rows: torch.Tensor, offset: int) -> tuple[torch.Tensor
     encoded get NaN, with a message naming the first (``offset``: where ``rows`` starts)."""
     sdt = SCALE_DTYPES[codec.scale_dtype]
     absmax = rows.abs().amax(dim=1).double()  # amax propagates NaN, as numpy's max does
-    exact = absmax / codec.qmax
+    exact = absmax / torch.tensor(codec.qmax, dtype=torch.float64, device=rows.device)  # a true division
     s = exact.to(sdt)
     # the smallest scale >= exact: one step up (bit pattern + 1) where the rounding went down;
     # scales are >= 0, so +0 steps to the smallest subnormal and the largest finite to inf
