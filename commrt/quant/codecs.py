@@ -156,6 +156,10 @@ class Codec:
         exact = absmax / self.qmax
         with np.errstate(over="ignore", invalid="ignore"):
             s = exact.astype(sdt)
+            # round up before the range check: an absmax just above qmax * the dtype's largest
+            # value rounds down to it, then up to inf here
+            low = s.astype(np.float64) < exact
+            s[low] = np.nextafter(s[low], np.inf, dtype=sdt)
         problem = None
         if not np.isfinite(absmax).all():
             flat = rows.reshape(-1)
@@ -165,8 +169,6 @@ class Codec:
             row = int(np.flatnonzero(np.isinf(s))[0])
             problem = (f"block {offset // self.block + row}: absmax {absmax[row]:.6g} needs a scale beyond "
                        f"{self.scale_dtype}'s range; use scale_dtype fp32")
-        low = s.astype(np.float64) < exact
-        s[low] = np.nextafter(s[low], np.inf, dtype=sdt)
         s[~np.isfinite(s)] = np.nan
         return s, problem
 

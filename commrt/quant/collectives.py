@@ -12,9 +12,12 @@ block (its absmax / qmax) in the encoding rank:
 
 Stochastic rounding (``[quant] rounding``) doubles each s/2 term. Each call takes ``quant``
 ("int8" / "int4"), optionally ``block`` (default ``[quant] block``) and ``feedback`` (an
-``ErrorFeedback`` kept for this tensor). The codec runs on the CPU; CUDA tensors are staged
-through host memory and their bytes exchanged on the device. A value that cannot be encoded
-makes every rank that depends on it raise ValueError, after the exchange, with nothing written.
+``ErrorFeedback`` kept for this tensor). CPU tensors go through the numpy codec; tensors on
+another device (CUDA) are encoded, exchanged, decoded and summed there by the torch codec,
+which gives the same bytes and values (torch_codec.py), so mixed ranks still agree bit for bit.
+The two-hop path of a multi-node world still stages device tensors through host memory. A value
+that cannot be encoded makes every rank that depends on it raise ValueError, after the
+exchange, with nothing written.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import torch
 from .. import distributed as dist
 from ..collectives.algorithms import chunk_bounds
 from ..collectives.reduce_ops import ReduceOp
+from . import torch_codec
 from .codecs import Codec, codec_for, store_float, to_numpy_float
+from . import kernels
 from .exchange import Hop, gather_hop, reduce_hop
 from . import hierarchical as two_hop
 from .feedback import ErrorFeedback
@@ -32,6 +37,9 @@ from .stats import STATS
 from . import profile
 
 _REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
+TORCH_CODEC_ON_CPU = False
+"""Run the torch codec on CPU tensors too (tests: the device path without a GPU, and ranks of
+both kinds in one collective). Off by default: numpy keeps clear of torch's OpenMP pools."""
 
 
 def _codec(quant: str, block: int | None) -> Codec:
@@ -46,10 +54,18 @@ def _check_op(op, what: str) -> ReduceOp:
     return op
 
 
-def _values(t, what: str) -> np.ndarray:
+def _values(t, what: str):
+    """The flat fp32 / fp64 values: a numpy array for a CPU tensor, a tensor on the device else."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    return to_numpy_float(t.detach().reshape(-1).cpu())
+    if t.device.type != "cpu" or TORCH_CODEC_ON_CPU:
+        return torch_codec.values(t)
+    return to_numpy_float(t.detach().reshape(-1))
+
+
+def _host(x) -> np.ndarray:
+    """The two-hop path computes on the host: a device tensor's values copied there."""
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
 
 
 def _done(async_op: bool, name: str):
@@ -70,14 +86,27 @@ def _settle(kind: str, hops: list[Hop], node_bytes: int = 0, path: str = "flat")
                  max(h.max_abs_error for h in hops), max(h.max_error_bound for h in hops), path)
 
 
-def _write(dst: torch.Tensor, pieces: list[tuple[int, np.ndarray]]) -> None:
+def _write(dst: torch.Tensor, pieces: list) -> None:
     """dst.view(-1)[start:start + len(v)] = v for each piece, rounded to dst's dtype."""
+    if pieces and isinstance(pieces[0][1], torch.Tensor):
+        _write_tensors(dst, pieces)
+        return
     direct = dst.device.type == "cpu" and dst.is_contiguous()
     flat = dst.detach().view(-1) if direct else torch.empty(dst.numel(), dtype=dst.dtype)
     for start, v in pieces:
         store_float(flat[start:start + v.size], v)
     if not direct:
         with torch.no_grad():
+            dst.copy_(flat.view(dst.shape))
+
+
+def _write_tensors(dst: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> None:
+    """The device path's _write: copy_ rounds to nearest even, as store_float does on the host."""
+    with torch.no_grad():
+        flat = dst.detach().view(-1) if dst.is_contiguous() else torch.empty(dst.numel(), dtype=dst.dtype, device=dst.device)
+        for start, v in pieces:
+            flat[start:start + len(v)].copy_(v)
+        if not dst.is_contiguous():
             dst.copy_(flat.view(dst.shape))
 
 
@@ -89,18 +118,18 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str
     if n < 0:
         return None
     codec, x = _codec(quant, block), _values(input, "input")
-    if output.numel() != n * x.size:
-        raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {x.size}")
+    if output.numel() != n * len(x):
+        raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {len(x)}")
     if feedback is not None:
         feedback.begin()
     if (lv := two_hop.levels(group, output.numel() * 4)) is not None:
-        out, hops, node_bytes = two_hop.all_gather(x, codec, *lv, input, feedback)
+        out, hops, node_bytes = two_hop.all_gather(_host(x), codec, *lv, input, feedback)
         _settle("all_gather", hops, node_bytes, "hierarchical")
         _write(output, [(0, out)])
         return _done(async_op, "quant all_gather")
-    hop = gather_hop(x, [x.size] * n, codec, group, input.device, input.element_size(), feedback)
+    hop = gather_hop(x, [len(x)] * n, codec, group, input.device, input.element_size(), feedback)
     _settle("all_gather", [hop])
-    _write(output, [(r * x.size, v) for r, v in enumerate(hop.values)])
+    _write(output, [(r * len(x), v) for r, v in enumerate(hop.values)])
     return _done(async_op, "quant all_gather")
 
 
@@ -113,12 +142,12 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         return None
     codec, x = _codec(quant, block), _values(input, "input")
     m = output.numel()
-    if x.size != n * m:
-        raise ValueError(f"quantized reduce_scatter: input has {x.size} elements, expected {n} x {m}")
+    if len(x) != n * m:
+        raise ValueError(f"quantized reduce_scatter: input has {len(x)} elements, expected {n} x {m}")
     if feedback is not None:
         feedback.begin()
-    if (lv := two_hop.levels(group, x.size * 4)) is not None:
-        acc, hops, node_bytes = two_hop.reduce_scatter(x, m, op, codec, *lv, input, feedback)
+    if (lv := two_hop.levels(group, len(x) * 4)) is not None:
+        acc, hops, node_bytes = two_hop.reduce_scatter(_host(x), m, op, codec, *lv, input, feedback)
         _settle("reduce_scatter", hops, node_bytes, "hierarchical")
         _write(output, [(0, acc)])
         return _done(async_op, "quant reduce_scatter")
@@ -127,7 +156,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     _settle("reduce_scatter", [hop])
     acc = hop.values[0]
     if op == ReduceOp.AVG:
-        acc /= n
+        kernels.of(acc).divide(acc, n)
     _write(output, [(0, acc)])
     return _done(async_op, "quant reduce_scatter")
 
@@ -142,17 +171,17 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
     codec, x = _codec(quant, block), _values(tensor, "tensor")
     if feedback is not None:
         feedback.begin()
-    if (lv := two_hop.levels(group, x.size * 4)) is not None:
+    if (lv := two_hop.levels(group, len(x) * 4)) is not None:
         if profile.ON:
-            profile.TAG[0] = f"{codec.name}.{x.size * 4 >> 20}MiB."
+            profile.TAG[0] = f"{codec.name}.{len(x) * 4 >> 20}MiB."
             profile.add("calls", 1)
         with profile.span("total"):
-            out, hops, node_bytes = two_hop.all_reduce(x, op, codec, *lv, tensor, feedback)
+            out, hops, node_bytes = two_hop.all_reduce(_host(x), op, codec, *lv, tensor, feedback)
             _settle("all_reduce", hops, node_bytes, "hierarchical")
             with profile.span("copy_out"):
                 _write(tensor, [(0, out)])
         return _done(async_op, "quant all_reduce")
-    bounds = chunk_bounds(x.size, n)
+    bounds = chunk_bounds(len(x), n)
     hops = _all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)
     _settle("all_reduce", hops)
     _write(tensor, [(a, v) for (a, _), v in zip(bounds, hops[-1].values)])
@@ -163,7 +192,7 @@ def _all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") ->
     first = reduce_hop(x, bounds, codec, group, like.device, like.element_size(), fb, "send" + tag)
     acc = first.values[0]
     if op == ReduceOp.AVG:
-        acc /= n
+        kernels.of(acc).divide(acc, n)
     me = dist.get_rank(group)
     second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
                         "shard" + tag, offset=bounds[me][0])
@@ -184,17 +213,15 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_gro
     L, N = dist.get_world_size(intra_group), dist.get_world_size(inter_group)
     if feedback is not None:
         feedback.begin()
-    bounds = chunk_bounds(x.size, L)
+    bounds = chunk_bounds(len(x), L)
     me = dist.get_rank(intra_group)
     intra = reduce_hop(x, bounds, codec, intra_group, tensor.device, tensor.element_size(), feedback, "send")
     shard = intra.values[0]
     if op == ReduceOp.AVG:
-        shard /= L * N
-    sub = chunk_bounds(shard.size, N)
+        kernels.of(shard).divide(shard, L * N)
+    sub = chunk_bounds(len(shard), N)
     inter = _all_reduce_hops(shard, sub, ReduceOp.SUM, N, codec, inter_group, tensor, feedback, ".inter")
-    node_shard = np.empty(shard.size, dtype=np.float32)
-    for (a, b), v in zip(sub, inter[-1].values):
-        node_shard[a:b] = v
+    node_shard = kernels.of(shard).cat(inter[-1].values)  # the sub-shards in order
     last = gather_hop(node_shard, [b - a for a, b in bounds], codec, intra_group, tensor.device,
                       tensor.element_size(), feedback, "shard", offset=bounds[me][0])
     _settle("hierarchical_all_reduce", [intra, *inter, last])

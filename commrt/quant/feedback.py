@@ -11,11 +11,13 @@ Summed over steps the sent values telescope: sum_t dequant_t = sum_t x_t + (e_0 
 err_beta), so the mean of N steps' results approaches the exact mean like 1/N instead of
 keeping a constant bias. Every ``reset_T`` calls the memory starts again from zero (as
 DeepSpeed does), which bounds how stale it can grow. Unlike DeepSpeed, which stores the error
-itself in int8, ours stays fp32 (exact, 4 bytes per element of state).
+itself in int8, ours stays fp32 (exact, 4 bytes per element of state). The state lives
+where the values do: a numpy array for host values, a tensor on the device for device ones.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 class ErrorFeedback:
@@ -28,7 +30,7 @@ class ErrorFeedback:
             raise ValueError(f"reset_T = {reset_T!r} is invalid; it must be >= 0 (0: never reset)")
         self.err_beta, self.reset_T = float(err_beta), int(reset_T)
         self.calls = 0
-        self._err: dict[str, np.ndarray] = {}
+        self._err: dict = {}  # stage -> np.ndarray or torch.Tensor
 
     @classmethod
     def from_loco(cls, loco_param: dict | None) -> "ErrorFeedback":
@@ -46,21 +48,31 @@ class ErrorFeedback:
             self.calls = 1
             self._err.clear()
 
-    def compensate(self, stage: str, x: np.ndarray) -> np.ndarray:
-        """x + the remembered error of ``stage`` (a new fp32/fp64 array; x is left alone)."""
+    def compensate(self, stage: str, x):
+        """x + the remembered error of ``stage`` (a new fp32/fp64 array or tensor; x is left alone)."""
         err = self._err.get(stage)
-        if err is None or err.size != x.size:
+        if not _fits(err, x):
+            if isinstance(x, torch.Tensor):
+                return x.clone()  # fp32 / fp64 already (see torch_codec.values)
             return np.array(x, dtype=np.float64 if x.dtype == np.float64 else np.float32, copy=True)
-        return np.add(x, err, dtype=err.dtype)
+        return x + err if isinstance(x, torch.Tensor) else np.add(x, err, dtype=err.dtype)
 
-    def update(self, stage: str, compensated: np.ndarray, decoded: np.ndarray) -> None:
+    def update(self, stage: str, compensated, decoded) -> None:
         err = self._err.get(stage)
         new = compensated - decoded
-        if err is None or err.size != new.size:
-            err = np.zeros_like(new)
+        if not _fits(err, new):
+            err = torch.zeros_like(new) if isinstance(new, torch.Tensor) else np.zeros_like(new)
         self._err[stage] = self.err_beta * err + (1.0 - self.err_beta) * new
 
-    def error(self, stage: str) -> np.ndarray | None:
+    def error(self, stage: str):
         """The remembered error of ``stage`` (a copy), or None."""
         err = self._err.get(stage)
-        return None if err is None else err.copy()
+        return None if err is None else (err.clone() if isinstance(err, torch.Tensor) else err.copy())
+
+
+def _fits(err, x) -> bool:
+    """Whether a remembered error applies to ``x``: same kind, size and device (a tensor that
+    moved between devices, or between the numpy and the torch codec, starts afresh)."""
+    if err is None or type(err) is not type(x) or len(err) != len(x):
+        return False
+    return not isinstance(x, torch.Tensor) or err.device == x.device

@@ -82,6 +82,14 @@ def test_fp16_scale_overflow_is_refused():
         encode(x, Codec(8, 256, "fp16"))
 
 
+def test_fp16_scale_just_past_the_largest_half_is_refused():
+    """absmax / 127 in (65504, 65520) rounds down to 65504 and then up past it: refused, not a
+    silent NaN scale (it was before the range check moved after the rounding up)."""
+    x = torch.full((4,), 127 * 65510.0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="block 0: absmax .* use scale_dtype fp32"):
+        encode(x, Codec(8, 256, "fp16"))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_names_the_first_bad_index(bad):
     x = torch.randn(1000)

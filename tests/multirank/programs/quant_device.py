@@ -1,0 +1,112 @@
+"""The torch-codec path of the quantized collectives gives bit for bit what the numpy path
+gives, with ranks of both kinds in one collective.
+
+    quant_device cpu    the even ranks run the torch codec on CPU tensors (no GPU needed)
+    quant_device cuda   the even ranks hold CUDA tensors (encoded, exchanged, decoded there)
+
+Each case runs once with every rank on the numpy path (the reference), then mixed; the results
+must be equal bit for bit (and so the same on every rank, as the numpy path's are).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import commrt
+import commrt.quant as cq
+from commrt.quant import collectives
+from tests.multirank.programs.quant_job import data
+
+SIZES = [0, 1, 1003, 70001]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def both_ways(run, rank: int, kind: str, what: str) -> None:
+    """``run(device)`` -> result; numpy path on every rank, then the even ranks on the torch codec."""
+    collectives.TORCH_CODEC_ON_CPU = False
+    want = run(torch.device("cpu"))
+    mine = rank % 2 == 0
+    collectives.TORCH_CODEC_ON_CPU = mine and kind == "cpu"
+    got = run(torch.device("cuda") if mine and kind == "cuda" else torch.device("cpu")).cpu()
+    collectives.TORCH_CODEC_ON_CPU = False
+    if got.shape != want.shape or (want.numel() and not torch.equal(
+            got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8))):
+        raise AssertionError(f"{what}: the torch-codec path differs from the numpy path")
+
+
+def cases(rank: int, n: int, kind: str) -> int:
+    count = 0
+    for quant in ("int8", "int4"):
+        for dtype in DTYPES:
+            for numel in SIZES:
+                x = data(numel, rank, dtype, seed=numel)
+                tag = f"{quant} {dtype} n={numel}"
+
+                def reduce(dev, op):
+                    t = x.to(dev, copy=True)
+                    cq.all_reduce(t, op=op, quant=quant)
+                    return t
+                both_ways(lambda d: reduce(d, "SUM"), rank, kind, f"all_reduce SUM {tag}")
+                both_ways(lambda d: reduce(d, "AVG"), rank, kind, f"all_reduce AVG {tag}")
+
+                def gather(dev):
+                    out = torch.empty(n * numel, dtype=dtype, device=dev)
+                    cq.all_gather_into_tensor(out, x.to(dev, copy=True), quant=quant)
+                    return out
+                both_ways(gather, rank, kind, f"all_gather {tag}")
+
+                def scatter(dev):
+                    out = torch.empty(numel, dtype=dtype, device=dev)
+                    cq.reduce_scatter_tensor(out, data(n * numel, rank, dtype, 5).to(dev, copy=True), op="AVG", quant=quant)
+                    return out
+                both_ways(scatter, rank, kind, f"reduce_scatter {tag}")
+                count += 4
+    return count
+
+
+def feedback_steps(rank: int, kind: str) -> None:
+    """Three int4 steps with error feedback: the state is kept on the device path too."""
+    def run(dev):
+        fb, t = cq.ErrorFeedback(0.8, 0), None
+        for step in range(3):
+            t = data(1003, rank, torch.float32, step).to(dev, copy=True)
+            cq.all_reduce(t, op="AVG", quant="int4", feedback=fb)
+        return t
+    both_ways(run, rank, kind, "all_reduce with feedback")
+
+
+def non_finite(rank: int, n: int, kind: str) -> None:
+    """The last rank's NaN, on whichever path it runs: every rank raises, nothing is written."""
+    mine = rank % 2 == 0
+    collectives.TORCH_CODEC_ON_CPU = mine and kind == "cpu"
+    dev = torch.device("cuda") if mine and kind == "cuda" else torch.device("cpu")
+    t = torch.arange(1003, dtype=torch.float32, device=dev)
+    if rank == n - 1:
+        t[700] = float("nan")
+    before = t.clone()
+    try:
+        cq.all_reduce(t, quant="int4")
+    except ValueError as exc:
+        want = "element 700 is nan" if rank == n - 1 else "cannot be quantized"
+        assert want in str(exc) and "nothing was written" in str(exc), str(exc)
+    else:
+        raise AssertionError("a NaN input went through a quantized all_reduce")
+    finally:
+        collectives.TORCH_CODEC_ON_CPU = False
+    assert torch.equal(t.isnan(), before.isnan()) and torch.equal(t.nan_to_num(), before.nan_to_num())
+
+
+def main() -> None:
+    kind = sys.argv[1]
+    commrt.init_process_group()
+    rank, n = commrt.get_rank(), commrt.get_world_size()
+    count = cases(rank, n, kind)
+    feedback_steps(rank, kind)
+    non_finite(rank, n, kind)
+    commrt.destroy_process_group()
+    print(f"rank {rank}: quant device path identical in {count} cases", flush=True)
+
+
+if __name__ == "__main__":
+    main()
