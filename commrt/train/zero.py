@@ -32,6 +32,8 @@ the engine's own calls (norms, LAMB, checkpoints) may use the groups directly.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -132,6 +134,8 @@ class Zero:
         self.works: list = []
         # ZeRO++: quantized compositions run on this thread, beside compute (see the module doc)
         self.stream = Executor("zero-stream") if overlap and (qwz or qgz) else None
+        if self.stream is not None:  # its thread ends with the engine
+            weakref.finalize(self, self.stream.close)
         self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
