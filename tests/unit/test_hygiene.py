@@ -27,8 +27,9 @@ ALLOWED = {
     "quant": {"errors", "config", "dtypes", "collectives", "distributed", "stats", "mesh"},
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
-    # (and the topology through mesh: the node size that hybrid sharding and hpZ default to)
-    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh"},
+    # (and the topology through mesh: the node size that hybrid sharding and hpZ default to;
+    # work: ZeRO++'s comm stream is an Executor)
+    "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh", "work"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},
     # commrt estimate: pure formulas over the layers it predicts (their plans, codecs, schedules)
