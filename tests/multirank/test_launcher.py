@@ -57,7 +57,8 @@ def test_cli_launch_exit_code():
 
 def test_torchrun_can_launch_commrt(tmp_path):
     """No commrt launcher, so no job secret in the environment: the ranks meet through the
-    per-user secret file (here in tmp_path), created by whichever rank comes first."""
+    per-user secret file (here in tmp_path), created by whichever rank comes first. The same ranks
+    then run torch.distributed's init_process_group("commrt") by env:// and by tcp://."""
     env = {k: v for k, v in ENV.items() if k != "COMMRT_JOB_SECRET"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "-m", "tests.multirank.programs.torchrun_job"],
