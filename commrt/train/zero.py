@@ -22,13 +22,9 @@ Training", 2023): qwZ gathers stage-3 parameters in int8, qgZ reduces gradients 
 all-to-all of quantized chunks, then an fp32 reduction), optionally with LoCo error feedback
 per unit. Master weights and optimizer state stay fp32 and exact.
 
-A quantized collective is a composition (encode, exchange, decode, node-local hops) that runs to
-the end in the thread that calls it. So that it still overlaps compute, as the exact stage-3
-prefetch and the gradient reduce-scatters do, ZeRO++ with ``overlap_comm`` issues every one of
-the engine's collectives from one comm stream (``work.Executor``: a thread running them in
-submission order). The hooks submit in the same order on every rank, so each group still sees
-its collectives in one order everywhere; ``wait`` ends with a fence on the stream, after which
-the engine's own calls (norms, LAMB, checkpoints) may use the groups directly.
+ZeRO++ with ``overlap_comm`` issues every one of the engine's collectives from one comm stream
+(``stream.CommStream``), so that the quantized compositions overlap compute; ``wait`` ends with a
+fence, after which the engine's own calls (norms, LAMB, checkpoints) use the groups directly.
 """
 from __future__ import annotations
 
@@ -42,9 +38,9 @@ from .. import optim
 from .. import quant as cq
 from ..collectives.reduce_ops import ReduceOp
 from ..errors import ConfigError
-from ..work import Executor
 from .groups import ShardGroups
 from .layout import Unit, buckets, make_unit, pieces
+from .stream import CommStream
 
 
 def run_ready(works: list) -> int:
@@ -57,23 +53,6 @@ def run_ready(works: list) -> int:
         then()
         ran += 1
     return ran
-
-
-class _Streamed:
-    """A collective submitted to the comm stream: done when the stream has issued it and the
-    collective it started (a Work, or None for one that ran to the end there) has finished."""
-
-    def __init__(self, issued):
-        self.issued = issued
-
-    def is_completed(self) -> bool:
-        inner = self.issued._result if self.issued.is_completed() else None
-        return self.issued.is_completed() and (inner is None or inner.is_completed())
-
-    def wait(self) -> None:
-        inner = self.issued.result()
-        if inner is not None:
-            inner.wait()
 
 
 class UnitState:
@@ -133,7 +112,7 @@ class Zero:
         self.counts_norm = self.rgroup is None or dist.get_rank(self.rgroup) == 0
         self.works: list = []
         # ZeRO++: quantized compositions run on this thread, beside compute (see the module doc)
-        self.stream = Executor("zero-stream") if overlap and (qwz or qgz) else None
+        self.stream = CommStream() if overlap and (qwz or qgz) else None
         if self.stream is not None:  # its thread ends with the engine
             weakref.finalize(self, self.stream.close)
         self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
@@ -209,13 +188,13 @@ class Zero:
 
     def _issue(self, name: str, start):
         """Start a collective (``start()`` returns its Work): here, or on the comm stream."""
-        return start() if self.stream is None else _Streamed(self.stream.submit(name, start))
+        return start() if self.stream is None else self.stream.submit(name, start)
 
     def _fence(self) -> None:
         """Return once the stream has issued everything submitted so far (then this thread may
         call collectives on the same groups without changing their order)."""
         if self.stream is not None:
-            self.stream.submit("fence", lambda: None).wait()
+            self.stream.fence()
 
     def _track(self, work, then) -> None:
         self.works.append((work, then))

@@ -28,7 +28,7 @@ ALLOWED = {
     # training layers: over the public API (distributed), the optimizer math, the PS file format
     # and the quantized collectives
     # (and the topology through mesh: the node size that hybrid sharding and hpZ default to;
-    # work: ZeRO++'s comm stream is an Executor)
+    # work: ZeRO++'s comm stream (train/stream.py) is an Executor)
     "train": {"errors", "config", "optim", "collectives", "distributed", "ps", "quant", "mesh", "work"},
     # pipeline parallelism: over the public API's point-to-point calls, like train
     "pipeline": {"errors", "config", "dtypes", "collectives", "distributed", "train"},

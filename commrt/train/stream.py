@@ -1,0 +1,50 @@
+"""The comm stream of ZeRO++: one thread that issues a training engine's collectives in the
+order they were submitted, like one CUDA stream of NCCL calls.
+
+A quantized collective is a composition (encode, exchange, decode, node-local hops) that runs to
+the end in the thread that calls it. Run from the training hooks it would block compute; run
+from a thread of its own it overlaps compute, as the exact stage-3 prefetch and the gradient
+reduce-scatters do. The hooks submit in the same order on every rank, so each group still sees
+its collectives in one order everywhere, as long as every collective on those groups goes
+through the stream until ``fence`` returns.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..work import Executor
+
+
+class Streamed:
+    """A collective submitted to the stream: done when the stream has issued it and the
+    collective it started (a Work, or None for one that ran to the end there) has finished."""
+
+    def __init__(self, issued):
+        self.issued = issued
+
+    def is_completed(self) -> bool:
+        inner = self.issued._result if self.issued.is_completed() else None
+        return self.issued.is_completed() and (inner is None or inner.is_completed())
+
+    def wait(self) -> None:
+        inner = self.issued.result()
+        if inner is not None:
+            inner.wait()
+
+
+class CommStream:
+    def __init__(self, name: str = "zero-stream"):
+        self._executor = Executor(name)
+
+    def submit(self, name: str, start: Callable) -> Streamed:
+        """Run ``start()`` (which starts a collective and returns its Work, or runs one to the
+        end and returns None or a finished Work) on the stream, after everything submitted."""
+        return Streamed(self._executor.submit(name, start))
+
+    def fence(self) -> None:
+        """Return once the stream has issued everything submitted so far: then the caller may
+        use the same groups directly without changing their order on any rank."""
+        self._executor.submit("fence", lambda: None).wait()
+
+    def close(self) -> None:
+        self._executor.close()
