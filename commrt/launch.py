@@ -22,6 +22,7 @@ from collections import deque
 from typing import IO, Callable, Sequence
 
 GRACE_S = 5.0
+REAP_S = 10.0  # after SIGKILL: how long to wait for the kernel to end a process (D state aside, ms)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -124,9 +125,29 @@ def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tai
     stream.close()
 
 
+def _exited(p: subprocess.Popen) -> bool:
+    """Whether ``p`` has ended (reaping it): ``Popen.poll`` without Popen's lock. CPython checks
+    for signals right after ``poll`` acquires that lock, before its ``try``: a SIGTERM / SIGHUP
+    (``Stopped``) or Ctrl-C landing there leaves the lock held for good, after which ``poll``
+    says "running" and ``wait`` blocks for ever. The cleanup that follows such a signal must not
+    depend on it."""
+    if p.returncode is not None:
+        return True
+    try:
+        pid, status = os.waitpid(p.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already (by Popen, whose lock was free then)
+        if p.returncode is None:
+            p.returncode = -signal.SIGKILL
+        return True
+    if pid == 0:
+        return False
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return True
+
+
 def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
     for p in procs:
-        if p.poll() is None:
+        if not _exited(p):
             try:
                 os.killpg(p.pid, sig)  # the rank's own group: it was started with a new session
             except ProcessLookupError:
@@ -144,12 +165,15 @@ def _stop_everything(procs: Sequence[subprocess.Popen]) -> None:
 
 def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
     _signal_all(procs, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_exited(procs, GRACE_S)
     _signal_all(procs, signal.SIGKILL)
-    for p in procs:
-        p.wait()
+    _wait_exited(procs, REAP_S)
+
+
+def _wait_exited(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all([_exited(p) for p in procs]) and time.monotonic() < deadline:  # a list: reap every one
+        time.sleep(0.02)
 
 
 def server_env(servers: int, workers: int, base: dict | None = None) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import time
 from collections import deque
 from typing import IO, Sequence
 
-from ..launch import GRACE_S, _pump
+from ..launch import GRACE_S, REAP_S, _exited, _pump, _wait_exited
 from . import plan as P
 from .hostlist import Host
 
@@ -40,13 +41,12 @@ def _close_all(procs: Sequence[subprocess.Popen]) -> None:
             p.stdin.close()
         except OSError:
             pass
-    deadline = time.monotonic() + 2 * GRACE_S  # the far side needs its own grace to stop its ranks
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-        p.wait()
+    _wait_exited(procs, 2 * GRACE_S)  # the far side needs its own grace to stop its ranks
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # never a wait without an end (see launch._exited)
+        for p in procs:
+            if not _exited(p):
+                p.send_signal(sig)
+        _wait_exited(procs, GRACE_S if sig == signal.SIGTERM else REAP_S)
 
 
 def launch_hosts(hosts: Sequence[Host], nproc: int, program: Sequence[str], port: int,
