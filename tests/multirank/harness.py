@@ -28,3 +28,13 @@ def run_ranks(nproc: int, program: str, *args: str, timeout_s: float = 90.0,
     if expect_fail and result.returncode == 0:
         raise AssertionError(f"{program} x{nproc} was expected to fail but succeeded:\n{text[-3000:]}")
     return result, text
+
+
+def default_signals() -> None:
+    """``preexec_fn`` for a process a test will signal: SIGINT and SIGHUP at their defaults. A
+    suite started in the background by a non-interactive shell has SIGINT ignored, under nohup
+    SIGHUP too, and children inherit that: a launcher that ignores the test's Ctrl-C or hang-up
+    never exits (seen when this suite ran as ``nohup bash -c '.ci/run' &``)."""
+    import signal
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)

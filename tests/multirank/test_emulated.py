@@ -17,7 +17,7 @@ import pytest
 from commrt import emulate
 from commrt.errors import ConfigError
 from commrt.launch import Nodes, launch
-from tests.multirank.harness import ROOT
+from tests.multirank.harness import ROOT, default_signals
 
 ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "COMMRT_COMM_TIMEOUT_S": "60",
        "COMMRT_COMM_BACKEND": "zmq"}
@@ -115,7 +115,7 @@ def test_a_crashing_rank_and_ctrl_c_leave_no_namespaces(emulated_cluster):
     p = subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1",
                           "--emulate-network", "100mbit", "--", sys.executable, "-c",
                           "import time; print('up', flush=True); time.sleep(600)"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     try:
         assert "up" in p.stdout.readline()  # a rank runs inside a namespace: the cluster exists
         assert [ns for ns in emulate._namespaces() if ns.startswith(f"{emulate.PREFIX}{p.pid}-")]

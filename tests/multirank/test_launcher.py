@@ -10,7 +10,7 @@ import time
 import pytest
 
 from commrt.launch import free_port, launch
-from tests.multirank.harness import ROOT
+from tests.multirank.harness import ROOT, default_signals
 
 PROBE = [sys.executable, "-m", "tests.multirank.programs.launcher_probe"]
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -145,7 +145,8 @@ def test_signalled_launcher_stops_its_ranks_and_servers(tmp_path, sig):
     --servers shards must all be gone once the launcher has exited, and its exit code says why."""
     cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "2", "--servers", "1", "--",
            *PROBE, "hang", str(tmp_path)]
-    launcher = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                preexec_fn=default_signals)
     pids: set[int] = set()
     try:
         files = [tmp_path / f"rank{r}.pids" for r in range(2)]
