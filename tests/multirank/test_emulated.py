@@ -198,7 +198,10 @@ def test_estimate_measure_times_the_links_of_the_job_it_runs_in(emulated_cluster
     assert not re.search(r"^\[rank [123]\] [\[{#]", proc.stdout, re.M), proc.stdout[-3000:]  # rank 0 alone prints
     (result,) = json.loads(("\n" + text)[("\n" + text).index("\n["):])
     c = result["cluster"]
-    assert 0.5 * 100e6 / 8 <= c["inter_bw"] <= 1.1 * 100e6 / 8, c  # the shaped node link, ~12.5 MB/s
+    # the shaped node link, ~12.5 MB/s: the measured busbw times the 2 ranks per node, which assumes
+    # both cross at once; when their all_reduces overlap only in part it reads up to 2x (seen: 1.6x
+    # in a fresh-clone run). A missing per-node factor reads 0.5x and fails the lower bound.
+    assert 0.5 * 100e6 / 8 <= c["inter_bw"] <= 2.0 * 100e6 / 8, c
     assert c["intra_bw"] >= 4 * c["inter_bw"], c
     assert "across nodes" in result["measured"] and "measured" in result["measured"]
     est = estimate(Job(params=1_000_000, stage=3), Cluster(**c))
