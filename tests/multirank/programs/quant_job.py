@@ -161,10 +161,10 @@ def check_bad_input(n: int) -> None:
             raise AssertionError(f"no ValueError for {msg}")
 
 
-def check_non_finite_fails_everywhere(rank: int, n: int) -> None:
+def check_non_finite_fails_everywhere(rank: int, n: int, device: torch.device = torch.device("cpu")) -> None:
     """One rank's NaN: every rank raises after the exchange (none waits for it), naming the
     element on the rank that has it, and the tensor keeps its values."""
-    t = torch.arange(1003, dtype=torch.float32)
+    t = torch.arange(1003, dtype=torch.float32, device=device)
     if rank == n - 1:
         t[700] = float("nan")
     before = t.clone()
