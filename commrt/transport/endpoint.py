@@ -336,6 +336,11 @@ class Endpoint:
     def close(self) -> None:
         """Close every socket. Only the owner calls this, after its last use (or once the
         owner has stopped): closing a socket another thread is blocked in aborts libzmq."""
+        for sock in self._out.values():
+            # Monitor off first: libzmq (4.3.5) drops what a socket queued before its handshake
+            # finished if the socket is closed with a monitor attached, whatever the linger;
+            # a group destroyed right after its first op lost that op's last message so.
+            sock.disable_monitor()
         for mon in self._monitors:
             mon.close(linger=0)
         self._monitors.clear()

@@ -25,7 +25,9 @@ def expect(exc_type, fragment: str, fn, *args, **kwargs):
 def destroyed(rank: int, n: int) -> None:
     """Every use of a destroyed group handle names the destruction, instead of KeyError."""
     group = commrt.new_group(list(range(n)))
-    # not used before: a new group's first op can meet a spurious disconnect on main today
+    t = torch.ones(4)
+    commrt.all_reduce(t, group=group)  # destroyed right after: its last messages still arrive
+    assert_equal(t, torch.full((4,), float(n)), "all_reduce on the group just before destroying it")
     commrt.destroy_process_group(group)
     t = torch.ones(4)
     expect(commrt.CommError, "destroyed", commrt.all_reduce, t, group=group)
