@@ -25,7 +25,7 @@ RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 COUNT = 8
 SETTLED = {zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
-DEADLINE_S = 60.0
+DEADLINE_S = 10.0  # under the ranks' 20 s comm timeout: a stuck stranger is named, not a silent rank 0
 
 
 def forged(backend) -> list[bytes]:
@@ -54,9 +54,13 @@ def knock(kind: str, backend) -> list:
             public, secret = open(os.path.join(keys, "rank2.key")).read().split()
             sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
             sock.curve_serverkey = allow["rank1"].encode()
+        sock.setsockopt(zmq.SNDTIMEO, int(DEADLINE_S * 1000))
         monitor = sock.get_monitor_socket(zmq.EVENT_ALL)
         sock.connect(addr)
-        sock.send_multipart(forged(backend))
+        try:
+            sock.send_multipart(forged(backend))
+        except zmq.Again:  # refused before the message was queued: a refusal that libzmq
+            pass  # answers by dropping the connection's pipe, so a send without a deadline blocks for ever
         _settled(monitor)
         return [sock]
     raw = socket.create_connection((host, int(port)), timeout=DEADLINE_S)
@@ -73,7 +77,8 @@ def _settled(monitor: zmq.Socket) -> None:
     while time.monotonic() < deadline:
         if monitor.poll(100) and recv_monitor_message(monitor)["event"] in SETTLED:
             return
-    raise SystemExit("the stranger's handshake never settled")
+    # go on: the stranger must be refused whenever its handshake ends, and the results checked
+    print(f"note: the stranger's handshake had not settled after {DEADLINE_S:g}s", file=sys.stderr, flush=True)
 
 
 def _closed_by_peer(raw: socket.socket) -> None:
