@@ -26,8 +26,10 @@ def _scale(nproc: int, tmp_path, timeout_s: float):
 def test_sixteen_ranks(tmp_path):
     barrier, after = _scale(16, tmp_path, 300)
     # a dissemination barrier talks to 2 log2(16) = 8 peers: sockets for those only, not for
-    # all 15 peers twice (collectives + point-to-point) as when every peer was dialled up front
-    assert after[-1] - barrier[-1] >= 7 * 2, (barrier, after)
+    # all 15 peers twice (collectives + point-to-point) as when every peer was dialled up front.
+    # Medians: a rank slow to count after its barrier also counts the connections of peers
+    # already in the all_reduce (a fresh-clone run saw one rank at 86 against a median of 57)
+    assert after[8] - barrier[8] >= 7 * 2, (barrier, after)
 
 
 @pytest.mark.slow
