@@ -106,6 +106,10 @@ class ServerCore(Durability, Binding):
             out = [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
                    if p.req.worker in self.state.dropped]
             return out + self._progress(now)
+        if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
+            # the step cannot complete now: answer all of its pushes at once, naming the same workers
+            # (a push answered a tick before another would be named as missing by the later one)
+            stuck += [p for (_, step), p in self.pushes.items() if step == self.state.version and p not in stuck]
         out = []
         for p in stuck:
             msg = (f"server {self.index}: {P.OP_NAMES[p.req.op]} step {p.req.step} of worker "

@@ -264,6 +264,19 @@ def test_lost_worker_policies():
     np.testing.assert_allclose(_params(core), np.arange(6) - 0.5)
 
 
+def test_a_lost_sync_step_answers_every_push_alike():
+    """Worker 0 pushed at 0.0, worker 1 at 0.5, worker 2 never: at worker 0's timeout both learn
+    that worker 2 is missing. Answered one tick apart, worker 1 was told worker 0 was missing too
+    (a 3-worker job under load, tests/multirank/test_ps.py)."""
+    core = _core(workers=3, worker_timeout_s=1.0)
+    assert _push(core, 0, 0, np.ones(6), now=0.0, op=P.PUSHPULL) == []
+    assert _push(core, 1, 0, np.ones(6), now=0.5, op=P.PUSHPULL) == []
+    out = [(r.ident, P.decode_reply(r.frames[0])) for r in core.tick(1.2)]
+    assert sorted(i for i, _ in out) == [b"w0", b"w1"], out
+    assert all(r.status == P.LOST and r.body[1] == [2] for _, r in out), out
+    assert core.tick(2.0) == [] and core.state.version == 0
+
+
 def test_handler_fuzz_keeps_serving(monkeypatch):
     import logging
     import tracemalloc
