@@ -55,13 +55,16 @@ def knock(kind: str, backend) -> list:
             sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
             sock.curve_serverkey = allow["rank1"].encode()
         sock.setsockopt(zmq.SNDTIMEO, int(DEADLINE_S * 1000))
+        sock.copy_threshold = 0  # frames zmq holds, not copies: the tracker says when they went out
         monitor = sock.get_monitor_socket(zmq.EVENT_ALL)
         sock.connect(addr)
+        tracker = None
         try:
-            sock.send_multipart(forged(backend))
+            tracker = sock.send_multipart(forged(backend), copy=False, track=True)
         except zmq.Again:  # refused before the message was queued: a refusal that libzmq
             pass  # answers by dropping the connection's pipe, so a send without a deadline blocks for ever
-        _settled(monitor)
+        if _settled(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED and tracker is not None:
+            _delivered(tracker)  # admitted (mode none): the forgery goes before rank 0's own next message
         return [sock]
     raw = socket.create_connection((host, int(port)), timeout=DEADLINE_S)
     if kind == "raw_tcp":
@@ -70,15 +73,29 @@ def knock(kind: str, backend) -> list:
     return [raw]  # silent_tcp: connected, never says a word
 
 
-def _settled(monitor: zmq.Socket) -> None:
+def _settled(monitor: zmq.Socket) -> int | None:
     """Wait (bounded) until rank 1 admitted or refused the stranger, instead of sleeping: what
-    the stranger sent is then in, or out, before the job's own messages follow."""
+    the stranger sent is then in, or out, before the job's own messages follow. Returns the event."""
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
-        if monitor.poll(100) and recv_monitor_message(monitor)["event"] in SETTLED:
-            return
+        if monitor.poll(100) and (event := recv_monitor_message(monitor)["event"]) in SETTLED:
+            return event
     # go on: the stranger must be refused whenever its handshake ends, and the results checked
     print(f"note: the stranger's handshake had not settled after {DEADLINE_S:g}s", file=sys.stderr, flush=True)
+    return None
+
+
+def _delivered(tracker: zmq.MessageTracker) -> None:
+    """An admitted forgery is queued when the handshake succeeds, and written out a little later:
+    wait until it has left (bounded), then give rank 1's I/O thread a moment to take it in, so that
+    it reaches rank 1 before rank 0's genuine message for the same step does (a loaded run once saw
+    the genuine one first, and the forgery never read)."""
+    try:
+        tracker.wait(DEADLINE_S)
+    except zmq.NotDone:
+        print(f"note: the admitted forgery had not gone out after {DEADLINE_S:g}s", file=sys.stderr, flush=True)
+        return
+    time.sleep(0.5)
 
 
 def _closed_by_peer(raw: socket.socket) -> None:
