@@ -8,8 +8,8 @@ import os
 import shlex
 import sys
 
-from . import launch as launcher
-from .errors import CommError
+from commrt import launch as launcher
+from commrt.runtime.errors import CommError
 
 PROGRESS = "#progress "
 
@@ -25,7 +25,7 @@ def _launch(args) -> int:
                                               servers=args.servers, env=env, max_restarts=args.max_restarts,
                                               nodes=nodes, port=port)
     if args.emulate_network:
-        from . import emulate
+        from commrt import emulate
         if args.servers:
             raise SystemExit("commrt launch: --servers with --emulate-network is not supported "
                              "(the servers would sit outside the emulated nodes)")
@@ -41,8 +41,8 @@ def _launch(args) -> int:
 
 def _launch_hosts(args, cmd, env) -> int:
     """--hosts FILE: one node per line of FILE, each started over ssh (commrt/deploy/ssh.py)."""
-    from .deploy.hostlist import parse_hostfile
-    from .deploy.ssh import launch_hosts
+    from commrt.deploy.hostlist import parse_hostfile
+    from commrt.deploy.ssh import launch_hosts
     if args.emulate_network or args.servers or args.node_rank is not None or args.nnodes != 1:
         raise SystemExit("commrt launch: --hosts sets the nodes itself; it takes no --nnodes, --node-rank, "
                          "--servers or --emulate-network (list the servers in [ps] servers)")
@@ -93,11 +93,11 @@ class _ProgressOut:
 
 
 def _bench(args) -> int:
-    from .bench import metrics
-    from .bench.runner import BenchSpec
+    from commrt.bench import metrics
+    from commrt.bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     if args.quant:
-        from .bench.quant import with_quant
+        from commrt.bench.quant import with_quant
         backends = with_quant(backends, args.quant)
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
@@ -115,7 +115,7 @@ def _bench(args) -> int:
 
 
 def _bench_rank(spec, args) -> int:
-    from .bench import report, runner
+    from commrt.bench import report, runner
     rank, nproc = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     progress = (lambda msg: print(PROGRESS + msg, flush=True)) if rank == 0 else None
     traffic: dict = {}
@@ -135,7 +135,7 @@ def _bench_rank(spec, args) -> int:
 
 
 def _keygen(args) -> int:
-    from .security import keygen
+    from commrt.transport.security import keygen
     names = [f"rank{r}" for r in range(args.ranks)] + [f"server{i}" for i in range(args.servers)]
     keygen(args.directory, names)
     print(f"wrote {len(names)} key pairs (mode 0600) and allow.txt to {args.directory}; give every "
@@ -147,8 +147,8 @@ def _keygen(args) -> int:
 def _server_status(args) -> int:
     import json
 
-    from .config import load_config
-    from .ps import PSClient
+    from commrt.runtime.config import load_config
+    from commrt.ps import PSClient
     client = PSClient(load_config(args.config), worker=0)
     try:
         print(json.dumps(client.stats(), indent=2))
@@ -158,7 +158,7 @@ def _server_status(args) -> int:
 
 
 def _estimate(args) -> int:
-    from .plan import command as estimate_command
+    from commrt.plan import command as estimate_command
     out = estimate_command.render(args)
     if out is not None:  # None: a rank other than 0 of a --measure job
         if out.note:
@@ -168,7 +168,7 @@ def _estimate(args) -> int:
 
 
 def _config(args) -> int:
-    from .config import env_table, load_config
+    from commrt.runtime.config import env_table, load_config
     if args.env_table:
         print("| variable | default | setting |\n|---|---|---|")
         for var, default, meaning in env_table():
@@ -253,14 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--env-table", action="store_true", help="print the environment variable table")
     cp.set_defaults(fn=_config)
     _add_obs_commands(sub)
-    from .plan import command as estimate_command  # pure until --measure
+    from commrt.plan import command as estimate_command  # pure until --measure
     estimate_command.add_parser(sub).set_defaults(fn=_estimate)
     return p
 
 
 def _flight_record(args) -> int:
-    from .obs.analyze import analyze
-    from .obs.flight import read_dumps
+    from commrt.obs.analyze import analyze
+    from commrt.obs.flight import read_dumps
     try:
         dumps = read_dumps(args.directory)
     except (OSError, ValueError) as exc:
@@ -278,7 +278,7 @@ def _flight_record(args) -> int:
 
 
 def _trace_merge(args) -> int:
-    from .obs import trace
+    from commrt.obs import trace
     files = trace.rank_files(args.files)
     if not files:
         raise SystemExit(f"commrt trace-merge: no trace files match {args.files}")
@@ -305,13 +305,13 @@ def _add_obs_commands(sub) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["server"]:  # its own parser, shared with python -m servers.ps
-        from .apps.ps_server import main as server_main
+        from commrt.apps.ps_server import main as server_main
         return server_main(argv[1:])
     if argv[:1] == ["node"]:  # a scheduler's node: its own parser (commrt/apps/node.py)
-        from .apps.node import main as node_main
+        from commrt.apps.node import main as node_main
         return node_main(argv[1:])
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
-        from .bench.ps import main as bench_ps
+        from commrt.bench.ps import main as bench_ps
         return bench_ps(argv[2:])
     args = build_parser().parse_args(argv)
     try:

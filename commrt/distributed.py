@@ -11,14 +11,14 @@ import operator
 import os
 from typing import Any
 
-from . import bootstrap, dtypes, rendezvous
-from .collectives.reduce_ops import ReduceOp, parse_op
-from .config import Config, load_config
-from .errors import CommError
-from .group import NON_GROUP_MEMBER, ProcessGroup
-from .obs.observer import Observer
-from .wire import MAX_TAG
-from .work import Work
+from commrt.runtime import bootstrap, dtypes, rendezvous
+from commrt.collectives.reduce_ops import ReduceOp, parse_op
+from commrt.runtime.config import Config, load_config
+from commrt.runtime.errors import CommError
+from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
+from commrt.obs.observer import Observer
+from commrt.transport.wire import MAX_TAG
+from commrt.runtime.work import Work
 
 _runtime: bootstrap.Runtime | None = None
 _observer: Observer | None = None  # this runtime's comms log, trace and flight recorder (commrt/obs)
@@ -133,7 +133,7 @@ def _two_level(g, kind: str, *tensors) -> bool:
     rt = _runtime
     if g is None or rt is None or g is not rt.world or rt.topology is None or rt.topology.num_nodes < 2:
         return False  # one node: the fast path pays only these checks
-    from . import mesh  # mesh builds on this module
+    from commrt.topology import mesh  # mesh builds on this module
     return mesh.route(g, kind, *tensors)
 
 
@@ -142,7 +142,7 @@ def _quantized(quant: str | None):
     imported only when asked for, since that layer is built on this one."""
     if quant is None:
         return None
-    from . import quant as q
+    from commrt import quant as q
     return q
 
 
@@ -154,7 +154,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str |
         return None
     rec = _begin(g, "all_reduce", tensor, async_op)
     if _two_level(g, "all_reduce", tensor):
-        from .mesh import all_reduce as two_level
+        from commrt.topology.mesh import all_reduce as two_level
         return _call(rec, two_level, tensor, _op(op), async_op)
     return _call(rec, g.backend.all_reduce, tensor, _op(op), async_op)
 
@@ -168,7 +168,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         return None
     rec = _begin(g, "reduce_scatter_tensor", input, async_op)
     if _two_level(g, "reduce_scatter", output, input):
-        from .mesh import reduce_scatter_tensor as two_level
+        from commrt.topology.mesh import reduce_scatter_tensor as two_level
         return _call(rec, two_level, output, input, _op(op), async_op)
     return _call(rec, g.backend.reduce_scatter_tensor, output, input, _op(op), async_op)
 
@@ -181,7 +181,7 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str
         return None
     rec = _begin(g, "all_gather_into_tensor", output, async_op)
     if _two_level(g, "all_gather", output, input):
-        from .mesh import all_gather_into_tensor as two_level
+        from commrt.topology.mesh import all_gather_into_tensor as two_level
         return _call(rec, two_level, output, input, async_op)
     return _call(rec, g.backend.all_gather_into_tensor, output, input, async_op)
 

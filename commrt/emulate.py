@@ -22,7 +22,7 @@ import secrets
 import shutil
 import subprocess
 
-from .errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -228,8 +228,8 @@ def _reuse_freed_memory(env: dict) -> None:
     """Start the ranks and servers with glibc's buffer-reuse thresholds (transport/memory.py):
     the speed of keep_freed_memory without the library changing a user's process.
     COMMRT_COMM_KEEP_FREED_MEMORY set to a false value in the environment turns it off."""
-    from .config import load_config
-    from .transport.memory import glibc_tunables
+    from commrt.runtime.config import load_config
+    from commrt.transport.memory import glibc_tunables
     if "COMMRT_COMM_KEEP_FREED_MEMORY" in env and not load_config(None, environ={
             "COMMRT_COMM_KEEP_FREED_MEMORY": env["COMMRT_COMM_KEEP_FREED_MEMORY"]}).comm.keep_freed_memory:
         return
@@ -244,8 +244,8 @@ def _job_credentials(env: dict, config: str | None, nproc: int, servers: int, al
     Under 'curve' without a keys_dir: a throw-away key set for this job (one key pair per rank
     and server, deleted afterwards). A launch that starts one node of several makes neither:
     the other hosts could not know them (give every host the same secret or keys_dir)."""
-    from .config import load_config
-    from .security import SECRET_ENV, keygen, new_secret
+    from commrt.runtime.config import load_config
+    from commrt.transport.security import SECRET_ENV, keygen, new_secret
     cfg = load_config(config, environ=env)
     whole_job = all_nodes and (servers > 0 or not cfg.ps.servers)
     if cfg.security.mode == "secret" and whole_job and not env.get(SECRET_ENV):
@@ -254,7 +254,7 @@ def _job_credentials(env: dict, config: str | None, nproc: int, servers: int, al
         yield
         return
     if not all_nodes:
-        from .errors import ConfigError
+        from commrt.runtime.errors import ConfigError
         raise ConfigError("[security] mode = 'curve' across hosts needs keys_dir: run `commrt keygen` once "
                           "and give every host the directory (throw-away keys cannot reach other hosts)")
     with tempfile.TemporaryDirectory(prefix="commrt-keys-") as directory:

@@ -23,7 +23,7 @@ import sys
 import threading
 
 from commrt.deploy import plan as P
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 MAPPERS = {"slurm": P.slurm_plan, "k8s": P.k8s_plan}
 

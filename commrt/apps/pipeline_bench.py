@@ -17,10 +17,10 @@ from collections import defaultdict
 import torch
 
 import commrt
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.pipeline.timeline import theory_bubble
 
-from .pipeline_lm import batch, build, make_model
+from commrt.apps.pipeline_lm import batch, build, make_model
 
 KINDS = ("gpipe", "1f1b", "interleaved", "pipedream")
 

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 import sys
 
-from commrt.config import load_config
-from commrt.errors import CommError
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import CommError
 from commrt.ps.server import Server, install_signal_handlers
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from commrt.apps import reporter
-from commrt.config import load_config
+from commrt.runtime.config import load_config
 from commrt.ps import PSClient
 
 

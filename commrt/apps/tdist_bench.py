@@ -21,7 +21,7 @@ from torch import nn
 
 import commrt
 
-from . import reporter
+from commrt.apps import reporter
 
 SIZES = {"4KiB": 4 << 10, "64MiB": 64 << 20}
 

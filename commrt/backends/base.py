@@ -5,9 +5,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from .. import dtypes
-from ..collectives.reduce_ops import ReduceOp
-from ..work import Work
+from commrt.runtime import dtypes
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.work import Work
 
 
 class Backend(Protocol):
@@ -35,7 +35,7 @@ def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], Non
     if t.is_cpu and t.is_contiguous():  # the common case first: no torch.device object per call
         return (t if t.dim() == 1 else t.reshape(-1)), None
     if t.device.type == "cuda":
-        from .staging import host_copy
+        from commrt.backends.staging import host_copy
         return host_copy(t)
     if t.device.type != "cpu":
         raise TypeError(f"{what} is on {t.device}; this backend takes CPU or CUDA tensors")

@@ -11,22 +11,23 @@ from typing import Callable
 
 import torch
 
-from .. import dtypes
-from ..collectives import ops, shm_ops
-from ..collectives.context import _NAMES, Coll, Journal, OpContext
-from ..collectives.shm_ops import ShmContext
-from ..collectives.reduce_ops import ReduceOp, copy_
-from ..config import Config
-from ..errors import CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost, ProtocolError
-from ..transport import shm
-from ..transport import Endpoint, Transport
-from ..transport.endpoint import MismatchReport, encode_report
-from ..transport.memory import keep_freed_memory
-from ..transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
-from ..wire import P2P, Header
-from ..work import CommTimeout, Executor, Work
-from .base import check_same_dtype, flat_view, split_bounds
-from .staging import Staged
+from commrt.runtime import dtypes
+from commrt.collectives import ops, shm_ops
+from commrt.collectives.context import _NAMES, Coll, Journal, OpContext
+from commrt.collectives.shm_ops import ShmContext
+from commrt.collectives.reduce_ops import ReduceOp, copy_
+from commrt.runtime.config import Config
+from commrt.runtime.errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost,
+    ProtocolError)
+from commrt.transport import shm
+from commrt.transport import Endpoint, Transport
+from commrt.transport.endpoint import MismatchReport, encode_report
+from commrt.transport.memory import keep_freed_memory
+from commrt.transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
+from commrt.transport.wire import P2P, Header
+from commrt.runtime.work import CommTimeout, Executor, Work
+from commrt.backends.base import check_same_dtype, flat_view, split_bounds
+from commrt.backends.staging import Staged
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..collectives.reduce_ops import ReduceOp
-from . import metrics
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.bench import metrics
 
 MODES = ("both", "back-to-back", "alone")
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from .. import distributed as dist
-from ..obs.comms import CommsLog
+from commrt import distributed as dist
+from commrt.obs.comms import CommsLog
 
 log = logging.getLogger("commrt.bench.obs_overhead")
 

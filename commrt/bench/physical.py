@@ -14,9 +14,9 @@ import time
 import numpy as np
 import torch
 
-from ..collectives.reduce_ops import ReduceOp
-from ..store import wait_for
-from . import metrics
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.store import wait_for
+from commrt.bench import metrics
 
 
 class TcpRing:

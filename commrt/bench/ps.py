@@ -18,10 +18,10 @@ import time
 import torch
 
 import commrt
-from ..config import load_config
-from ..ps import PSClient
-from . import metrics
-from .report import write_json
+from commrt.runtime.config import load_config
+from commrt.ps import PSClient
+from commrt.bench import metrics
+from commrt.bench.report import write_json
 
 LR = 2.0 ** -10
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         raise SystemExit("commrt bench ps: --params sizes must be positive multiples of 4 bytes")
     if "RANK" in os.environ and os.environ.get("COMMRT_PS_SERVERS"):
         return _rank(args, sizes)
-    from ..launch import launch
+    from commrt.launch import launch
     env = {**os.environ, "COMMRT_PS_MODE": "sync", "COMMRT_PS_OPTIMIZER": "sgd", "COMMRT_PS_LR": repr(LR),
            "COMMRT_PS_MOMENTUM": "0", "COMMRT_PS_WEIGHT_DECAY": "0", "COMMRT_COMM_BACKEND": "zmq"}
     cmd = [sys.executable, "-m", "commrt.bench.ps", *(argv if argv is not None else sys.argv[1:])]

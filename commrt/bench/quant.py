@@ -8,10 +8,10 @@ import contextlib
 
 import torch
 
-from .. import distributed
-from ..collectives.reduce_ops import ReduceOp
-from ..quant import STATS
-from ..quant import collectives as qc
+from commrt import distributed
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.quant import STATS
+from commrt.quant import collectives as qc
 
 MODES = ("int8", "int4")
 _PAYLOAD = (torch.float32, torch.float16, torch.bfloat16)

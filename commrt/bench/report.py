@@ -5,7 +5,7 @@ import json
 import platform
 import time
 
-from .runner import BenchSpec
+from commrt.bench.runner import BenchSpec
 
 
 def _redop(spec: BenchSpec) -> str:

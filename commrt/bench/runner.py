@@ -11,12 +11,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import bootstrap, mesh, rendezvous, stats
-from ..transport.hub import Transport
-from ..collectives.reduce_ops import ReduceOp, parse_op
-from ..config import load_config
-from ..dtypes import parse_dtype
-from . import alone, metrics, physical
+from commrt.runtime import bootstrap, rendezvous
+from commrt.topology import mesh
+from commrt.obs import stats
+from commrt.transport.transport import Transport
+from commrt.collectives.reduce_ops import ReduceOp, parse_op
+from commrt.runtime.config import load_config
+from commrt.runtime.dtypes import parse_dtype
+from commrt.bench import alone, metrics, physical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +264,7 @@ def _backend(name: str, rt):
     if name.endswith("+hier"):
         return mesh.TwoLevelBackend(rt)
     if name.endswith(("+int8", "+int4")):
-        from .quant import QuantBackend
+        from commrt.bench.quant import QuantBackend
         return QuantBackend(rt, name.rsplit("+", 1)[1])
     return rt.world.backend
 

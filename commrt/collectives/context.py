@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import dtypes
-from ..errors import CollectiveMismatch
-from ..transport import Endpoint
-from ..wire import COLL, Coll, Header
-from .reduce_ops import ReduceOp
+from commrt.runtime import dtypes
+from commrt.runtime.errors import CollectiveMismatch
+from commrt.transport import Endpoint
+from commrt.transport.wire import COLL, Coll, Header
+from commrt.collectives.reduce_ops import ReduceOp
 
 _NAMES = {c: c.name.lower() for c in Coll}
 _REDUCING = (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER, Coll.REDUCE)

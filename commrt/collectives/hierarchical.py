@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .reduce_ops import ReduceOp, finish_avg_
+from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
 
 
 def _sum_op(op: ReduceOp) -> ReduceOp:

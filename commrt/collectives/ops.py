@@ -21,11 +21,12 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import overlaps
-from .algorithms import (chain_order, chunk_bounds, dissemination_steps, pairwise_exchange_steps,
-                         pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
-from .context import OpContext
-from .reduce_ops import ReduceOp, combine_, combine_into, copy_, finish_avg_, reduce_in_order_
+from commrt.runtime.dtypes import overlaps
+from commrt.collectives.algorithms import (chain_order, chunk_bounds, dissemination_steps,
+    pairwise_exchange_steps, pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
+from commrt.collectives.context import OpContext
+from commrt.collectives.reduce_ops import (ReduceOp, combine_, combine_into, copy_, finish_avg_,
+    reduce_in_order_)
 
 Forward = Callable[[int, int, int, torch.Tensor], torch.Tensor]
 

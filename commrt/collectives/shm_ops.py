@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..dtypes import overlaps
-from ..errors import CollectiveMismatch, ProtocolError
-from ..transport.shm import HDR_WORDS, Channel
-from ..wire import COLL, Coll, Header
-from .algorithms import chunk_bounds
-from .context import _NAMES, _describe
-from .reduce_ops import ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_, reduce_in_order_
+from commrt.runtime import dtypes
+from commrt.runtime.dtypes import overlaps
+from commrt.runtime.errors import CollectiveMismatch, ProtocolError
+from commrt.transport.shm import HDR_WORDS, Channel
+from commrt.transport.wire import COLL, Coll, Header
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.context import _NAMES, _describe
+from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_,
+    reduce_in_order_)
 
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 MAX_HOSTS = 100_000  # a bound on expansion, so a typo like node[1-999999999] fails instead of eating memory
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

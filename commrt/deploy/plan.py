@@ -19,8 +19,8 @@ import re
 import shlex
 from typing import Mapping, Sequence
 
-from ..errors import ConfigError
-from .hostlist import Host, expand_hostlist, tasks_per_node
+from commrt.runtime.errors import ConfigError
+from commrt.deploy.hostlist import Host, expand_hostlist, tasks_per_node
 
 DEFAULT_PORT = 29500
 DEFAULT_PS_PORT = 29600

@@ -20,9 +20,9 @@ import time
 from collections import deque
 from typing import IO, Sequence
 
-from ..launch import GRACE_S, REAP_S, _exited, _pump, _wait_exited
-from . import plan as P
-from .hostlist import Host
+from commrt.launch import GRACE_S, REAP_S, _exited, _pump, _wait_exited
+from commrt.deploy import plan as P
+from commrt.deploy.hostlist import Host
 
 
 def _start(argv: list[str], label: str, secret: str, out: IO[str], lock: threading.Lock, tail: deque):

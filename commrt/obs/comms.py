@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..bench.metrics import bus_factor
+from commrt.bench.metrics import bus_factor
 
 SAMPLES = 1 << 16
 """Durations kept per key for the percentiles (the most recent ones; count and totals are exact)."""

@@ -14,10 +14,10 @@ import signal
 import threading
 import time
 
-from ..config import Config
-from ..errors import CollectiveMismatch, PeerLost
-from ..work import CommTimeout, Work
-from . import comms, flight, trace
+from commrt.runtime.config import Config
+from commrt.runtime.errors import CollectiveMismatch, PeerLost
+from commrt.runtime.work import CommTimeout, Work
+from commrt.obs import comms, flight, trace
 
 log = logging.getLogger("commrt.obs")
 DUMP_ON = (PeerLost, CollectiveMismatch, CommTimeout)

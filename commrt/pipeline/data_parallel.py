@@ -22,8 +22,8 @@ import contextlib
 
 import torch
 
-from ..errors import ConfigError
-from ..train import DataParallel, Engine
+from commrt.runtime.errors import ConfigError
+from commrt.train import DataParallel, Engine
 
 
 def replicated(module) -> bool:

@@ -16,9 +16,9 @@ from typing import Callable
 import msgpack
 import torch
 
-from .. import distributed as dist
-from .. import dtypes
-from ..errors import ProtocolError
+from commrt import distributed as dist
+from commrt.runtime import dtypes
+from commrt.runtime.errors import ProtocolError
 
 VERSION = 1
 HEADER_BYTES = 1024  # room for ~30 tensors of rank 4; a longer list is refused before sending

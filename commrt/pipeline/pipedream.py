@@ -20,11 +20,11 @@ import math
 import torch
 from torch.func import functional_call
 
-from ..errors import ConfigError
-from . import data_parallel
-from . import schedules as S
-from .runtime import PipelineSchedule, _Slot
-from .stage import PipelineStage
+from commrt.runtime.errors import ConfigError
+from commrt.pipeline import data_parallel
+from commrt.pipeline import schedules as S
+from commrt.pipeline.runtime import PipelineSchedule, _Slot
+from commrt.pipeline.stage import PipelineStage
 
 
 class PipeDream(PipelineSchedule):

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import distributed as dist
-from ..errors import CommError, ConfigError, PeerLost, ProtocolError
-from . import data_parallel
-from . import schedules as S
-from .p2p import Inbox, isend_tensors
-from .timeline import WAIT, Timeline
-from .stage import PipelineStage
-from .validate import validate
+from commrt import distributed as dist
+from commrt.runtime.errors import CommError, ConfigError, PeerLost, ProtocolError
+from commrt.pipeline import data_parallel
+from commrt.pipeline import schedules as S
+from commrt.pipeline.p2p import Inbox, isend_tensors
+from commrt.pipeline.timeline import WAIT, Timeline
+from commrt.pipeline.stage import PipelineStage
+from commrt.pipeline.validate import validate
 
 log = logging.getLogger(__name__)
 

@@ -129,7 +129,7 @@ def interleaved_actions(num_ranks: int, num_microbatches: int, stages_per_rank: 
     _check(num_ranks, num_microbatches)
     if stages_per_rank < 1:
         raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
-    from .validate import ScheduleError, validate  # validate.py imports this module
+    from commrt.pipeline.validate import ScheduleError, validate  # validate.py imports this module
     total = num_microbatches * stages_per_rank
     for extra in range(total + 1):
         rows = with_comms([_interleaved_rank(r, num_ranks, num_microbatches, stages_per_rank, extra)

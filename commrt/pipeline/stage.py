@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import distributed as dist
-from ..errors import ConfigError
+from commrt import distributed as dist
+from commrt.runtime.errors import ConfigError
 
 
 def split_points(sizes: list[int], num_stages: int) -> list[int]:

@@ -25,10 +25,10 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 if TYPE_CHECKING:  # the model imports torch: only once the command runs, not for every commrt command
-    from .estimate import Cluster, Estimate, Job
+    from commrt.plan.estimate import Cluster, Estimate, Job
 
 _BW_UNITS = {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
              "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
@@ -80,7 +80,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _configs(args) -> list[tuple[str, "Job", "Cluster"]]:
-    from .estimate import Cluster, Job
+    from commrt.plan.estimate import Cluster, Job
     base = {k: getattr(args, k) for k in _JOB_KEYS | _CLUSTER_KEYS}
     out = []
     for label in ["base", *args.compare]:
@@ -162,8 +162,9 @@ def measure(args) -> Measured:
                         f"# measured inside the node: {intra / 1e9:.2f} GB/s per rank (commrt bench sendrecv, "
                         f"2 ranks here); across nodes as given: {args.inter_bw} (not measured outside a job: "
                         f"run --measure under commrt launch --nnodes K to measure the links between nodes)")
-    from .. import distributed, mesh
-    from ..train import groups
+    from commrt import distributed
+    from commrt.topology import mesh
+    from commrt.train import groups
     distributed.init_process_group()
     try:
         found = groups.measure_levels(nbytes, rounds=3)
@@ -191,7 +192,7 @@ class Output(NamedTuple):
 def render(args) -> Output | None:
     """The estimate for ``args``; None on a job's ranks other than 0 (``--measure`` in a job).
     The CLI prints it (commrt/cli.py)."""
-    from .estimate import estimate
+    from commrt.plan.estimate import estimate
     measured = None
     if args.measure:
         measured = measure(args)

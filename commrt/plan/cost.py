@@ -33,8 +33,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..collectives.algorithms import chunk_bounds
-from ..mesh import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.topology.mesh import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
 
 
 @dataclass(frozen=True)

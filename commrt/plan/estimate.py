@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..quant.codecs import Codec
-from ..train import sharding
-from ..train.config import ZeroConfig
-from . import cost
+from commrt.runtime.errors import ConfigError
+from commrt.quant.codecs import Codec
+from commrt.train import sharding
+from commrt.train.config import ZeroConfig
+from commrt.plan import cost
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 OPT_STATES = {"adamw": 2, "lamb": 2, "sgd": 1, "sgd-no-momentum": 0}  # fp32 values per master element

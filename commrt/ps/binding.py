@@ -11,11 +11,11 @@ import math
 
 import numpy as np
 
-from ..errors import ProtocolError
-from . import protocol as P
-from .durable import NUMPY_DTYPES
-from .parked import Parked
-from .state import FLOAT_CODES, SegInfo
+from commrt.runtime.errors import ProtocolError
+from commrt.ps import protocol as P
+from commrt.ps.durable import NUMPY_DTYPES
+from commrt.ps.parked import Parked
+from commrt.ps.state import FLOAT_CODES, SegInfo
 
 log = logging.getLogger("commrt.ps.core")
 

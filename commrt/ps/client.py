@@ -26,14 +26,14 @@ import numpy as np
 import torch
 import zmq
 
-from ..config import Config, load_config
-from ..dtypes import as_tensor, code_of
-from ..errors import CommError, ConfigError, PeerLost, ProtocolError, RequestRejected
-from ..transport.hub import Transport
-from ..transport.memory import keep_freed_memory
-from ..work import Executor, Work
-from . import protocol as P
-from .partition import Segment, TensorSpec, partition
+from commrt.runtime.config import Config, load_config
+from commrt.runtime.dtypes import as_tensor, code_of
+from commrt.runtime.errors import CommError, ConfigError, PeerLost, ProtocolError, RequestRejected
+from commrt.transport.transport import Transport
+from commrt.transport.memory import keep_freed_memory
+from commrt.runtime.work import Executor, Work
+from commrt.ps import protocol as P
+from commrt.ps.partition import Segment, TensorSpec, partition
 
 log = logging.getLogger(__name__)
 Tensors = Mapping[str, "torch.Tensor | np.ndarray"]

@@ -24,15 +24,15 @@ import time
 import numpy as np
 import torch
 
-from ..config import PsConfig
-from ..dtypes import NAMES
-from ..errors import ProtocolError
-from . import protocol as P
-from .durable import NUMPY_DTYPES
-from .parked import Parked, Waiting
-from .binding import Binding
-from .recovery import Durability, StorageFailed
-from .state import ShardState
+from commrt.runtime.config import PsConfig
+from commrt.runtime.dtypes import NAMES
+from commrt.runtime.errors import ProtocolError
+from commrt.ps import protocol as P
+from commrt.ps.durable import NUMPY_DTYPES
+from commrt.ps.parked import Parked, Waiting
+from commrt.ps.binding import Binding
+from commrt.ps.recovery import Durability, StorageFailed
+from commrt.ps.state import ShardState
 
 log = logging.getLogger(__name__)
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step

@@ -19,8 +19,8 @@ from typing import Iterator
 import msgpack
 import numpy as np
 
-from ..dtypes import BY_NAME, NAMES
-from ..errors import ProtocolError
+from commrt.runtime.dtypes import BY_NAME, NAMES
+from commrt.runtime.errors import ProtocolError
 
 CKPT_MAGIC = b"CMRTCKP1"
 WAL_MAGIC = b"WAL1"

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

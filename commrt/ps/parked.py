@@ -14,8 +14,8 @@ import dataclasses
 import heapq
 import itertools
 
-from ..errors import ProtocolError
-from . import protocol as P
+from commrt.runtime.errors import ProtocolError
+from commrt.ps import protocol as P
 
 MAX_WAITING = 16  # pulls and inits one worker may have parked: a client has one in flight per server
 

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ..dtypes import NAMES as DTYPE_NAMES
-from ..errors import ProtocolError
+from commrt.runtime.dtypes import NAMES as DTYPE_NAMES
+from commrt.runtime.errors import ProtocolError
 
 VERSION = 2  # 2: init carries full shapes; FAILED replies
 MAX_HEADER_BYTES = 4 << 20

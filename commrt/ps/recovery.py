@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from ..config import PsConfig
-from ..errors import CommError
-from .durable import WriteAheadLog, read_log
-from .state import ShardState
+from commrt.runtime.config import PsConfig
+from commrt.runtime.errors import CommError
+from commrt.ps.durable import WriteAheadLog, read_log
+from commrt.ps.state import ShardState
 
 log = logging.getLogger(__name__)
 

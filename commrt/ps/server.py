@@ -12,14 +12,14 @@ import time
 
 import zmq
 
-from .. import optim
-from ..config import Config
-from ..errors import ConfigError
-from ..security import check_bind, is_loopback
-from ..transport.hub import Transport
-from ..transport.memory import keep_freed_memory
-from .core import ServerCore, StorageFailed
-from .state import ShardState
+from commrt.optim import rules as optim
+from commrt.runtime.config import Config
+from commrt.runtime.errors import ConfigError
+from commrt.transport.security import check_bind, is_loopback
+from commrt.transport.transport import Transport
+from commrt.transport.memory import keep_freed_memory
+from commrt.ps.core import ServerCore, StorageFailed
+from commrt.ps.state import ShardState
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
@@ -70,7 +70,7 @@ class Server:
         """Shard I serves on ``port + I``, so one config fits every shard of a host; None when off."""
         if not port:
             return None
-        from .metrics import MetricsServer  # prometheus_client only where metrics are asked for
+        from commrt.ps.metrics import MetricsServer  # prometheus_client only where metrics are asked for
         if not is_loopback(addr):
             log.warning("server %d: metrics page on %s is reachable from other hosts (unauthenticated)", index, addr)
         try:

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .. import optim
-from ..dtypes import BY_NAME, NAMES
-from .durable import load_checkpoint, save_checkpoint
+from commrt.optim import rules as optim
+from commrt.runtime.dtypes import BY_NAME, NAMES
+from commrt.ps.durable import load_checkpoint, save_checkpoint
 
 RECENT = 64  # per-worker applied steps remembered for de-duplicating re-sent pushes
 FLOAT_CODES = (1, 2)  # float32, float64: the server keeps full-precision master values

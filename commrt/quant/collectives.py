@@ -24,17 +24,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import distributed as dist
-from ..collectives.algorithms import chunk_bounds
-from ..collectives.reduce_ops import ReduceOp
-from . import torch_codec
-from .codecs import Codec, codec_for, store_float, to_numpy_float
-from . import kernels
-from .exchange import Hop, gather_hop, reduce_hop
-from . import hierarchical as two_hop
-from .feedback import ErrorFeedback
-from .stats import STATS
-from . import profile
+from commrt import distributed as dist
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.quant import torch_codec
+from commrt.quant.codecs import Codec, codec_for, store_float, to_numpy_float
+from commrt.quant import kernels
+from commrt.quant.exchange import Hop, gather_hop, reduce_hop
+from commrt.quant import hierarchical as two_hop
+from commrt.quant.feedback import ErrorFeedback
+from commrt.quant.stats import STATS
+from commrt.quant import profile
 
 _REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
 TORCH_CODEC_ON_CPU = False

@@ -20,11 +20,11 @@ from itertools import accumulate
 
 import torch
 
-from .. import distributed as dist
-from . import kernels
-from .codecs import Codec
-from .feedback import ErrorFeedback
-from .profile import add, span
+from commrt import distributed as dist
+from commrt.quant import kernels
+from commrt.quant.codecs import Codec
+from commrt.quant.feedback import ErrorFeedback
+from commrt.quant.profile import add, span
 
 
 @dataclass

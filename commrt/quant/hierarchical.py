@@ -2,7 +2,7 @@
 (ZeRO++ qgZ's hierarchy, Wang et al. 2023, section 4.3), the node-local hops stay exact fp32.
 
 With K nodes of M ranks (``rank = node * M + local``), ``intra`` this rank's node and ``inter``
-the ranks with its local index on every node (``commrt.mesh``'s two-level groups):
+the ranks with its local index on every node (``commrt.topology.mesh``'s two-level groups):
 
 - all_reduce: exact fp32 reduce-scatter inside the node (each local rank gets the node's sum of
   1/M of the tensor), quantized all_reduce of that part across nodes (``collectives``' flat
@@ -28,15 +28,15 @@ import os
 import numpy as np
 import torch
 
-from .. import distributed as dist
-from .. import mesh
-from ..collectives.algorithms import chunk_bounds
-from ..collectives.hierarchical import drain
-from ..collectives.reduce_ops import ReduceOp
-from .codecs import Codec
-from .exchange import Hop, gather_hop, reduce_hop
-from .feedback import ErrorFeedback
-from .profile import add, span
+from commrt import distributed as dist
+from commrt.topology import mesh
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.hierarchical import drain
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.quant.codecs import Codec
+from commrt.quant.exchange import Hop, gather_hop, reduce_hop
+from commrt.quant.feedback import ErrorFeedback
+from commrt.quant.profile import add, span
 
 
 def levels(group, nbytes: int):
@@ -134,7 +134,7 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
     node-local reduce-scatter is issued at once on the node group's executor, then piece by
     piece the quantized hop runs across nodes while the node group reduces later pieces and
     gathers earlier ones. Each piece is the one-piece algorithm on ``x[a:b]``."""
-    from .collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
+    from commrt.quant.collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
     m, k = dist.get_world_size(intra), dist.get_world_size(inter)
     cuts = piece_bounds(x.size, m * k * codec.block, 1 if fb is not None else PIECES)
     out = np.empty(x.size, dtype=np.float32)

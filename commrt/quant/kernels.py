@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import torch_codec
-from .codecs import Codec
+from commrt.quant import torch_codec
+from commrt.quant.codecs import Codec
 
 
 class Host:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .codecs import Codec
+from commrt.quant.codecs import Codec
 
 
 def _best(fn, repeat: int = 5) -> float:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import Codec, _slabs
+from commrt.quant.codecs import Codec, _slabs
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16}  # same-width integer views
@@ -33,7 +33,7 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16}  # same-width i
 
 def values(t: torch.Tensor) -> torch.Tensor:
     """A flat fp32 / fp64 tensor of ``t``'s values on its device (fp16 / bf16 widened: exact)."""
-    from .codecs import FLOAT_DTYPES
+    from commrt.quant.codecs import FLOAT_DTYPES
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantized collectives take float tensors; got {t.dtype}; "
                         f"valid: {[str(d) for d in FLOAT_DTYPES]}")

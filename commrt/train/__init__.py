@@ -1,7 +1,7 @@
 """Training layers over commrt collectives: ``DataParallel`` (bucketed, overlapped gradient
 all-reduce) and ``initialize`` (a DeepSpeed-style engine with ZeRO stages 0-3)."""
-from .config import TrainConfig, ZeroConfig
-from .ddp import DataParallel
-from .engine import Engine, NonFiniteGradients, initialize
+from commrt.train.config import TrainConfig, ZeroConfig
+from commrt.train.ddp import DataParallel
+from commrt.train.engine import Engine, NonFiniteGradients, initialize
 
 __all__ = ["DataParallel", "Engine", "NonFiniteGradients", "TrainConfig", "ZeroConfig", "initialize"]

@@ -20,11 +20,11 @@ import os
 import numpy as np
 import torch
 
-from .. import distributed as dist
-from .. import optim
-from ..errors import ConfigError
-from ..ps.durable import load_checkpoint, save_checkpoint
-from .layout import Unit, pieces
+from commrt import distributed as dist
+from commrt.optim import rules as optim
+from commrt.runtime.errors import ConfigError
+from commrt.ps.durable import load_checkpoint, save_checkpoint
+from commrt.train.layout import Unit, pieces
 
 FORMAT = "commrt-zero-1"
 MARKER = "zero-complete.json"

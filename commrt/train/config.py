@@ -15,8 +15,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..errors import ConfigError
-from ..optim import OptimSpec
+from commrt.runtime.errors import ConfigError
+from commrt.optim.rules import OptimSpec
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
               "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter", "sharding_strategy",

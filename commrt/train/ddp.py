@@ -19,10 +19,10 @@ import contextlib
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from .. import quant as cq
-from ..collectives.reduce_ops import ReduceOp
-from .layout import buckets
+from commrt import distributed as dist
+from commrt import quant as cq
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.train.layout import buckets
 
 
 class DataParallel(nn.Module):

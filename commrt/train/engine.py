@@ -16,12 +16,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from ..collectives.reduce_ops import ReduceOp
-from ..errors import CommError
-from . import checkpoint, groups, sharding
-from .config import TrainConfig
-from .zero import UnitState, Zero
+from commrt import distributed as dist
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.errors import CommError
+from commrt.train import checkpoint, groups, sharding
+from commrt.train.config import TrainConfig
+from commrt.train.zero import UnitState, Zero
 
 
 class NonFiniteGradients(CommError):

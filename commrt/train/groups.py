@@ -8,10 +8,10 @@ from typing import NamedTuple
 
 import torch
 
-from .. import distributed as dist
-from .. import mesh
-from ..errors import ConfigError
-from .sharding import Links, Plan
+from commrt import distributed as dist
+from commrt.topology import mesh
+from commrt.runtime.errors import ConfigError
+from commrt.train.sharding import Links, Plan
 
 
 class ShardGroups(NamedTuple):

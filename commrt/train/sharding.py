@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from ..errors import ConfigError
-from .config import ZeroConfig
+from commrt.runtime.errors import ConfigError
+from commrt.train.config import ZeroConfig
 
 log = logging.getLogger(__name__)
 

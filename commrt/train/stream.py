@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..work import Executor
+from commrt.runtime.work import Executor
 
 
 class Streamed:

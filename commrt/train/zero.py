@@ -33,14 +33,14 @@ import weakref
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from .. import optim
-from .. import quant as cq
-from ..collectives.reduce_ops import ReduceOp
-from ..errors import ConfigError
-from .groups import ShardGroups
-from .layout import Unit, buckets, make_unit, pieces
-from .stream import CommStream
+from commrt import distributed as dist
+from commrt.optim import rules as optim
+from commrt import quant as cq
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.errors import ConfigError
+from commrt.train.groups import ShardGroups
+from commrt.train.layout import Unit, buckets, make_unit, pieces
+from commrt.train.stream import CommStream
 
 
 def run_ready(works: list) -> int:

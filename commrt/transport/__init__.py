@@ -1,5 +1,5 @@
 """Transport layer: ZeroMQ sockets, framing, deadlines. Knows nothing about collectives."""
-from .endpoint import Endpoint, Message
-from .hub import Counters, Transport
+from commrt.transport.endpoint import Endpoint, Message
+from commrt.transport.transport import Counters, Transport
 
 __all__ = ["Counters", "Endpoint", "Message", "Transport"]

@@ -19,9 +19,9 @@ from typing import NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import GroupClosed, PeerLost, ProtocolError
-from ..wire import ABORT, P2P, Header, decode_header, encode_header
-from .hub import SLICE_MS, Transport
+from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
+from commrt.transport.transport import SLICE_MS, Transport
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from ..errors import CollectiveMismatch
+from commrt.runtime.errors import CollectiveMismatch
 
 ANY_SOURCE = -1  # Recv.src of a receive from any peer, until a message binds it to one
 

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import zmq
 
-from ..errors import GroupClosed, PeerLost, ProtocolError
-from ..wire import P2P, encode_header
-from . import shm_p2p
-from .endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
-from .matching import ANY_SOURCE, Matching
+from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.transport.wire import P2P, encode_header
+from commrt.transport import shm_p2p
+from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
+from commrt.transport.matching import ANY_SOURCE, Matching
 
 log = logging.getLogger(__name__)
 

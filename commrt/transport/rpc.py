@@ -28,7 +28,7 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from ..errors import CommError, ProtocolError
+from commrt.runtime.errors import CommError, ProtocolError
 
 log = logging.getLogger(__name__)
 

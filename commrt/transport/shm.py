@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import zmq
 
-from ..errors import GroupClosed, PeerLost, ProtocolError
-from ..wire import ABORT, COLL
-from .endpoint import Endpoint, MismatchReport, decode_report
+from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.transport.wire import ABORT, COLL
+from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report
 
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20  # one step's data per rank; large payloads are pipelined through it

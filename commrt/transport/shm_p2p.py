@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from ..errors import ProtocolError
-from ..wire import P2P_SHM_ROOT as SHM_ROOT
-from . import shm
+from commrt.runtime.errors import ProtocolError
+from commrt.transport.wire import P2P_SHM_ROOT as SHM_ROOT
+from commrt.transport import shm
 
 RING_BYTES = 8 << 20  # per (sender, receiver) pair: two 4 MiB pieces (the default chunk_bytes) in flight
 MIN_BYTES = 32 << 10  # smaller payloads stay inline on the socket: one message beats two copies

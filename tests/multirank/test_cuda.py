@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
-from commrt import bootstrap, rendezvous
-from commrt.config import load_config
-from commrt.errors import CommError
+from commrt.runtime import bootstrap, rendezvous
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import CommError
 from commrt.launch import free_port
 from tests.multirank.harness import run_ranks
 
@@ -66,7 +66,7 @@ def test_nccl_failure_falls_back_only_under_auto(monkeypatch, caplog, requested)
         with pytest.raises(CommError, match="nccl' was requested but NCCL initialisation failed.*simulated"):
             bootstrap.init_world(cfg, spec, environ={})
         return
-    with caplog.at_level(logging.WARNING, logger="commrt.bootstrap"):
+    with caplog.at_level(logging.WARNING, logger="commrt.runtime.bootstrap"):
         rt = bootstrap.init_world(cfg, spec, environ={})
     try:
         assert rt.world.backend.name == "zmq"

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from commrt import emulate
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.launch import free_port
-from commrt.security import new_secret
+from commrt.transport.security import new_secret
 from tests.multirank.harness import ROOT
 from tests.multirank.test_multihost import run_all
 from tests.multirank.test_ps import REF_HP, STEPS, ps_env, reference

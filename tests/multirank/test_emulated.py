@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from commrt import emulate
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.launch import Nodes, launch
 from tests.multirank.harness import ROOT, default_signals
 

@@ -75,7 +75,7 @@ def test_predicted_bytes_on_the_emulated_cluster(tmp_path):
     """Two network namespaces (commrt launch --emulate-network; root only): the nodes are told
     apart by address, not by the launcher's variables."""
     from commrt import emulate
-    from commrt.errors import ConfigError
+    from commrt.runtime.errors import ConfigError
     try:
         emulate.check_usable(emulate.parse_shape("1gbit"))
     except ConfigError as exc:

@@ -60,7 +60,7 @@ def test_cli_launches_one_node_per_invocation_like_torchrun():
     import subprocess
 
     from commrt.launch import free_port
-    from commrt.security import new_secret
+    from commrt.transport.security import new_secret
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_BACKEND": "zmq", "COMMRT_JOB_SECRET": new_secret()}

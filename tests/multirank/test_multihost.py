@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from commrt.launch import free_port
-from commrt.security import new_secret
+from commrt.transport.security import new_secret
 from tests.multirank.harness import ROOT
 
 PY = sys.executable

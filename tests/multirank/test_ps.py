@@ -18,10 +18,10 @@ import pytest
 import torch
 import zmq
 
-from commrt import optim
-from commrt.config import load_config
+from commrt.optim import rules as optim
+from commrt.runtime.config import load_config
 from commrt.launch import launch, server_env
-from commrt.security import DEFAULT_SECRET_FILE, SECRET_ENV, job_secret, new_secret
+from commrt.transport.security import DEFAULT_SECRET_FILE, SECRET_ENV, job_secret, new_secret
 from tests.multirank.harness import ROOT, run_ranks
 from tests.multirank.programs.ps_job import batch, loss_of, make_params
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from commrt import RequestRejected
-from commrt.config import load_config
-from commrt.errors import PeerLost
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import PeerLost
 from commrt.launch import free_port
 from commrt.ps import PSClient
 from commrt.ps.server import Server
-from commrt.security import SECRET_ENV, new_secret
+from commrt.transport.security import SECRET_ENV, new_secret
 
 WAIT_S = 60  # generous: a slow shared machine must never turn a pass into a failure
 

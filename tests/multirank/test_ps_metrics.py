@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from commrt.launch import free_port, launch
-from commrt.security import SECRET_ENV, new_secret
+from commrt.transport.security import SECRET_ENV, new_secret
 from tests.multirank.harness import ROOT
 
 

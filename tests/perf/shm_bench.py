@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from commrt import bootstrap, rendezvous
+from commrt.runtime import bootstrap, rendezvous
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.config import load_config
+from commrt.runtime.config import load_config
 from commrt.transport import Transport, shm
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "4096,65536,1048576,16777216,67108864").split(",")]

@@ -23,7 +23,7 @@ import time
 import torch
 
 import commrt
-from commrt.config import load_config
+from commrt.runtime.config import load_config
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "4096,65536,1048576").split(",")]
 ITERS = int(os.environ.get("ITERS", "2000"))

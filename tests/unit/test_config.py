@@ -1,7 +1,7 @@
 import pytest
 
-from commrt.config import Config, CommConfig, env_table, load_config
-from commrt.errors import ConfigError
+from commrt.runtime.config import Config, CommConfig, env_table, load_config
+from commrt.runtime.errors import ConfigError
 
 
 def test_defaults_are_secure_and_valid():
@@ -71,7 +71,7 @@ def test_env_table_lists_every_setting():
 
 
 def test_plaintext_beyond_loopback_is_refused_unless_allowed():
-    from commrt.security import check_bind
+    from commrt.transport.security import check_bind
     check_bind(Config(), ["127.0.0.1", "localhost", "127.0.0.5"])
     with pytest.raises(ConfigError, match="allow_insecure"):
         check_bind(Config(), ["127.0.0.1", "198.18.0.1"])
@@ -105,7 +105,7 @@ def test_out_of_range_values_from_the_environment_too():
 
 def test_the_largest_valid_timeouts_make_valid_zmq_options():
     """At the bounds, the Transport's socket options (int32 milliseconds) still fit."""
-    from commrt.transport.hub import Transport
+    from commrt.transport.transport import Transport
     cfg = load_config(overrides={"comm": {"timeout_s": 1e6, "heartbeat_s": 3600}, "security": {"mode": "none"}},
                       environ={})
     t = Transport(cfg, "rank0")
@@ -118,7 +118,7 @@ def test_the_largest_valid_timeouts_make_valid_zmq_options():
 
 
 def test_an_unresolvable_bind_host_is_a_lookup_error_not_a_security_one():
-    from commrt.security import check_bind
+    from commrt.transport.security import check_bind
     with pytest.raises(ConfigError, match="'no-such-host.invalid' .*cannot be resolved"):
         check_bind(Config(), ["no-such-host.invalid"])
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from commrt.config import load_config
-from commrt.security import new_secret
+from commrt.runtime.config import load_config
+from commrt.transport.security import new_secret
 from commrt.transport import Endpoint, Transport
-from commrt.wire import P2P, Header
+from commrt.transport.wire import P2P, Header
 
 ROUNDS = 20  # the unfixed close lost the message in nearly every round, not once in many
 

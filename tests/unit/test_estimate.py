@@ -6,7 +6,7 @@ import json
 import pytest
 
 from commrt import cli
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.plan.command import parse_bandwidth
 from commrt.plan.estimate import Cluster, Job, estimate
 
@@ -163,7 +163,7 @@ def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model(
     """mesh.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
     predicts the same probe: a slow link across picks two levels, a link as fast per rank as the
     node does not (its world collectives stay flat, and so do their predicted bytes)."""
-    from commrt import mesh
+    from commrt.topology import mesh
     from commrt.plan import cost
     assert mesh.helps(1.0, 0.5) and mesh.helps(1.1, 1.0) and not mesh.helps(1.05, 1.0)
     slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6)

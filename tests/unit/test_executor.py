@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from commrt.backends.zmq_backend import ZmqBackend
-from commrt.config import load_config
-from commrt.errors import CommError, GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import CommError, GroupClosed, PeerLost, ProtocolError
 from commrt.transport import Endpoint, Transport
-from commrt.wire import COLL, P2P, Header
-from commrt.work import CommTimeout, Executor
+from commrt.transport.wire import COLL, P2P, Header
+from commrt.runtime.work import CommTimeout, Executor
 
 
 @pytest.fixture

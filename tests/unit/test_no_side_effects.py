@@ -12,7 +12,7 @@ import torch
 from commrt.collectives import ops
 from commrt.collectives.context import Coll, OpContext
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.config import load_config
+from commrt.runtime.config import load_config
 from commrt.transport import Endpoint, Transport
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from commrt.bench.metrics import bus_factor
-from commrt.config import ConfigError, load_config
-from commrt.errors import PeerLost
+from commrt.runtime.config import ConfigError, load_config
+from commrt.runtime.errors import PeerLost
 from commrt.obs import analyze, comms, flight, trace
 from commrt.obs.observer import Observer
-from commrt.work import Executor, Work
+from commrt.runtime.work import Executor, Work
 
 
 def test_bucket_is_the_power_of_two_at_or_above():

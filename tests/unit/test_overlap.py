@@ -3,7 +3,7 @@ views, numpy arrays over one buffer and strided views are all recognised."""
 import numpy as np
 import torch
 
-from commrt.dtypes import as_tensor, overlaps
+from commrt.runtime.dtypes import as_tensor, overlaps
 
 
 def test_views_of_one_tensor():

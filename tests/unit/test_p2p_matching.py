@@ -3,11 +3,11 @@
 multi-piece messages, sequence numbers) against what MPI's matching rules say."""
 import numpy as np
 
-from commrt.errors import CollectiveMismatch
+from commrt.runtime.errors import CollectiveMismatch
 from commrt.transport.endpoint import Message
 from commrt.transport.matching import ANY_SOURCE, Matching
 from commrt.transport.p2p import Recv
-from commrt.wire import P2P, Header
+from commrt.transport.wire import P2P, Header
 
 
 class Done:

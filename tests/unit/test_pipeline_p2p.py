@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from commrt.errors import ProtocolError
+from commrt.runtime.errors import ProtocolError
 from commrt.pipeline.p2p import HEADER_BYTES, P2POp, decode_header, encode_header
 
 

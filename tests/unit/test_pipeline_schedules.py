@@ -2,7 +2,7 @@
 import pytest
 
 from commrt.pipeline import (Action, ScheduleError, format_grid, gpipe_actions, interleaved_actions,
-                             one_f_one_b_actions, pipedream_actions, validate)
+    one_f_one_b_actions, pipedream_actions, validate)
 from commrt.pipeline.schedules import B, F, parse_actions
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 17)]

@@ -2,7 +2,7 @@
 import pytest
 from torch import nn
 
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.pipeline import split
 from commrt.pipeline.stage import split_points
 

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from commrt import optim
-from commrt.config import PsConfig
+from commrt.optim import rules as optim
+from commrt.runtime.config import PsConfig
 from commrt.ps import protocol as P
 from commrt.ps.core import ServerCore
 from commrt.ps.durable import read_log

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from commrt import optim
-from commrt.config import PsConfig
-from commrt.errors import ProtocolError
+from commrt.optim import rules as optim
+from commrt.runtime.config import PsConfig
+from commrt.runtime.errors import ProtocolError
 from commrt.ps import protocol as P
 from commrt.ps.core import ServerCore
 from commrt.ps.durable import WriteAheadLog, load_checkpoint, read_log, save_checkpoint
@@ -343,7 +343,7 @@ def test_metrics_collector_shows_stats_and_a_cumulative_histogram():
 def test_metrics_port_in_use_is_a_config_error():
     import socket
 
-    from commrt.errors import ConfigError
+    from commrt.runtime.errors import ConfigError
     from commrt.ps.metrics import MetricsServer
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -354,7 +354,7 @@ def test_metrics_port_in_use_is_a_config_error():
 
 @pytest.mark.parametrize("port", [-1, 65536])
 def test_metrics_port_out_of_range_is_refused(port):
-    from commrt.config import load_config
-    from commrt.errors import ConfigError
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import ConfigError
     with pytest.raises(ConfigError, match="metrics_port"):
         load_config(environ={"COMMRT_PS_METRICS_PORT": str(port)})

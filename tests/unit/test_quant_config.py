@@ -1,7 +1,7 @@
 """The [quant] config section: defaults, TOML / environment, validation."""
 import pytest
 
-from commrt.config import Config, ConfigError, load_config
+from commrt.runtime.config import Config, ConfigError, load_config
 
 
 def test_defaults_and_environment(tmp_path):

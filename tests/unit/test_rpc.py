@@ -7,11 +7,11 @@ import msgpack
 import pytest
 import zmq
 
-from commrt.config import load_config
-from commrt.errors import ProtocolError
-from commrt.transport.hub import Transport
-from commrt.transport.rpc import (DEFER, ERROR, MAX_REQ_ID, REPLY, REQUEST, Envelope, RpcClient,
-                                  RpcRejected, RpcServer, RpcTimeout, decode, encode)
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import ProtocolError
+from commrt.transport.transport import Transport
+from commrt.transport.rpc import (DEFER, ERROR, MAX_REQ_ID, REPLY, REQUEST, Envelope, RpcClient, RpcRejected,
+    RpcServer, RpcTimeout, decode, encode)
 
 CFG = load_config(overrides={"security": {"mode": "none"}, "comm": {"timeout_s": 10}}, environ={})
 

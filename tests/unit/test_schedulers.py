@@ -13,7 +13,7 @@ import pytest
 from commrt.deploy import plan as P
 from commrt.deploy.hostlist import Host, expand_hostlist, parse_hostfile, tasks_per_node
 from commrt.apps.node import build_parser, resolve
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 
 @pytest.mark.parametrize("spec, hosts", [

@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from commrt.errors import ConfigError
-from commrt.security import Keyring, keygen
+from commrt.runtime.errors import ConfigError
+from commrt.transport.security import Keyring, keygen
 
 
 def test_keygen_writes_private_keys_0600_and_an_allow_list(tmp_path):
@@ -30,18 +30,18 @@ def test_keyring_refuses_a_key_that_is_not_on_the_list(tmp_path):
 
 
 def _secret_cfg(path):
-    from commrt.config import Config, SecurityConfig
+    from commrt.runtime.config import Config, SecurityConfig
     return Config(security=SecurityConfig(mode="secret", secret_file=str(path)))
 
 
 def test_job_secret_comes_from_the_environment_first(tmp_path):
-    from commrt.security import SECRET_ENV, job_secret
+    from commrt.transport.security import SECRET_ENV, job_secret
     assert job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "from-the-launcher"}) == b"from-the-launcher"
     assert not (tmp_path / "s").exists()
 
 
 def test_job_secret_file_is_made_private_once_and_then_reused(tmp_path):
-    from commrt.security import job_secret
+    from commrt.transport.security import job_secret
     path = tmp_path / "dir" / "job_secret"
     first = job_secret(_secret_cfg(path), {})
     assert len(first) >= 32 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -54,7 +54,7 @@ def test_concurrent_ranks_read_one_secret(tmp_path):
     import subprocess
     import sys
     path = tmp_path / "job_secret"
-    code = ("import sys; from commrt.config import Config, SecurityConfig; from commrt.security import job_secret; "
+    code = ("import sys; from commrt.runtime.config import Config, SecurityConfig; from commrt.transport.security import job_secret; "
             "print(job_secret(Config(security=SecurityConfig(secret_file=sys.argv[1])), {}).decode())")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
              for _ in range(6)]
@@ -63,7 +63,7 @@ def test_concurrent_ranks_read_one_secret(tmp_path):
 
 
 def test_a_secret_file_others_can_read_is_refused(tmp_path):
-    from commrt.security import job_secret
+    from commrt.transport.security import job_secret
     path = tmp_path / "job_secret"
     path.write_text("x" * 40)
     path.chmod(0o644)
@@ -77,7 +77,7 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path):
 
 def test_a_short_secret_is_refused_from_the_environment_as_from_a_file(tmp_path):
     """Issue 13.17: COMMRT_JOB_SECRET=a was accepted while a file needs 16 characters."""
-    from commrt.security import SECRET_ENV, job_secret
+    from commrt.transport.security import SECRET_ENV, job_secret
     with pytest.raises(ConfigError, match=r"COMMRT_JOB_SECRET is shorter than 16"):
         job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "a"})
     assert job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "x" * 16}) == b"x" * 16

@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from commrt.config import load_config
-from commrt.errors import ConfigError, ProtocolError
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import ConfigError, ProtocolError
 from commrt.transport import shm
 
 SLOT = 4096
@@ -89,7 +89,7 @@ def test_p2p_ring_wraps_fills_and_frees_in_arrival_order():
     the next lap), a full ring says None (the piece goes inline), space comes back only as the
     oldest held regions are released (out-of-order releases wait for the earlier ones), and a
     descriptor outside the ring is a ProtocolError."""
-    from commrt.errors import ProtocolError
+    from commrt.runtime.errors import ProtocolError
     from commrt.transport import shm_p2p
     cap = shm_p2p.RING_BYTES
     out = shm_p2p.OutRing()

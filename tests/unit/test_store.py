@@ -8,13 +8,13 @@ import msgpack
 import pytest
 import zmq
 
-from commrt import rendezvous
-from commrt.config import load_config
-from commrt.errors import ProtocolError, RendezvousError
+from commrt.runtime import rendezvous
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import ProtocolError, RendezvousError
 from commrt.launch import free_port
-from commrt.store import StoreClient, StoreServer, wait_for
-from commrt.store_core import ABORT, OK, TIMEOUT, StoreCore
-from commrt.transport.hub import Transport
+from commrt.runtime.store import StoreClient, StoreServer, wait_for
+from commrt.runtime.store_core import ABORT, OK, TIMEOUT, StoreCore
+from commrt.transport.transport import Transport
 from commrt.transport.rpc import REQUEST, Envelope, decode, encode
 
 CFG = load_config(overrides={"security": {"mode": "none"}, "comm": {"timeout_s": 20}}, environ={})
@@ -215,7 +215,7 @@ def test_4096_ranks_rendezvous_with_summarised_errors(transport):
 
 
 def test_rank_ranges():
-    from commrt.rendezvous import rank_ranges
+    from commrt.runtime.rendezvous import rank_ranges
     assert rank_ranges([]) == "" and rank_ranges([5]) == "5"
     assert rank_ranges([9, 2, 3, 4, 7, 8]) == "2-4, 7-9"
 

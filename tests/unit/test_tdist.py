@@ -8,14 +8,14 @@ import torch
 import torch.distributed as dist
 
 import commrt
-from commrt.tdist import compose
-from commrt.tdist.work import TorchWork
-from commrt.work import CommTimeout, Work
+from commrt.integrations.tdist import compose
+from commrt.integrations.tdist.work import TorchWork
+from commrt.runtime.work import CommTimeout, Work
 
 
 def test_import_registers_the_backend_once_and_leaves_the_defaults():
-    commrt.tdist.register_backend()
-    commrt.tdist.register_backend()
+    commrt.integrations.tdist.register_backend()
+    commrt.integrations.tdist.register_backend()
     assert "commrt" in dist.Backend.backend_list and dist.Backend.backend_list.count("commrt") == 1
     assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
     assert dist.Backend("commrt") == "commrt"
@@ -24,7 +24,7 @@ def test_import_registers_the_backend_once_and_leaves_the_defaults():
 def test_monitored_barrier_wrapper_leaves_other_backends_to_torch():
     """``import commrt`` wraps dist.monitored_barrier once; a gloo group still gets torch's own
     function (one rank: it passes, a float timeout included)."""
-    commrt.tdist.register_backend()
+    commrt.integrations.tdist.register_backend()
     assert dist.monitored_barrier.__commrt__ and dist.distributed_c10d.monitored_barrier is dist.monitored_barrier
     original = dist.monitored_barrier.__wrapped__
     assert not getattr(original, "__commrt__", False)

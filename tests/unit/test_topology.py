@@ -2,11 +2,12 @@
 the emulated cluster's plan and argument parsing (no processes, no namespaces)."""
 import pytest
 
-from commrt import emulate, topology
-from commrt.errors import ConfigError, RendezvousError
-from commrt.mesh import mesh_rows
-from commrt.stats import split_by_node
-from commrt.wire import COLL, P2P
+from commrt import emulate
+from commrt.topology import nodes as topology
+from commrt.runtime.errors import ConfigError, RendezvousError
+from commrt.topology.mesh import mesh_rows
+from commrt.obs.stats import split_by_node
+from commrt.transport.wire import COLL, P2P
 
 
 def hints(k, m):

@@ -2,7 +2,7 @@
 at a world size: pure, no processes."""
 import pytest
 
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.train.config import TrainConfig
 from commrt.train.sharding import Plan, plan
 

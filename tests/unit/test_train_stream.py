@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from commrt.train.stream import CommStream
-from commrt.work import Work
+from commrt.runtime.work import Work
 
 
 def test_runs_in_submission_order_and_fence_waits_for_all():

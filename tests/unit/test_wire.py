@@ -4,10 +4,11 @@ import msgpack
 import pytest
 import torch
 
-from commrt import ReduceOp, dtypes
-from commrt.errors import ProtocolError
-from commrt.wire import (ABORT, COLL, ITEMSIZE, MAX_TAG, P2P, REDUCE_CODES, VERSION, Coll, Header,
-                         decode_header, encode_header)
+from commrt import ReduceOp
+from commrt.runtime import dtypes
+from commrt.runtime.errors import ProtocolError
+from commrt.transport.wire import (ABORT, COLL, ITEMSIZE, MAX_TAG, P2P, REDUCE_CODES, VERSION, Coll, Header,
+    decode_header, encode_header)
 
 GOOD = Header(COLL, 3, 1 << 40, 2, int(Coll.REDUCE) | 0xABCDEF << 8, 4, 123456789, 7, 1 << 20,
               int(ReduceOp.MAX), 3)
@@ -23,7 +24,7 @@ def test_round_trip():
 
 
 def test_tables_agree_with_the_layers_above():
-    """The wire's dtype/collective/reduce codes are the ones commrt.dtypes and ReduceOp use."""
+    """The wire's dtype/collective/reduce codes are the ones commrt.runtime.dtypes and ReduceOp use."""
     assert {c: torch.empty(0, dtype=t).element_size() for c, (_, t) in dtypes._TABLE.items()} == ITEMSIZE
     assert sorted(int(op) for op in ReduceOp) == list(REDUCE_CODES)
 

@@ -1,6 +1,6 @@
 """init_process_group(config=Config(...)): the object is used, and explicit arguments win."""
 import commrt, torch
-from commrt.config import Config, CommConfig
+from commrt.runtime.config import Config, CommConfig
 commrt.init_process_group(config=Config(comm=CommConfig(backend="gloo", timeout_s=20)), timeout=15)
 assert commrt.get_backend() == "gloo" and commrt.get_config().comm.timeout_s == 15
 t = torch.ones(3); commrt.all_reduce(t); assert t.tolist() == [2.0] * 3

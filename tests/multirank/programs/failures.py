@@ -10,7 +10,7 @@ import time
 import torch
 
 import commrt
-from commrt import bootstrap, rendezvous
+from commrt.runtime import bootstrap, rendezvous
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 # Generous: on a slow shared machine the ranks reach init seconds apart; only "missing" must

@@ -11,7 +11,7 @@ from torch import nn
 
 import commrt
 from commrt import distributed as dist
-from commrt.errors import ConfigError
+from commrt.runtime.errors import ConfigError
 from commrt.train import initialize
 from tests.multirank.programs.zero_job import OPT, STEPS, compare, data, make_model, reference, train
 

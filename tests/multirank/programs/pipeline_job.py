@@ -14,9 +14,9 @@ from torch import nn
 
 import commrt
 import commrt.train
-from commrt.errors import ConfigError, PeerLost
+from commrt.runtime.errors import ConfigError, PeerLost
 from commrt.pipeline import (GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, isend_tensors,
-                             recv_tensors, split)
+    recv_tensors, split)
 from commrt.pipeline.p2p import Inbox
 from commrt.train import DataParallel
 from tests.multirank.programs.common import assert_equal, init

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from commrt.config import load_config
-from commrt.errors import CommError
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import CommError
 from commrt.ps import PSClient
 
 BATCH = 4

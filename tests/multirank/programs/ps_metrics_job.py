@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from commrt import cli
-from commrt.config import load_config
+from commrt.runtime.config import load_config
 from commrt.ps import PSClient
 from tests.multirank.programs.ps_job import batch, grads_of, make_params
 

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from commrt.config import load_config
-from commrt.errors import RequestRejected
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import RequestRejected
 from commrt.ps import PSClient
 from commrt.ps import protocol as P
 

@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 import commrt
 from commrt.collectives.context import Coll
-from commrt.wire import COLL, Header, encode_header
+from commrt.transport.wire import COLL, Header, encode_header
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 COUNT = 8

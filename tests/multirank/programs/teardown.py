@@ -15,7 +15,7 @@ import torch
 import zmq
 
 import commrt
-from commrt.wire import COLL, P2P, Header, encode_header
+from commrt.transport.wire import COLL, P2P, Header, encode_header
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 WAIT_S = 60.0  # how long a rank waits for another's signal file before giving up

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import commrt
-from commrt import optim
-from commrt.errors import ConfigError
+from commrt.optim import rules as optim
+from commrt.runtime.errors import ConfigError
 from commrt.train import DataParallel, NonFiniteGradients, initialize
 
 STEPS, BATCH = 3, 4

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from .errors import ProtocolError
+from commrt.runtime.errors import ProtocolError
 
 VERSION = 2  # 2: reduce op and root joined the header
 MAX_HEADER_BYTES = 256
@@ -48,7 +48,7 @@ class Coll(enum.IntEnum):
     BARRIER = 7
 
 
-# element size of each dtype code (commrt.dtypes maps the codes to torch dtypes; a unit test
+# element size of each dtype code (commrt.runtime.dtypes maps the codes to torch dtypes; a unit test
 # keeps the two tables equal). Codes are part of the wire format: never renumber.
 ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8}
 # reduce op codes: the values of commrt.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)

@@ -15,11 +15,11 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from .. import dtypes
-from . import compose
-from .compose import copy_out, flat_cat, reduce_op, same_dtype, wire_view
-from .sparse import all_reduce_sparse
-from .work import TorchWork
+from commrt.runtime import dtypes
+from commrt.integrations.tdist import compose
+from commrt.integrations.tdist.compose import copy_out, flat_cat, reduce_op, same_dtype, wire_view
+from commrt.integrations.tdist.sparse import all_reduce_sparse
+from commrt.integrations.tdist.work import TorchWork
 
 _Launch = Callable[[bool], list]  # async_op -> commrt Works (None for a synchronous call)
 MONITOR_TAG = (1 << 62) - 1  # monitored_barrier's own point-to-point tag (above any torch tag)
@@ -232,7 +232,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return TorchWork("recv", [self._b.irecv(wire_view(t), None, tag)], [t])  # _source_rank(): who sent
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
-        from .monitor import monitored_barrier, seconds  # rarely used; kept out of this file's fast paths
+        from commrt.integrations.tdist.monitor import monitored_barrier, seconds  # rarely used; kept out of this file's fast paths
         monitored_barrier(self._b, self.rank(), self.size(), self._members, seconds(timeout), wait_all_ranks,
                           MONITOR_TAG)
 

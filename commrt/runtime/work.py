@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import CommError
+from commrt.runtime.errors import CommError
 
 
 _CALLBACK_LOCK = threading.Lock()  # registering vs. finishing: every callback runs exactly once

@@ -1,5 +1,5 @@
 """Topology queries, 2-D process groups (a device mesh) and the choice of the hierarchical
-collectives, over the runtime's topology (``commrt.topology``) and ``new_group``.
+collectives, over the runtime's topology (``commrt.topology.nodes``) and ``new_group``.
 
 Like ``torch.distributed.device_mesh``: ``init_device_mesh((nodes, per_node), ("inter", "intra"))``
 lays the world out row-major, so ``get_group("intra")`` (the last dimension) holds consecutive
@@ -16,12 +16,13 @@ from typing import Sequence
 
 import torch
 
-from . import bootstrap, distributed
-from .collectives import hierarchical
-from .collectives.reduce_ops import ReduceOp
-from .errors import ConfigError
-from .group import NON_GROUP_MEMBER, ProcessGroup
-from .work import Executor, Work
+from commrt.runtime import bootstrap
+from commrt import distributed
+from commrt.collectives import hierarchical
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.errors import ConfigError
+from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
+from commrt.runtime.work import Executor, Work
 
 PIPELINE_SEGMENTS = 8
 # [comm] hierarchical = "auto" times one all_reduce of this size both ways, once per job, and

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .backends.base import Backend
+from commrt.backends.base import Backend
 
 
 @dataclass(frozen=True)

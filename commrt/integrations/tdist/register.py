@@ -18,13 +18,14 @@ import zlib
 
 import torch.distributed as dist
 
-from .. import rendezvous, security
-from ..backends.zmq_backend import ZmqBackend
-from ..config import Config, load_config
-from ..store import TorchStore
-from ..transport import Transport
-from .monitor import route_torch_api
-from .process_group import CommrtProcessGroup
+from commrt.runtime import rendezvous
+from commrt.transport import security
+from commrt.backends.zmq_backend import ZmqBackend
+from commrt.runtime.config import Config, load_config
+from commrt.runtime.store import TorchStore
+from commrt.transport import Transport
+from commrt.integrations.tdist.monitor import route_torch_api
+from commrt.integrations.tdist.process_group import CommrtProcessGroup
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 KINDS = ("sgd", "adamw", "lamb")
 

@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..collectives.reduce_ops import ReduceOp
+from commrt.collectives.reduce_ops import ReduceOp
 
 _BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
 _VIEW_AS = {torch.bool: torch.uint8}  # carried as bytes (commrt's wire has no bool)

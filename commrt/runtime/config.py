@@ -19,7 +19,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .errors import ConfigError
+from commrt.runtime.errors import ConfigError
 
 BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
 HIERARCHICAL_MODES = ("auto", "always", "never")

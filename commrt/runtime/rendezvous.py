@@ -11,10 +11,10 @@ from urllib.parse import urlparse
 
 import msgpack
 
-from .errors import ConfigError, RendezvousError
-from .store import wait_for
-from .store_core import ABORT, TIMEOUT
-from .wire import VERSION
+from commrt.runtime.errors import ConfigError, RendezvousError
+from commrt.runtime.store import wait_for
+from commrt.runtime.store_core import ABORT, TIMEOUT
+from commrt.transport.wire import VERSION
 
 @dataclass(frozen=True)
 class RendezvousSpec:

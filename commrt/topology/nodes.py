@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .errors import RendezvousError
+from commrt.runtime.errors import RendezvousError
 
 ENV_VARS = ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from ..config import Config
-from ..security import Guard
+from commrt.runtime.config import Config
+from commrt.transport.security import Guard
 
 log = logging.getLogger(__name__)
 

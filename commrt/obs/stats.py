@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import distributed
-from .collectives.context import _NAMES
-from .wire import P2P
+from commrt import distributed
+from commrt.collectives.context import _NAMES
+from commrt.transport.wire import P2P
 
 _SECTIONS: dict[str, Callable[[], Any]] = {}
 

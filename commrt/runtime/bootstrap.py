@@ -21,15 +21,17 @@ import struct
 import msgpack
 import torch
 
-from . import rendezvous, security, topology
-from .backends.torch_backend import TorchBackend
-from .backends.zmq_backend import ZmqBackend
-from .config import Config
-from .errors import CommError, ConfigError
-from .group import NON_GROUP_MEMBER, ProcessGroup
-from .store import StoreClient, StoreServer, TorchStore, wait_for
-from .store_core import OK
-from .transport import Transport
+from commrt.runtime import rendezvous
+from commrt.transport import security
+from commrt.topology import nodes as topology
+from commrt.integrations.torch_backend import TorchBackend
+from commrt.backends.zmq_backend import ZmqBackend
+from commrt.runtime.config import Config
+from commrt.runtime.errors import CommError, ConfigError
+from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
+from commrt.runtime.store import StoreClient, StoreServer, TorchStore, wait_for
+from commrt.runtime.store_core import OK
+from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
 

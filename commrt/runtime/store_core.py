@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ProtocolError
+from commrt.runtime.errors import ProtocolError
 
 MAX_KEY = 256
 MAX_VALUE = 1 << 20

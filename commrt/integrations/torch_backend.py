@@ -17,10 +17,10 @@ import torch.distributed as tdist
 _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
-from ..collectives.reduce_ops import ReduceOp, finish_avg_
-from ..dtypes import as_tensor
-from ..work import CommTimeout, Work
-from .base import split_bounds
+from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
+from commrt.runtime.dtypes import as_tensor
+from commrt.runtime.work import CommTimeout, Work
+from commrt.backends.base import split_bounds
 
 _OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
         ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT, ReduceOp.MIN: tdist.ReduceOp.MIN,

@@ -13,9 +13,9 @@ import time
 
 import zmq
 
-from .errors import RendezvousError
-from .store_core import ABORT, MAX_FRAME, OK, TIMEOUT, StoreCore
-from .transport.rpc import DEFER, Call, RpcClient, RpcRejected, RpcServer, RpcTimeout
+from commrt.runtime.errors import RendezvousError
+from commrt.runtime.store_core import ABORT, MAX_FRAME, OK, TIMEOUT, StoreCore
+from commrt.transport.rpc import DEFER, Call, RpcClient, RpcRejected, RpcServer, RpcTimeout
 
 # -- over the network ------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ..errors import CommError, PeerLost
-from ..work import CommTimeout
+from commrt.runtime.errors import CommError, PeerLost
+from commrt.runtime.work import CommTimeout
 
 
 class MonitoredBarrierError(CommError):

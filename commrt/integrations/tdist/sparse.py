@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .compose import wire_view
+from commrt.integrations.tdist.compose import wire_view
 
 
 def all_reduce_sparse(backend, t: torch.Tensor, size: int) -> None:

@@ -26,8 +26,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from .config import Config
-from .errors import ConfigError
+from commrt.runtime.config import Config
+from commrt.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 ALLOW_FILE = "allow.txt"

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..work import CommTimeout
+from commrt.runtime.work import CommTimeout
 
 log = logging.getLogger(__name__)
 
