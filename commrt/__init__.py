@@ -14,12 +14,12 @@ from commrt.topology.mesh import (DeviceMesh, get_local_rank, get_local_world_si
 from commrt.obs.stats import comm_stats
 from commrt.distributed import comms_summary, dump_flight_record
 from commrt.obs.stats import register as register_comm_stats
-from commrt.topology.mesh import auto_stats as _hierarchical_auto
+from commrt.topology.dispatch import auto_stats as _hierarchical_auto
 
 # commrt.comm_stats()["hierarchical_auto"]: what [comm] hierarchical = "auto" measured and chose
 register_comm_stats("hierarchical_auto", _hierarchical_auto)
 from commrt.runtime.work import CommTimeout, Work
-from commrt import quant  # noqa: E402,F401 (registers comm_stats()["quant"]; built on distributed)
+from commrt import quant  # noqa: E402,F401 (commrt.quant; registers comm_stats()["quant"])
 
 __version__ = "0.1.0"
 

@@ -11,16 +11,17 @@ import operator
 import os
 from typing import Any
 
-from commrt.runtime import bootstrap, dtypes, rendezvous
-from commrt.collectives.reduce_ops import ReduceOp, parse_op
+from commrt import quant as _quantized
+from commrt.collectives.reduce_ops import ReduceOp, as_op
+from commrt.obs.observer import Observer
+from commrt.runtime import bootstrap, dtypes, rendezvous, world
 from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError
 from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
-from commrt.obs.observer import Observer
-from commrt.transport.wire import MAX_TAG
 from commrt.runtime.work import Work
+from commrt.topology import dispatch
+from commrt.transport.wire import MAX_TAG
 
-_runtime: bootstrap.Runtime | None = None
 _observer: Observer | None = None  # this runtime's comms log, trace and flight recorder (commrt/obs)
 _last_observer: Observer | None = None  # kept after destroy, for comms_summary()
 
@@ -30,8 +31,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        timeout: float | datetime.timedelta | None = None,
                        config: Config | str | os.PathLike | None = None) -> None:
     """Join the job. Arguments override the config file and environment (see README)."""
-    global _runtime
-    if _runtime is not None:
+    if world.get() is not None:
         raise CommError("init_process_group called twice; call destroy_process_group first")
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
@@ -44,49 +44,28 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         init_method or cfg.cluster.rendezvous,
         rank if rank is not None else (cfg.cluster.rank if cfg.cluster.rank >= 0 else None),
         world_size or cfg.cluster.world_size or None)
-    _runtime = bootstrap.init_world(cfg, spec)
-    _start_observing(_runtime)
+    rt = bootstrap.init_world(cfg, spec)
+    world.install(rt)
+    _start_observing(rt)
 
 
-def _rt() -> bootstrap.Runtime:
-    if _runtime is None:
-        raise CommError("commrt is not initialized; call commrt.init_process_group() first")
-    return _runtime
+_rt = world.current  # the default runtime (commrt/runtime/world.py)
+_group = world.resolve
 
 
 def is_initialized() -> bool:
-    return _runtime is not None
+    return world.get() is not None
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    global _runtime
     rt = _rt()
     if group is None or group is rt.world:
-        _runtime = None
+        world.install(None)
         bootstrap.shutdown(rt)
         _stop_observing()
     elif group is not NON_GROUP_MEMBER:
-        _live(rt, group).backend.close()
+        world.live(rt, group).backend.close()
         rt.groups.remove(group)
-
-
-def _group(group) -> ProcessGroup | None:
-    if group is None:
-        return _rt().world
-    if group is NON_GROUP_MEMBER:
-        return None
-    return _live(_rt(), group)
-
-
-def _live(rt: bootstrap.Runtime, group) -> ProcessGroup:
-    """``group`` if it is one of this runtime's groups; a clear error for a destroyed handle
-    (its sockets are closed: using it used to surface as a bare ``KeyError`` from the endpoint)."""
-    if group is rt.world or any(g is group for g in rt.groups):
-        return group
-    if not isinstance(group, ProcessGroup):
-        raise TypeError(f"group must be a ProcessGroup from new_group() or None, got {type(group).__name__}")
-    raise CommError(f"process group {group.group_id} (ranks {list(group.ranks)}) was destroyed by "
-                    "destroy_process_group(); create a new one with new_group()")
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -122,68 +101,36 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: str 
     return bootstrap.new_group(rt, list(range(rt.world.size())) if ranks is None else list(ranks))
 
 
-def _op(op) -> ReduceOp:
-    if type(op) is ReduceOp:  # the common case, on every reducing call
-        return op
-    return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
-
-
-def _two_level(g, kind: str, *tensors) -> bool:
-    """The world group spanning nodes runs the hierarchical collectives (commrt/mesh.py)."""
-    rt = _runtime
-    if g is None or rt is None or g is not rt.world or rt.topology is None or rt.topology.num_nodes < 2:
-        return False  # one node: the fast path pays only these checks
-    from commrt.topology import mesh  # mesh builds on this module
-    return mesh.route(g, kind, *tensors)
-
-
-def _quantized(quant: str | None):
-    """``quant="int8" | "int4"``: the block-quantized collectives (commrt/quant, SUM/AVG);
-    imported only when asked for, since that layer is built on this one."""
-    if quant is None:
-        return None
-    from commrt import quant as q
-    return q
-
-
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str | None = None) -> Work | None:
-    if (q := _quantized(quant)) is not None:
-        return q.all_reduce(tensor, op, group, async_op, quant=quant)
+    """``quant="int8" | "int4"``: the block-quantized all_reduce (commrt/quant, SUM/AVG)."""
     g = _group(group)
     if g is None:
         return None
     rec = _begin(g, "all_reduce", tensor, async_op)
-    if _two_level(g, "all_reduce", tensor):
-        from commrt.topology.mesh import all_reduce as two_level
-        return _call(rec, two_level, tensor, _op(op), async_op)
-    return _call(rec, g.backend.all_reduce, tensor, _op(op), async_op)
+    if quant is not None:
+        return _call(rec, _quantized.all_reduce, tensor, op, g, async_op, quant)
+    return _call(rec, dispatch.all_reduce, tensor, as_op(op), g, async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
                           quant: str | None = None) -> Work | None:
-    if (q := _quantized(quant)) is not None:
-        return q.reduce_scatter_tensor(output, input, op, group, async_op, quant=quant)
     g = _group(group)
     if g is None:
         return None
     rec = _begin(g, "reduce_scatter_tensor", input, async_op)
-    if _two_level(g, "reduce_scatter", output, input):
-        from commrt.topology.mesh import reduce_scatter_tensor as two_level
-        return _call(rec, two_level, output, input, _op(op), async_op)
-    return _call(rec, g.backend.reduce_scatter_tensor, output, input, _op(op), async_op)
+    if quant is not None:
+        return _call(rec, _quantized.reduce_scatter_tensor, output, input, op, g, async_op, quant)
+    return _call(rec, dispatch.reduce_scatter_tensor, output, input, as_op(op), g, async_op)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str | None = None) -> Work | None:
-    if (q := _quantized(quant)) is not None:
-        return q.all_gather_into_tensor(output, input, group, async_op, quant=quant)
     g = _group(group)
     if g is None:
         return None
     rec = _begin(g, "all_gather_into_tensor", output, async_op)
-    if _two_level(g, "all_gather", output, input):
-        from commrt.topology.mesh import all_gather_into_tensor as two_level
-        return _call(rec, two_level, output, input, async_op)
-    return _call(rec, g.backend.all_gather_into_tensor, output, input, async_op)
+    if quant is not None:
+        return _call(rec, _quantized.all_gather_into_tensor, output, input, g, async_op, quant)
+    return _call(rec, dispatch.all_gather_into_tensor, output, input, g, async_op)
 
 
 def broadcast(tensor, src: int, group=None, async_op=False) -> Work | None:
@@ -198,7 +145,7 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Wor
     g = _group(group)
     if g is None:
         return None
-    root, rop = g.group_rank(dst, "dst"), _op(op)
+    root, rop = g.group_rank(dst, "dst"), as_op(op)
     return _call(_begin(g, "reduce", tensor, async_op), g.backend.reduce, tensor, root, rop, async_op)
 
 

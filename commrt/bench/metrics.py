@@ -9,28 +9,10 @@ from __future__ import annotations
 
 import torch
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv")
+from commrt.obs.comms import COLLECTIVES, algbw, bus_factor, busbw  # noqa: F401 (the bench's arithmetic too)
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def bus_factor(collective: str, n: int) -> float:
-    if collective == "all_reduce":
-        return 2 * (n - 1) / n
-    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce", "sendrecv"):
-        return 1.0
-    raise ValueError(f"unknown collective '{collective}'; valid: {list(COLLECTIVES)}")
-
-
-def algbw(nbytes: int, seconds: float) -> float:
-    """GB/s (10^9 bytes, as nccl-tests)."""
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def busbw(collective: str, n: int, alg: float) -> float:
-    return alg * bus_factor(collective, n)
 
 
 def parse_size(text: str | int) -> int:

@@ -4,11 +4,10 @@ the effective one (what the exact op would need to match); a result counts as wr
 off by more than the codec's bound, and the wire bytes and the largest error are reported."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
-from commrt import distributed
+from commrt.runtime import world
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.quant import STATS
 from commrt.quant import collectives as qc
@@ -17,15 +16,10 @@ MODES = ("int8", "int4")
 _PAYLOAD = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@contextlib.contextmanager
 def _as_world(rt):
-    """The quantized calls are built on the public API, which reads the process's runtime:
-    point it at this backend's for the call (the bench holds several side by side)."""
-    saved, distributed._runtime = distributed._runtime, rt
-    try:
-        yield
-    finally:
-        distributed._runtime = saved
+    """The quantized calls default to the process's runtime: point it at this backend's for
+    the call (the bench holds several side by side)."""
+    return world.installed(rt)
 
 
 class QuantBackend:

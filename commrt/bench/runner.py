@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from commrt.runtime import bootstrap, rendezvous
-from commrt.topology import mesh
+from commrt.topology import dispatch
 from commrt.obs import stats
 from commrt.transport.transport import Transport
 from commrt.collectives.reduce_ops import ReduceOp, parse_op
@@ -262,7 +262,7 @@ def node_traffic(rt) -> dict[str, int]:
 def _backend(name: str, rt):
     """``NAME+hier``: the hierarchical collectives; ``NAME+int8`` / ``+int4``: the quantized ones."""
     if name.endswith("+hier"):
-        return mesh.TwoLevelBackend(rt)
+        return dispatch.TwoLevelBackend(rt)
     if name.endswith(("+int8", "+int4")):
         from commrt.bench.quant import QuantBackend
         return QuantBackend(rt, name.rsplit("+", 1)[1])

@@ -41,6 +41,13 @@ def parse_op(name) -> ReduceOp:
     return ReduceOp[key]
 
 
+def as_op(op) -> ReduceOp:
+    """Any spelling users pass (``ReduceOp``, a name, torch's ``ReduceOp.SUM``) as ours."""
+    if type(op) is ReduceOp:  # the common case, on every reducing call
+        return op
+    return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
+
+
 def combine_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: ReduceOp) -> None:
     """out = a (op) b, element-wise; ``out`` may be ``a``. AVG accumulates as SUM."""
     if out.dtype == torch.bfloat16:

@@ -8,7 +8,30 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from commrt.bench.metrics import bus_factor
+# nccl-tests' definitions (doc/PERFORMANCE.md there): algbw = size / time; busbw rescales it by
+# the data each rank must move over its link in an optimal algorithm: all_reduce 2(n-1)/n;
+# reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast, reduce and sendrecv 1.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective '{collective}'; valid: {list(COLLECTIVES)}")
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """GB/s (10^9 bytes, as nccl-tests)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def busbw(collective: str, n: int, alg: float) -> float:
+    return alg * bus_factor(collective, n)
+
 
 SAMPLES = 1 << 16
 """Durations kept per key for the percentiles (the most recent ones; count and totals are exact)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from commrt import distributed
+from commrt.runtime import world
 from commrt.collectives.context import _NAMES
 from commrt.transport.wire import P2P
 
@@ -46,7 +46,7 @@ def comm_stats() -> dict:
     point-to-point transfers sent to ranks on its own node / on other nodes, since init;
     ``by_op``: the same per op kind as it went on the wire (a hierarchical all_reduce shows as
     its reduce_scatter, all_reduce and all_gather steps); plus every registered key."""
-    rt = distributed._rt()
+    rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
     out = split_by_node(counters.sent_by_op(), same)

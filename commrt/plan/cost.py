@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from commrt.collectives.algorithms import chunk_bounds
-from commrt.topology.mesh import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
+from commrt.topology.dispatch import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -
 
 
 def hierarchical(net: Net, is_world: bool, nbytes: float) -> bool:
-    """Whether ``mesh.wants_hierarchical`` sends this op through two levels; "auto" as the
+    """Whether ``dispatch.wants_hierarchical`` sends this op through two levels; "auto" as the
     runtime's probe would decide on a cluster with these bandwidths (``auto_helps``)."""
     if not is_world or net.hierarchical == "never" or net.nodes < 2 or net.per_node < 2:
         return False

@@ -24,13 +24,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commrt import distributed as dist
 from commrt.collectives.algorithms import chunk_bounds
-from commrt.collectives.reduce_ops import ReduceOp
+from commrt.collectives.reduce_ops import ReduceOp, as_op
+from commrt.runtime import world
+from commrt.runtime.work import Work
 from commrt.quant import torch_codec
 from commrt.quant.codecs import Codec, codec_for, store_float, to_numpy_float
 from commrt.quant import kernels
-from commrt.quant.exchange import Hop, gather_hop, reduce_hop
+from commrt.quant.exchange import Hop, all_reduce_hops, gather_hop, reduce_hop
 from commrt.quant import hierarchical as two_hop
 from commrt.quant.feedback import ErrorFeedback
 from commrt.quant.stats import STATS
@@ -43,12 +44,12 @@ both kinds in one collective). Off by default: numpy keeps clear of torch's Open
 
 
 def _codec(quant: str, block: int | None) -> Codec:
-    q = dist.get_config().quant
+    q = world.current().config.quant
     return codec_for(quant, block or q.block, q.scale_dtype, q.rounding)
 
 
 def _check_op(op, what: str) -> ReduceOp:
-    op = dist._op(op)
+    op = as_op(op)
     if op not in _REDUCING:
         raise ValueError(f"quantized {what} supports op {[o.name for o in _REDUCING]}; got {op.name}")
     return op
@@ -71,7 +72,7 @@ def _host(x) -> np.ndarray:
 def _done(async_op: bool, name: str):
     if not async_op:
         return None
-    work = dist.Work(name)  # the composition runs synchronously: hand back a finished handle
+    work = Work(name)  # the composition runs synchronously: hand back a finished handle
     work._finish(None, None)
     return work
 
@@ -114,9 +115,10 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str
                            block: int | None = None, feedback: ErrorFeedback | None = None):
     """Quantized ``all_gather_into_tensor``: ``output`` (n x input.numel()) gets every rank's
     ``input`` after one pass through the codec, bit-identical on every rank."""
-    n = dist.get_world_size(group)
-    if n < 0:
+    group = world.resolve(group)
+    if group is None:
         return None
+    n = group.size()
     codec, x = _codec(quant, block), _values(input, "input")
     if output.numel() != n * len(x):
         raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {len(x)}")
@@ -137,9 +139,10 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
                           block: int | None = None, feedback: ErrorFeedback | None = None):
     """Quantized ``reduce_scatter_tensor`` (qgZ): rank r's ``output`` gets the SUM/AVG of
     chunk r of every rank's ``input``, reduced in fp32 from values quantized once."""
-    op, n = _check_op(op, "reduce_scatter"), dist.get_world_size(group)
-    if n < 0:
+    op, group = _check_op(op, "reduce_scatter"), world.resolve(group)
+    if group is None:
         return None
+    n = group.size()
     codec, x = _codec(quant, block), _values(input, "input")
     m = output.numel()
     if len(x) != n * m:
@@ -165,9 +168,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
                block: int | None = None, feedback: ErrorFeedback | None = None):
     """Quantized ``all_reduce`` (SUM / AVG): quantized reduce-scatter, then quantized
     all-gather of the reduced shards; every rank ends with bit-identical values."""
-    op, n = _check_op(op, "all_reduce"), dist.get_world_size(group)
-    if n < 0:
+    op, group = _check_op(op, "all_reduce"), world.resolve(group)
+    if group is None:
         return None
+    n = group.size()
     codec, x = _codec(quant, block), _values(tensor, "tensor")
     if feedback is not None:
         feedback.begin()
@@ -182,21 +186,10 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
                 _write(tensor, [(0, out)])
         return _done(async_op, "quant all_reduce")
     bounds = chunk_bounds(len(x), n)
-    hops = _all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)
+    hops = all_reduce_hops(x, bounds, op, n, codec, group, tensor, feedback)
     _settle("all_reduce", hops)
     _write(tensor, [(a, v) for (a, _), v in zip(bounds, hops[-1].values)])
     return _done(async_op, "quant all_reduce")
-
-
-def _all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") -> list[Hop]:
-    first = reduce_hop(x, bounds, codec, group, like.device, like.element_size(), fb, "send" + tag)
-    acc = first.values[0]
-    if op == ReduceOp.AVG:
-        kernels.of(acc).divide(acc, n)
-    me = dist.get_rank(group)
-    second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
-                        "shard" + tag, offset=bounds[me][0])
-    return [first, second]
 
 
 def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_group=None, quant: str = "int8",
@@ -210,17 +203,18 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_gro
     final intra gather."""
     op = _check_op(op, "all_reduce")
     codec, x = _codec(quant, block), _values(tensor, "tensor")
-    L, N = dist.get_world_size(intra_group), dist.get_world_size(inter_group)
+    intra_group, inter_group = world.resolve(intra_group), world.resolve(inter_group)
+    L, N = intra_group.size(), inter_group.size()
     if feedback is not None:
         feedback.begin()
     bounds = chunk_bounds(len(x), L)
-    me = dist.get_rank(intra_group)
+    me = intra_group.rank
     intra = reduce_hop(x, bounds, codec, intra_group, tensor.device, tensor.element_size(), feedback, "send")
     shard = intra.values[0]
     if op == ReduceOp.AVG:
         kernels.of(shard).divide(shard, L * N)
     sub = chunk_bounds(len(shard), N)
-    inter = _all_reduce_hops(shard, sub, ReduceOp.SUM, N, codec, inter_group, tensor, feedback, ".inter")
+    inter = all_reduce_hops(shard, sub, ReduceOp.SUM, N, codec, inter_group, tensor, feedback, ".inter")
     node_shard = kernels.of(shard).cat(inter[-1].values)  # the sub-shards in order
     last = gather_hop(node_shard, [b - a for a, b in bounds], codec, intra_group, tensor.device,
                       tensor.element_size(), feedback, "shard", offset=bounds[me][0])

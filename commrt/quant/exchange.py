@@ -20,11 +20,12 @@ from itertools import accumulate
 
 import torch
 
-from commrt import distributed as dist
+from commrt.collectives.reduce_ops import ReduceOp
 from commrt.quant import kernels
+from commrt.topology import dispatch
 from commrt.quant.codecs import Codec
 from commrt.quant.feedback import ErrorFeedback
-from commrt.quant.profile import add, span
+from commrt.quant.profile import span
 
 
 @dataclass
@@ -62,7 +63,7 @@ def reduce_hop(x, bounds: list[tuple[int, int]], codec: Codec, group, device: to
                itemsize: int, fb: ErrorFeedback | None = None, stage: str = "send") -> Hop:
     """Quantized reduce-scatter of ``x`` cut at ``bounds`` (one range per group rank): this
     rank's range summed over the group in fp32, as ``Hop.values[0]``."""
-    k, n, me = kernels.of(x), len(bounds), dist.get_rank(group)
+    k, n, me = kernels.of(x), len(bounds), group.rank
     sizes = [codec.nbytes(b - a) for a, b in bounds]
     offsets = [0, *accumulate(sizes)]
     src = fb.compensate(stage, x) if fb is not None else x
@@ -74,7 +75,7 @@ def reduce_hop(x, bounds: list[tuple[int, int]], codec: Codec, group, device: to
             hop.max_error_bound = max(hop.max_error_bound, _bound(codec, scale))
             hop.problems += [bad] if bad else []
     recv = k.empty_bytes(n * sizes[me], x)
-    _exchange(dist.all_to_all_single, send, recv, device, group,
+    _exchange(dispatch.all_to_all_single, send, recv, device, group,
               output_split_sizes=[sizes[me]] * n, input_split_sizes=sizes)
     a, b = bounds[me]
     acc = k.zero_floats(b - a, x)
@@ -105,7 +106,7 @@ def gather_hop(own, counts: list[int], codec: Codec, group, device: torch.device
                fb: ErrorFeedback | None = None, stage: str = "gather", offset: int = 0) -> Hop:
     """Quantized all-gather of one part per group rank (``counts`` values each, uneven
     allowed): every part decoded to fp32, in rank order, as ``Hop.values``."""
-    k, n, me = kernels.of(own), len(counts), dist.get_rank(group)
+    k, n, me = kernels.of(own), len(counts), group.rank
     width = max(codec.nbytes(c) for c in counts)  # uneven parts: each padded to the largest
     src = fb.compensate(stage, own) if fb is not None else own
     send = k.zero_bytes(width, own)
@@ -113,7 +114,7 @@ def gather_hop(own, counts: list[int], codec: Codec, group, device: torch.device
         scale, bad = k.encode(codec, send[:codec.nbytes(len(own))], src, offset)
     hop = Hop([], max_error_bound=_bound(codec, scale), problems=[bad] if bad else [])
     recv = k.empty_bytes(n * width, own)
-    _exchange(dist.all_gather_into_tensor, send, recv, device, group)
+    _exchange(dispatch.all_gather_into_tensor, send, recv, device, group)
     with span("decode"):
         for r, c in enumerate(counts):
             buf = recv[r * width:r * width + codec.nbytes(c)]
@@ -127,3 +128,16 @@ def gather_hop(own, counts: list[int], codec: Codec, group, device: torch.device
     hop.wire_bytes = width * (n - 1)
     hop.exact_bytes = len(own) * (n - 1) * itemsize
     return hop
+
+
+def all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") -> list[Hop]:
+    """Quantized all_reduce of ``x`` over ``group`` as two hops: a reduce-scatter at ``bounds``,
+    then an all-gather of the reduced shards (used flat, and for the inter-node hop)."""
+    first = reduce_hop(x, bounds, codec, group, like.device, like.element_size(), fb, "send" + tag)
+    acc = first.values[0]
+    if op == ReduceOp.AVG:
+        kernels.of(acc).divide(acc, n)
+    me = group.rank
+    second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
+                        "shard" + tag, offset=bounds[me][0])
+    return [first, second]

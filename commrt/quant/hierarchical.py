@@ -28,13 +28,13 @@ import os
 import numpy as np
 import torch
 
-from commrt import distributed as dist
-from commrt.topology import mesh
+from commrt.runtime import world
+from commrt.topology import dispatch, mesh
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.hierarchical import drain
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.quant.codecs import Codec
-from commrt.quant.exchange import Hop, gather_hop, reduce_hop
+from commrt.quant.exchange import Hop, all_reduce_hops, gather_hop, reduce_hop
 from commrt.quant.feedback import ErrorFeedback
 from commrt.quant.profile import add, span
 
@@ -42,10 +42,10 @@ from commrt.quant.profile import add, span
 def levels(group, nbytes: int):
     """(intra, inter) when ``group`` is the world spanning several nodes of M >= 2 ranks and
     ``[comm] hierarchical`` wants it for ``nbytes``; None: the flat quantized path."""
-    rt = dist._rt()
+    rt = world.current()
     if rt.topology is None or rt.topology.num_nodes < 2 or group not in (None, rt.world):
         return None
-    if not mesh.wants_hierarchical(group, nbytes):
+    if not dispatch.wants_hierarchical(group, nbytes):
         return None
     return mesh.node_groups()
 
@@ -77,11 +77,11 @@ def _own_problem(x: np.ndarray, offset: int = 0) -> list[str]:
 def _node_gather(part: np.ndarray, intra, problems: list[str]) -> np.ndarray:
     """Exact all-gather of ``part`` inside the node, returned as [M, part.size]; the NaN
     flag of ``_Piece.gather`` tells every rank of the node about a problem."""
-    m = dist.get_world_size(intra)
+    m = intra.size()
     if problems and part.size:
         part[0] = np.nan
     recv = torch.empty(m * part.size, dtype=torch.float32)
-    dist.all_gather_into_tensor(recv, torch.from_numpy(part), group=intra)
+    dispatch.all_gather_into_tensor(recv, torch.from_numpy(part), group=intra)
     rows = recv.numpy().reshape(m, part.size)
     if not problems and part.size and np.isnan(rows[:, 0]).any():
         problems.append("a rank of this node saw values that cannot be quantized (it raised naming them)")
@@ -114,7 +114,7 @@ class _Piece:
         node raises together, at no extra cost."""
         if self.problems and node_shard.size:
             node_shard[0] = np.nan
-        self.ag = dist.all_gather_into_tensor(self.rows, torch.from_numpy(node_shard), group=intra, async_op=True)
+        self.ag = dispatch.all_gather_into_tensor(self.rows, torch.from_numpy(node_shard), group=intra, async_op=True)
 
     def finish(self, out: np.ndarray, m: int) -> None:
         with span("node_ag"):
@@ -134,20 +134,19 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
     node-local reduce-scatter is issued at once on the node group's executor, then piece by
     piece the quantized hop runs across nodes while the node group reduces later pieces and
     gathers earlier ones. Each piece is the one-piece algorithm on ``x[a:b]``."""
-    from commrt.quant.collectives import _all_reduce_hops  # the flat composition, reused for the inter hop
-    m, k = dist.get_world_size(intra), dist.get_world_size(inter)
+    m, k = intra.size(), inter.size()
     cuts = piece_bounds(x.size, m * k * codec.block, 1 if fb is not None else PIECES)
     out = np.empty(x.size, dtype=np.float32)
     pieces = [_Piece(x, a, b, m, out) for a, b in cuts]
     hops: list[Hop] = []
     try:
         for p in pieces:
-            p.rs = dist.reduce_scatter_tensor(p.shard, p.padded, ReduceOp.SUM, group=intra, async_op=True)
+            p.rs = dispatch.reduce_scatter_tensor(p.shard, p.padded, ReduceOp.SUM, group=intra, async_op=True)
         for p in pieces:
             with span("node_rs"):
                 p.rs.wait()
             sub = chunk_bounds(p.part, k)
-            piece_hops = _all_reduce_hops(p.shard.numpy(), sub, ReduceOp.SUM, k, codec, inter, like, fb, ".inter")
+            piece_hops = all_reduce_hops(p.shard.numpy(), sub, ReduceOp.SUM, k, codec, inter, like, fb, ".inter")
             add("cross_wire_bytes", sum(h.wire_bytes for h in piece_hops))
             hops += piece_hops
             with span("copy_mid"):
@@ -168,10 +167,10 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
 def reduce_scatter(x: np.ndarray, s: int, op: ReduceOp, codec: Codec, intra, inter, like: torch.Tensor,
                    fb: ErrorFeedback | None) -> tuple[np.ndarray, list[Hop], int]:
     """``x`` holds K*M chunks of ``s``; this rank's chunk reduced over the world."""
-    m, k = dist.get_world_size(intra), dist.get_world_size(inter)
+    m, k = intra.size(), inter.size()
     by_local = torch.from_numpy(np.asarray(x, dtype=np.float32)).view(k, m, s).transpose(0, 1).contiguous()  # [M, K, s]
     node_sums = torch.empty(k * s, dtype=torch.float32)
-    dist.reduce_scatter_tensor(node_sums, by_local.view(-1), ReduceOp.SUM, group=intra)
+    dispatch.reduce_scatter_tensor(node_sums, by_local.view(-1), ReduceOp.SUM, group=intra)
     hop = reduce_hop(node_sums.numpy(), [(j * s, (j + 1) * s) for j in range(k)], codec, inter, like.device,
                      like.element_size(), fb, "send.inter")
     hop.problems = _own_problem(x) + hop.problems
@@ -184,7 +183,7 @@ def reduce_scatter(x: np.ndarray, s: int, op: ReduceOp, codec: Codec, intra, int
 def all_gather(x: np.ndarray, codec: Codec, intra, inter, like: torch.Tensor,
                fb: ErrorFeedback | None) -> tuple[np.ndarray, list[Hop], int]:
     """Every rank's ``x`` in global rank order."""
-    m, k, s = dist.get_world_size(intra), dist.get_world_size(inter), x.size
+    m, k, s = intra.size(), inter.size(), x.size
     hop = gather_hop(x, [s] * k, codec, inter, like.device, like.element_size(), fb, "gather.inter")
     same_local = np.concatenate(hop.values) if s else np.empty(0, dtype=np.float32)  # chunks (0, l) .. (K-1, l)
     by_local = _node_gather(same_local, intra, hop.problems)  # [M, K * s]

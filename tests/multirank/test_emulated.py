@@ -88,7 +88,7 @@ def test_auto_sharding_measures_the_links_and_uses_the_node_when_across_is_slow(
     assert len(found) == 4 and len(set(found)) == 1, out[-3000:]  # every rank decides the same
     intra, inter, hpz = map(int, found[0])
     assert inter * 1.5 <= intra and inter < 100e6 / 8 and hpz == 2, found[0]
-    # [comm] hierarchical = "auto" times an 8 MiB all_reduce (mesh.AUTO_PROBE_BYTES) both ways at the
+    # [comm] hierarchical = "auto" times an 8 MiB all_reduce (dispatch.AUTO_PROBE_BYTES) both ways at the
     # first world collective that could go either way; every rank chooses alike, and the next
     # all_reduce takes two levels
     auto = re.findall(r"AUTO (\w+) flat ([\d.]+) two ([\d.]+) steps (.*)", out)

@@ -160,12 +160,12 @@ def test_probe_sizes_parse_or_say_how():
 
 
 def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model():
-    """mesh.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
+    """dispatch.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
     predicts the same probe: a slow link across picks two levels, a link as fast per rank as the
     node does not (its world collectives stay flat, and so do their predicted bytes)."""
-    from commrt.topology import mesh
+    from commrt.topology import dispatch
     from commrt.plan import cost
-    assert mesh.helps(1.0, 0.5) and mesh.helps(1.1, 1.0) and not mesh.helps(1.05, 1.0)
+    assert dispatch.helps(1.0, 0.5) and dispatch.helps(1.1, 1.0) and not dispatch.helps(1.05, 1.0)
     slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6)
     fast = cost.Net(nodes=2, per_node=2, intra_bw=1e9, inter_bw=2e9)
     assert cost.auto_helps(slow) and not cost.auto_helps(fast)
