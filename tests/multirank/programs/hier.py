@@ -74,6 +74,18 @@ def check_matrix(flat_world) -> None:
     commrt.all_reduce(x)
     np.testing.assert_allclose(x.numpy(), torch.stack(parts).sum(0).numpy(), rtol=1e-12, atol=1e-12)
     _same_everywhere(flat_world, x, "float64 random all_reduce")
+    check_parameters(rank, world)
+
+
+def check_parameters(rank: int, world: int) -> None:
+    """Tensors that require grad are reduced in place outside autograd, as on one level
+    (issue 30.5: a 7-element nn.Parameter raised on two levels, and AVG left the SUM behind)."""
+    for op in ("SUM", "AVG"):
+        p = torch.nn.Parameter(torch.arange(7, dtype=torch.float32) + rank)
+        commrt.all_reduce(p, op=op)
+        want = sum(torch.arange(7, dtype=torch.float32) + r for r in range(world))
+        assert torch.equal(p.detach(), want / world if op == "AVG" else want), (op, p)
+        assert p.requires_grad and p.grad is None
 
 
 def _delta(before: dict, after: dict) -> tuple[int, int]:
