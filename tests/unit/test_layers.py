@@ -150,3 +150,61 @@ def test_a_planted_function_level_import_cycle_is_found(tmp_path):
     finally:
         ROOT = saved
     assert cycles(graph) == [["commrt.quant.a", "commrt.quant.b", "commrt.quant.a"]]
+
+
+# -- the picture in docs/ARCHITECTURE.md: docs/layers.svg, drawn from this graph -------------------
+# Regenerate with `python -m tests.unit.test_layers docs/layers.svg`; a test keeps it current.
+SVG = ROOT / "docs" / "layers.svg"
+_W, _ROW, _BOX_H, _PAD = 1100, 64, 40, 12
+
+
+def boxes(graph: dict[str, set[str]]) -> dict[tuple[int, str], list[str]]:
+    """(tier, package) -> its modules' short names: one box per package per tier."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for m in sorted(graph):
+        parts = m.split(".")
+        pkg = parts[1] if len(parts) > 1 else "commrt"
+        out.setdefault((tier(m), pkg), []).append(parts[-1] if len(parts) > 2 else "")
+    return out
+
+
+def render_svg(graph: dict[str, set[str]]) -> str:
+    bx = boxes(graph)
+    rows = sorted({t for t, _ in bx}, reverse=True)  # the top tier first
+    pos = {}
+    for y, t in enumerate(rows):
+        keys = sorted(k for k in bx if k[0] == t)
+        width = (_W - _PAD) / len(keys)
+        for x, key in enumerate(keys):
+            pos[key] = (_PAD + x * width, _PAD + y * _ROW, width - _PAD)
+    where = {m: (tier(m), m.split(".")[1] if m.count(".") else "commrt") for m in graph}
+    edges = {(where[m], where[t]) for m, ts in graph.items() for t in ts if where[m] != where[t]}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_PAD + len(rows) * _ROW}" '
+           'font-family="monospace" font-size="11">', '<rect width="100%" height="100%" fill="white"/>']
+    for a, b in sorted(edges):
+        (xa, ya, wa), (xb, yb, wb) = pos[a], pos[b]
+        out.append(f'<line x1="{xa + wa / 2:.0f}" y1="{ya + _BOX_H:.0f}" x2="{xb + wb / 2:.0f}" y2="{yb:.0f}" '
+                   'stroke="#9ab" stroke-width="0.6"/>')
+    for key, (x, y, w) in sorted(pos.items()):
+        names = [n for n in bx[key] if n and n != "__init__"]
+        single = f"commrt.{key[1]}" in graph and not any(m.startswith(f"commrt.{key[1]}.") for m in graph)
+        label = "commrt/__init__ (front door)" if key[1] == "commrt" else f"{key[1]}.py" if single else f"{key[1]}/"
+        detail = " ".join(names)
+        detail = detail if len(detail) * 6.6 < w else f"{len(names)} modules"
+        out.append(f'<rect x="{x:.0f}" y="{y:.0f}" width="{w:.0f}" height="{_BOX_H}" rx="4" fill="#eef4fb" '
+                   'stroke="#456"/>')
+        out.append(f'<text x="{x + 6:.0f}" y="{y + 16:.0f}" font-weight="bold">{label}</text>')
+        out.append(f'<text x="{x + 6:.0f}" y="{y + 32:.0f}" fill="#345">{detail}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def test_the_layer_picture_is_current():
+    """docs/layers.svg is what the import graph draws today (regenerate: see above)."""
+    assert SVG.read_text() == render_svg(commrt_graph()), \
+        "docs/layers.svg is stale: run `python -m tests.unit.test_layers docs/layers.svg`"
+
+
+if __name__ == "__main__":
+    import sys
+    pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else SVG).write_text(render_svg(commrt_graph()))
