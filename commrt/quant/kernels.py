@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commrt.quant import torch_codec
+from commrt.quant import fused, torch_codec
 from commrt.quant.codecs import Codec
 
 
@@ -35,6 +35,10 @@ class Host:
         return codec.decode(buf, numel)
 
     @staticmethod
+    def decode_add(codec: Codec, buf, numel: int, acc: np.ndarray) -> None:
+        acc += codec.decode(buf, numel)
+
+    @staticmethod
     def marked(codec: Codec, buf, numel: int) -> bool:
         return codec.marked(buf, numel)
 
@@ -52,7 +56,8 @@ class Host:
 
 
 class Device:
-    """torch tensors: the torch codec on the tensor's device; nothing goes through host memory."""
+    """torch tensors: on the tensor's device, nothing goes through host memory; CUDA tensors
+    take the fused Triton kernels where they apply, else the torch codec (see fused.py)."""
 
     @staticmethod
     def empty_bytes(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -68,11 +73,15 @@ class Device:
 
     @staticmethod
     def encode(codec: Codec, out, x, offset: int) -> tuple[float, str | None]:
-        return torch_codec.encode_into(codec, out, x, offset=offset, mark=True)
+        return fused.encode_into(codec, out, x, offset=offset, mark=True)
 
     @staticmethod
     def decode(codec: Codec, buf, numel: int) -> torch.Tensor:
-        return torch_codec.decode(codec, buf, numel)
+        return fused.decode(codec, buf, numel)
+
+    @staticmethod
+    def decode_add(codec: Codec, buf, numel: int, acc: torch.Tensor) -> None:
+        fused.decode_add(codec, buf, numel, acc)
 
     @staticmethod
     def marked(codec: Codec, buf, numel: int) -> bool:
