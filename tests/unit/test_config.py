@@ -217,3 +217,20 @@ def test_errors_say_where_the_bad_value_came_from(tmp_path, env, text, needle):
         load_config(f, environ=env)
     assert needle in str(info.value)
     assert "from the environment" in str(info.value) or "from the config file" in str(info.value)
+
+
+@pytest.mark.parametrize("zero,needle", [
+    ({"stage": 3, "zero_hpz_partition_size": 1.5}, "zero_hpz_partition_size = 1.5 is invalid; valid: an integer >= 1"),
+    ({"stage": 3, "zero_hpz_partition_size": "AUTO"}, "zero_hpz_partition_size = 'AUTO' is invalid; valid: an integer"),
+    ({"stage": 3, "mics_shard_size": "x"}, "mics_shard_size = 'x' is invalid; valid: -1 (off) or an integer >= 1"),
+    ({"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 0}, "shard_group_size = 0 is invalid; valid: an integer >= 1"),
+    ({"stage": "two"}, "stage = 'two' is invalid; valid: [0, 1, 2, 3]"),
+    ({"overlap_comm": "yes"}, "overlap_comm = 'yes' is invalid; valid: true or false"),
+])
+def test_train_settings_are_validated_at_load(zero, needle):
+    """Issue 30 item 13: these were accepted (1.5 became 1, a group of 0 ranks) or raised a raw ValueError."""
+    from commrt.train.config import TrainConfig
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict({"zero_optimization": zero})
+    assert needle in str(info.value)
+    assert TrainConfig.from_dict({"zero_optimization": {"reduce_bucket_size": 5e8}}).zero.reduce_bucket_size == 500_000_000
