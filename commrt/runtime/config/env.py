@@ -60,7 +60,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def summary(cls: type, name: str) -> str:
     """The first sentence of a field's docstring, on one line."""
-    text = " ".join(field_docs(cls).get(name, "").split())
+    text = " ".join(field_docs(cls).get(name, "").split()).replace("``", "`")  # RST literals as Markdown
     end = text.find(". ")
     return text if end < 0 else text[:end + 1]
 
