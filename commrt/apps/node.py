@@ -22,6 +22,8 @@ import socket
 import sys
 import threading
 
+from commrt.apps import launch_cmd
+from commrt.apps import ps_server
 from commrt.deploy import plan as P
 from commrt.runtime.errors import ConfigError
 
@@ -31,11 +33,13 @@ MAPPERS = {"slurm": P.slurm_plan, "k8s": P.k8s_plan}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commrt node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scheduler", choices=list(MAPPERS))
-    p.add_argument("role", nargs="?", choices=[*P.ROLES, "rank"], default="worker")
-    p.add_argument("--max-restarts", type=int, default=0, help="worker: commrt launch --max-restarts")
-    p.add_argument("--resume", action="store_true", help="server: continue from [ps] checkpoint_dir")
-    p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.add_argument("scheduler", choices=list(MAPPERS), help="whose variables describe the job: slurm or k8s")
+    p.add_argument("role", nargs="?", choices=[*P.ROLES, "rank"], default="worker",
+                   help="what this task runs: worker (a node of ranks), server (a PS shard) or rank "
+                        "(SLURM: one task per rank); default worker")
+    p.add_argument("--max-restarts", type=int, default=0, help="worker: commrt launch --max-restarts; default 0")
+    p.add_argument("--resume", action="store_true", help="server: continue from [ps] checkpoint_dir; default off")
+    p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing; default off")
     return p
 
 
@@ -57,7 +61,6 @@ def _attach(argv: list[str]) -> int:
     """Run ``commrt launch ARGS`` here with the job secret read from the first line of stdin (it
     never appears on a command line); stdin's end (the ssh connection dropped, or the launching
     side stopped us) is a SIGTERM to ourselves, which makes the launch stop its ranks."""
-    from commrt.cli import main as cli_main
     secret = sys.stdin.readline().strip()
     if secret:
         os.environ[P.SECRET_NAME] = secret
@@ -66,7 +69,7 @@ def _attach(argv: list[str]) -> int:
         sys.stdin.read()  # returns at EOF
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=watch, daemon=True).start()
-    return cli_main(["launch", *argv])
+    return launch_cmd.main(argv)
 
 
 def main(argv=None) -> int:
@@ -90,5 +93,5 @@ def main(argv=None) -> int:
     if args.role == "rank":  # the program itself, with torchrun's variables
         sys.stdout.flush()
         os.execvp(command[0], command)
-    from commrt.cli import main as cli_main
-    return cli_main(command[3:])  # [python, -m, commrt.cli, launch|server, ...]
+    sub, rest = command[3], command[4:]  # [python, -m, commrt.cli, launch|server, ...]
+    return launch_cmd.main(rest) if sub == "launch" else ps_server.main(rest)

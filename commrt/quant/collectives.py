@@ -38,13 +38,11 @@ from commrt.quant.stats import STATS
 from commrt.quant import profile
 
 _REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
-TORCH_CODEC_ON_CPU = False
-"""Run the torch codec on CPU tensors too (tests: the device path without a GPU, and ranks of
-both kinds in one collective). Off by default: numpy keeps clear of torch's OpenMP pools."""
 
 
 def _codec(quant: str, block: int | None) -> Codec:
     q = world.current().config.quant
+    profile.follow(q.profile)
     return codec_for(quant, block or q.block, q.scale_dtype, q.rounding)
 
 
@@ -59,7 +57,7 @@ def _values(t, what: str):
     """The flat fp32 / fp64 values: a numpy array for a CPU tensor, a tensor on the device else."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or TORCH_CODEC_ON_CPU:
+    if t.device.type != "cpu" or world.current().config.quant.cpu_codec == "torch":
         return torch_codec.values(t)
     return to_numpy_float(t.detach().reshape(-1))
 
@@ -176,7 +174,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
     if feedback is not None:
         feedback.begin()
     if (lv := two_hop.levels(group, len(x) * 4)) is not None:
-        if profile.ON:
+        if profile.enabled():
             profile.TAG[0] = f"{codec.name}.{len(x) * 4 >> 20}MiB."
             profile.add("calls", 1)
         with profile.span("total"):

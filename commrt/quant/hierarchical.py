@@ -23,8 +23,6 @@ last node-local exchange, and a rank whose own input was non-finite names its fi
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -37,6 +35,7 @@ from commrt.quant.codecs import Codec
 from commrt.quant.exchange import Hop, all_reduce_hops, gather_hop, reduce_hop
 from commrt.quant.feedback import ErrorFeedback
 from commrt.quant.profile import add, span
+from commrt.runtime.config import QuantConfig  # [quant] pieces: at most this many pipelined pieces
 
 
 def levels(group, nbytes: int):
@@ -50,14 +49,11 @@ def levels(group, nbytes: int):
     return mesh.node_groups()
 
 
-PIECES = int(os.environ.get("COMMRT_QUANT_PIECES", "8"))
-"""At most this many pipelined pieces per all_reduce (as ``collectives.hierarchical``);
-``COMMRT_QUANT_PIECES=1`` runs the one-piece path, to measure what the pipeline brings."""
 MIN_PIECE = 1 << 20
 """Elements: a smaller payload is not cut (each piece costs a few collective calls)."""
 
 
-def piece_bounds(n: int, unit: int, pieces: int = PIECES, min_piece: int | None = None) -> list[tuple[int, int]]:
+def piece_bounds(n: int, unit: int, pieces: int = QuantConfig.pieces, min_piece: int | None = None) -> list[tuple[int, int]]:
     """[a, b) cuts of ``n`` values into at most ``pieces`` of at least ``min_piece``, each a
     multiple of ``unit`` but the last (so every piece but the last splits into whole blocks
     on every rank and needs no padding)."""
@@ -135,7 +131,7 @@ def all_reduce(x: np.ndarray, op: ReduceOp, codec: Codec, intra, inter, like: to
     piece the quantized hop runs across nodes while the node group reduces later pieces and
     gathers earlier ones. Each piece is the one-piece algorithm on ``x[a:b]``."""
     m, k = intra.size(), inter.size()
-    cuts = piece_bounds(x.size, m * k * codec.block, 1 if fb is not None else PIECES)
+    cuts = piece_bounds(x.size, m * k * codec.block, 1 if fb is not None else world.current().config.quant.pieces)
     out = np.empty(x.size, dtype=np.float32)
     pieces = [_Piece(x, a, b, m, out) for a, b in cuts]
     hops: list[Hop] = []

@@ -1,9 +1,13 @@
-"""Where a quantized two-hop call's time goes, per rank: ``COMMRT_QUANT_PROFILE=1`` sums
+"""Where a quantized two-hop call's time goes, per rank: ``[quant] profile = true`` (or
+``COMMRT_QUANT_PROFILE=1``) sums
 ``time.perf_counter`` spans per phase (node-local reduce-scatter, encode, the cross-node
 exchange, decode + reduce, node-local all-gather, copies) and logs them, with the bytes sent
 across nodes, once at exit. Off (the default), ``span`` hands back one shared no-op context:
 no clock is read. Spans nest only as the caller opens them; a waited-on asynchronous
 collective is charged to the phase that waits for it.
+
+The switch is the running job's config, not a module flag: every quantized call hands its
+``[quant] profile`` to ``follow`` before it opens a span.
 """
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import os
 import time
 from contextlib import nullcontext
 
-ON = os.environ.get("COMMRT_QUANT_PROFILE", "") not in ("", "0")
+_ON = [False]
+"""The last quantized call's ``[quant] profile`` (see ``follow``)."""
+_REPORTING: list = []  # holds the atexit registration once there is one
 TOTALS: dict[str, float] = {}
 TAG = [""]
 """Prefixed to every span's name: the caller sets it per call (e.g. the payload size)."""
@@ -39,13 +45,25 @@ class _Span:
             TOTALS[self.name + "_cpu"] = TOTALS.get(self.name + "_cpu", 0.0) + time.process_time() - self.c0
 
 
+def follow(on: bool) -> None:
+    """Profile from now on iff ``on`` (the caller's ``[quant] profile``); the first time it is
+    on, the totals are logged at exit."""
+    if on and not _REPORTING:
+        _REPORTING.append(atexit.register(_report))
+    _ON[0] = on
+
+
+def enabled() -> bool:
+    return _ON[0]
+
+
 def span(name: str):
-    return _Span(name) if ON else _OFF
+    return _Span(name) if _ON[0] else _OFF
 
 
 def add(name: str, value: float) -> None:
     """Count a quantity (bytes, calls) beside the spans."""
-    if ON:
+    if _ON[0]:
         TOTALS[TAG[0] + name] = TOTALS.get(TAG[0] + name, 0.0) + value
 
 
@@ -63,6 +81,3 @@ def _report() -> None:
         rank = os.environ.get("RANK", "?")
         log.warning("quant profile rank %s: %s", rank, json.dumps({k: round(v, 6) for k, v in TOTALS.items()}))
 
-
-if ON:
-    atexit.register(_report)

@@ -170,11 +170,11 @@ class TrainConfig:
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
-        return cls(zero=ZeroConfig(**{k: v if k in _NAMED or k == "zeropp_loco_param" or v == "auto"
-                                      else _int_or_bool(v) for k, v in zero.items()}),
+        return cls(zero=ZeroConfig(**{k: _zero_value(k, v) for k, v in zero.items()}),
                    optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
-                   gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
-                   gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
+                   gradient_accumulation_steps=_number("gradient_accumulation_steps",
+                                                       raw.get("gradient_accumulation_steps", 1), int),
+                   gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
                    bf16=bool(dict(raw.get("bf16", {})).get("enabled", False)),
                    non_finite_grads=str(raw.get("non_finite_grads", "skip")))
 
@@ -185,8 +185,31 @@ def _only(raw: Mapping, valid: set, where: str) -> None:
         raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {sorted(valid)}")
 
 
-def _int_or_bool(v):
-    return v if isinstance(v, bool) else int(v)
+_BOOL_KEYS = {"overlap_comm", "zero_quantized_weights", "zero_quantized_gradients"}
+
+
+def _zero_value(key: str, v):
+    """A zero_optimization value as given, checked at load (issue 30.13): no silent int(1.5), no
+    raw ValueError for "AUTO", no explicit shard group of 0 ranks."""
+    if key in _NAMED or key == "zeropp_loco_param" or (v == "auto" and key == "zero_hpz_partition_size"):
+        return v
+    if key in _BOOL_KEYS:
+        if isinstance(v, bool):
+            return v
+        raise ConfigError(f"zero_optimization.{key} = {v!r} is invalid; valid: true or false")
+    if not isinstance(v, bool) and isinstance(v, (int, float)) and float(v).is_integer() and \
+            not (key == "shard_group_size" and v == 0):
+        return int(v)  # DeepSpeed's JSON configs write 5e8 for bucket sizes
+    valid = {"zero_hpz_partition_size": "an integer >= 1 (1: off) or 'auto'",
+             "shard_group_size": "an integer >= 1 (leave it out for the ranks per node)",
+             "mics_shard_size": "-1 (off) or an integer >= 1", "stage": "[0, 1, 2, 3]"}
+    raise ConfigError(f"zero_optimization.{key} = {v!r} is invalid; valid: {valid.get(key, 'an integer')}")
+
+
+def _number(key: str, v, typ: type):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()):
+        raise ConfigError(f"{key} = {v!r} is invalid; expected {'an integer' if typ is int else 'a number'}")
+    return typ(v)
 
 
 def _optimizer(raw: Mapping) -> OptimSpec:

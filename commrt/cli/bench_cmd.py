@@ -1,0 +1,124 @@
+"""``commrt bench``: the nccl-tests-style benchmark. Started plainly, it checks its options,
+then relaunches itself under ``commrt launch``; under a launcher (RANK set) it is one rank."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+
+from commrt import launch as launcher
+
+PROGRESS = "#progress "
+BACKENDS = ("zmq", "gloo", "nccl")
+VARIANTS = ("", "hier", "int8", "int4")  # NAME+hier, NAME+int8 / +int4 (bench/runner.py)
+COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv", "ps"]
+
+
+def add_parser(sub) -> None:
+    bp = sub.add_parser("bench", help="nccl-tests-style bandwidth benchmark",
+                        description="nccl-tests-style bandwidth benchmark: busbw per size, per backend")
+    bp.add_argument("collective", choices=COLLECTIVES, help="what to time ('bench ps --help': the PS benchmark)")
+    bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved); "
+                    "NAME+hier: NAME with the hierarchical collectives (needs a multi-node launch); "
+                    "NAME@SIZE: NAME with [comm] chunk_bytes = SIZE")
+    bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
+    bp.add_argument("-b", "--minbytes", default="4K", help="smallest payload per rank (K, M, G suffixes)")
+    bp.add_argument("-e", "--maxbytes", default="64M", help="largest payload per rank")
+    bp.add_argument("-f", "--stepfactor", type=float, default=2.0, help="each size is the last times this")
+    bp.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    bp.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size first")
+    bp.add_argument("-d", "--datatype", default="float32", help="element type (float32, float16, bfloat16, int32, ...)")
+    bp.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, min, max, avg")
+    bp.add_argument("--physical", action="store_true",
+                    help="also measure the raw TCP ring ceiling and this host's memcpy / reduction bandwidth")
+    bp.add_argument("--mode", choices=["both", "back-to-back", "alone"], default="both",
+                    help="back-to-back: a loop of ops, timed as a whole (nccl-tests); alone: each op timed on "
+                         "its own after rewriting its input and a barrier, as a training step calls it "
+                         "(median of the slowest rank); both: side by side")
+    bp.add_argument("--input", choices=["torch", "numpy"], default="torch",
+                    help="hand the collectives torch tensors or numpy arrays")
+    bp.add_argument("--quant", help="int8,int4: also the quantized all_reduce / reduce_scatter / all_gather "
+                    "of the first backend (busbw over the unquantized bytes); default: none")
+    bp.add_argument("--json", help="write all results to this file; default: none")
+    bp.add_argument("--plot", help="draw busbw against size to this PNG (needs matplotlib); default: none")
+    bp.set_defaults(fn=run)
+
+
+def check_backends(names: tuple[str, ...]) -> None:
+    """Refuse a misspelt backend before any rank starts (not after 16 s of start-up)."""
+    from commrt.bench import metrics
+    if not names:
+        raise SystemExit(f"commrt bench: --backend is empty; valid: {list(BACKENDS)}")
+    for name in names:
+        base, _, variant = name.partition("+")
+        backend, _, chunk = base.partition("@")
+        if backend not in BACKENDS or variant not in VARIANTS:
+            raise SystemExit(f"commrt bench: --backend {name!r} is invalid; valid: {list(BACKENDS)}, each "
+                             "optionally with +hier, +int8, +int4 or @CHUNK_SIZE")
+        if chunk:
+            metrics.parse_size(chunk)
+
+
+def run(args) -> int:
+    from commrt.bench import metrics
+    from commrt.bench.runner import BenchSpec
+    backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    check_backends(backends)
+    if args.quant:
+        from commrt.bench.quant import with_quant
+        backends = with_quant(backends, args.quant)
+    spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
+                     metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
+                     args.datatype, args.op, args.physical, args.mode, args.input)
+    metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
+        raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _rank(spec, args)
+    cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
+    result = launcher.launch(args.nproc, cmd, out=_ProgressOut(sys.stdout), prefix=False)
+    if result.returncode != 0:
+        print(f"commrt bench: {result.describe()}", file=sys.stderr)
+    return result.returncode
+
+
+def _rank(spec, args) -> int:
+    from commrt.bench import report, runner
+    rank, nproc = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    progress = (lambda msg: print(PROGRESS + msg, flush=True)) if rank == 0 else None
+    traffic: dict = {}
+    rows = runner.run(spec, progress, traffic=traffic)
+    if rank == 0:
+        print(report.table(spec, nproc, rows), flush=True)
+        for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
+            print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
+                  f"{t['inter_node_bytes']} B" + (f"; {t['quant']}" if "quant" in t else ""), flush=True)
+        command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
+        if args.json:
+            report.write_json(args.json, report.to_json(spec, nproc, rows, command))
+        if args.plot:
+            report.plot(args.plot, spec, nproc, rows)
+    wrong = sum(r[b]["wrong"] for r in rows for b in spec.backends)
+    return 1 if wrong else 0
+
+
+class _ProgressOut:
+    """Shows the ranks' ``#progress`` lines in place on a terminal; passes everything else."""
+
+    def __init__(self, stream):
+        self.stream, self.tty, self.dirty = stream, stream.isatty(), False
+
+    def write(self, text: str) -> None:
+        if text.startswith(PROGRESS):
+            if self.tty:
+                self.stream.write("\r\033[K" + text[len(PROGRESS):].rstrip("\n"))
+                self.dirty = True
+            return
+        if self.dirty:
+            self.stream.write("\r\033[K")
+            self.dirty = False
+        self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()

@@ -1,0 +1,115 @@
+"""[comm], [cluster] and [security]: how ranks find each other and talk."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commrt.runtime.config.checks import (MAX_HEARTBEAT_S, MAX_TIMEOUT_S, check_at_least, check_choice,
+                                          check_positive, check_seconds, check_types, invalid)
+
+BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
+HIERARCHICAL_MODES = ("auto", "always", "never")
+INTRA_NODE_MODES = ("auto", "shm", "tcp")
+SECURITY_MODES = ("secret", "curve", "none")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    backend: str = "auto"
+    """Which backend runs the collectives: auto | zmq | gloo | nccl. ``auto`` picks NCCL when
+    CUDA is usable and every local rank has its own GPU, else ZMQ."""
+    timeout_s: float = 300.0
+    """Deadline for every blocking wait (a receive, a send that cannot drain, init)."""
+    chunk_bytes: int = 4 << 20
+    """Payloads are pipelined in pieces of at most this many bytes (pyzmq slows down on very
+    large single messages, and small pieces let send, receive and reduce overlap)."""
+    small_bytes: int = 64 << 10
+    """Tensors up to this size use latency-optimal algorithms (direct exchange) instead of the
+    bandwidth-optimal ring."""
+    max_frame_bytes: int = 64 << 20
+    """Largest single frame a socket accepts (ZMQ_MAXMSGSIZE); must exceed chunk_bytes."""
+    heartbeat_s: float = 1.0
+    """ZMTP heartbeat interval: a peer silent for 3 intervals is declared lost."""
+    keep_freed_memory: bool = False
+    """Let this process reuse freed multi-MiB buffers instead of returning them to the kernel
+    (glibc's malloc thresholds, set once per process): without it every received piece is
+    page-faulted in afresh, about a tenth of a rank's CPU at 64 MiB. Freed memory then stays
+    in the process, as with any caching allocator. Off by default because it changes the whole
+    process; ``commrt launch`` gives its ranks the same thresholds through GLIBC_TUNABLES
+    (``COMMRT_COMM_KEEP_FREED_MEMORY=0`` in its environment turns that off)."""
+    check_call_sites: bool = False
+    """Debug aid (like TORCH_DISTRIBUTED_DEBUG=DETAIL): each collective also carries a hash of
+    the source line that called it, so a rank that skipped a collective is caught even when the
+    next one looks the same. Off by default: correct programs may call one collective from
+    different lines on different ranks."""
+    hierarchical: str = "auto"
+    """Collectives over the world group when it spans several nodes with several ranks on each:
+    ``always`` runs all_reduce, reduce_scatter_tensor and all_gather_into_tensor in two levels
+    (inside each node, then across nodes on 1/M of the data), ``never`` flat, ``auto``
+    hierarchically above small_bytes per rank's cross-node part when a one-time probe (mesh.py)
+    finds two levels >= 1.1x faster (comm_stats()["hierarchical_auto"]). All ranks must agree."""
+    intra_node: str = "auto"
+    """How ranks of one node (one host and network namespace) exchange collective payloads:
+    ``auto`` through shared memory where the host allows it (x86-64, /dev/shm writable), else
+    TCP; ``shm`` shared memory or an error; ``tcp`` always the zmq/TCP path. All ranks must agree."""
+
+    def __post_init__(self) -> None:
+        check_types("comm", self)
+        check_choice("comm", "backend", self.backend, BACKEND_NAMES)
+        check_choice("comm", "hierarchical", self.hierarchical, HIERARCHICAL_MODES)
+        check_choice("comm", "intra_node", self.intra_node, INTRA_NODE_MODES)
+        for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
+            check_positive("comm", name, getattr(self, name))
+        check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
+        check_seconds("comm", "heartbeat_s", self.heartbeat_s, MAX_HEARTBEAT_S)
+        if self.max_frame_bytes < self.chunk_bytes + 4096:
+            raise invalid("comm", "max_frame_bytes", self.max_frame_bytes,
+                          f"it must exceed chunk_bytes ({self.chunk_bytes}) by at least 4096")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    rendezvous: str = "env://"
+    """Where ranks meet: ``env://`` (torchrun variables) or ``tcp://host:port``."""
+    world_size: int = 0
+    """Number of ranks; 0 means: take it from the environment (WORLD_SIZE)."""
+    rank: int = -1
+    """This process's rank; -1 means: take it from the environment (RANK)."""
+    bind_host: str = "127.0.0.1"
+    """Interface the data-plane sockets bind to. Loopback unless told otherwise."""
+    advertise_host: str = ""
+    """Address peers use to reach this rank; empty means the same as bind_host."""
+
+    def __post_init__(self) -> None:
+        check_types("cluster", self)
+        check_at_least("cluster", "world_size", self.world_size, 0)
+        check_at_least("cluster", "rank", self.rank, -1)
+        if not (self.rendezvous == "env://" or self.rendezvous.startswith("tcp://")):
+            raise invalid("cluster", "rendezvous", self.rendezvous, "valid: 'env://' or 'tcp://host:port'")
+        if not self.bind_host:
+            raise invalid("cluster", "bind_host", self.bind_host, "give an interface's address (e.g. '127.0.0.1')")
+
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    mode: str = "secret"
+    """Peer authentication on every TCP socket:
+    secret (default): ZeroMQ PLAIN checked by a ZAP handler against a job secret; costs one
+    check per connection, nothing per message, but the secret crosses the wire in the clear,
+    so it is for loopback and trusted fabrics. curve: ZeroMQ CURVE, encrypted, each process
+    holds a key pair and only keys on the job's allow-list get in. none: no authentication."""
+    secret_file: str = ""
+    """For secret: where the job secret is read when $COMMRT_JOB_SECRET is not set (``commrt
+    launch`` sets a fresh one per job). Empty: ~/.config/commrt/job_secret, created (mode 0600)
+    on first use, so all of one user's processes on this host share it and other users have none."""
+    keys_dir: str = ""
+    """For curve: the directory ``commrt keygen`` wrote (allow.txt and one .key per process).
+    ``commrt launch`` makes a throw-away one for its job when this is empty."""
+    allow_insecure: bool = False
+    """Permit binding a non-loopback interface without encryption (none or secret mode; logged
+    loudly): for a trusted fabric only."""
+
+    def __post_init__(self) -> None:
+        check_types("security", self)
+        check_choice("security", "mode", self.mode, SECURITY_MODES)
+
