@@ -13,7 +13,9 @@ import torch
 
 from commrt.runtime import dtypes
 from commrt.collectives import ops, shm_ops
-from commrt.collectives.context import _NAMES, Coll, Journal, OpContext
+from commrt.collectives.aliasing import Aliased
+from commrt.collectives.context import Coll, Journal, OpContext
+from commrt.collectives.contract import NAMES as _NAMES, describe
 from commrt.collectives.shm_ops import ShmContext
 from commrt.collectives.reduce_ops import ReduceOp, copy_
 from commrt.runtime.config import Config
@@ -35,6 +37,7 @@ STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
 READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
 MAX_CACHED_CONTEXTS = 64  # op shapes whose shared-memory context a group keeps
+TCP_OPS, SHM_OPS = Aliased(ops), Aliased(shm_ops)  # both paths behind the one set of aliasing rules
 
 
 def _call_site() -> int:
@@ -71,7 +74,7 @@ class ZmqBackend:
         self._broken: BaseException | None = None
         self._largest = 0  # bytes of the largest collective so far
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
-        self._ops = ops  # shm_ops once connect() finds every member on this rank's node
+        self._ops = TCP_OPS  # SHM_OPS once connect() finds every member on this rank's node
         self._shm: shm.Channel | None = None
         self._shm_contexts: dict = {}  # op shape -> its ShmContext (see _shm_context)
         self._segment = make_segment(c.intra_node)  # (name, mapping) or None
@@ -114,7 +117,7 @@ class ZmqBackend:
             self._shm = None
             raise
         self._verify_peers()
-        self._ops = shm_ops
+        self._ops = SHM_OPS
         self._p2p.use_shm(set(range(self.size)) - {self.rank})  # large p2p payloads through rings too
 
     def _verify_peers(self) -> None:
@@ -371,5 +374,5 @@ def restate_report(report: MismatchReport, ctx: OpContext) -> CollectiveMismatch
         mine, culprit, rank = own, (b if same(a) else a), ctx.rank
     else:
         mine, culprit, rank = a, b, a.src
-    return CollectiveMismatch(ctx.name, ctx.seq, OpContext._describe(mine), OpContext._describe(culprit),
+    return CollectiveMismatch(ctx.name, ctx.seq, describe(mine), describe(culprit),
                               peer=culprit.src, rank=rank, reported_by=report.reporter)

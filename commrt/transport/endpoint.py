@@ -118,6 +118,40 @@ class Endpoint:
         self._out[peer] = sock
         return sock
 
+    @property
+    def slice_s(self) -> float:
+        """How long one blocking wait lasts between deadline and liveness checks."""
+        return self._slice_s
+
+    @property
+    def grace_s(self) -> float:
+        """How long a dropped connection may come back before its peer counts as lost."""
+        return self._grace_s
+
+    def is_lost(self, peer: int, now: float) -> bool:
+        """Whether ``peer``'s connection dropped longer than the grace ago."""
+        since = self.down.get(peer)
+        return since is not None and now - since > self._grace_s
+
+    def watch_if_due(self, now: float) -> bool:
+        """``watch_peers`` once a slice (for owners that poll in their own loop, as p2p.py's
+        engine does); True when it ran."""
+        if now - self._watched_at < self._slice_s:
+            return False
+        self._watched_at = now
+        self.watch_peers()
+        return True
+
+    def count_sent(self, dst: int, kind: int, op: int, nbytes: int) -> None:
+        """Account ``nbytes`` sent to ``dst`` in the transport's counters (per peer, and per
+        (kind, op code, peer) for comm_stats' by-op table). Shared memory and the p2p rings
+        count what their peers read here too, as if it had gone over the socket."""
+        c = self._counters[dst]
+        c.sent_bytes += nbytes
+        c.sent_msgs += 1
+        key = (kind, op & 0xFF, self.names[dst])
+        self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
+
     def watch_peers(self) -> None:
         for mon, peer in self._monitors.items():
             while True:
@@ -154,11 +188,7 @@ class Endpoint:
             self._trackers.append((dst, sock.send(payload, copy=False, track=True)))
         else:
             sock.send(payload, copy=True)
-        c = self._counters[dst]
-        c.sent_bytes += n
-        c.sent_msgs += 1
-        key = (header.kind, header.op & 0xFF, self.names[dst])
-        self._op_sent[key] = self._op_sent.get(key, 0) + n
+        self.count_sent(dst, header.kind, header.op, n)
 
     def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -224,11 +254,8 @@ class Endpoint:
                     self.last = h
                     return msg
                 self._keep(got, msg, op, seq)
-            if now - self._watched_at >= self._slice_s:
-                self._watched_at = now
-                self.watch_peers()
-                if src in self.down and now - self.down[src] > self._grace_s:
-                    raise self._lost(src, op, seq, now)
+            if self.watch_if_due(now) and self.is_lost(src, now):
+                raise self.lost(src, op, seq, now)
             if now >= deadline:
                 if not self.down and not extended:
                     # nothing dropped yet: give the heartbeats time to name a frozen peer
@@ -281,7 +308,7 @@ class Endpoint:
             except (zmq.ZMQError, ValueError):
                 pass
 
-    def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
+    def lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
         """``src`` is gone. If another peer dropped shortly before, that one went first and
         ``src`` most likely gave up because of it (a survivor that raised and exited): name it."""
         recent = {p: t for p, t in self.down.items() if now - t <= self.timeout_s}

@@ -206,7 +206,6 @@ class Channel:
         self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
         self._peer_ctl = [c for _, c in self._peers]
-        self._sent_keys: dict = {}  # (op word, peer) -> its counter key (see count)
         self.t = 0  # last step this rank published
         self._yield_s = yield_window(self.size, _cores())
 
@@ -267,14 +266,7 @@ class Channel:
     def count(self, peer: int, op: int, nbytes: int) -> None:
         """Account ``nbytes`` that ``peer`` reads from our segment as sent to it, like the
         socket path's counters (the bench's and comm_stats' intra-node bytes)."""
-        ep = self.ep
-        c = ep._counters[peer]
-        c.sent_bytes += nbytes
-        c.sent_msgs += 1
-        key = self._sent_keys.get((op, peer))
-        if key is None:
-            key = self._sent_keys[(op, peer)] = (COLL, op & 0xFF, ep.names[peer])
-        ep._op_sent[key] = ep._op_sent.get(key, 0) + nbytes
+        self.ep.count_sent(peer, COLL, op, nbytes)
 
     def header(self, p: int, slot: int) -> list[int]:
         base = HDR_BASE + HDR_WORDS * slot
@@ -295,7 +287,7 @@ class Channel:
             now = time.monotonic()
             if ep.cancelled:
                 raise GroupClosed(ep.group, op, seq)
-            if now - watched >= ep._slice_s:
+            if now - watched >= ep.slice_s:
                 watched = now
                 self._watch(waiting, op, seq, now)
             if now >= deadline:
@@ -317,7 +309,7 @@ class Channel:
         ep = self.ep
         ep.watch_peers()
         for p in waiting:
-            if p in ep.down and now - ep.down[p] > self._grace_s:
+            if ep.is_lost(p, now):
                 first = min(ep.down, key=ep.down.get)
                 raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
                                "(process ended, or stopped answering heartbeats)")
