@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from commrt.runtime import dtypes
+from commrt.runtime.errors import CollectiveMismatch
+from commrt.transport.messages import MismatchReport
 from commrt.transport.wire import COLL, Coll, Header
 from commrt.collectives.reduce_ops import ReduceOp
 
@@ -98,3 +100,18 @@ def describe(h: Header) -> dict:
     if site:
         out["call site"] = f"{site:06x}"
     return out
+
+
+def restate_report(report: MismatchReport, ctx: StepContext) -> CollectiveMismatch:
+    """A peer saw ranks disagree. Name the side that differs from what this rank runs (the
+    culprit), against this rank's own op; if neither side matches, pass the report on as is."""
+    own = ctx.header(0, 0)
+    key = lambda h: (h.seq, h.op, h.dtype, h.count, h.reduce, h.root)
+    same = lambda h: key(h) == key(own)
+    a, b = report.mine, report.theirs
+    if same(a) or same(b):
+        mine, culprit, rank = own, (b if same(a) else a), ctx.rank
+    else:
+        mine, culprit, rank = a, b, a.src
+    return CollectiveMismatch(ctx.name, ctx.seq, describe(mine), describe(culprit),
+                              peer=culprit.src, rank=rank, reported_by=report.reporter)

@@ -21,7 +21,7 @@ import torch
 
 from commrt.runtime.errors import CollectiveMismatch, ProtocolError
 from commrt.transport.shm import HDR_WORDS, Channel
-from commrt.transport.wire import COLL, Coll, Header
+from commrt.transport.wire import COLL, Header
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.aliasing import own_part
 from commrt.collectives.contract import OpShape, describe as _describe

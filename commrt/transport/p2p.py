@@ -97,7 +97,7 @@ class P2PEngine:
         try:
             while not self._closing:
                 busy = self._draining or any(self._sends.values())
-                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep.slice_s * 1000))
+                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep.live.slice_s * 1000))
                 if self._wake_rx in events:
                     self._take_posted()
                 if self._ep.inbound in events:
@@ -169,7 +169,7 @@ class P2PEngine:
             while queue and self._push(queue[0], now):
                 self._draining.append(queue.popleft())
         self._draining = [op for op in self._draining if not self._drained(op, now)]
-        if self._ep.watch_if_due(now):
+        if self._ep.live.watch_if_due(now):
             self._check_recvs(now)
 
     def _push(self, op: Send, now: float) -> bool:
@@ -222,15 +222,15 @@ class P2PEngine:
             if not waiting:
                 continue
             op = waiting[0]
-            if ep.is_lost(op.src, now):
-                error = ep.lost(op.src, "recv", op.seq, now)
+            if ep.live.is_lost(op.src, now):
+                error = ep.live.lost(op.src, "recv", op.seq, now)
             elif now - op.since > self._timeout_s:
                 error = PeerLost(op.src, "recv", op.seq, f"timeout after {self._timeout_s:g}s: no message from it")
             else:
                 continue
             self._match.pop(waiting)
             op.work._finish(None, error)
-        gone = {p for p in ep.down if ep.is_lost(p, now)}
+        gone = {p for p in ep.down if ep.live.is_lost(p, now)}
         for tag, waiting in self._match.any.items():
             if not waiting:
                 continue
