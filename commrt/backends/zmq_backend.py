@@ -1,11 +1,9 @@
 """Our backend: the ring collectives over ZeroMQ/TCP, one Endpoint and Executor per group."""
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import sys
-import threading
 import zlib
 from typing import Callable
 
@@ -13,21 +11,23 @@ import torch
 
 from commrt.runtime import dtypes
 from commrt.collectives import ops, shm_ops
-from commrt.collectives.context import _NAMES, Coll, Journal, OpContext
+from commrt.collectives.aliasing import Aliased
+from commrt.collectives.context import Coll, Journal, OpContext
+from commrt.collectives.contract import NAMES as _NAMES, restate_report
 from commrt.collectives.shm_ops import ShmContext
-from commrt.collectives.reduce_ops import ReduceOp, copy_
+from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.config import Config
-from commrt.runtime.errors import (CollectiveMismatch, CommError, ConfigError, GroupClosed, PeerLost,
-    ProtocolError)
+from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
 from commrt.transport import shm
 from commrt.transport import Endpoint, Transport
 from commrt.transport.endpoint import MismatchReport, encode_report
 from commrt.transport.memory import keep_freed_memory
-from commrt.transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
-from commrt.transport.wire import P2P, Header
+from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
 from commrt.backends.base import check_same_dtype, flat_view, split_bounds
 from commrt.backends.staging import Staged
+from commrt.backends.zmq_p2p import PointToPoint
+from commrt.backends.zmq_shm import make_segment, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
 READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
 MAX_CACHED_CONTEXTS = 64  # op shapes whose shared-memory context a group keeps
+TCP_OPS, SHM_OPS = Aliased(ops), Aliased(shm_ops)  # both paths behind the one set of aliasing rules
 
 
 def _call_site() -> int:
@@ -61,17 +62,16 @@ class ZmqBackend:
                                 c.max_frame_bytes, c.heartbeat_s, c.timeout_s)
         self._coll, p2p = make(), make()
         self._p2p = P2PEngine(p2p, c.timeout_s)
+        self._pt = PointToPoint(self._p2p, group_id, rank, size, c.chunk_bytes)
         self._p2p_address = p2p.address
         self._p2p_ep = p2p
         self._exec = Executor(f"group{group_id}")
         self._seq = 0  # of the last collective started (assigned when it starts, in issue order)
         self._journal = Journal()  # recent ops, so a stray message's error names both sides
-        self._p2p_seq: collections.Counter = collections.Counter()
-        self._p2p_lock = threading.Lock()  # a transfer's number and its posting are one step
         self._broken: BaseException | None = None
         self._largest = 0  # bytes of the largest collective so far
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
-        self._ops = ops  # shm_ops once connect() finds every member on this rank's node
+        self._ops = TCP_OPS  # SHM_OPS once connect() finds every member on this rank's node
         self._shm: shm.Channel | None = None
         self._shm_contexts: dict = {}  # op shape -> its ShmContext (see _shm_context)
         self._segment = make_segment(c.intra_node)  # (name, mapping) or None
@@ -88,33 +88,13 @@ class ZmqBackend:
         self._connect_shm([a[2] if len(a) > 2 else "shm:-" for a in table])
 
     def _connect_shm(self, entries: list[str]) -> None:
-        """Shared memory when every member published a segment on this rank's node (every rank
-        sees the same table, so all decide alike); otherwise our segment goes at once."""
+        """Shared memory when every member is on this rank's node (zmq_shm.open_channel)."""
         seg, self._segment = self._segment, None
-        names = [e.rsplit(":", 1)[-1] for e in entries]
-        if seg is None or self.size == 1 or len({e.rsplit(":", 1)[0] for e in entries}) != 1 or "-" in names:
-            if seg is not None:
-                shm.unlink(seg[0])
-                seg[1].close()
+        self._shm = open_channel(self._coll, seg, entries, self.cfg.comm.heartbeat_s)
+        if self._shm is None:
             return
-        maps = []
-        try:
-            for p, name in enumerate(names):
-                maps.append(seg[1] if p == self.rank else shm.attach(name, shm.SLOT_BYTES))
-            for p in range(self.size):  # their connections' monitors tell us a peer died
-                if p != self.rank:
-                    self._coll.socket_to(p)
-            self._shm = shm.Channel(self._coll, maps, names, shm.SLOT_BYTES, self.cfg.comm.heartbeat_s)
-            self._shm.attach_all()
-        except BaseException:
-            for name in names:  # a peer killed before its peers attached leaves nothing behind
-                shm.unlink(name)
-            if self._shm is not None:
-                self._shm.close()
-            self._shm = None
-            raise
         self._verify_peers()
-        self._ops = shm_ops
+        self._ops = SHM_OPS
         self._p2p.use_shm(set(range(self.size)) - {self.rank})  # large p2p payloads through rings too
 
     def _verify_peers(self) -> None:
@@ -237,23 +217,25 @@ class ZmqBackend:
         return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
                                 lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
-    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
+    def _whole_and_part(self, output, input, name: str, whole: str):
+        """(out, write-back, inp), flat, of an op whose ``whole`` ("input" or "output") holds
+        world-size parts the size of the other."""
         out, wb = flat_view(output, "output")
         inp, _ = flat_view(input, "input")
-        check_same_dtype(out, inp, "reduce_scatter_tensor")
-        if inp.numel() != out.numel() * self.size:
-            raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
-                             f"output ({out.numel()}) x world size ({self.size})")
+        check_same_dtype(out, inp, name)
+        big, small, part = (inp, out, "output") if whole == "input" else (out, inp, "input")
+        if big.numel() != small.numel() * self.size:
+            raise ValueError(f"{name}: {whole} has {big.numel()} elements, expected "
+                             f"{part} ({small.numel()}) x world size ({self.size})")
+        return out, wb, inp
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
+        out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, inp.numel(),
                                 lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
-        out, wb = flat_view(output, "output")
-        inp, _ = flat_view(input, "input")
-        check_same_dtype(out, inp, "all_gather_into_tensor")
-        if out.numel() != inp.numel() * self.size:
-            raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
-                             f"input ({inp.numel()}) x world size ({self.size})")
+        out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
         return self._collective(Coll.ALL_GATHER, out.dtype, out.numel(),
                                 lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
@@ -282,42 +264,15 @@ class ZmqBackend:
     def barrier(self, async_op=False):
         return self._collective(Coll.BARRIER, torch.uint8, 0, lambda ctx: self._ops.barrier(ctx), async_op)
 
-    # -- point to point ------------------------------------------------------------------------
+    # -- point to point (zmq_p2p.py) --------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        flat, _, code, steps = self._p2p_plan(tensor, "send", dst, tag)
-        with self._p2p_lock:
-            seq = self._next_p2p("send", dst, tag)
-            frames = []
-            for step, piece in enumerate(steps):
-                payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
-                frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step,
-                                      len(payload)), payload))
-            return self._p2p.post(Send(dst, tag, seq, frames, Work("send")))
+        self._check_usable()
+        return self._pt.isend(tensor, dst, tag)
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
         """``src`` None: from any peer; the Work's result is the sender's group rank."""
-        src = ANY_SOURCE if src is None else src
-        flat, wb, code, steps = self._p2p_plan(tensor, "recv", src, tag)
-        with self._p2p_lock:
-            seq = self._next_p2p("recv", src, tag)
-            return self._p2p.post(Recv(src, tag, seq, code, flat.numel(), steps, _land, wb, Work("recv")))
-
-    def _p2p_plan(self, tensor, direction: str, peer: int, tag: int):
-        """(flat, write-back, dtype code, pieces) of one point-to-point transfer."""
         self._check_usable()
-        if not (0 <= peer < self.size or peer == ANY_SOURCE and direction == "recv") or peer == self.rank:
-            raise ValueError(f"{direction}: peer rank {peer} is invalid (rank {self.rank} of {self.size})")
-        if tag < 0:
-            raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
-        flat, wb = flat_view(tensor)
-        pe = max(1, self.cfg.comm.chunk_bytes // flat.element_size())
-        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
-        return flat, wb, dtypes.code_of(flat.dtype), steps
-
-    def _next_p2p(self, direction: str, peer: int, tag: int) -> int:
-        key = (direction, peer, tag)
-        self._p2p_seq[key] += 1
-        return self._p2p_seq[key]
+        return self._pt.irecv(tensor, src, tag)
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Cancel work in flight (waiters get GroupClosed) and close the sockets once their
@@ -337,39 +292,3 @@ class ZmqBackend:
             log.warning("group %d: an operation did not stop within %gs; leaving its sockets open",
                         self.group_id, timeout_s)
         return coll_stopped and p2p_stopped
-
-
-def make_segment(mode: str):
-    """This rank's shared-memory segment for ``[comm] intra_node`` (None: TCP only)."""
-    if mode == "tcp":
-        return None
-    why = shm.supported()
-    if why is None:
-        try:
-            return shm.create(shm.SLOT_BYTES)
-        except OSError as exc:
-            why = f"cannot create a segment in {shm.SHM_DIR}: {exc}"
-    if mode == "shm":
-        raise ConfigError(f"[comm] intra_node = 'shm' cannot be used here: {why}")
-    log.info("intra-node traffic stays on TCP: %s", why)
-    return None
-
-
-def _land(piece: torch.Tensor, frame) -> None:
-    if piece.numel():
-        copy_(piece, torch.frombuffer(frame.buffer, dtype=piece.dtype))
-
-
-def restate_report(report: MismatchReport, ctx: OpContext) -> CollectiveMismatch:
-    """A peer saw ranks disagree. Name the side that differs from what this rank runs (the
-    culprit), against this rank's own op; if neither side matches, pass the report on as is."""
-    own = ctx.header(0, 0)
-    key = lambda h: (h.seq, h.op, h.dtype, h.count, h.reduce, h.root)
-    same = lambda h: key(h) == key(own)
-    a, b = report.mine, report.theirs
-    if same(a) or same(b):
-        mine, culprit, rank = own, (b if same(a) else a), ctx.rank
-    else:
-        mine, culprit, rank = a, b, a.src
-    return CollectiveMismatch(ctx.name, ctx.seq, OpContext._describe(mine), OpContext._describe(culprit),
-                              peer=culprit.src, rank=rank, reported_by=report.reporter)

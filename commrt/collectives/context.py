@@ -1,20 +1,18 @@
-"""OpContext: what one running collective needs to talk to its peers, with every incoming
-message checked against what this rank is running (so divergent programs fail loudly)."""
+"""OpContext: what one running collective needs to talk to its peers over the group's sockets,
+with every incoming message checked against what this rank is running (so divergent programs
+fail loudly). It implements contract.StepContext, as shm_ops.ShmContext does over shared memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from commrt.runtime import dtypes
 from commrt.runtime.errors import CollectiveMismatch
 from commrt.transport import Endpoint
-from commrt.transport.wire import COLL, Coll, Header
-from commrt.collectives.reduce_ops import ReduceOp
+from commrt.transport.wire import Coll, Header
+from commrt.collectives.contract import NAMES as _NAMES, OpShape, describe as _describe
 
-_NAMES = {c: c.name.lower() for c in Coll}
-_REDUCING = (Coll.ALL_REDUCE, Coll.REDUCE_SCATTER, Coll.REDUCE)
-_ROOTED = (Coll.BROADCAST, Coll.REDUCE)
+__all__ = ["Coll", "Journal", "OpContext", "_NAMES", "_describe"]  # _NAMES: obs/stats.py reads it
 
 
 class Journal:
@@ -41,15 +39,8 @@ def _as_bytes(t: torch.Tensor):
 
 
 @dataclass
-class OpContext:
-    ep: Endpoint
-    group: int
-    rank: int
-    size: int
-    seq: int
-    coll: Coll
-    dtype: torch.dtype
-    count: int
+class OpContext(OpShape):
+    """``link`` is the group's collective Endpoint (also as ``ep``)."""
     piece_bytes: int
     small_bytes: int
     site: int = 0  # hash of the calling source line (check_call_sites), 0 when not checked
@@ -66,20 +57,13 @@ class OpContext:
     _recvd: list = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = _NAMES[self.coll]
-        self.itemsize = self.dtype.itemsize
+        self._derive()
+        self.ep: Endpoint = self.link
         self.piece_elems = max(1, self.piece_bytes // self.itemsize)
-        self._op = int(self.coll) | self.site << 8
-        self._code = dtypes.code_of(self.dtype)
         self._sent = [0] * self.size
         self._recvd = [0] * self.size
-        self.reduce = int(self.reduce)  # a ReduceOp is an IntEnum: the wire takes plain ints
         if self.journal is not None:
             self.journal.record(self)
-
-    def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
-        return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._op,
-                      self._code, self.count, step, nbytes, self.reduce, self.root)
 
     def send(self, dst: int, data: torch.Tensor | None = None) -> None:
         payload = b"" if data is None else _as_bytes(data)
@@ -119,26 +103,5 @@ class OpContext:
             theirs.update(step=h.step, bytes=h.nbytes)
         return CollectiveMismatch(self.name, self.seq, mine, theirs, peer=src, rank=self.rank)
 
-    @staticmethod
-    def _describe(h: Header) -> dict:
-        """A header as the fields an error shows (for the backend's restated reports)."""
-        return _describe(h)
-
     def flush(self) -> None:
         self.ep.flush(self.name, self.seq)
-
-
-def _describe(h: Header) -> dict:
-    code, site = h.op & 0xFF, h.op >> 8
-    coll = Coll(code) if code in Coll._value2member_map_ else None
-    out = {"seq": h.seq, "op": coll.name.lower() if coll else f"op{code}",
-           "dtype": dtypes.name_of(h.dtype), "count": h.count}
-    if coll in _REDUCING:
-        out["reduce"] = ReduceOp(h.reduce).name if h.reduce in ReduceOp._value2member_map_ else h.reduce
-    if coll in _ROOTED:
-        out["root"] = h.root
-    if h.group:
-        out["group"] = h.group
-    if site:
-        out["call site"] = f"{site:06x}"
-    return out

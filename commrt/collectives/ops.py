@@ -9,11 +9,8 @@ rank computes bit-identical results.
 Buffer rule: ZeroMQ reads large payloads after ``send`` returns, so a buffer that was sent is
 not written again until ``ctx.flush()`` (or until causality proves the peer received it).
 
-Aliasing (issue 12.1): outputs may share memory with inputs. The in-place forms NCCL documents
-(reduce_scatter's output is the input's own slice, all_gather's input is the output's own
-slice) run without a copy; any other overlap, and all_to_all with output and input one tensor,
-costs one copy, so every form is correct. Overlap is decided by address ranges
-(``dtypes.overlaps``), never by object identity, which a view never passes.
+Aliasing: outputs and inputs are disjoint or in NCCL's in-place form; aliasing.Aliased runs
+these functions (and shm_ops.py's) behind the rules that make every other form so.
 """
 from __future__ import annotations
 
@@ -21,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from commrt.runtime.dtypes import overlaps
 from commrt.collectives.algorithms import (chain_order, chunk_bounds, dissemination_steps,
     pairwise_exchange_steps, pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
+from commrt.collectives.aliasing import own_part
 from commrt.collectives.context import OpContext
 from commrt.collectives.reduce_ops import (ReduceOp, combine_, combine_into, copy_, finish_avg_,
     reduce_in_order_)
@@ -61,11 +58,8 @@ def _direct_gather(ctx: OpContext, mine: torch.Tensor, send_to: list[int], recv_
 
 def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, got: dict, op: ReduceOp) -> None:
     """out = the rank-ordered reduction of ``got`` (peer -> frame) and ``own`` (this rank's
-    part; it may share ``out``'s memory: then it is copied first where the order would
-    overwrite it before it is read, i.e. when it is neither the first nor the second part)."""
-    same = own.data_ptr() == out.data_ptr() and own.numel() == out.numel()
-    if (ctx.rank > 1 or not same) and overlaps(own, out):
-        own = own.clone()
+    part; it may be ``out`` itself: aliasing.own_part)."""
+    own = own_part(own, out, ctx.rank)
     reduce_in_order_(out, [got[p] if p != ctx.rank else own for p in range(ctx.size)], op)
 
 
@@ -101,12 +95,6 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
     n, m = ctx.size, out.numel()
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
-    if m and overlaps(out, inp) and out.data_ptr() != inp[own:].data_ptr():
-        # not the in-place form: a write to out could clobber input another step still reads
-        tmp = torch.empty_like(out)
-        reduce_scatter(ctx, tmp, inp, op)
-        copy_(out, tmp)
-        return
     if n == 1 or m == 0:
         copy_(out, inp)
     elif n * m * ctx.itemsize <= ctx.small_bytes:
@@ -134,9 +122,7 @@ def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     n, m = ctx.size, inp.numel()
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     mine = out[chunks[ctx.rank][0]:chunks[ctx.rank][1]]
-    if m and mine.data_ptr() != inp.data_ptr():
-        if overlaps(out, inp):  # not the in-place form: received chunks could clobber inp
-            inp = inp.clone()
+    if m and mine.data_ptr() != inp.data_ptr():  # not the in-place form
         copy_(mine, inp)
     if n > 1 and m:
         if n * m * ctx.itemsize <= ctx.small_bytes:
@@ -215,9 +201,7 @@ def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) 
 def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
     """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``.
-    ``out`` may share memory with ``inp`` (even be the same tensor): the input is copied first."""
-    if out.numel() and overlaps(out, inp):
-        inp = inp.clone()
+    ``out`` and ``inp`` are disjoint (aliasing.all_to_all_source)."""
     lo, hi = in_bounds[ctx.rank]
     olo, ohi = out_bounds[ctx.rank]
     copy_(out[olo:ohi], inp[lo:hi])

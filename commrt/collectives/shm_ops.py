@@ -8,7 +8,8 @@ all_reduce of a small payload is one step in which every rank reduces all parts 
 order; a large one runs rounds of two steps as DeepSpeed's CPU all-reduce does: each rank
 reduces its 1/n of the round straight from the peers' slots, then everyone copies the n
 reduced parts out. Every element is reduced by one rank (or by all in the same order), so
-results are bit-identical across ranks. Aliasing follows ops.py's rules.
+results are bit-identical across ranks. Outputs and inputs are disjoint or in the in-place
+form: aliasing.Aliased runs these, as it runs ops.py's.
 """
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from commrt.runtime import dtypes
-from commrt.runtime.dtypes import overlaps
 from commrt.runtime.errors import CollectiveMismatch, ProtocolError
 from commrt.transport.shm import HDR_WORDS, Channel
-from commrt.transport.wire import COLL, Coll, Header
+from commrt.transport.wire import COLL, Header
 from commrt.collectives.algorithms import chunk_bounds
-from commrt.collectives.context import _NAMES, _describe
+from commrt.collectives.aliasing import own_part
+from commrt.collectives.contract import OpShape, describe as _describe
 from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_,
     reduce_in_order_)
 
@@ -32,15 +32,8 @@ MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, no
 
 
 @dataclass
-class ShmContext:
-    chan: Channel
-    group: int
-    rank: int
-    size: int
-    seq: int
-    coll: Coll
-    dtype: torch.dtype
-    count: int
+class ShmContext(OpShape):
+    """``link`` is the group's shared-memory Channel (also as ``chan``)."""
     site: int = 0
     reduce: int = 0
     root: int = 0
@@ -55,13 +48,11 @@ class ShmContext:
     _slot: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = _NAMES[self.coll]
-        self.itemsize = self.dtype.itemsize
+        self._derive()
+        self.chan: Channel = self.link
         self.slot_elems = self.chan.slot_bytes // self.itemsize
         self.np_dtype = numpy_dtype(self.dtype)
-        self.reduce = int(self.reduce)
-        self._words = (self.seq, int(self.coll) | self.site << 8, dtypes.code_of(self.dtype), self.count,
-                       self.reduce, self.root)
+        self._words = (self.seq, self._op, self._code, self.count, self.reduce, self.root)
         self._header = array("q", (0, *self._words, 0))
         self._slot = 0
 
@@ -70,10 +61,6 @@ class ShmContext:
         self.seq = seq
         self._words = (seq, *self._words[1:])
         self._header[1] = seq
-
-    def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
-        return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._words[1],
-                      self._words[2], self.count, step, nbytes, self.reduce, self.root)
 
     def begin(self, aux: int = 0) -> int:
         """Start a step; returns its slot, whose data this rank may now write."""
@@ -182,11 +169,6 @@ def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None
 
 def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
     n, m, me = ctx.size, out.numel(), ctx.rank
-    if m and overlaps(out, inp) and out.data_ptr() != inp[me * m:].data_ptr():
-        tmp = torch.empty_like(out)  # not the in-place form (see ops.reduce_scatter)
-        reduce_scatter(ctx, tmp, inp, op)
-        copy_(out, tmp)
-        return
     if n == 1 or m == 0:
         copy_(out, inp)
     else:
@@ -198,9 +180,7 @@ def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: Re
                     copy_(ctx.view(me, slot, j * w, y - x), inp[j * m + x:j * m + y])
                     ctx.sent(j, y - x)
             ctx.exchange()
-            own = inp[me * m + x:me * m + y]
-            if me > 1 and out.data_ptr() == inp[me * m:].data_ptr():
-                own = own.clone()  # in place: out may only be the first or second part
+            own = own_part(inp[me * m + x:me * m + y], out[x:y], me)
             reduce_in_order_(out[x:y], [own if p == me else ctx.view(p, slot, me * w, y - x)
                                         for p in range(n)], op)
     if op == ReduceOp.AVG:
@@ -211,8 +191,6 @@ def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     n, m, me = ctx.size, inp.numel(), ctx.rank
     mine = out[me * m:(me + 1) * m]
     in_place = m and mine.data_ptr() == inp.data_ptr()
-    if m and not in_place and overlaps(out, inp):
-        inp = inp.clone()
     if n == 1 or m == 0:
         copy_(mine, inp)
         return
@@ -253,9 +231,8 @@ def reduce(ctx: ShmContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
                 ctx.sent(dst, b - a)
             ctx.exchange()
             if me == dst and b > a:
-                parts = [flat[a:b] if p == dst else ctx.view(p, slot, 0, b - a) for p in range(n)]
-                if dst > 1:  # out may only be the first or second part: keep ours apart
-                    parts[dst] = parts[dst].clone()
+                own = own_part(flat[a:b], flat[a:b], dst)
+                parts = [own if p == dst else ctx.view(p, slot, 0, b - a) for p in range(n)]
                 reduce_in_order_(flat[a:b], parts, op)
     if op == ReduceOp.AVG and me == dst:
         finish_avg_(flat, n)
@@ -266,8 +243,6 @@ def all_to_all(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor,
     """Blocks move in rounds of ``w`` elements per destination; the number of rounds comes
     from the longest block any rank sends (each rank's ``aux`` of the first step)."""
     n, me = ctx.size, ctx.rank
-    if out.numel() and overlaps(out, inp):
-        inp = inp.clone()
     copy_(out[out_bounds[me][0]:out_bounds[me][1]], inp[in_bounds[me][0]:in_bounds[me][1]])
     w = max(1, ctx.slot_elems // n)
     longest = max(hi - lo for lo, hi in list(in_bounds) + list(out_bounds))

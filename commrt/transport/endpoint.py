@@ -14,14 +14,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.transport.liveness import Liveness
+from commrt.transport.messages import Message, MismatchReport, decode_report, encode_report
 from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
 from commrt.transport.transport import SLICE_MS, Transport
+
+__all__ = ["Endpoint", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -36,32 +38,6 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
-
-
-class Message(NamedTuple):
-    header: Header
-    payload: zmq.Frame
-
-
-class MismatchReport(Exception):
-    """A peer reports a collective mismatch it saw: ``mine`` (the reporter's header) against
-    ``theirs``. The backend restates it as a ``CollectiveMismatch`` against this rank's op."""
-
-    def __init__(self, reporter: int, mine: Header, theirs: Header):
-        self.reporter, self.mine, self.theirs = reporter, mine, theirs
-        super().__init__(f"rank {reporter} reports a mismatch with rank {theirs.src}")
-
-
-def encode_report(mine: Header, theirs: Header) -> bytes:
-    a, b = encode_header(mine), encode_header(theirs)
-    return bytes([len(a)]) + a + b
-
-
-def decode_report(buf) -> tuple[Header, Header]:
-    buf = bytes(buf)
-    if not buf or len(buf) < 1 + buf[0]:
-        raise ProtocolError("truncated mismatch report")
-    return decode_header(buf[1:1 + buf[0]]), decode_header(buf[1 + buf[0]:])
 
 
 class Endpoint:
@@ -91,12 +67,9 @@ class Endpoint:
         self.dropped = 0  # malformed messages discarded (see ProtocolError handling)
         self.last: Header | None = None  # header of the last message recv() returned
         self.cancelled = False  # set by another thread: the owner raises GroupClosed
-        # liveness: a monitor on each outgoing connection reports when a peer's connection drops
-        # (its process died, or it stopped answering ZMTP heartbeats: SIGSTOP, a hung host)
-        self._monitors: dict[zmq.Socket, int] = {}
-        self.down: dict[int, float] = {}  # peer -> when its connection dropped
         self._grace_s = heartbeat_s
-        self._watched_at = 0.0
+        self.live = Liveness(self._slice_s, heartbeat_s, timeout_s)  # which peers are gone
+        self.down = self.live.down  # peer -> when its connection dropped
 
     def connect(self, addresses: dict[int, str]) -> None:
         """Learn every member's address (keyed by group rank); sockets are dialled on first use."""
@@ -112,23 +85,22 @@ class Endpoint:
         sock = self.transport.dial(zmq.PUSH, self.peer_addresses[peer], self.names[peer],
                                    max_frame=self._max_frame)
         sock.setsockopt(zmq.SNDHWM, HWM)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                      | zmq.EVENT_CONNECT_RETRIED)
-        self._monitors[mon] = peer
+        self.live.monitor(sock, peer)
         self._out[peer] = sock
         return sock
 
+    def count_sent(self, dst: int, kind: int, op: int, nbytes: int) -> None:
+        """Account ``nbytes`` sent to ``dst`` in the transport's counters (per peer, and per
+        (kind, op code, peer) for comm_stats' by-op table). Shared memory and the p2p rings
+        count what their peers read here too, as if it had gone over the socket."""
+        c = self._counters[dst]
+        c.sent_bytes += nbytes
+        c.sent_msgs += 1
+        key = (kind, op & 0xFF, self.names[dst])
+        self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
+
     def watch_peers(self) -> None:
-        for mon, peer in self._monitors.items():
-            while True:
-                try:
-                    event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
-                except zmq.Again:
-                    break
-                if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):  # retried: refused
-                    self.down.setdefault(peer, time.monotonic())
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.down.pop(peer, None)
+        self.live.watch()
 
     def cancel(self) -> None:
         """From any thread: make the owner give up its current wait within one slice."""
@@ -154,11 +126,7 @@ class Endpoint:
             self._trackers.append((dst, sock.send(payload, copy=False, track=True)))
         else:
             sock.send(payload, copy=True)
-        c = self._counters[dst]
-        c.sent_bytes += n
-        c.sent_msgs += 1
-        key = (header.kind, header.op & 0xFF, self.names[dst])
-        self._op_sent[key] = self._op_sent.get(key, 0) + n
+        self.count_sent(dst, header.kind, header.op, n)
 
     def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -224,18 +192,15 @@ class Endpoint:
                     self.last = h
                     return msg
                 self._keep(got, msg, op, seq)
-            if now - self._watched_at >= self._slice_s:
-                self._watched_at = now
-                self.watch_peers()
-                if src in self.down and now - self.down[src] > self._grace_s:
-                    raise self._lost(src, op, seq, now)
+            if self.live.watch_if_due(now) and self.live.is_lost(src, now):
+                raise self.live.lost(src, op, seq, now)
             if now >= deadline:
                 if not self.down and not extended:
                     # nothing dropped yet: give the heartbeats time to name a frozen peer
                     # (3 missed intervals, then the grace) before blaming whoever we wait on
                     deadline, extended = now + 4 * self._grace_s, True
                     continue
-                raise self._timeout(src, op, seq, limit)
+                raise self.live.timeout(src, op, seq, limit)
 
     def _keep(self, key: tuple[int, int], msg: Message, op: str, seq: int) -> None:
         """Stash a message for a later receive, within the per-peer read-ahead bound."""
@@ -281,26 +246,6 @@ class Endpoint:
             except (zmq.ZMQError, ValueError):
                 pass
 
-    def _lost(self, src: int, op: str, seq: int, now: float) -> PeerLost:
-        """``src`` is gone. If another peer dropped shortly before, that one went first and
-        ``src`` most likely gave up because of it (a survivor that raised and exited): name it."""
-        recent = {p: t for p, t in self.down.items() if now - t <= self.timeout_s}
-        first = min(recent, key=recent.get) if recent else src
-        why = "process ended, or stopped answering heartbeats"
-        if first == src:
-            return PeerLost(src, op, seq, f"connection lost {now - self.down[src]:.2f}s ago ({why})")
-        return PeerLost(first, op, seq, f"connection lost {now - self.down[first]:.2f}s ago ({why}); "
-                        f"rank {src}, which this rank was waiting on, dropped after it")
-
-    def _timeout(self, src: int, op: str, seq: int, limit: float) -> PeerLost:
-        """Nothing from ``src`` in time: if another peer's connection dropped, that rank is the
-        likelier culprit (we wait on a neighbour that waits on it), so name it."""
-        gone = sorted(self.down, key=self.down.get)
-        if gone:
-            return PeerLost(gone[0], op, seq, f"no message from rank {src} within {limit:g}s, and rank "
-                            f"{gone[0]}'s connection was lost {time.monotonic() - self.down[gone[0]]:.2f}s ago")
-        return PeerLost(src, op, seq, f"timeout after {limit:g}s: no message from it")
-
     def read(self, flags: int) -> Message | None:
         """One well-formed message, or None (nothing within the slice, or a malformed one)."""
         return self._read(flags)
@@ -341,9 +286,7 @@ class Endpoint:
             # finished if the socket is closed with a monitor attached, whatever the linger;
             # a group destroyed right after its first op lost that op's last message so.
             sock.disable_monitor()
-        for mon in self._monitors:
-            mon.close(linger=0)
-        self._monitors.clear()
+        self.live.close()
         for sock in self._out.values():
             sock.close(linger=CLOSE_LINGER_MS)
         self.inbound.close(linger=0)

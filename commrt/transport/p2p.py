@@ -97,7 +97,7 @@ class P2PEngine:
         try:
             while not self._closing:
                 busy = self._draining or any(self._sends.values())
-                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep._slice_s * 1000))
+                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep.live.slice_s * 1000))
                 if self._wake_rx in events:
                     self._take_posted()
                 if self._ep.inbound in events:
@@ -169,9 +169,7 @@ class P2PEngine:
             while queue and self._push(queue[0], now):
                 self._draining.append(queue.popleft())
         self._draining = [op for op in self._draining if not self._drained(op, now)]
-        if now - self._ep._watched_at >= self._ep._slice_s:
-            self._ep._watched_at = now
-            self._ep.watch_peers()
+        if self._ep.live.watch_if_due(now):
             self._check_recvs(now)
 
     def _push(self, op: Send, now: float) -> bool:
@@ -201,11 +199,8 @@ class P2PEngine:
                 op.trackers.append(sock.send(payload, copy=False, track=True))
             else:
                 sock.send(payload, copy=True)
-            c = self._ep._counters[op.dst]
-            c.sent_bytes += len(payload)
-            c.sent_msgs += 1
-            key = (P2P, 0, self._ep.names[op.dst])  # comm_stats()["by_op"]["p2p"], inside / across nodes
-            self._ep._op_sent[key] = self._ep._op_sent.get(key, 0) + len(payload)
+            # op code 0: comm_stats()["by_op"]["p2p"], inside / across nodes
+            self._ep.count_sent(op.dst, P2P, 0, len(payload))
             op.sent += 1
             op.since = now
         return True
@@ -227,15 +222,15 @@ class P2PEngine:
             if not waiting:
                 continue
             op = waiting[0]
-            if op.src in ep.down and now - ep.down[op.src] > ep._grace_s:
-                error = ep._lost(op.src, "recv", op.seq, now)
+            if ep.live.is_lost(op.src, now):
+                error = ep.live.lost(op.src, "recv", op.seq, now)
             elif now - op.since > self._timeout_s:
                 error = PeerLost(op.src, "recv", op.seq, f"timeout after {self._timeout_s:g}s: no message from it")
             else:
                 continue
             self._match.pop(waiting)
             op.work._finish(None, error)
-        gone = {p for p, t in ep.down.items() if now - t > ep._grace_s}
+        gone = {p for p in ep.down if ep.live.is_lost(p, now)}
         for tag, waiting in self._match.any.items():
             if not waiting:
                 continue

@@ -9,25 +9,16 @@ peer that has published ``t + 1`` has finished reading step ``t - 1``, so a rank
 Stores become visible in program order on x86-64 (TSO): data is written before the counter,
 so a peer that sees the counter sees the data. Other architectures keep the TCP path.
 
-Safety: a segment is a file under /dev/shm opened with O_CREAT | O_EXCL | O_NOFOLLOW and mode
-0600, named by 128 random bits that travel only in the group's authenticated address exchange,
-mapped with mmap (not multiprocessing.shared_memory, whose resource tracker unlinks a segment
-when any process that attached to it exits, cpython 82300) and unlinked by its creator once
-every peer has marked it attached (any rank unlinks all of its group's names on a failed setup,
-so a rank killed before that point leaves nothing behind either). What a peer writes in its
-control page is validated like a wire header: it is compared, never used as a size or index.
+Safety: a segment is a 0600 file under an unguessable name (segments.py), unlinked by its
+creator once every peer has marked it attached (any rank unlinks all of its group's names on a
+failed setup, so a rank killed before that point leaves nothing behind either). What a peer
+writes in its control page is validated like a wire header: it is compared, never used as a
+size or index.
 """
 from __future__ import annotations
 
-import atexit
-import hashlib
 import mmap
 import os
-import platform
-import re
-import secrets
-import socket
-import stat
 import time
 
 import numpy as np
@@ -37,12 +28,14 @@ import zmq
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
 from commrt.transport.wire import ABORT, COLL
 from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report
+from commrt.transport.segments import (CTL_BYTES, MAGIC, SHM_DIR, SLOT_BYTES, attach, create, node_key,
+    segment_bytes, supported, sweep, unlink)
 
-SHM_DIR = "/dev/shm"
-SLOT_BYTES = 4 << 20  # one step's data per rank; large payloads are pipelined through it
-CTL_BYTES = 8192
-MAGIC = 0x316D6873746D6D63  # b"cmmtshm1", little-endian
-W_MAGIC, W_COUNTER = 0, 1
+__all__ = ["Channel", "yield_window", "HDR_WORDS", "W_COUNTER", "ATTACH_BASE",  # the segment files too:
+           "CTL_BYTES", "MAGIC", "SHM_DIR", "SLOT_BYTES", "attach", "create", "node_key",  # shm.create etc.
+           "segment_bytes", "supported", "sweep", "unlink"]
+
+W_COUNTER = 1  # word 0 is the magic (segments.W_MAGIC)
 HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, root, aux
 ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
 MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
@@ -52,17 +45,6 @@ CROWDED_YIELD_S = 0.00005  # the same when the node's ranks outnumber its cores 
 SHORT_NAPS_S = 0.002  # then the shortest sleep (the timer slack, ~55 us here) until this long
 MIN_NAP_S, MAX_NAP_S = 1e-6, 0.001  # then naps doubling up to MAX_NAP_S
 MAX_CACHED_VIEWS = 64  # (dtype, size, slot) view lists a channel keeps for small ops
-_NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
-_mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
-
-
-def supported() -> str | None:
-    """Why shared memory cannot be used on this host, or None."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the step counters rely on x86-64 store ordering (this host is {platform.machine()})"
-    if not os.access(SHM_DIR, os.W_OK):
-        return f"{SHM_DIR} is not writable"
-    return None
 
 
 def yield_window(ranks: int, cores: int) -> float:
@@ -77,116 +59,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def node_key(environ=os.environ) -> str:
-    """Equal for processes that can share memory and sockets alike: one boot of one host, in
-    one network namespace (emulated nodes are namespaces on one machine), and, when the
-    launcher numbers nodes (torchrun's GROUP_RANK), one node: the topology's nodes, never more."""
-    parts = [socket.gethostname(), environ.get("GROUP_RANK", "")]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(path) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            pass
-    try:
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
-    except OSError:
-        pass
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
-    return CTL_BYTES + 2 * slot_bytes
-
-
-def create(slot_bytes: int = SLOT_BYTES) -> tuple[str, mmap.mmap]:
-    """A new 0600 segment under an unguessable name, its memory reserved now (a full /dev/shm
-    fails here with OSError, not later with SIGBUS)."""
-    sweep()
-    name = f"commrt-{os.getpid()}-{secrets.token_hex(16)}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, segment_bytes(slot_bytes))
-        mm = mmap.mmap(fd, segment_bytes(slot_bytes))
-    except BaseException:
-        unlink(name)
-        raise
-    finally:
-        os.close(fd)
-    _mine.add(name)
-    ctl = memoryview(mm)[:CTL_BYTES].cast("q")
-    ctl[W_MAGIC] = MAGIC
-    ctl.release()
-    return name, mm
-
-
-def attach(name: str, slot_bytes: int = SLOT_BYTES) -> mmap.mmap:
-    """Map a peer's segment after checking that it is one of ours: our name pattern, a regular
-    file of this user with mode 0600, the expected size and magic."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ProtocolError(f"invalid shared-memory segment name {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        want = segment_bytes(slot_bytes)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
-                or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != want):
-            raise ProtocolError(f"shared-memory segment {name} is not a 0600 file of this user "
-                                f"of {want} bytes")
-        mm = mmap.mmap(fd, want)
-    finally:
-        os.close(fd)
-    ctl = memoryview(mm)[:CTL_BYTES].cast("q")
-    magic = ctl[W_MAGIC]
-    ctl.release()
-    if magic != MAGIC:
-        mm.close()
-        raise ProtocolError(f"shared-memory segment {name} has no commrt header")
-    return mm
-
-
-def unlink(name: str) -> None:
-    if _NAME.fullmatch(name or ""):
-        _mine.discard(name)
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-
-
-def sweep() -> None:
-    """Unlink our user's segments whose creator process is gone: one SIGKILLed before its
-    group's address exchange, when no peer knew the name to remove it (the name carries the
-    creator's pid; the 128-bit token keeps it unguessable)."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in entries:
-        if not _NAME.fullmatch(name):
-            continue
-        pid = int(name.split("-")[1])
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        try:
-            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
-                unlink(name)
-        except OSError:
-            pass
-
-
-@atexit.register
-def _unlink_mine() -> None:
-    for name in list(_mine):
-        unlink(name)
 
 
 class Channel:
@@ -206,7 +78,6 @@ class Channel:
         self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
         self._peer_ctl = [c for _, c in self._peers]
-        self._sent_keys: dict = {}  # (op word, peer) -> its counter key (see count)
         self.t = 0  # last step this rank published
         self._yield_s = yield_window(self.size, _cores())
 
@@ -267,14 +138,7 @@ class Channel:
     def count(self, peer: int, op: int, nbytes: int) -> None:
         """Account ``nbytes`` that ``peer`` reads from our segment as sent to it, like the
         socket path's counters (the bench's and comm_stats' intra-node bytes)."""
-        ep = self.ep
-        c = ep._counters[peer]
-        c.sent_bytes += nbytes
-        c.sent_msgs += 1
-        key = self._sent_keys.get((op, peer))
-        if key is None:
-            key = self._sent_keys[(op, peer)] = (COLL, op & 0xFF, ep.names[peer])
-        ep._op_sent[key] = ep._op_sent.get(key, 0) + nbytes
+        self.ep.count_sent(peer, COLL, op, nbytes)
 
     def header(self, p: int, slot: int) -> list[int]:
         base = HDR_BASE + HDR_WORDS * slot
@@ -295,7 +159,7 @@ class Channel:
             now = time.monotonic()
             if ep.cancelled:
                 raise GroupClosed(ep.group, op, seq)
-            if now - watched >= ep._slice_s:
+            if now - watched >= ep.live.slice_s:
                 watched = now
                 self._watch(waiting, op, seq, now)
             if now >= deadline:
@@ -317,7 +181,7 @@ class Channel:
         ep = self.ep
         ep.watch_peers()
         for p in waiting:
-            if p in ep.down and now - ep.down[p] > self._grace_s:
+            if ep.live.is_lost(p, now):
                 first = min(ep.down, key=ep.down.get)
                 raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
                                "(process ended, or stopped answering heartbeats)")

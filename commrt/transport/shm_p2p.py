@@ -69,9 +69,8 @@ class OutRing:
         self.head = 0
 
     def reserve(self, length: int) -> int | None:
-        """Where ``length`` bytes would go (contiguous: skip the ring's end if needed), or None."""
-        if length > RING_BYTES:
-            return None
+        """Where ``length`` bytes (at most RING_BYTES) would go (contiguous: skip the ring's end
+        if needed), or None while there is no room."""
         at = self.head % RING_BYTES
         pos = self.head + (RING_BYTES - at if at + length > RING_BYTES else 0)
         return pos if pos + length - self._ctl[W_TAIL] <= RING_BYTES else None
@@ -154,9 +153,11 @@ class Rings:
 
     def place(self, dst: int, payload) -> tuple[int, int, str] | None:
         """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), FULL (no room
-        yet), or None (inline: not a ring peer, small, or no segment could be made)."""
+        yet), or None (inline: not a ring peer, small, larger than the ring could ever hold,
+        or no segment could be made). A piece that can never fit must not wait for room as
+        FULL does: it goes inline at once (issue 30.4)."""
         n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
-        if dst not in self.peers or n < MIN_BYTES:
+        if dst not in self.peers or not MIN_BYTES <= n <= RING_BYTES:
             return None
         ring = self._out.get(dst)
         if ring is None:

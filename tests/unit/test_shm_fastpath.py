@@ -14,6 +14,8 @@ from commrt.collectives import shm_ops
 from commrt.collectives.context import Coll
 from commrt.collectives.reduce_ops import ReduceOp, numpy_dtype, reduce_arrays_
 from commrt.transport import shm
+from commrt.transport.endpoint import Endpoint
+from commrt.transport.liveness import Liveness
 
 SLOT = 4096
 _TORCH = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
@@ -27,7 +29,11 @@ class _Ep:
         self.rank, self.group, self.names = rank, 0, [f"rank{r}" for r in range(size)]
         self._counters = [types.SimpleNamespace(sent_bytes=0, sent_msgs=0) for _ in range(size)]
         self._op_sent: dict = {}
-        self.timeout_s, self._slice_s, self.cancelled, self.down = 5.0, 10.0, False, {}
+        self.timeout_s, self.cancelled = 5.0, False
+        self.live = Liveness(10.0, 1.0, self.timeout_s)
+        self.down = self.live.down
+
+    count_sent = Endpoint.count_sent  # the real accounting, over this fake's counters
 
     def watch_peers(self) -> None:
         pass

@@ -120,3 +120,19 @@ def test_p2p_ring_wraps_fills_and_frees_in_arrival_order():
         inn.close()
     finally:
         out.close(0)
+
+
+def test_p2p_a_piece_larger_than_the_ring_goes_inline_at_once():
+    """Issue 30.4: "can never fit" is not "no room yet". A piece larger than the ring was
+    reported FULL, so every such piece waited FULL_WAIT_S (50 ms) before going inline (a 64 MiB
+    send in 16 MiB pieces took 219-313 ms against 40-48 ms in 4 MiB pieces)."""
+    from commrt.transport import shm_p2p
+    rings = shm_p2p.Rings({1})
+    try:
+        assert rings.place(1, bytearray(shm_p2p.RING_BYTES + 8)) is None  # inline, no wait
+        fits = rings.place(1, bytearray(shm_p2p.RING_BYTES))  # the largest that fits
+        assert fits not in (None, shm_p2p.FULL) and fits[:2] == (0, shm_p2p.RING_BYTES)
+        rings.write(1, fits[0], bytearray(shm_p2p.RING_BYTES))
+        assert rings.place(1, bytearray(shm_p2p.MIN_BYTES)) is shm_p2p.FULL  # no room *yet*
+    finally:
+        rings.close(wait_s=0)

@@ -1,0 +1,66 @@
+"""Point-to-point over the zmq backend: a transfer is numbered per (direction, peer, tag),
+cut into pieces of ``chunk_bytes`` and posted to the group's engine (transport/p2p.py), which
+sends and matches them on its own thread."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from commrt.runtime import dtypes
+from commrt.runtime.work import Work
+from commrt.collectives.reduce_ops import copy_
+from commrt.transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
+from commrt.transport.wire import P2P, Header
+from commrt.backends.base import flat_view
+
+
+class PointToPoint:
+    """isend/irecv of one group (the backend checks the group is usable first)."""
+
+    def __init__(self, engine: P2PEngine, group_id: int, rank: int, size: int, chunk_bytes: int):
+        self._engine, self.group_id, self.rank, self.size = engine, group_id, rank, size
+        self._chunk_bytes = chunk_bytes
+        self._seq: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()  # a transfer's number and its posting are one step
+
+    def isend(self, tensor, dst: int, tag: int = 0) -> Work:
+        flat, _, code, steps = self._plan(tensor, "send", dst, tag)
+        with self._lock:
+            seq = self._next("send", dst, tag)
+            frames = []
+            for step, piece in enumerate(steps):
+                payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
+                frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step,
+                                      len(payload)), payload))
+            return self._engine.post(Send(dst, tag, seq, frames, Work("send")))
+
+    def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
+        """``src`` None: from any peer; the Work's result is the sender's group rank."""
+        src = ANY_SOURCE if src is None else src
+        flat, wb, code, steps = self._plan(tensor, "recv", src, tag)
+        with self._lock:
+            seq = self._next("recv", src, tag)
+            return self._engine.post(Recv(src, tag, seq, code, flat.numel(), steps, _land, wb, Work("recv")))
+
+    def _plan(self, tensor, direction: str, peer: int, tag: int):
+        """(flat, write-back, dtype code, pieces) of one point-to-point transfer."""
+        if not (0 <= peer < self.size or peer == ANY_SOURCE and direction == "recv") or peer == self.rank:
+            raise ValueError(f"{direction}: peer rank {peer} is invalid (rank {self.rank} of {self.size})")
+        if tag < 0:
+            raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
+        flat, wb = flat_view(tensor)
+        pe = max(1, self._chunk_bytes // flat.element_size())
+        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
+        return flat, wb, dtypes.code_of(flat.dtype), steps
+
+    def _next(self, direction: str, peer: int, tag: int) -> int:
+        key = (direction, peer, tag)
+        self._seq[key] += 1
+        return self._seq[key]
+
+
+def _land(piece: torch.Tensor, frame) -> None:
+    if piece.numel():
+        copy_(piece, torch.frombuffer(frame.buffer, dtype=piece.dtype))
