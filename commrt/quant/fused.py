@@ -37,6 +37,10 @@ SPLIT = True
 """int4: read and write pairs contiguously and split them in registers (False: two strided
 accesses, one per element of the pair)."""
 
+FAST = False
+"""Encode: a reciprocal a row and the exact division only in tiles with a lane near a
+rounding tie (triton_kernels' docstring proves the bytes the same). Off until measured."""
+
 _state: dict = {}
 
 
@@ -94,25 +98,33 @@ def encode_into(codec: Codec, out: torch.Tensor, x: torch.Tensor, generator: tor
         raise ValueError(f"encode_into: out has {out.numel()} bytes, a chunk of {n} needs {codec.nbytes(n)}")
     if n == 0:
         return 0.0, None
+    scales = _launch_encode(codec, out, x, tile, num_warps)
+    top = float(scales.max())  # the one host sync, as the torch codec's
+    if not math.isfinite(top):  # scales are >= 0: a NaN or inf is a block the reference must name
+        return torch_codec.encode_into(codec, out, x, generator, offset, mark)
+    return top, None
+
+
+def _launch_encode(codec: Codec, out: torch.Tensor, x: torch.Tensor, tile: int, num_warps: int) -> torch.Tensor:
+    """Queue the kernel (no host sync) and return the scales' view of ``out``."""
+    n = x.numel()
     flat = x.detach().reshape(-1).contiguous()
     sdt = torch_codec.SCALE_DTYPES[codec.scale_dtype]
     sb = codec.blocks(n) * sdt.itemsize
     cb = codec.code_bytes(n)
     scales, codes = out[:sb].view(sdt), out[sb:sb + cb]
-    out[sb + cb:].zero_()
+    if out.numel() > sb + cb:
+        out[sb + cb:].zero_()
     rows, cols, tiles = encode_plan(codec, tile)
     grid = (-(-codec.blocks(n) // rows),)
     k = _kernels()
     common = dict(BLOCK=codec.block, QMAX=codec.qmax, FP16=codec.scale_dtype == "fp16", ROWS=rows, COLS=cols,
-                  NT=tiles, num_warps=num_warps)
+                  NT=tiles, FAST=FAST, num_warps=num_warps)
     if codec.bits == 8:
         k._encode8_kernel[grid](flat, scales, codes.view(torch.int8), n, **common)
     else:
         k._encode4_kernel[grid](flat, scales, codes, n, SPLIT=SPLIT, **common)
-    top = float(scales.max())  # the one host sync, as the torch codec's
-    if not math.isfinite(top):  # scales are >= 0: a NaN or inf is a block the reference must name
-        return torch_codec.encode_into(codec, out, x, generator, offset, mark)
-    return top, None
+    return scales
 
 
 def decode(codec: Codec, buf: torch.Tensor, numel: int, out: torch.Tensor | None = None,
