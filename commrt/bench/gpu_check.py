@@ -168,6 +168,14 @@ def write_report(d: Path) -> dict:
             lines += [f"| {r['what']} | {r.get('tile', '')} | {r.get('num_warps', '')} | {r['gbps']} | {_pct(r)} |"
                       for r in size["rows"]]
             lines.append("")
+    staging = json.loads((d / "staging.json").read_text()) if (d / "staging.json").exists() else None
+    report["staging"] = staging
+    (d / "report.json").write_text(json.dumps(report, indent=1))
+    if staging:
+        lines += ["", "## all_reduce of CUDA tensors over zmq, 2 ranks, against CPU tensors", "",
+                  "| smallest piece KiB | MiB | pieces | CPU ms | CUDA ms | CUDA / CPU |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['min_piece_kib']} | {r['mib']} | {r['pieces']} | {r['cpu_ms']} | {r['cuda_ms']} | {r['ratio']} |"
+                  for r in staging["rows"]]
     (d / "report.md").write_text("\n".join(lines) + "\n")
     return report
 
