@@ -70,7 +70,7 @@ class _Pool:
             fits = [b for b in free if b.numel() >= nbytes]
             if fits:
                 best = min(fits, key=torch.Tensor.numel)
-                free.remove(best)
+                del free[next(i for i, b in enumerate(free) if b is best)]  # by identity: == is elementwise
                 return best
         return torch.empty(1 << max(nbytes - 1, 1).bit_length(), dtype=torch.uint8, pin_memory=True)
 
@@ -79,7 +79,8 @@ class _Pool:
             free = self._free.setdefault(device.index, [])
             free.append(buf)
             if len(free) > 4:  # keep the largest few
-                free.remove(min(free, key=torch.Tensor.numel))
+                free.sort(key=torch.Tensor.numel)
+                del free[0]
 
 
 POOL = _Pool()
