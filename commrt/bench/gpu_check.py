@@ -24,8 +24,9 @@ from commrt.quant.codecs import Codec
 
 SIZES_MIB = (256, 1024)
 CODECS = (Codec(8), Codec(4))
-CONFIGS = ((4096, 4), (8192, 8), (16384, 8))
-"""(tile, warps) tried for the fused kernels at the largest size; the defaults are fused's."""
+CONFIGS = ((1024, 4), (2048, 4), (4096, 4), (4096, 8))
+"""(tile, warps) tried for the fused kernels at the largest size (round 1 found 8192 / 16384
+values with 8 warps slower everywhere); the defaults are fused's."""
 
 
 def _seconds(fn, reps: int) -> float:
@@ -49,23 +50,38 @@ def _row(what: str, nbytes: int, seconds: float, copy_gbps: float | None, **extr
                 of_copy=round(gbps / copy_gbps, 3) if copy_gbps else None, **extra)
 
 
+def _encode_rows(x, codec: Codec, buf, copy_gbps: float, reps: int, configs) -> list[dict]:
+    """Encode as callers see it (with the host sync reading the largest scale) and the kernel
+    alone, exact and FAST (one reciprocal a row), for each (tile, warps)."""
+    rows, nbytes = [], x.numel() * 4
+    for fast in (False, True):
+        fused.FAST = fast
+        tag = f"{codec.name} block {codec.block}" + (" fast" if fast else " exact")
+        for tile, warps in configs:
+            cfg = dict(tile=tile, num_warps=warps)
+            rows.append(_row(f"encode {tag}", nbytes, _seconds(lambda: fused.encode_into(codec, buf, x, **cfg), reps),
+                             copy_gbps, **cfg))
+            rows.append(_row(f"encode {tag}, kernel only", nbytes,
+                             _seconds(lambda: fused._launch_encode(codec, buf, x, tile, warps), reps), copy_gbps, **cfg))
+    fused.FAST = False
+    return rows
+
+
 def _codec_rows(x: torch.Tensor, codec: Codec, copy_gbps: float, reps: int, sweep: bool) -> list[dict]:
     n, nbytes = x.numel(), x.numel() * 4
     buf = torch.empty(codec.nbytes(n), dtype=torch.uint8, device=x.device)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
-    rows = []
-    for split in ((True, False) if codec.bits == 4 else (True,)):
-        fused.SPLIT = split
-        tag = f"{codec.name} block {codec.block}" + ("" if codec.bits == 8 else (" split" if split else " strided"))
-        for tile, warps in CONFIGS if sweep else ((fused.ENCODE_TILE, fused.NUM_WARPS),):
-            cfg = dict(tile=tile, num_warps=warps)
-            rows.append(_row(f"encode {tag}", nbytes, _seconds(lambda: fused.encode_into(codec, buf, x, **cfg), reps),
-                             copy_gbps, **cfg))
-            rows.append(_row(f"decode {tag}", nbytes, _seconds(lambda: fused.decode(codec, buf, n, out, **cfg), reps),
-                             copy_gbps, **cfg))
-            rows.append(_row(f"decode+add {tag}", nbytes,
-                             _seconds(lambda: fused.decode_add(codec, buf, n, out, **cfg), reps), copy_gbps, **cfg))
-    fused.SPLIT = True
+    configs = CONFIGS if sweep else ((fused.ENCODE_TILE, fused.NUM_WARPS),)
+    rows = _encode_rows(x, codec, buf, copy_gbps, reps, configs)
+    tag = f"{codec.name} block {codec.block}"
+    for tile, warps in CONFIGS if sweep else ((fused.DECODE_TILE, fused.NUM_WARPS),):
+        cfg = dict(tile=tile, num_warps=warps)
+        rows.append(_row(f"decode {tag}", nbytes, _seconds(lambda: fused.decode(codec, buf, n, out, **cfg), reps),
+                         copy_gbps, **cfg))
+        rows.append(_row(f"decode+add {tag}", nbytes,
+                         _seconds(lambda: fused.decode_add(codec, buf, n, out, **cfg), reps), copy_gbps, **cfg))
+    if not sweep:
+        return rows
     rows.append(_row(f"encode {codec.name} torch codec (reference)", nbytes,
                      _seconds(lambda: torch_codec.encode_into(codec, buf, x), 3), copy_gbps))
     rows.append(_row(f"decode {codec.name} torch codec (reference)", nbytes,
@@ -152,6 +168,14 @@ def write_report(d: Path) -> dict:
             lines += [f"| {r['what']} | {r.get('tile', '')} | {r.get('num_warps', '')} | {r['gbps']} | {_pct(r)} |"
                       for r in size["rows"]]
             lines.append("")
+    staging = json.loads((d / "staging.json").read_text()) if (d / "staging.json").exists() else None
+    report["staging"] = staging
+    (d / "report.json").write_text(json.dumps(report, indent=1))
+    if staging:
+        lines += ["", "## all_reduce of CUDA tensors over zmq, 2 ranks, against CPU tensors", "",
+                  "| smallest piece KiB | MiB | pieces | CPU ms | CUDA ms | CUDA / CPU |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['min_piece_kib']} | {r['mib']} | {r['pieces']} | {r['cpu_ms']} | {r['cuda_ms']} | {r['ratio']} |"
+                  for r in staging["rows"]]
     (d / "report.md").write_text("\n".join(lines) + "\n")
     return report
 

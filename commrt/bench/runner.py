@@ -37,6 +37,9 @@ class BenchSpec:
     """both | back-to-back | alone (bench/alone.py): how each op is timed."""
     input: str = "torch"
     """torch | numpy: the type of the buffers handed to the collectives."""
+    device: str = "cpu"
+    """cpu | cuda: where the non-NCCL backends' tensors live (NCCL's are always on the GPU);
+    cuda puts every backend, and the quantized columns' codec, on this rank's GPU."""
 
 
 def pattern(numel: int, rank: int, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
@@ -90,9 +93,17 @@ def _refiller(dst: torch.Tensor, src: torch.Tensor, as_numpy: bool) -> Callable[
     return lambda: dst.copy_(src)
 
 
+_DEVICE = {"all": "cpu"}
+"""``BenchSpec.device`` of this rank's run (set once by ``run``: one spec a process), so the
+helpers below that take only a backend know it."""
+
+
 def device_of(be) -> torch.device:
-    """Where a backend's tensors live: NCCL works on this rank's GPU, the others on the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if be.name == "nccl" else torch.device("cpu")
+    """Where a backend's tensors live: NCCL works on this rank's GPU; the others on the CPU, or
+    on the GPU too with ``--device cuda`` (zmq / gloo then stage them through host memory)."""
+    if be.name == "nccl" or _DEVICE["all"] == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, as_numpy: bool = False) -> Case:
@@ -276,6 +287,9 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     A backend named ``<name>+hier`` is ``<name>`` with the hierarchical collectives."""
     rdzv = rendezvous.resolve("env://", None, None, environ)
     dtype, op = parse_dtype(spec.dtype), parse_op(spec.op)
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rank {rdzv.rank}: --device cuda, but torch sees no CUDA device")
+    _DEVICE["all"] = spec.device
     cfg = load_config()
     transport = Transport(cfg, f"rank{rdzv.rank}")
     store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)

@@ -37,7 +37,9 @@ def add_parser(sub) -> None:
                          "its own after rewriting its input and a barrier, as a training step calls it "
                          "(median of the slowest rank); both: side by side")
     bp.add_argument("--input", choices=["torch", "numpy"], default="torch",
-                    help="hand the collectives torch tensors or numpy arrays")
+                    help="hand the collectives torch tensors or numpy arrays; default: torch")
+    bp.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: every backend's tensors (and the quantized codec) on this rank's GPU; default: cpu")
     bp.add_argument("--quant", help="int8,int4: also the quantized all_reduce / reduce_scatter / all_gather "
                     "of the first backend (busbw over the unquantized bytes); default: none")
     bp.add_argument("--json", help="write all results to this file; default: none")
@@ -70,7 +72,7 @@ def run(args) -> int:
         backends = with_quant(backends, args.quant)
     spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
                      metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
-                     args.datatype, args.op, args.physical, args.mode, args.input)
+                     args.datatype, args.op, args.physical, args.mode, args.input, args.device)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
         raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")

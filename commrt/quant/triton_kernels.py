@@ -11,6 +11,17 @@ with ``.ftz``. The block absmax is taken on the bit patterns (``|x|`` as an inte
 the float does; NaN and inf sort above every finite value), so no float compare can flush a
 subnormal or drop a NaN. A block that cannot be encoded gets a non-finite scale here; the
 caller sees it and hands the chunk to the reference codec, which names or marks the block.
+
+``FAST`` (issue 34, round 2) replaces the per-element ``div.rn`` by one ``rcp.rn`` a row and a
+``mul.rn`` an element, y = RN(x * RN(1/s)), and keeps the exact division only where it could
+round differently. Why that is exact: with u = 2^-24, r = 1/s (1 + d1), y = x r (1 + d2) and
+fl(x / s) = x / s (1 + d3), |di| <= u, so |y - fl(x / s)| <= |x / s| (3u + u^2) < |y| 2^-22
+while r and y are normal (s in [2^-125, 2^125]; a subnormal y is < 2^-126, far from any tie).
+If y is farther than |y| 2^-21 from the nearest half-integer m, fl(x / s) lies strictly on y's
+side of m, between the same two half-integers, so rint gives the same integer. ``0.5 - |y -
+rint(y)|`` (that distance) is exact near m (Sterbenz). Any lane not shown far (a tie, NaN, inf,
+a row with s out of range) makes its tile take ``div.rn`` for those lanes: a branch per tile,
+not per lane, so ordinary tiles never run the division.
 """
 from __future__ import annotations
 
@@ -45,6 +56,29 @@ def _rint(a):
 
 
 @triton.jit
+def _rcp_rn(a):
+    return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=f,f", [a], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _quantize(x, div, ROWS: tl.constexpr, COLS: tl.constexpr, FAST: tl.constexpr):
+    """rint(fl(x / div)) of a [ROWS, COLS] tile, div one per row (fp32, round half to even)."""
+    d = tl.broadcast_to(div[:, None], [ROWS, COLS])
+    if FAST:
+        y = _mul_rn(x, tl.broadcast_to(_rcp_rn(div)[:, None], [ROWS, COLS]))
+        q = _rint(y)
+        far = (0.5 - tl.abs(y - q)) > tl.abs(y) * 4.76837158203125e-07  # 2^-21
+        far = far & tl.broadcast_to(((div >= 2.350988701644575e-38) & (div <= 4.253529586511731e+37))[:, None],
+                                    [ROWS, COLS])  # 2^-125, 2^125: r normal
+        if tl.min(far.to(tl.int32)) == 0:
+            q = tl.where(far, q, _rint(_div_rn(x, d)))
+    else:
+        q = _rint(_div_rn(x, d))
+    return q
+
+
+@triton.jit
 def _abs_bits(x):
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
@@ -72,7 +106,8 @@ def _scale(mbits, QMAX: tl.constexpr, FP16: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every length
 def _encode8_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                    FP16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, NT: tl.constexpr):
+                    FP16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, NT: tl.constexpr,
+                    FAST: tl.constexpr):
     """int8: ROWS blocks per program, each read as NT tiles of COLS elements (one tile, read
     once, for blocks up to COLS; larger blocks are read twice, once for the absmax)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -84,7 +119,7 @@ def _encode8_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl
         x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float32)
         stored, div = _scale(tl.max(_abs_bits(x), axis=1), QMAX, FP16)
         tl.store(scale_ptr + rows, stored, mask=rows * BLOCK < n)
-        q = _rint(_div_rn(x, tl.broadcast_to(div[:, None], [ROWS, COLS])))
+        q = _quantize(x, div, ROWS, COLS, FAST)
         tl.store(code_ptr + idx, q.to(tl.int8), mask=ok)
     else:
         for t in range(NT):
@@ -99,7 +134,7 @@ def _encode8_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl
             idx = rows[:, None] * BLOCK + c[None, :]
             ok = (c[None, :] < BLOCK) & (idx < n)
             x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-            q = _rint(_div_rn(x, tl.broadcast_to(div[:, None], [ROWS, COLS])))
+            q = _quantize(x, div, ROWS, COLS, FAST)
             tl.store(code_ptr + idx, q.to(tl.int8), mask=ok)
 
 
@@ -125,11 +160,10 @@ def _load_pairs(x_ptr, rows, p0, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, COL
 
 @triton.jit
 def _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):
+                 COLS: tl.constexpr, FAST: tl.constexpr):
     """One byte per pair: element 2i + 8 in the low nibble, 2i + 1 (+ 8, or 0 past n) high."""
-    d = tl.broadcast_to(div[:, None], [ROWS, COLS])
-    lo = _rint(_div_rn(xe, d)).to(tl.int32) + 8
-    hi = tl.where(even + 1 < n, _rint(_div_rn(xo, d)).to(tl.int32) + 8, 0)
+    lo = _quantize(xe, div, ROWS, COLS, FAST).to(tl.int32) + 8
+    hi = tl.where(even + 1 < n, _quantize(xo, div, ROWS, COLS, FAST).to(tl.int32) + 8, 0)
     ok = (p[None, :] < BLOCK // 2) & (even < n)
     tl.store(code_ptr + even // 2, (lo | (hi << 4)).to(tl.uint8), mask=ok)
 
@@ -137,7 +171,7 @@ def _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK: tl.constexpr, ROWS: t
 @triton.jit(do_not_specialize=["n"])  # one compile for every length
 def _encode4_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl.constexpr,
                     FP16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, NT: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    SPLIT: tl.constexpr, FAST: tl.constexpr):
     """int4: as _encode8_kernel, over pairs of elements (COLS pairs a tile); block is even, so
     a row's codes start at byte row * BLOCK / 2."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -147,7 +181,7 @@ def _encode4_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl
         mbits = tl.maximum(tl.max(_abs_bits(xe), axis=1), tl.max(_abs_bits(xo), axis=1))
         stored, div = _scale(mbits, QMAX, FP16)
         tl.store(scale_ptr + rows, stored, mask=rows * BLOCK < n)
-        _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK, ROWS, COLS)
+        _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK, ROWS, COLS, FAST)
     else:
         for t in range(NT):
             xe, xo, even, p = _load_pairs(x_ptr, rows, t * COLS, n, BLOCK, ROWS, COLS, SPLIT)
@@ -156,7 +190,7 @@ def _encode4_kernel(x_ptr, scale_ptr, code_ptr, n, BLOCK: tl.constexpr, QMAX: tl
         tl.store(scale_ptr + rows, stored, mask=rows * BLOCK < n)
         for t in range(NT):
             xe, xo, even, p = _load_pairs(x_ptr, rows, t * COLS, n, BLOCK, ROWS, COLS, SPLIT)
-            _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK, ROWS, COLS)
+            _store_pairs(code_ptr, xe, xo, even, p, n, div, BLOCK, ROWS, COLS, FAST)
 
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every length

@@ -9,6 +9,9 @@
 #   FUSED_TIMEOUT     seconds for the fused codec's tests (default 600)
 #   BENCH_TIMEOUT     seconds for the codec benchmark (default 600)
 #   CUDA_TIMEOUT      seconds for the rest of `pytest -m cuda` (default 1800)
+#   STAGING_TIMEOUT   seconds for the 2-rank CUDA-vs-CPU all_reduce timing over zmq (default 300)
+#   CLI_TIMEOUT       seconds for `commrt bench --device cuda` (default 300)
+#   CUDA_TESTS        what the last pytest run takes (default: all of tests/)
 set -uo pipefail
 
 out=${1:-./gpu-report}
@@ -39,9 +42,15 @@ pytest_run() {  # name, timeout, pytest arguments...
     echo "pytest $name: exit $? ($(tail -n 1 "$out/pytest-$name.log"))"
 }
 
-pytest_run fused "${FUSED_TIMEOUT:-600}" -m cuda --maxfail 20 tests/unit/test_quant_fused.py
 timeout "${BENCH_TIMEOUT:-600}" "$py" -m commrt.bench.gpu_check codec "$out/codec.json" \
     || echo "codec benchmark failed (exit $?)" >&2
-pytest_run cuda "${CUDA_TIMEOUT:-1800}" -m cuda --deselect tests/unit/test_quant_fused.py tests
+timeout "${STAGING_TIMEOUT:-300}" "$py" -m commrt.cli launch -n 2 -- "$py" -m tests.gpu.staging_timing \
+    "$out/staging.json" > "$out/staging.log" 2>&1 || echo "staging timing failed (exit $?): see staging.log" >&2
+timeout "${CLI_TIMEOUT:-300}" "$py" -m commrt.cli bench all_reduce --device cuda --backend zmq,gloo --quant int8,int4 \
+    -b 1M -e 16M -f 4 -n 5 -w 2 --mode back-to-back --json "$out/bench-cuda.json" > "$out/bench-cuda.log" 2>&1 \
+    || echo "commrt bench --device cuda failed (exit $?): see bench-cuda.log" >&2
+pytest_run fused_fast "${FUSED_TIMEOUT:-600}" -m cuda --maxfail 20 -k fast tests/unit/test_quant_fused.py
+pytest_run fused "${FUSED_TIMEOUT:-600}" -m cuda --maxfail 20 -k "not fast" tests/unit/test_quant_fused.py
+pytest_run cuda "${CUDA_TIMEOUT:-1800}" -m cuda --deselect tests/unit/test_quant_fused.py ${CUDA_TESTS:-tests}
 "$py" -m commrt.bench.gpu_check report "$out"
 echo "report: $out/report.md"

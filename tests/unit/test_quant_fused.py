@@ -137,12 +137,49 @@ def assert_fused_identical(x: torch.Tensor, codec: Codec) -> None:
     assert np.array_equal(acc.cpu().numpy(), want_acc), f"{codec} decode_add n={n}"
 
 
-@pytest.fixture(params=[True, False], ids=["split", "strided"])
+@pytest.fixture(params=["split", "strided", "fast"])
 def split(request, monkeypatch):
+    """int4's two layouts, and (fast) the encode with a reciprocal a row."""
     if not _triton_on_cuda():
         pytest.skip("needs CUDA and Triton")
-    monkeypatch.setattr(fused, "SPLIT", request.param)
-    return request.param
+    monkeypatch.setattr(fused, "SPLIT", request.param != "strided")
+    monkeypatch.setattr(fused, "FAST", request.param == "fast")
+    return request.param != "strided"
+
+
+def fast_rint(x: np.ndarray, s: np.float32, tol: float = 2.0 ** -21) -> tuple[np.ndarray, np.ndarray]:
+    """The FAST encode's arithmetic in numpy fp32 (each op rounds once, as the kernel's PTX):
+    (rint of y = x * (1/s), which lanes it trusts). The kernel divides the others exactly."""
+    with np.errstate(all="ignore"):
+        r = np.float32(1) / s
+        y = (x * r).astype(np.float32)
+        q = np.rint(y)
+        far = (np.float32(0.5) - np.abs(y - q)) > np.abs(y) * np.float32(tol)
+        far &= bool(2.0 ** -125 <= s <= 2.0 ** 125)
+    return q, far
+
+
+def test_fast_encode_trusts_only_lanes_that_round_as_the_exact_division():
+    """The proof in triton_kernels' docstring, checked on values made to sit at and beside
+    rounding ties (x = (k + 1/2) s, nudged by a few ulps), across scales from tiny to huge.
+    With no tolerance (tol=0) it fails: y and x / s round apart at some near-ties."""
+    rng = np.random.default_rng(7)
+    wrong_without_tol = 0
+    for s in [np.float32(v) for v in (1.0, 1 / 127, 3.3e-3, 0.1, 7.7e-30, 1.1e30, 2.0 ** -124, 2.0 ** 120)]:
+        k = rng.integers(-127, 127, 200_000).astype(np.float32)
+        x = ((k + np.float32(0.5)) * s).astype(np.float32)
+        x = np.nextafter(x, np.float32(np.inf) * rng.choice([-1, 1], x.size), dtype=np.float32)
+        x[::3] = ((k[::3] + np.float32(0.5)) * s).astype(np.float32)
+        normal = (rng.standard_normal(100_000) * 40 * s).astype(np.float32)
+        x = np.concatenate([x, normal])
+        x = x[np.abs(x) <= np.float32(127) * s]
+        exact = np.rint((x / s).astype(np.float32))
+        q, far = fast_rint(x, s)
+        assert np.array_equal(q[far], exact[far]), s
+        assert fast_rint(normal, s)[1].mean() > 0.999, s  # ordinary values skip the division
+        q0, far0 = fast_rint(x, s, tol=0.0)
+        wrong_without_tol += int((q0[far0] != exact[far0]).sum())
+    assert wrong_without_tol > 0
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=str)
