@@ -120,7 +120,8 @@ def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tai
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
         with lock:
-            out.write(f"[{label}] {line}\n" if prefix else line + "\n")
+            # one label per line: a program's log format may have written it already (obs/logfmt.py)
+            out.write(f"[{label}] {line}\n" if prefix and not line.startswith(f"[{label}]") else line + "\n")
             out.flush()
     stream.close()
 

@@ -3,11 +3,13 @@
 package so that an installed commrt has them without installing generic top-level names."""
 
 import logging
-import sys
+
+from commrt.obs import logfmt
 
 
 def reporter(name: str, who: str) -> logging.Logger:
-    """The logger a program reports through: INFO to stdout, each line prefixed with ``who``
-    (``worker 2``, ``rank 0``), so interleaved output of several processes stays attributable."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=f"{who}: %(message)s", force=True)
+    """The logger a program reports through: INFO to stdout, each line prefixed once with
+    ``[who]`` (``[rank 0]``, ``[worker 2]``), so interleaved output of several processes stays
+    attributable; ``commrt launch`` leaves such lines as they are (commrt/obs/logfmt.py)."""
+    logfmt.prefixed(who)
     return logging.getLogger(name)

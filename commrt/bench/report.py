@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 
@@ -135,25 +136,67 @@ def write_json(path: str, doc: dict) -> None:
         fh.write("\n")
 
 
-def plot(path: str, spec: BenchSpec, nproc: int, rows: list[dict]) -> None:
+# Backends whose bytes go through torch's process groups: commrt's transport counters never see
+# them, so a "0 B" there would be a claim we cannot make (issue 31.7).
+UNCOUNTED = ("gloo", "nccl")
+
+
+def traffic_lines(traffic: dict[str, dict]) -> str:
+    """``# NAME: sent inside nodes X B, across nodes Y B`` per backend, all ranks and the whole run
+    (warm-up and checks included); ``n/a`` for a backend commrt cannot count (gloo, nccl; ``auto``
+    when it counted nothing, i.e. it resolved to nccl)."""
+    lines = []
+    for name, t in traffic.items():
+        kind = name.split("+")[0].partition("@")[0]
+        counted = kind not in UNCOUNTED and not (kind == "auto" and not any(
+            t[k] for k in ("intra_node_bytes", "inter_node_bytes")))
+        fmt = (lambda b: f"{b} B") if counted else (lambda b: "n/a")
+        lines.append(f"# {name}: sent inside nodes {fmt(t['intra_node_bytes'])}, across nodes "
+                     f"{fmt(t['inter_node_bytes'])}" + (f"; {t['quant']}" if "quant" in t else ""))
+    if any(name.split("+")[0].partition("@")[0] in UNCOUNTED for name in traffic):
+        lines.append("# n/a: that backend's bytes go through torch's process groups, which commrt does not count")
+    return "\n".join(lines)
+
+
+def plot_mode(rows: list[dict], name: str) -> str:
+    """Which figures ``plot`` draws: the back-to-back loop's when measured, else the op-alone ones."""
+    return "back-to-back" if rows and "busbw" in rows[0][name] else "op alone"
+
+
+def plot(path: str, spec: BenchSpec, nproc: int, rows: list[dict]) -> str:
+    """busbw against size, one line per backend, to the PNG ``path``; its title names the mode
+    (under ``--mode both`` the op-alone figures are drawn dashed beside the back-to-back ones).
+    Returns the absolute path written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = [r[spec.backends[0]]["size"] for r in rows]
+    mode = plot_mode(rows, spec.backends[0])
+    both = mode == "back-to-back" and bool(rows) and "alone" in rows[0][spec.backends[0]]
     for name in spec.backends:
-        ax.plot(sizes, [r[name]["busbw"] if "busbw" in r[name] else r[name]["alone"]["busbw"] for r in rows],
-                marker="o", label=name)
+        pick = (lambda r: r[name]["busbw"]) if mode == "back-to-back" else (lambda r: r[name]["alone"]["busbw"])
+        line, = ax.plot(sizes, [pick(r) for r in rows], marker="o", label=f"{name} ({mode})")
+        if both:
+            ax.plot(sizes, [r[name]["alone"]["busbw"] for r in rows], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{name} (op alone)")
     if spec.physical:
         ax.plot(sizes, [r["ceiling"] for r in rows], linestyle="--", color="grey", label="TCP ring ceiling")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"{spec.collective}, {nproc} ranks, {spec.dtype}")
+    ax.set_title(plot_title(spec, nproc, mode, both))
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return os.path.abspath(path)
+
+
+def plot_title(spec: BenchSpec, nproc: int, mode: str, both: bool) -> str:
+    shown = "back-to-back (solid) and op alone (dashed)" if both else mode
+    return f"{spec.collective}, {nproc} ranks, {spec.dtype}: {shown}"

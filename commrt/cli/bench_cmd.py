@@ -75,7 +75,8 @@ def run(args) -> int:
                      args.datatype, args.op, args.physical, args.mode, args.input, args.device)
     metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
-        raise SystemExit("commrt bench: --plot needs matplotlib: pip install matplotlib")
+        raise SystemExit("commrt bench: --plot needs matplotlib: pip install -e '.[plot]' "
+                         "(or pip install matplotlib)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank(spec, args)
     cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
@@ -93,14 +94,12 @@ def _rank(spec, args) -> int:
     rows = runner.run(spec, progress, traffic=traffic)
     if rank == 0:
         print(report.table(spec, nproc, rows), flush=True)
-        for name, t in traffic.items():  # all ranks, the whole run (warm-up and checks included)
-            print(f"# {name}: sent inside nodes {t['intra_node_bytes']} B, across nodes "
-                  f"{t['inter_node_bytes']} B" + (f"; {t['quant']}" if "quant" in t else ""), flush=True)
+        print(report.traffic_lines(traffic), flush=True)  # all ranks, the whole run
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
         if args.plot:
-            report.plot(args.plot, spec, nproc, rows)
+            print(f"# plot: {report.plot(args.plot, spec, nproc, rows)}", flush=True)
     wrong = sum(r[b]["wrong"] for r in rows for b in spec.backends)
     return 1 if wrong else 0
 
