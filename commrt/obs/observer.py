@@ -102,15 +102,14 @@ class Observer:
         self._last_dump = (reason, now)
         data = flight.snapshot(self.rank, self.world_size, reason, list(self.rings.values()), self.wall0)
         if not self.flight_dir:
-            log.warning("rank %d: %s; no flight record written (set [log] flight_dir to keep one)",
-                        self.rank, reason)
+            log.warning("%s; no flight record written (set [log] flight_dir to keep one)", reason)
             return None
         try:
             path = flight.write_dump(self.flight_dir, data)
         except OSError as exc:
-            log.error("rank %d: cannot write the flight record to %s: %s", self.rank, self.flight_dir, exc)
+            log.error("cannot write the flight record to %s: %s", self.flight_dir, exc)
             return None
-        log.warning("rank %d: %s; flight record written to %s", self.rank, reason, path)
+        log.warning("%s; flight record written to %s", reason, path)
         return path
 
     def _on_signal(self, signum, frame) -> None:
@@ -132,9 +131,9 @@ class Observer:
             try:
                 trace.write(self.trace_path, trace.track_names(self.rank, groups) + self.events)
             except OSError as exc:
-                log.error("rank %d: cannot write the trace to %s: %s", self.rank, self.trace_path, exc)
+                log.error("cannot write the trace to %s: %s", self.trace_path, exc)
             if self.dropped:
-                log.warning("rank %d: trace kept the first %d events; %d later ones were dropped",
-                            self.rank, len(self.events), self.dropped)
+                log.warning("trace kept the first %d events; %d later ones were dropped",
+                            len(self.events), self.dropped)
         if self.comms is not None and self.rank == 0 and self.comms.table:
             log.info("comms summary (rank 0):\n%s", comms.format_table(self.summary()))

@@ -71,8 +71,8 @@ def auto_choice(rt) -> AutoChoice:
     choice = rt.extras.get("hierarchical_auto")
     if choice is None:
         choice = rt.extras["hierarchical_auto"] = _probe(rt)
-        log.info("rank %d: [comm] hierarchical = auto: a %d B all_reduce took %.2f ms flat, %.2f ms in two "
-                 "levels (slowest rank): %s", rt.world.rank, choice.probe_bytes, 1e3 * choice.flat_s,
+        log.info("[comm] hierarchical = auto: a %d B all_reduce took %.2f ms flat, %.2f ms in two "
+                 "levels (slowest rank): %s", choice.probe_bytes, 1e3 * choice.flat_s,
                  1e3 * choice.hierarchical_s, "two levels" if choice.hierarchical else
                  f"flat (two levels help only when {HIERARCHY_HELPS}x faster)")
     return choice
