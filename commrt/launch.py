@@ -9,6 +9,7 @@ scheduler, a closed terminal) stop everything it started, as SIGINT does, and en
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -184,10 +185,33 @@ def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
     return env
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process ends, however it ends
+    (a SIGKILLed launcher runs no cleanup: its ranks were left running as orphans, issue 30
+    item 12). prctl is looked up here, in the parent, so the child between fork and exec makes
+    one foreign call and one getppid, no allocation or import. None where there is no prctl."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+    parent = os.getpid()
+
+    def child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above took effect
+            os._exit(1)
+    return child
+
+
 def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: threading.Lock,
            tail: deque, prefix: bool) -> tuple[subprocess.Popen, threading.Thread]:
+    # the parent-death signal follows the thread that forks: every rank and service is
+    # started, watched and stopped by launch()'s own thread, which outlives them
     p = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_this_process())
     t = threading.Thread(target=_pump, args=(label, p.stdout, out, lock, tail, prefix), daemon=True)
     t.start()
     return p, t
