@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from commrt import launch
+from commrt.runtime import processes as launch
 
 
 def _sleeper() -> subprocess.Popen:
