@@ -79,7 +79,7 @@ def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, siz
     incarnation = store.add(f"incarnation/{rank}", 1)
     hello = {"config": cfg.digest(), "backend": NAME, "addr": backend.addresses, "secret": secret_check(cfg)}
     table = rendezvous.exchange(store, rank, size, hello, cfg.comm.timeout_s, f"{incarnation}/")
-    check_secrets(table, rank)
+    check_secrets(table, rank, store, f"{incarnation}/", cfg.comm.timeout_s)
     backend.connect([peer["addr"] for peer in table])
     backend.barrier()
 
@@ -96,11 +96,17 @@ def _stretch(secret: bytes) -> str:
     return hashlib.pbkdf2_hmac("sha256", secret, b"commrt/tdist/secret-check/v1", 1 << 20).hex()[:32]
 
 
-def check_secrets(table: list[dict], rank: int) -> None:
+def check_secrets(table: list[dict], rank: int, store, ns: str, timeout_s: float) -> None:
     """Every rank reads the same table: ranks whose secret differs from rank 0's are named on
-    all of them (issue 30 item 10: a wrong secret was a PeerLost after the whole op timeout)."""
+    all of them (issue 30 item 10: a wrong secret was a PeerLost after the whole op timeout).
+    Rank 0 (which serves torch's store at init) raises last: its leaving while another rank
+    still talks to the store would turn that rank's verdict into "connection reset"."""
     differ = [r for r, peer in enumerate(table) if peer.get("secret") != table[0].get("secret")]
     if differ:
+        if rank == 0:  # the others' last store call is the add below
+            store.wait_count(ns + "secret-refused", len(table) - 1, None, min(timeout_s, 10.0))
+        else:
+            store.add(ns + "secret-refused", 1)
         raise CommError(f"rank {rank}: rank(s) {rendezvous.rank_ranges(differ)} hold another job secret than "
                         f"rank 0 (${security.SECRET_ENV} or [security] secret_file); their connections "
                         "would be refused")
