@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,42 +20,9 @@ import time
 from collections import deque
 from typing import IO, Callable, Sequence
 
-GRACE_S = 5.0
-REAP_S = 10.0  # after SIGKILL: how long to wait for the kernel to end a process (D state aside, ms)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(BaseException):
-    """The launcher got SIGTERM or SIGHUP; every process it started has been stopped.
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stop_on_signals():
-    """Turn SIGTERM/SIGHUP into ``Stopped`` in the main thread while a launch runs, so the
-    cleanup that SIGINT gets runs for them too. Only the first one raises: a repeat during the
-    cleanup must not cut it short. A handler someone else installed is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired: list[int] = []
-
-    def handler(signum, _frame):
-        if not fired:
-            fired.append(signum)
-            raise Stopped(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS
-                if signal.getsignal(sig) == signal.SIG_DFL}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+from commrt.runtime.processes import Stopped, _start, _stop_everything, _stop_on_signals  # noqa: F401 (Stopped: cli)
+# deploy/ssh.py drives its hosts' processes with the same mechanics, imported from here
+from commrt.runtime.processes import GRACE_S, REAP_S, _exited, _pump, _wait_exited  # noqa: F401
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,67 +81,6 @@ class Nodes:
         return self.nnodes == 1 or self.node_rank is None
 
 
-def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        tail.append(line)
-        with lock:
-            # one label per line: a program's log format may have written it already (obs/logfmt.py)
-            out.write(f"[{label}] {line}\n" if prefix and not line.startswith(f"[{label}]") else line + "\n")
-            out.flush()
-    stream.close()
-
-
-def _exited(p: subprocess.Popen) -> bool:
-    """Whether ``p`` has ended (reaping it): ``Popen.poll`` without Popen's lock. CPython checks
-    for signals right after ``poll`` acquires that lock, before its ``try``: a SIGTERM / SIGHUP
-    (``Stopped``) or Ctrl-C landing there leaves the lock held for good, after which ``poll``
-    says "running" and ``wait`` blocks for ever. The cleanup that follows such a signal must not
-    depend on it."""
-    if p.returncode is not None:
-        return True
-    try:
-        pid, status = os.waitpid(p.pid, os.WNOHANG)
-    except ChildProcessError:  # reaped already (by Popen, whose lock was free then)
-        if p.returncode is None:
-            p.returncode = -signal.SIGKILL
-        return True
-    if pid == 0:
-        return False
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return True
-
-
-def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
-    for p in procs:
-        if not _exited(p):
-            try:
-                os.killpg(p.pid, sig)  # the rank's own group: it was started with a new session
-            except ProcessLookupError:
-                pass
-
-
-def _stop_everything(procs: Sequence[subprocess.Popen]) -> None:
-    """``_stop_all`` that a first SIGTERM arriving in the middle cannot leave half done."""
-    try:
-        _stop_all(procs)
-    except Stopped:
-        _stop_all(procs)
-        raise
-
-
-def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
-    _signal_all(procs, signal.SIGTERM)
-    _wait_exited(procs, GRACE_S)
-    _signal_all(procs, signal.SIGKILL)
-    _wait_exited(procs, REAP_S)
-
-
-def _wait_exited(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all([_exited(p) for p in procs]) and time.monotonic() < deadline:  # a list: reap every one
-        time.sleep(0.02)
-
 
 def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
     """Environment naming ``servers`` fresh loopback parameter-server addresses."""
@@ -184,14 +89,6 @@ def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
     env["COMMRT_PS_WORKERS"] = str(workers)
     return env
 
-
-def _start(cmd: Sequence[str], env: dict, label: str, out: IO[str], lock: threading.Lock,
-           tail: deque, prefix: bool) -> tuple[subprocess.Popen, threading.Thread]:
-    p = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
-    t = threading.Thread(target=_pump, args=(label, p.stdout, out, lock, tail, prefix), daemon=True)
-    t.start()
-    return p, t
 
 
 def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[str] | None = None,

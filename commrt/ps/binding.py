@@ -54,8 +54,9 @@ class Binding:
 
     def _answer_init(self, p: Parked) -> P.Routed:
         w, why = p.req.worker, self._differs(*p.init)
-        self._join(w, why is None)
-        if why is not None:
+        if why is None:
+            self._join(w)
+        else:  # a refused init changes nothing: worker w's accepted one (if any) stays (issue 30.7)
             return self._rejected(p.ident, p.req, f"worker {w} describes different parameters than the "
                                   f"ones this server holds: {why}")
         return P.routed(p.ident, P.OK, p.req.req_id, [self.state.version, self.state.clocks[w]])
@@ -74,7 +75,7 @@ class Binding:
                 return f"{name} has shape {self.state.shapes.get(name)} here, {shapes.get(name)} described"
         return None
 
-    def _join(self, worker: int, ok: bool) -> None:
-        if (worker in self.state.joined) != ok:
-            (self.state.joined.add if ok else self.state.joined.discard)(worker)
-            self._log({"k": "j", "w": worker, "on": ok}, [])
+    def _join(self, worker: int) -> None:
+        if worker not in self.state.joined:
+            self.state.joined.add(worker)
+            self._log({"k": "j", "w": worker, "on": True}, [])

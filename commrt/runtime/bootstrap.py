@@ -8,20 +8,15 @@ torch.distributed, so one init serves both.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import fcntl
-import ipaddress
 import logging
 import os
-import socket
-import struct
 
 import msgpack
 import torch
 
-from commrt.runtime import rendezvous
+from commrt.runtime import devices, rendezvous, torch_init
 from commrt.transport import security
 from commrt.topology import nodes as topology
 from commrt.integrations.torch_backend import TorchBackend
@@ -100,7 +95,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     backends side by side) share one bootstrap store."""
     local = int(environ.get("LOCAL_WORLD_SIZE", spec.world_size))
     name, why = choose_backend(cfg.comm.backend, local)
-    log.info("rank %d: backend %s (%s)", spec.rank, name, why)
+    log.info("backend %s (%s)", name, why)
     timeout = cfg.comm.timeout_s
     cfg = _effective(cfg, spec)
     transport = Transport(cfg, f"rank{spec.rank}")
@@ -121,9 +116,12 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             backend.connect([peer["addr"] for peer in table])
             backend.barrier()
         elif name == "nccl":
-            layout = topology.from_hellos(rendezvous.exchange(store, spec.rank, spec.world_size, hello,
-                                                              timeout, namespace))
-            backend = _init_nccl(cfg, store, spec, timeout, namespace, transport)
+            gpu = devices.describe(int(environ.get("LOCAL_RANK", spec.rank)))
+            table = rendezvous.exchange(store, spec.rank, spec.world_size, {**hello, "gpu": gpu}, timeout, namespace)
+            layout = topology.from_hellos(table)
+            why = devices.problems([peer["gpu"] for peer in table], layout)
+            backend = (_refuse_or_fall_back(cfg, spec, "; ".join(why), store, timeout, namespace, transport)
+                       if why else _init_nccl(cfg, store, spec, timeout, namespace, transport))
         elif name == "gloo":
             layout = topology.from_hellos(rendezvous.exchange(store, spec.rank, spec.world_size, hello,
                                                               timeout, namespace))
@@ -147,22 +145,36 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     """NCCL through torch, bootstrapped by our store. Every rank reports how its attempt went;
     if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
     an explicit ``nccl`` is an error naming the ranks and causes."""
+    tstore = None  # held until every rank has reported: others may still be connecting to it
     try:
-        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace, cfg), b""
-    except Exception as exc:  # NCCL missing, no device, driver trouble: all become the cause
+        tstore = torch_init.torch_store(store, spec, timeout_s, namespace)
+        backend, outcome = _init_torch("nccl", store, spec, timeout_s, namespace, cfg, tstore=tstore), b""
+    except Exception as exc:  # NCCL missing, driver trouble: all become the cause
         backend, outcome = None, f"{type(exc).__name__}: {exc}".encode()[:1000]
     store.set(f"{namespace}nccl/{spec.rank}", outcome or b"ok")
     keys = [f"{namespace}nccl/{r}" for r in range(spec.world_size)]
     results = wait_for(store, keys, timeout_s, "NCCL initialisation")
+    del tstore
     failed = {r: v.decode(errors="replace") for r, v in enumerate(results) if v != b"ok"}
     if not failed:
         return backend
     if backend is not None:
         torch.distributed.destroy_process_group()
     causes = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+    return _refuse_or_fall_back(cfg, spec, causes, store, timeout_s, namespace, transport, "initialisation failed")
+
+
+def _refuse_or_fall_back(cfg: Config, spec: rendezvous.RendezvousSpec, causes: str, store, timeout_s: float,
+                         namespace: str, transport: Transport, what: str = "cannot run"):
+    """An explicit ``nccl`` fails with the causes on every rank (each has read the same table;
+    rank 0, which serves the store, waits briefly until all have, so none sees a closed store
+    instead); ``auto`` falls back to zmq on every rank."""
     if cfg.comm.backend == "nccl":
-        raise CommError(f"backend 'nccl' was requested but NCCL initialisation failed ({causes})")
-    log.warning("rank %d: NCCL initialisation failed (%s); falling back to zmq", spec.rank, causes)
+        store.add(f"{namespace}nccl/refused", 1)
+        if spec.rank == 0:
+            store.wait_count(f"{namespace}nccl/refused", spec.world_size, None, min(timeout_s, 10.0))
+        raise CommError(f"rank {spec.rank}: backend 'nccl' was requested but NCCL {what} ({causes})")
+    log.warning("NCCL %s (%s); falling back to zmq", what, causes)
     zcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend="zmq"))
     fallback = ZmqBackend(transport, zcfg, spec.rank, spec.world_size, 0)
     table = rendezvous.exchange(store, spec.rank, spec.world_size, {"config": cfg.digest(), "backend": "zmq",
@@ -172,70 +184,15 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     return fallback
 
 
-def _listening_socket(host: str) -> int:
-    """A TCP socket listening on ``host`` (any free port), handed over as a file descriptor:
-    torch's TCPStore has no bind-address argument and otherwise listens on every interface,
-    so rank 0 gives it a socket bound where our own store is (MASTER_ADDR)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(1024)
-    except BaseException:
-        sock.close()
-        raise
-    return sock.detach()  # the store owns the descriptor from here on
-
-
-def interface_of(ip: str) -> str | None:
-    """The name of the network interface whose IPv4 address is ``ip`` (any loopback address:
-    the loopback interface), or None."""
-    want_loopback = ipaddress.ip_address(ip).is_loopback
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-        addr = ipaddress.ip_address(socket.inet_ntoa(raw[20:24]))
-        if str(addr) == ip or (want_loopback and addr.is_loopback):
-            return name
-    return None
-
-
-@contextlib.contextmanager
-def gloo_interface(cfg: Config):
-    """Gloo picks its interface from $GLOO_SOCKET_IFNAME, else from the host name, which may be
-    loopback (unreachable from other hosts) or a public interface (beyond our loopback default).
-    While a gloo group is made, point it at the interface of the address we advertise, unless
-    the user chose one; the variable is restored afterwards."""
-    name = None if "GLOO_SOCKET_IFNAME" in os.environ else interface_of(
-        rendezvous.lookup(cfg.cluster.advertise_host or cfg.cluster.bind_host, "[cluster] advertise_host"))
-    if name is None:
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    try:
-        yield
-    finally:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
-
-
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
-                namespace: str, cfg: Config) -> TorchBackend:
+                namespace: str, cfg: Config, tstore=None) -> TorchBackend:
     td = datetime.timedelta(seconds=timeout_s)
-    if spec.rank == 0:
-        fd = _listening_socket(spec.host)
-        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False,
-                                            master_listen_fd=fd, use_libuv=True)
-        store.set(f"{namespace}torch/port", str(tstore.port).encode())
-    else:
-        port = int(wait_for(store, [f"{namespace}torch/port"], timeout_s, "torch store port")[0])
-        tstore = torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
-    if name == "nccl":
+    tstore = tstore or torch_init.torch_store(store, spec, timeout_s, namespace)
+    if name == "nccl":  # devices.problems has made sure there is one GPU for each rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", spec.rank)) % torch.cuda.device_count())
-    with gloo_interface(cfg):
-        torch.distributed.init_process_group(name, store=torch.distributed.PrefixStore("commrt", tstore),
+    with torch_init.gloo_interface(cfg):
+        torch.distributed.init_process_group(torch_init.torch_backend_string(name, cfg.comm.backend),
+                                             store=torch.distributed.PrefixStore("commrt", tstore),
                                              rank=spec.rank, world_size=spec.world_size, timeout=td)
     return TorchBackend(name, torch.distributed.group.WORLD, list(range(spec.world_size)), spec.rank)
 
@@ -250,7 +207,7 @@ def new_group(rt: Runtime, ranks: list[int]):
     rt.next_group_id += 1
     me = world.rank
     if isinstance(world.backend, TorchBackend):
-        with gloo_interface(rt.config):
+        with torch_init.gloo_interface(rt.config):
             pg = torch.distributed.new_group(list(members))
         if me not in members:
             return NON_GROUP_MEMBER
@@ -291,7 +248,7 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
         if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
             log.warning("rank 0: not every rank finished its teardown within %gs", within_s)
     except CommError as exc:  # a peer already gone: nothing left to wait for
-        log.warning("rank %d: shutdown handshake skipped: %s", rt.world.rank, exc)
+        log.warning("shutdown handshake skipped: %s", exc)
 
 
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:

@@ -128,6 +128,9 @@ class P2PEngine:
             if isinstance(op, Send):
                 self._sends[op.dst].append(op)
                 continue
+            for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
+                if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
+                    self._ep.socket_to(peer)
             self._match.post(op)
 
     def _read_all(self) -> None:
@@ -235,9 +238,10 @@ class P2PEngine:
             if not waiting:
                 continue
             op = waiting[0]
-            if len(gone) == len(ep.names) - 1:
-                error = PeerLost(ANY_SOURCE, "recv", op.seq, f"every other rank's connection is lost "
-                                 f"(ranks {sorted(gone)}); no message with tag {tag} came", role="any peer")
+            if gone:  # a possible sender died: it may be the one we wait for (as MPI ULFM; issue 30.11)
+                error = PeerLost(min(gone, key=ep.down.get), "recv", op.seq, f"its connection is lost (lost: "
+                                 f"ranks {sorted(gone)}, the first named) and it may be the sender of this "
+                                 f"receive from any source (tag {tag})")
             elif now - op.since > self._timeout_s:
                 error = PeerLost(ANY_SOURCE, "recv", op.seq, f"no message with tag {tag} from any rank "
                                  f"within {self._timeout_s:g}s", role="any peer")

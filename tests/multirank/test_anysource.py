@@ -23,3 +23,11 @@ def test_a_receive_nobody_answers_is_a_peer_lost_by_the_deadline():
     _, out = run_ranks(2, "anysource", "silent", env=env, timeout_s=120)
     found = re.search(r"CAUGHT PeerLost after ([0-9.]+)s: lost any peer during recv .*tag 99", out)
     assert found and float(found.group(1)) < 30, out[-3000:]
+
+
+def test_a_dead_possible_sender_ends_a_receive_from_any_source_naming_it():
+    """issue 30 item 11: it waited out the whole timeout (60 s here) without naming the rank."""
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "60"}
+    _, out = run_ranks(3, "anysource", "dead", env=env, timeout_s=120)
+    found = re.search(r"CAUGHT PeerLost rank 2 after ([0-9.]+)s: .*tag 77", out)
+    assert found and float(found.group(1)) < 30, out[-3000:]

@@ -1,11 +1,13 @@
 """CUDA paths (marked ``cuda``: skipped without a GPU) and the backend choice and fallback (these
 run everywhere: the NCCL failure is simulated)."""
 import logging
+import threading
+import time
 
 import pytest
 import torch
 
-from commrt.runtime import bootstrap, rendezvous
+from commrt.runtime import bootstrap, rendezvous, torch_init
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import CommError
 from commrt.launch import free_port
@@ -49,11 +51,12 @@ def test_auto_choice(monkeypatch, gpus, local, nccl, expect):
 def _simulate_broken_nccl(monkeypatch):
     real = bootstrap._init_torch
 
-    def broken(name, *args):
+    def broken(name, *args, **kw):
         if name == "nccl":
             raise RuntimeError("simulated NCCL failure: ncclUnhandledCudaError")
-        return real(name, *args)
+        return real(name, *args, **kw)
     monkeypatch.setattr(bootstrap, "choose_backend", lambda requested, local: ("nccl", "simulated GPU box"))
+    monkeypatch.setattr(bootstrap.devices, "describe", lambda local: {"device": f"cuda:{local}", "uuid": str(local)})
     monkeypatch.setattr(bootstrap, "_init_torch", broken)
 
 
@@ -76,3 +79,52 @@ def test_nccl_failure_falls_back_only_under_auto(monkeypatch, caplog, requested)
         assert torch.equal(t, torch.ones(5))
     finally:
         bootstrap.shutdown(rt)
+
+
+def _init_two_ranks(backend: str, timeout_s: float = 60) -> tuple[dict, float]:
+    """init_world on ranks 0 and 1 (threads of this process): what each raised, and how long."""
+    cfg = load_config(overrides={"comm": {"backend": backend, "timeout_s": timeout_s}}, environ={})
+    port, errors = free_port(), {}
+
+    def rank(r):
+        spec = rendezvous.resolve(f"tcp://127.0.0.1:{port}", r, 2, environ={})
+        try:
+            bootstrap.shutdown(bootstrap.init_world(cfg, spec, environ={"LOCAL_RANK": str(r)}))
+        except Exception as exc:  # noqa: BLE001 -- the test inspects it
+            errors[r] = exc
+    start = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    return errors, time.monotonic() - start
+
+
+def test_explicit_nccl_without_a_gpu_fails_at_once_on_every_rank_with_its_cause(monkeypatch):
+    """issue 31 item 1: was a ZeroDivisionError on rank 0 and a 300 s wait on rank 1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    errors, took = _init_two_ranks("nccl")
+    assert sorted(errors) == [0, 1] and took < 20, (errors, took)
+    for r, exc in errors.items():
+        assert isinstance(exc, CommError), exc
+        assert "nccl' was requested" in str(exc) and "rank 0: CUDA is not available" in str(exc), exc
+
+
+def test_two_ranks_on_one_gpu_under_nccl_fail_at_init_naming_ranks_device_and_fix(monkeypatch):
+    """issue 30 item 9: was NCCL's raw "Duplicate GPU detected" at the first collective."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": "GPU-0"})())
+    errors, took = _init_two_ranks("nccl")
+    assert sorted(errors) == [0, 1] and took < 20, (errors, took)
+    for exc in errors.values():
+        assert isinstance(exc, CommError) and "ranks 0, 1 share GPU cuda:0" in str(exc), exc
+        assert 'backend = "auto"' in str(exc) and "one rank per GPU" in str(exc), exc
+
+
+def test_auto_asks_torch_for_gloo_beside_nccl_so_cpu_tensors_work():
+    """issue 30 item 8: NCCL alone refused a CPU model's tensors on a GPU machine."""
+    assert torch_init.torch_backend_string("nccl", "auto") == "cpu:gloo,cuda:nccl"
+    assert torch_init.torch_backend_string("nccl", "nccl") == "nccl"
+    assert torch_init.torch_backend_string("gloo", "gloo") == "gloo"

@@ -158,6 +158,17 @@ def test_shapes_are_compared():
     assert _push(core, 1, 0)[0][1].status == P.ERROR
 
 
+def test_a_refused_init_under_an_accepted_workers_identity_changes_nothing():
+    """issue 30 item 7: a second client claiming worker 0 with another description is refused,
+    and worker 0's accepted registration, its pulls and the parameters stay as they were."""
+    core = _core()
+    before, joined = _params(core).copy(), set(core.state.joined)
+    reply = _init(core, 0, False, shapes=[["w", [3, 2]]], rid=9)
+    assert reply[0][1].status == P.ERROR and "different parameters" in reply[0][1].body[0], reply
+    assert core.state.joined == joined and np.array_equal(_params(core), before)
+    assert _pull(core, 0, 0, rid=10)[0][1].status == P.OK
+
+
 # -- 13.14: the log between checkpoints is bounded ------------------------------------------------
 
 

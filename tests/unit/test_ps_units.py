@@ -1,14 +1,19 @@
 """Parameter-server pieces without processes: partition, protocol, on-disk formats, optimizers,
 and the server's request logic fed frames directly (validation, exactly-once, fuzz)."""
+import logging
 import random
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from commrt.optim import rules as optim
-from commrt.runtime.config import PsConfig
-from commrt.runtime.errors import ProtocolError
+from commrt.launch import free_port
+from commrt.ps import exchange
+from commrt.ps.client import PSClient
+from commrt.runtime.config import PsConfig, load_config
+from commrt.runtime.errors import PeerLost, ProtocolError
 from commrt.ps import protocol as P
 from commrt.ps.core import ServerCore
 from commrt.ps.durable import WriteAheadLog, load_checkpoint, read_log, save_checkpoint
@@ -358,3 +363,20 @@ def test_metrics_port_out_of_range_is_refused(port):
     from commrt.runtime.errors import ConfigError
     with pytest.raises(ConfigError, match="metrics_port"):
         load_config(environ={"COMMRT_PS_METRICS_PORT": str(port)})
+
+
+def test_a_worker_with_no_server_says_what_it_waits_for_then_waits_to_the_deadline(monkeypatch, caplog):
+    """issue 31 item 3: silent for the whole [ps] timeout_s before its PeerLost."""
+    monkeypatch.setattr(exchange, "WAIT_NOTICE_S", 0.5)
+    server = f"tcp://127.0.0.1:{free_port()}"  # nobody listens there
+    cfg = load_config(overrides={"ps": {"servers": [server], "workers": 1, "timeout_s": 2.5}}, environ={})
+    client = PSClient(cfg, worker=0)
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="commrt.ps.client"), pytest.raises(PeerLost, match="server"):
+            client.init({"w": torch.zeros(4)})
+    finally:
+        client.close()
+    assert time.monotonic() - start >= 2.5  # the notice does not shorten the wait
+    notices = [r.getMessage() for r in caplog.records if "waiting for server 0" in r.getMessage()]
+    assert len(notices) == 1 and server in notices[0] and "ps.init" in notices[0], caplog.text

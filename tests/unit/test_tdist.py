@@ -46,6 +46,20 @@ def test_reduce_ops_map_to_commrt(op, name):
     assert compose.reduce_op(opts.reduceOp).name == name
 
 
+@pytest.mark.parametrize("op,name", [(dist.ReduceOp.SUM, "MAX"), (dist.ReduceOp.MAX, "MAX"),
+                                     (dist.ReduceOp.PRODUCT, "MIN"), (dist.ReduceOp.MIN, "MIN")])
+def test_bool_reductions_are_logical_on_bytes_and_cannot_wrap(op, name):
+    """issue 30 item 6: a byte SUM of True wraps to False at 256 ranks; OR is MAX on 0/1 bytes."""
+    assert compose.reduce_op(op, torch.bool).name == name
+    assert compose.reduce_op(op, torch.uint8).name == compose.op_name(op)  # bytes keep their arithmetic
+    assert compose.reduce_op(dist.ReduceOp.BOR, torch.bool) is None
+
+
+def test_bool_avg_is_refused_by_name():
+    with pytest.raises(ValueError, match="AVG is not defined for bool"):
+        compose.reduce_op(dist.ReduceOp.AVG, torch.bool)
+
+
 def test_bitwise_ops_fold_locally_and_premul_sum_is_refused():
     assert compose.reduce_op(dist.ReduceOp.BAND) is None
     rows = torch.tensor([[0b1100, 0b1010], [0b1010, 0b0110]])

@@ -22,8 +22,11 @@ def op_name(op) -> str:
     return str(getattr(op, "op", op)).rsplit(".", 1)[-1].upper()
 
 
-def reduce_op(op) -> ReduceOp | None:
-    """commrt's op for a torch one; None for the bitwise ops (folded locally, see ``fold``)."""
+def reduce_op(op, dtype: torch.dtype | None = None) -> ReduceOp | None:
+    """commrt's op for a torch one on tensors of ``dtype``; None for the bitwise ops (folded
+    locally, see ``fold``). ``bool`` travels as bytes, so its ops are torch's logical ones."""
+    if dtype == torch.bool:
+        return bool_op(op)
     kind = getattr(op, "op", op)
     try:
         return _BY_KIND[kind]  # the common case: one dict look-up per call
@@ -36,6 +39,21 @@ def reduce_op(op) -> ReduceOp | None:
         raise NotImplementedError("commrt backend: PREMUL_SUM is not supported; scale the tensor "
                                   "and use SUM (what NCCL's premul does)")
     return ReduceOp[name]
+
+
+def bool_op(op) -> ReduceOp | None:
+    """torch's contract for ``bool`` (as gloo and NCCL keep it): SUM and MAX are a logical OR,
+    PRODUCT and MIN a logical AND; on bytes that are 0 or 1 these are MAX and MIN, which cannot
+    wrap (a byte SUM of True at 256 ranks is 0, False). AVG of truth values has no meaning."""
+    name = op_name(op)
+    if name in _BITWISE:
+        return None
+    if name in ("SUM", "MAX"):
+        return ReduceOp.MAX
+    if name in ("PRODUCT", "MIN"):
+        return ReduceOp.MIN
+    raise ValueError(f"commrt backend: {name} is not defined for bool tensors; valid: "
+                     "SUM/MAX (logical or), PRODUCT/MIN (logical and), BAND, BOR, BXOR")
 
 
 _BY_KIND = {getattr(dist.ReduceOp, n): ReduceOp[n] for n in ReduceOp.__members__}

@@ -60,9 +60,10 @@ class CommrtProcessGroup(dist.ProcessGroup):
             after()
         return None
 
-    def _reduce_flat(self, flat: torch.Tensor, op) -> tuple[_Launch, Callable[[], None] | None]:
-        """All-reduce of one flat tensor: commrt's op, or (bitwise ops) an all-gather and a fold."""
-        rop = reduce_op(op)
+    def _reduce_flat(self, flat: torch.Tensor, op, dtype: torch.dtype) -> tuple[_Launch, Callable[[], None] | None]:
+        """All-reduce of one flat tensor (``dtype`` is the user's, ``flat`` may be its wire view):
+        commrt's op, or (bitwise ops) an all-gather and a fold."""
+        rop = reduce_op(op, dtype)
         if rop is not None:
             return (lambda a: [self._b.all_reduce(flat, rop, a)]), None
         gathered = torch.empty((self.size(), flat.numel()), dtype=flat.dtype)
@@ -73,27 +74,27 @@ class CommrtProcessGroup(dist.ProcessGroup):
     # -- reductions ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
         (t,) = _one(tensors, "allreduce")
-        rop = reduce_op(opts.reduceOp)
         if t.is_sparse:
             if compose.op_name(opts.reduceOp) != "SUM":
                 raise ValueError(f"commrt backend: a sparse all_reduce sums; got {compose.op_name(opts.reduceOp)}")
             all_reduce_sparse(self._b, t, self.size())
             return TorchWork.done("allreduce", [t]) if opts.asyncOp else None
-        if rop is not None and not opts.asyncOp and t.dtype != torch.bool:  # the latency path, direct
-            self._b.all_reduce(t, rop, False)
+        rop = reduce_op(opts.reduceOp, t.dtype)
+        if rop is not None and not opts.asyncOp:  # the latency path, direct
+            self._b.all_reduce(wire_view(t), rop, False)
             return None
-        launch, after = self._reduce_flat(wire_view(t), opts.reduceOp)
+        launch, after = self._reduce_flat(wire_view(t), opts.reduceOp, t.dtype)
         return self._issue("allreduce", opts, launch, [t], after)
 
     def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
         """One flat all-reduce per dtype (in order of first appearance, the same on every rank)."""
         by_dtype: dict = {}
-        for t in tensors:
-            by_dtype.setdefault(wire_view(t).dtype, []).append(t)
+        for t in tensors:  # by the user's dtype: bool and uint8 share a wire type, not their ops
+            by_dtype.setdefault(t.dtype, []).append(t)
         parts = []
-        for group in by_dtype.values():
+        for dtype, group in by_dtype.items():
             flat = flat_cat(group)
-            parts.append((group, flat, *self._reduce_flat(flat, opts.reduceOp)))
+            parts.append((group, flat, *self._reduce_flat(flat, opts.reduceOp, dtype)))
 
         def after():
             for group, flat, _, fold in parts:
@@ -105,16 +106,16 @@ class CommrtProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=c10d.ReduceOptions()):
         (t,) = _one(tensors, "reduce")
-        rop = reduce_op(opts.reduceOp)
+        rop = reduce_op(opts.reduceOp, t.dtype)
         if rop is None:  # bitwise: every rank computes it (a reduce's other ranks may hold anything)
-            launch, after = self._reduce_flat(wire_view(t), opts.reduceOp)
+            launch, after = self._reduce_flat(wire_view(t), opts.reduceOp, t.dtype)
             return self._issue("reduce", opts, launch, [t], after)
         return self._issue("reduce", opts, lambda a: [self._b.reduce(wire_view(t), opts.rootRank, rop, a)], [t])
 
     def _reduce_scatter_base(self, output, input, opts=c10d.ReduceScatterOptions()):
-        rop = reduce_op(opts.reduceOp)
+        rop = reduce_op(opts.reduceOp, input.dtype)
         if rop is None:
-            return self._reduce_scatter_via_all_reduce("reduce_scatter", output, input.reshape(-1), opts)
+            return self._reduce_scatter_via_all_reduce("reduce_scatter", output, wire_view(input).reshape(-1), opts)
         return self._issue("reduce_scatter", opts, lambda a: [self._b.reduce_scatter_tensor(
             wire_view(output), wire_view(input), rop, a)], [output])
 
@@ -123,8 +124,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
         (ins,) = _one(input_lists, "reduce_scatter")
         same_dtype([out, *ins], "reduce_scatter")
         flat = flat_cat(ins)
-        if reduce_op(opts.reduceOp) is not None and all(t.numel() == out.numel() for t in ins):
-            rop = reduce_op(opts.reduceOp)
+        rop = reduce_op(opts.reduceOp, out.dtype)
+        if rop is not None and all(t.numel() == out.numel() for t in ins):
             return self._issue("reduce_scatter", opts, lambda a: [self._b.reduce_scatter_tensor(
                 wire_view(out), flat, rop, a)], [out])
         offsets = [0] + [t.numel() for t in ins]  # uneven blocks: all-reduce, keep our own block
@@ -134,14 +135,15 @@ class CommrtProcessGroup(dist.ProcessGroup):
         flat = compose.to_host(flat).clone()
         sizes = sizes or [0] + [out.numel()] * self.size()
         start = sum(sizes[:self.rank() + 1])
-        launch, fold = self._reduce_flat(flat, opts.reduceOp)
+        launch, fold = self._reduce_flat(flat, opts.reduceOp, out.dtype)
         keep = lambda: (fold and fold(), wire_view(out).copy_(flat[start:start + out.numel()].view(out.shape)))
         return self._issue(name, opts, launch, [out], keep)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=c10d.ReduceScatterOptions()):
-        rop = reduce_op(opts.reduceOp)
+        rops = [reduce_op(opts.reduceOp, i.dtype) for i in inputs]
         return self._issue("reduce_scatter_coalesced", opts, lambda a: [
-            self._b.reduce_scatter_tensor(wire_view(o), wire_view(i), rop, a) for o, i in zip(outputs, inputs)],
+            self._b.reduce_scatter_tensor(wire_view(o), wire_view(i), rop, a)
+            for o, i, rop in zip(outputs, inputs, rops)],
             list(outputs))
 
     # -- data movement ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 torch creates its own store first (env://, tcp://, file:// or the one passed in) and hands each
 group's creator a copy prefixed with the group's name. The creator uses that store only for the
 rendezvous exchange (keys under ``commrt/<n>/rdzv/``: socket addresses, wire version, config
-digest; nothing secret), then opens the group's sockets through commrt's ``Transport``, so the
+digest, and a slow salted hash of the job secret so that a rank holding another secret is named
+at once instead of its refused, silent handshakes running out the op timeout), then opens the group's sockets through commrt's ``Transport``, so the
 data plane is authenticated exactly as under commrt's own API (job secret or CURVE, from
 ``COMMRT_*`` / the TOML config). torch's store itself stays torch's: unauthenticated TCP.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import hashlib
 import logging
 import os
 import threading
@@ -22,6 +25,7 @@ from commrt.runtime import rendezvous
 from commrt.transport import security
 from commrt.backends.zmq_backend import ZmqBackend
 from commrt.runtime.config import Config, load_config
+from commrt.runtime.errors import CommError
 from commrt.runtime.store import TorchStore
 from commrt.transport import Transport
 from commrt.integrations.tdist.monitor import route_torch_api
@@ -65,7 +69,7 @@ def create_group(store, rank: int, size: int, timeout: datetime.timedelta, membe
     except BaseException:
         _release()
         raise
-    log.info("rank %d: commrt group %r (%d ranks) ready", members[rank], name, size)
+    log.info("commrt group %r (%d ranks) ready", name, size)
     return CommrtProcessGroup(backend, rank, size, members, _release, name)
 
 
@@ -73,10 +77,39 @@ def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, siz
     """Exchange addresses through torch's store, then prove the data plane with a barrier.
     Each (re)creation of a group with the same name on the same store is one incarnation."""
     incarnation = store.add(f"incarnation/{rank}", 1)
-    hello = {"config": cfg.digest(), "backend": NAME, "addr": backend.addresses}
+    hello = {"config": cfg.digest(), "backend": NAME, "addr": backend.addresses, "secret": secret_check(cfg)}
     table = rendezvous.exchange(store, rank, size, hello, cfg.comm.timeout_s, f"{incarnation}/")
+    check_secrets(table, rank, store, f"{incarnation}/", cfg.comm.timeout_s)
     backend.connect([peer["addr"] for peer in table])
     backend.barrier()
+
+
+def secret_check(cfg: Config) -> str:
+    """A value equal on ranks with one job secret (``secret`` mode; "" otherwise). torch's store
+    is readable by anyone who reaches it, so this is PBKDF2 (2**20 rounds, ~0.2 s once per
+    process): guessing a secret of 16+ characters from it is out of reach."""
+    return _stretch(security.job_secret(cfg)) if cfg.security.mode == "secret" else ""
+
+
+@functools.lru_cache(maxsize=4)  # once per process and secret, not once per group
+def _stretch(secret: bytes) -> str:
+    return hashlib.pbkdf2_hmac("sha256", secret, b"commrt/tdist/secret-check/v1", 1 << 20).hex()[:32]
+
+
+def check_secrets(table: list[dict], rank: int, store, ns: str, timeout_s: float) -> None:
+    """Every rank reads the same table: ranks whose secret differs from rank 0's are named on
+    all of them (issue 30 item 10: a wrong secret was a PeerLost after the whole op timeout).
+    Rank 0 (which serves torch's store at init) raises last: its leaving while another rank
+    still talks to the store would turn that rank's verdict into "connection reset"."""
+    differ = [r for r, peer in enumerate(table) if peer.get("secret") != table[0].get("secret")]
+    if differ:
+        if rank == 0:  # the others' last store call is the add below
+            store.wait_count(ns + "secret-refused", len(table) - 1, None, min(timeout_s, 10.0))
+        else:
+            store.add(ns + "secret-refused", 1)
+        raise CommError(f"rank {rank}: rank(s) {rendezvous.rank_ranges(differ)} hold another job secret than "
+                        f"rank 0 (${security.SECRET_ENV} or [security] secret_file); their connections "
+                        "would be refused")
 
 
 def _acquire(global_rank: int, config: Config | None) -> tuple[Config, Transport]:

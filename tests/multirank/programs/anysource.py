@@ -6,9 +6,12 @@
                posted before and after the data arrived; posting order between a receive from
                one peer and one from any is kept (MPI's rule; gloo keeps it one way only)
       silent   rank 0 waits for a tag nobody sends: a PeerLost naming no rank, by the deadline
+      dead     the last rank dies while rank 0 waits for a tag from any source: a PeerLost naming
+               it, long before the deadline (issue 30 item 11)
 Rank 0 prints what it received; the reference is what each sender's rank and index make."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -89,9 +92,27 @@ def silent(rank: int, n: int) -> None:
     commrt.barrier()
 
 
+def dead(rank: int, n: int) -> None:
+    commrt.barrier()
+    if rank == n - 1:
+        os._exit(0)  # gone without a word, a possible sender of rank 0's receive
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            commrt.recv(torch.empty(4), tag=77)
+        except commrt.PeerLost as exc:
+            print(f"CAUGHT PeerLost rank {exc.rank} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        commrt.send(torch.ones(1), 1, tag=5)
+    else:  # alive until rank 0 is done: only the last rank is lost
+        commrt.recv(torch.empty(1), 0, tag=5)
+    os._exit(0)  # the survivors' teardown would wait on the dead rank
+
+
 def main() -> int:
     mode = sys.argv[1]
     commrt.init_process_group()
+    if mode == "dead":
+        return dead(commrt.get_rank(), commrt.get_world_size())
     (match if mode == "match" else silent)(commrt.get_rank(), commrt.get_world_size())
     commrt.destroy_process_group()
     return 0

@@ -114,8 +114,38 @@ def point_to_point(rank: int, world: int) -> None:
         assert dist.recv(t, r, tag=8) == r and torch.equal(t, x(r) * 2)
 
 
+def bools(rank: int, world: int) -> None:
+    """torch's bool contract (issue 30 item 6): SUM/MAX are OR, PRODUCT/MIN are AND, bytes stay
+    0 or 1 (a byte sum was [2, 2, 0] at 2 ranks), bool and uint8 coalesced keep their own ops."""
+    mine = torch.tensor([True, rank == 0, False, True])
+    for op, want in ((dist.ReduceOp.SUM, [1, 1, 0, 1]), (dist.ReduceOp.MAX, [1, 1, 0, 1]),
+                     (dist.ReduceOp.PRODUCT, [1, 0, 0, 1]), (dist.ReduceOp.MIN, [1, 0, 0, 1])):
+        for async_op in (False, True):
+            t = mine.clone()
+            work = dist.all_reduce(t, op=op, async_op=async_op)
+            if work is not None:
+                work.wait()
+            assert t.view(torch.uint8).tolist() == want, (op, async_op, t.view(torch.uint8))
+    flags, counts = mine.clone(), torch.ones(4, dtype=torch.uint8)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(flags)
+        dist.all_reduce(counts)
+    cm.wait()
+    assert flags.view(torch.uint8).tolist() == [1, 1, 0, 1] and counts.tolist() == [world] * 4, (flags, counts)
+    out = torch.empty(2, dtype=torch.bool)
+    dist.reduce_scatter_tensor(out, mine[:2].repeat(world))
+    assert out.view(torch.uint8).tolist() == [1, 1], out.view(torch.uint8)
+    try:
+        dist.all_reduce(mine.clone(), op=dist.ReduceOp.AVG)
+    except ValueError as e:
+        assert "AVG is not defined for bool" in str(e), e
+    else:
+        raise AssertionError("AVG on bool was accepted")
+
+
 def check_all(rank: int, world: int) -> None:
     reductions(rank, world)
+    bools(rank, world)
     gathers(rank, world)
     scatters(rank, world)
     all_to_all(rank, world)
