@@ -34,7 +34,7 @@ class PointToPoint:
                 payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
                 frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step,
                                       len(payload)), payload))
-            return self._engine.post(Send(dst, tag, seq, frames, Work("send")))
+            return self._engine.post(Send(dst, tag, seq, frames, self._engine.work("send")))
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
         """``src`` None: from any peer; the Work's result is the sender's group rank."""
@@ -42,7 +42,8 @@ class PointToPoint:
         flat, wb, code, steps = self._plan(tensor, "recv", src, tag)
         with self._lock:
             seq = self._next("recv", src, tag)
-            return self._engine.post(Recv(src, tag, seq, code, flat.numel(), steps, _land, wb, Work("recv")))
+            return self._engine.post(Recv(src, tag, seq, code, flat.numel(), steps, _land, wb,
+                                            self._engine.work("recv")))
 
     def _plan(self, tensor, direction: str, peer: int, tag: int):
         """(flat, write-back, dtype code, pieces) of one point-to-point transfer."""
