@@ -12,7 +12,7 @@ from commrt import launch as launcher
 PROGRESS = "#progress "
 BACKENDS = ("zmq", "gloo", "nccl")
 VARIANTS = ("", "hier", "int8", "int4")  # NAME+hier, NAME+int8 / +int4 (bench/runner.py)
-COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv", "ps"]
+COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv", "ps", "p2p"]
 
 
 def add_parser(sub) -> None:
@@ -63,6 +63,9 @@ def check_backends(names: tuple[str, ...]) -> None:
 
 
 def run(args) -> int:
+    if args.collective == "p2p":  # point-to-point latency (bench/p2p.py): its own rows and table
+        from commrt.bench.p2p import run as run_p2p
+        return run_p2p(args)
     from commrt.bench import metrics
     from commrt.bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())

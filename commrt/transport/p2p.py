@@ -24,6 +24,7 @@ from commrt.transport.wire import P2P, encode_header
 from commrt.transport import shm_p2p
 from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
 from commrt.transport.matching import ANY_SOURCE, Matching
+from commrt.transport.progress import ENGINE, P2PWork, Reader
 
 log = logging.getLogger(__name__)
 
@@ -62,96 +63,249 @@ class Recv:
 class P2PEngine:
     def __init__(self, ep: Endpoint, timeout_s: float):
         self._ep, self._timeout_s = ep, timeout_s
-        self._lock = threading.Lock()  # the posting side: _posted and the wake socket's sending end
-        self._posted: collections.deque = collections.deque()
+        # sends (PUSH sockets, out rings, _sends, _draining), _posted, the wake socket's sending
+        # end and the endpoint's monitors; re-entrant: a Work callback may post from under it
+        self._tx = threading.RLock()
+        self._posted: collections.deque = collections.deque()  # receives posted while the socket was busy
         self._wake_tx, self._wake_rx = ep.transport.inproc_pair(f"p2p{ep.group}")
+        self._reader = Reader(self._wake)  # the inbound socket, Matching and the in rings
         self._closing = False
         self._thread: threading.Thread | None = None
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._draining: list[Send] = []
-        self._match = Matching(ep.rank, ep.socket_to, _release, time.monotonic)  # socket_to: liveness
+        self._match = Matching(ep.rank, self._bind, _release, time.monotonic)
         self._rings: shm_p2p.Rings | None = None
+        self._checked_at = 0.0  # the reader's last look at receive deadlines and peers
 
     def use_shm(self, peers: set[int]) -> None:
         """Large payloads to and from ``peers`` (this node's members of a shared-memory group)
         through shared-memory rings; called once, before the first transfer."""
         self._rings = shm_p2p.Rings(peers)
 
+    def work(self, name: str) -> P2PWork:
+        """The handle of a transfer about to be posted here."""
+        return P2PWork(name, self, receive=name == "recv")
+
     def post(self, op: Send | Recv) -> Any:
-        with self._lock:
-            if self._closing:
-                raise GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
-            self._posted.append(op)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"commrt-group{self._ep.group}-p2p",
-                                                daemon=True)
-                self._thread.start()
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+        """A send goes out from the caller's thread when nothing to its destination is queued
+        ahead of it (the engine takes over what the socket or ring does not take at once); a
+        receive is matched against what has arrived, then waits for ``wait()`` or the engine."""
+        op.since = time.monotonic()
+        if isinstance(op, Send):
+            self._post_send(op)
+            return op.work
+        if self._thread is None:
+            with self._tx:
+                self._start()  # it watches the deadlines of receives nobody waits on
+        if self._reader.try_take(threading.get_ident()):
+            try:
+                self._check_open(op)
+                self._take_posted()  # earlier receives first: matching is in posting order
+                self._match_recv(op)
+            finally:
+                self._reader.release()
+        else:  # someone reads the socket: the engine matches it on its next turn
+            with self._tx:
+                self._check_open(op)
+                self._posted.append(op)
+                self._start()
+            self._wake()
         return op.work
 
-    # -- the owner thread ------------------------------------------------------------------
+    def _post_send(self, op: Send) -> None:
+        wake = done = False
+        with self._tx:
+            self._check_open(op)
+            self._start()
+            queue = self._sends[op.dst]
+            if queue or not self._push(op, op.since):
+                queue.append(op)  # behind the queued ones (send order), or the rest of its pieces
+                wake = True
+            elif op.trackers:  # ZeroMQ still reads our buffers: the engine watches them
+                self._draining.append(op)
+                wake = True
+            else:
+                done = True
+        if done and not op.work._done.is_set():
+            op.work._finish(None, None)
+        if wake:
+            self._wake()
+
+    def _check_open(self, op) -> None:
+        if self._closing:
+            raise GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
+
+    def _start(self) -> None:
+        if self._thread is None:  # under _tx
+            self._thread = threading.Thread(target=self._run, name=f"commrt-group{self._ep.group}-p2p",
+                                            daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
+        with self._tx:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # closed, or a wake-up is pending anyway
+                pass
+
+    def _bind(self, src: int) -> None:
+        with self._tx:  # a receive waits on src: dial it, so its connection's monitor is our liveness
+            self._ep.socket_to(src)
+
+    # -- progress in the caller's thread (progress.py) -------------------------------------
+    def drive(self, work: P2PWork, deadline: float | None) -> None:
+        """Read the socket in this thread until ``work`` is done, the deadline passes or the
+        group closes; while another thread reads, wait for it to land ``work`` or let go."""
+        me = threading.get_ident()
+        if not self._reader.try_take(me) and not self._reader.take(me, work._done.is_set, deadline):
+            return
+        try:
+            self._take_posted()
+            slice_ms = int(self._ep.live.slice_s * 1000)
+            while not work._done.is_set() and not self._closing:
+                left_ms = slice_ms if deadline is None else int((deadline - time.monotonic()) * 1000)
+                if left_ms >= slice_ms:  # one blocking read: no poll round trip on the latency path
+                    msg = self._ep.read(0)
+                else:
+                    msg = self._ep.read(zmq.NOBLOCK) if self._ep.inbound.poll(max(0, left_ms)) else None
+                if msg is not None:
+                    self._on_message(msg)
+                now = time.monotonic()
+                self._check_if_due(now)
+                if deadline is not None and now >= deadline:
+                    return
+                if self._posted:
+                    self._take_posted()
+        finally:
+            self._reader.release()
+            if self._receives_waiting():
+                self._wake()  # the engine lands the rest (irecvs nobody waits on yet)
+
+    def test(self) -> None:
+        """Land what has arrived, without blocking (``is_completed`` of a receive)."""
+        if self._closing or not self._reader.try_take(threading.get_ident()):
+            return
+        try:
+            self._take_posted()
+            self._read_all()
+        finally:
+            self._reader.release()
+
+    def kick(self) -> None:
+        """A receive wants completing unwatched (a done-callback): the engine reads for it."""
+        self._wake()
+
+    def _receives_waiting(self) -> bool:
+        # list(): one C call, so another thread adding a key cannot break the iteration
+        return bool(self._posted) or any(list(self._match.recvs.values())) or any(list(self._match.any.values()))
+
+    # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self._ep.inbound, zmq.POLLIN)
+        reading, idle = zmq.Poller(), zmq.Poller()
+        for poller in (reading, idle):
+            poller.register(self._wake_rx, zmq.POLLIN)
+        reading.register(self._ep.inbound, zmq.POLLIN)
         try:
             while not self._closing:
-                busy = self._draining or any(self._sends.values())
-                events = dict(poller.poll(BUSY_POLL_MS if busy else self._ep.live.slice_s * 1000))
+                mine = self._hold_reader()
+                busy = self._draining or any(list(self._sends.values()))
+                events = dict((reading if mine else idle).poll(BUSY_POLL_MS if busy else self._ep.live.slice_s * 1000))
                 if self._wake_rx in events:
+                    self._drain_wake()
+                now = time.monotonic()
+                if mine:
                     self._take_posted()
-                if self._ep.inbound in events:
-                    self._read_all()
-                self._progress(time.monotonic())
+                    if self._ep.inbound in events:
+                        self._read_all()
+                    self._check_if_due(now)
+                with self._tx:
+                    self._progress(now)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)
-            failure = exc
-            self._fail_all(lambda op: failure)
-        finally:
-            self._fail_all(lambda op: GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq))
+            self._stop(exc)
+            return
+        self._stop(None)
+
+    def _hold_reader(self) -> bool:
+        """Read the socket while receives wait that no caller reads for; give it up when one asks."""
+        mine = self._reader.holder == ENGINE
+        need = self._receives_waiting() and not self._reader.wanted
+        if mine and not need:
+            self._reader.release()
+            return False
+        if need and not mine:
+            return self._reader.try_take(ENGINE)
+        return mine
+
+    def _stop(self, failure: BaseException | None) -> None:
+        self._closing = True  # callers reading the socket let go of it within a slice
+        closed = lambda op: failure or GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
+        mine = self._reader.holder == ENGINE or self._reader.take(ENGINE, lambda: False, time.monotonic() + 5.0)
+        self._fail_all(closed)
+        if not mine:  # a caller still reads the socket (it leaves within a slice of _closing)
+            log.warning("group %d: a receive did not stop reading; leaving the sockets open", self._ep.group)
+            return
+        with self._tx:
             self._ep.close()  # the owner closes its sockets, after their last use
             self._wake_rx.close(linger=0)
             if self._rings is not None:
                 self._rings.close()
 
-    def _take_posted(self) -> None:
+    def _drain_wake(self) -> None:
         while True:
             try:
                 self._wake_rx.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
-        with self._lock:
+                return
+
+    def _take_posted(self) -> None:
+        """Match the receives posted while the socket was busy (the reader calls this)."""
+        if not self._posted:
+            return
+        with self._tx:
             posted, self._posted = self._posted, collections.deque()
-        now = time.monotonic()
         for op in posted:
-            op.since = now
-            if isinstance(op, Send):
-                self._sends[op.dst].append(op)
-                continue
-            for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
-                if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
+            self._match_recv(op)
+
+    def _match_recv(self, op: Recv) -> None:
+        for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
+            if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
+                with self._tx:
                     self._ep.socket_to(peer)
-            self._match.post(op)
+        self._match.post(op)
+
+    def _check_if_due(self, now: float) -> None:
+        if now - self._checked_at >= self._ep.live.slice_s:
+            self._checked_at = now
+            with self._tx:
+                self._ep.live.watch()
+            self._check_recvs(now)
 
     def _read_all(self) -> None:
         while True:
             msg = self._ep.read(zmq.NOBLOCK)
             if msg is None:
                 return
+            self._on_message(msg)
+
+    def _on_message(self, msg: Message) -> None:
+        h = msg.header
+        if h.kind != P2P:
+            return  # collectives' ABORTs travel on the collective endpoint
+        if h.root == shm_p2p.SHM_ROOT:
+            msg = self._from_ring(msg)
+            if msg is None:
+                return
             h = msg.header
-            if h.kind != P2P:
-                continue  # collectives' ABORTs travel on the collective endpoint
-            if h.root == shm_p2p.SHM_ROOT:
-                msg = self._from_ring(msg)
-                if msg is None:
-                    continue
-                h = msg.header
-            if self._match.arrive(msg) or self._match.keep(msg) <= UNEXPECTED_BYTES:
-                continue
-            self._fail_all(lambda op: ProtocolError(
-                f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
-                "of point-to-point data no receive was posted for"), peer=h.src)
-            self._match.drop_early(h.src)
+        if self._match.arrive(msg):
+            self._reader.landed()
+            return
+        if self._match.keep(msg) <= UNEXPECTED_BYTES:
+            return
+        self._fail_all(lambda op: ProtocolError(
+            f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
+            "of point-to-point data no receive was posted for"), peer=h.src)
+        self._match.drop_early(h.src)
 
     def _from_ring(self, msg: Message) -> Message | None:
         """A descriptor -> the message as if its payload had come over the socket."""
@@ -172,8 +326,6 @@ class P2PEngine:
             while queue and self._push(queue[0], now):
                 self._draining.append(queue.popleft())
         self._draining = [op for op in self._draining if not self._drained(op, now)]
-        if self._ep.live.watch_if_due(now):
-            self._check_recvs(now)
 
     def _push(self, op: Send, now: float) -> bool:
         """Send what the pipe takes; True once every piece is queued."""
@@ -209,7 +361,7 @@ class P2PEngine:
         return True
 
     def _drained(self, op: Send, now: float) -> bool:
-        if op.work.is_completed():
+        if op.work._done.is_set():
             return True
         if all(t.done for t in op.trackers):
             op.work._finish(None, None)
@@ -251,31 +403,32 @@ class P2PEngine:
             op.work._finish(None, error)
 
     def _fail(self, op, error: BaseException) -> None:
-        if not op.work.is_completed():
+        if not op.work._done.is_set():
             op.work._finish(None, error)
 
     def _fail_all(self, error: Callable, peer: int | None = None) -> None:
+        """Fail every transfer (to or from ``peer``); the caller holds the reader."""
+        with self._tx:
+            sends = list(self._sends.values())
+            draining = list(self._draining)
+            posted = [] if peer is not None else list(self._posted)
+            if peer is None:
+                self._posted = collections.deque()
         anywhere = list(self._match.any.values()) if peer is None else []  # from any source: only when all fail
-        for queue in list(self._sends.values()) + list(self._match.recvs.values()) + anywhere:
+        for queue in sends + list(self._match.recvs.values()) + anywhere:
             for op in list(queue):
                 if peer is None or peer in (getattr(op, "dst", None), getattr(op, "src", None)):
                     self._fail(op, error(op))
                     queue.remove(op)
-        for op in self._draining:
-            if peer is None or op.dst == peer:
+        for op in draining + posted:
+            if peer is None or getattr(op, "dst", None) == peer:
                 self._fail(op, error(op))
-        if peer is not None:
-            return
-        with self._lock:
-            posted, self._posted = list(self._posted), collections.deque()
-        for op in posted:
-            self._fail(op, error(op))
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self, timeout_s: float) -> bool:
         """Stop the engine: posted transfers fail with GroupClosed; the thread closes its
         sockets itself. Returns whether it stopped within ``timeout_s``."""
-        with self._lock:
+        with self._tx:
             self._closing = True
             thread = self._thread
             try:
@@ -289,7 +442,7 @@ class P2PEngine:
         else:
             thread.join(timeout_s)
             stopped = not thread.is_alive()
-        with self._lock:
+        with self._tx:
             if stopped:
                 self._wake_tx.close(linger=0)
         return stopped
