@@ -103,8 +103,13 @@ def dead(rank: int, n: int) -> None:
         except commrt.PeerLost as exc:
             print(f"CAUGHT PeerLost rank {exc.rank} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
         commrt.send(torch.ones(1), 1, tag=5)
+        try:  # alive until rank 1 has it: a send is buffered, and exiting at once could lose it
+            commrt.recv(torch.empty(1), 1, tag=6)
+        except commrt.PeerLost:
+            pass  # rank 1 left, which it does only after its receive
     else:  # alive until rank 0 is done: only the last rank is lost
         commrt.recv(torch.empty(1), 0, tag=5)
+        commrt.send(torch.ones(1), 0, tag=6)
     os._exit(0)  # the survivors' teardown would wait on the dead rank
 
 
