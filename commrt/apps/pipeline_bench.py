@@ -18,9 +18,8 @@ import torch
 
 import commrt
 from commrt.runtime.errors import ConfigError
+from commrt.apps.pipeline_model import batch, build, make_model
 from commrt.pipeline.timeline import theory_bubble
-
-from commrt.apps.pipeline_lm import batch, build, make_model
 
 KINDS = ("gpipe", "1f1b", "interleaved", "pipedream")
 

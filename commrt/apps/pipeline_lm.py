@@ -22,38 +22,12 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 import commrt
 import commrt.train
-from commrt.apps import reporter
-from commrt.pipeline import GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, split
+from commrt.apps import pipeline_bench, reporter
+from commrt.apps.pipeline_model import SCHEDULES, batch, build
 from commrt.pipeline.timeline import gantt, theory_bubble
-
-SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved1F1B}
-
-
-class Flat(nn.Module):
-    """[batch, seq, vocab] -> [batch * seq, vocab] so the loss is a plain cross-entropy."""
-
-    def forward(self, x):
-        return x.reshape(-1, x.shape[-1])
-
-
-def make_model(vocab: int, dim: int, blocks: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Embedding(vocab, dim)]
-    for _ in range(blocks):
-        layers += [nn.Linear(dim, dim), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(dim, vocab), Flat())
-
-
-def batch(step: int, rows: int, seq: int, vocab: int):
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (rows, 1), generator=g)
-    tokens = (start + torch.arange(seq + 1)) % vocab
-    return tokens[:, :-1], tokens[:, 1:].reshape(-1)
-
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,33 +57,6 @@ def self_launch(args, argv) -> int | None:
     from commrt.launch import launch  # only the parent needs the launcher
     result = launch(args.stages * args.dp, [sys.executable, "-m", "commrt.apps.pipeline_lm", *argv], prefix=False)
     return result.returncode
-
-
-def wrap_replicas(part: nn.Module, args, dp_group):
-    """The stage's module, reducing its gradients over ``dp_group`` (None: no replicas)."""
-    if dp_group is None:
-        return part
-    if args.dp_wrap == "zero1":
-        cfg = {"zero_optimization": {"stage": 1},
-               "optimizer": {"type": "SGD", "params": {"lr": args.lr, "momentum": 0.9}}}
-        return commrt.train.initialize(part, cfg, group=dp_group)
-    return commrt.train.DataParallel(part, group=dp_group)
-
-
-def build(args, schedule: str, pp_group=None, dp_group=None, num_batches: int = 1):
-    """This rank's stages and the schedule over them (``pp_group``: None for the world)."""
-    ranks = commrt.get_world_size(pp_group) if pp_group is not None else commrt.get_world_size()
-    rank = commrt.get_rank(pp_group) if pp_group is not None else commrt.get_rank()
-    per_rank = 2 if schedule == "interleaved" else 1
-    n = ranks * per_rank
-    parts = split(make_model(args.vocab, args.dim, args.blocks), n, by="params")
-    stages = [PipelineStage(wrap_replicas(parts[s], args, dp_group), s, n, pp_group) for s in range(rank, n, ranks)]
-    loss_fn = nn.functional.cross_entropy
-    if schedule == "pipedream":
-        sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=num_batches)
-    else:
-        sched = SCHEDULES[schedule](stages if per_rank > 1 else stages[0], args.microbatches, loss_fn)
-    return stages, sched, n
 
 
 def report_timeline(log, sched, args, ranks: int, per_rank: int, batches: int = 1) -> None:
@@ -178,7 +125,6 @@ def main(argv=None) -> int:
     commrt.init_process_group()
     log = reporter("pipeline_lm", f"rank {commrt.get_rank()}")
     if args.bench:
-        from commrt.apps import pipeline_bench
         pipeline_bench.run(args, log)
     else:
         train(args, log)

@@ -12,6 +12,7 @@ from a random start, so the next token is predictable and the loss falls well be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -24,6 +25,7 @@ from torch import nn
 import commrt
 from commrt.apps import reporter
 from commrt.train import initialize
+from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import load_train_config
 
 
@@ -74,6 +76,14 @@ def _write_stats(path: str, engine, first: dict | None, last: dict, steps: int) 
         json.dump(out, fh)
 
 
+def mean_breakdown(steps: list[StepBreakdown]) -> StepBreakdown:
+    """The field-wise mean of several steps' breakdowns."""
+    out = StepBreakdown()
+    for f in dataclasses.fields(out):
+        setattr(out, f.name, sum(getattr(b, f.name) for b in steps) / max(len(steps), 1))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, help="ZeRO stage (overrides the config's [train])")
@@ -100,7 +110,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     engine = initialize(model, cfg)
     loss_fn = nn.CrossEntropyLoss()
-    times, first = [], None
+    times, first, breakdowns = [], None, []
     for step in range(args.steps):
         tokens = batch(rank, step, args.batch, args.seq, args.vocab)
         start = time.perf_counter()
@@ -110,6 +120,7 @@ def main(argv=None) -> int:
             engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - start)
+        breakdowns.append(engine.step_breakdown())
         if step == 0:  # later steps are the steady state (groups and the stage-3 order are set up)
             first = commrt.comm_stats()
         if rank == 0 and ((step + 1) % args.log_every == 0 or step == 0):
@@ -122,6 +133,8 @@ def main(argv=None) -> int:
              "%.1f, optimizer %.1f, gathered peak %.1f), peak RSS %.0f MiB", world, cfg.zero.stage,
              n_params / 1e6, 1000 * steady, mib["total"], mib["parameters"], mib["gradients"],
              mib["optimizer_state"], mib["gathered_peak"], rss)
+    if rank == 0 and breakdowns[-1] is not None:
+        log.info("step breakdown, mean after warm-up: %s", mean_breakdown(breakdowns[len(breakdowns) // 3:]))
     sent = commrt.comm_stats()
     if args.stats_json:
         _write_stats(f"{args.stats_json}.{rank}.json", engine, first, sent, args.steps - 1)

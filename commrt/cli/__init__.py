@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     if argv[:2] == ["bench", "ps"]:  # -w means workers here, not warmup as in nccl-tests
         from commrt.bench.ps import main as bench_ps
         return bench_ps(argv[2:])
+    if argv[:2] == ["bench", "train"]:  # plain torch loop vs the engine's stages (commrt/bench/train.py)
+        from commrt.bench.train import main as bench_train
+        return bench_train(argv[2:])
     args = build_parser().parse_args(argv)
     return launch_cmd.guarded(args.command, args.fn, args)
 

@@ -12,13 +12,13 @@ from commrt import launch as launcher
 PROGRESS = "#progress "
 BACKENDS = ("zmq", "gloo", "nccl")
 VARIANTS = ("", "hier", "int8", "int4")  # NAME+hier, NAME+int8 / +int4 (bench/runner.py)
-COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv", "ps", "p2p"]
+COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "sendrecv", "ps", "p2p", "train"]
 
 
 def add_parser(sub) -> None:
     bp = sub.add_parser("bench", help="nccl-tests-style bandwidth benchmark",
                         description="nccl-tests-style bandwidth benchmark: busbw per size, per backend")
-    bp.add_argument("collective", choices=COLLECTIVES, help="what to time ('bench ps --help': the PS benchmark)")
+    bp.add_argument("collective", choices=COLLECTIVES, help="what to time ('bench ps --help': the PS benchmark; 'bench train --help': training step time per strategy)")
     bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved); "
                     "NAME+hier: NAME with the hierarchical collectives (needs a multi-node launch); "
                     "NAME@SIZE: NAME with [comm] chunk_bytes = SIZE")

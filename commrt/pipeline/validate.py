@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 
 from commrt.runtime.errors import CommError
-from commrt.pipeline.schedules import (B, COMPUTE, F, I, RECV_B, RECV_F, SEND_B, SEND_F, UPDATE, W, Action,
+from commrt.pipeline.actions import (B, COMPUTE, F, I, RECV_B, RECV_F, SEND_B, SEND_F, UPDATE, W, Action,
     format_grid)
 
 GRID_CONTEXT = 4  # steps shown either side of the failing one

@@ -176,4 +176,4 @@ def load_shard_states(engine, states: list[dict]) -> None:
             for n, src in zip(names, slot[1:-1]):
                 u.state[n][a:b].copy_(src[start:start + b - a])
         u.grad.zero_()
-    z._publish()
+    z.publish()

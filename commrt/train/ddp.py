@@ -22,6 +22,7 @@ from torch import nn
 from commrt import distributed as dist
 from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
+from commrt.train.breakdown import StepBreakdown, StepClock
 from commrt.train.layout import buckets
 
 
@@ -53,6 +54,9 @@ class DataParallel(nn.Module):
         self._queued = False
         self.require_sync = True
         self.reduced_during_backward = 0  # buckets whose all-reduce a gradient hook started (overlap)
+        # world size 1, exact dtype, no codec: the average over one rank is the gradient itself
+        self._alone = dist.get_world_size(group) == 1 and comm_quant is None and comm_dtype in (None, torch.float32)
+        self.clock = StepClock()  # forward, then backward up to the end of the reduction
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -62,7 +66,17 @@ class DataParallel(nn.Module):
                 for b in self.module.buffers():
                     dist.broadcast(b, self._src, self.group)
         self._pending = [len(ps) for ps in self._buckets]
-        return self.module(*args, **kwargs)
+        self.clock.abandon()  # a backward that never reduced (no_sync, or none at all)
+        with self.clock.span("forward"):
+            out = self.module(*args, **kwargs)
+        if self.require_sync:
+            self.clock.enter("backward")  # left by _finish, at the end of the reduction
+        return out
+
+    def step_breakdown(self) -> StepBreakdown | None:
+        """The last synchronised step's forward and backward (the optimizer step is the
+        caller's, so ``optimizer`` is 0); None before the first."""
+        return self.clock.last
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -82,11 +96,18 @@ class DataParallel(nn.Module):
         b = self._bucket_of[id(p)]
         self._pending[b] -= 1
         if self._pending[b] == 0:
-            self._reduce(b)
+            with self.clock.span("bookkeeping"):
+                self._reduce(b)
             self.reduced_during_backward += 1
 
     def _reduce(self, b: int) -> None:
         params = self._buckets[b]
+        if self._alone and all(p.dtype == torch.float32 for p in params):
+            self._pending[b] = -1  # p.grad is already the average; a missing one becomes zeros
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
         dtype = self.comm_dtype or params[0].dtype
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
                           for p in params])
@@ -99,11 +120,19 @@ class DataParallel(nn.Module):
         self._inflight.append((work, b, flat))
 
     def _finish(self) -> None:
+        with self.clock.span("bookkeeping"):
+            self._finish_reductions()
+        if self.clock.open():
+            self.clock.leave()  # the backward entered after forward
+            self.clock.finish_step()
+
+    def _finish_reductions(self) -> None:
         for b, left in enumerate(self._pending):
             if left > 0:  # some parameters got no gradient this time: reduce zeros for them
                 self._reduce(b)
         for work, b, flat in self._inflight:
-            work.wait()
+            with self.clock.span("comm_waited"):
+                work.wait()
             offset = 0
             for p in self._buckets[b]:
                 n = p.numel()

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from typing import Any, Mapping
@@ -20,8 +21,11 @@ from commrt import distributed as dist
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.errors import CommError
 from commrt.train import checkpoint, groups, sharding
+from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import TrainConfig
-from commrt.train.zero import UnitState, Zero
+from commrt.train.units import UnitState
+from commrt.train.zero import Zero, ZeroSettings
+from commrt.train.zero_step import squared_norm
 
 
 class NonFiniteGradients(CommError):
@@ -50,14 +54,15 @@ class Engine:
         auto = "auto" in (z.sharding_strategy, z.zero_hpz_partition_size)
         links = groups.measure_links() if auto and group is None else None
         self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node(), links)
-        self.zero = Zero(model, self.params, self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size,
-                         group, overlap=z.overlap_comm, groups=groups.build(self.plan, group),
-                         qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients,
-                         loco=z.zeropp_loco_param)
+        settings = ZeroSettings(self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size, z.overlap_comm,
+                                qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients,
+                                loco=z.zeropp_loco_param)
+        self.zero = Zero(model, self.params, settings, group, groups.build(self.plan, group))
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
         self.reduced_during_backward = 0  # units whose reduction a gradient hook started
+        self.clock = self.zero.clock
         self._no_sync = False
         self._sync_now = True
         self._hooks = []
@@ -73,7 +78,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args = tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        return self.module(*args, **kwargs)
+        with self.clock.span("forward"):
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
@@ -82,19 +88,24 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps``; bucket reductions start inside."""
+        with self.clock.span("backward"):
+            self._backward(loss)
+        self.micro_steps += 1
+
+    def _backward(self, loss: torch.Tensor) -> None:
         stage = self.zero.stage
         self._sync_now = stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
         for u in self.zero.units:
             u.pending = len(u.params)
         (loss / self.cfg.gradient_accumulation_steps).backward()
-        if self._sync_now:  # units whose parameters got no gradient still take part
-            for u in self.zero.units:
-                if 0 < u.pending:
-                    self.zero.reduce(u)
-                    u.pending = 0
-        self.zero.wait()
-        self._learn_order()
-        self.micro_steps += 1
+        with self.clock.span("bookkeeping"):
+            if self._sync_now:  # units whose parameters got no gradient still take part
+                for u in self.zero.units:
+                    if 0 < u.pending:
+                        self.zero.reduce(u)
+                        u.pending = 0
+            self.zero.wait()
+            self._learn_order()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync_now:
@@ -102,7 +113,8 @@ class Engine:
         u = self._unit_of[id(p)]
         u.pending -= 1
         if u.pending == 0:
-            self.zero.reduce(u)
+            with self.clock.span("bookkeeping"):
+                self.zero.reduce(u)
             self.reduced_during_backward += 1  # started while backward runs: the overlap
 
     @contextlib.contextmanager
@@ -120,8 +132,19 @@ class Engine:
         """Apply the optimizer at an accumulation boundary; returns whether a step was taken."""
         if self.micro_steps % self.cfg.gradient_accumulation_steps or self._no_sync:
             return False
-        self.zero.wait()
-        bad, norm = self._check_gradients()
+        with self.clock.span("optimizer"):
+            took = self._step()
+        self.clock.finish_step()
+        return took
+
+    def step_breakdown(self) -> StepBreakdown | None:
+        """Where the last optimizer step's time went (None before the first step)."""
+        return self.clock.last
+
+    def _step(self) -> bool:
+        with self.clock.span("bookkeeping"):
+            self.zero.wait()
+            bad, norm = self._check_gradients()
         if bad:
             for u in self.zero.units:
                 u.grad.zero_()
@@ -133,7 +156,7 @@ class Engine:
         clip = self.cfg.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # as torch.nn.utils.clip_grad_norm_
         self.global_steps += 1
-        self.zero.update(self.global_steps, coef)
+        self.zero.update(self.global_steps, coef)  # its publish is bookkeeping and comm
         self.last_grad_norm = norm
         return True
 
@@ -143,8 +166,9 @@ class Engine:
         vec = torch.zeros(z.world + 1, dtype=torch.float64)
         vec[z.rank] = float(z.nonfinite)
         if z.counts_norm:
-            vec[z.world] = sum(float(z.shard_grad(u).double().square().sum()) for u in z.units)
-        dist.all_reduce(vec, ReduceOp.SUM, self.group)
+            vec[z.world] = sum(squared_norm(z.shard_grad(u)) for u in z.units)
+        with self.clock.span("comm_waited"):
+            dist.all_reduce(vec, ReduceOp.SUM, self.group)
         z.nonfinite = False
         bad = [r for r in range(z.world) if vec[r] > 0]
         total = float(vec[z.world])
@@ -163,9 +187,21 @@ class Engine:
             if not mine:
                 continue
             u = self._unit_of[id(mine[0])]
-            self._hooks.append(m.register_forward_pre_hook(lambda *_, u=u: self._use(u, self._next, True)))
-            self._hooks.append(m.register_forward_hook(lambda *_, u=u: self.zero.release(u)))
-            self._hooks.append(m.register_full_backward_pre_hook(lambda *_, u=u: self._use(u, self._prev)))
+            self._hooks.append(m.register_forward_pre_hook(functools.partial(self._before_forward, u)))
+            self._hooks.append(m.register_forward_hook(functools.partial(self._after_forward, u)))
+            self._hooks.append(m.register_full_backward_pre_hook(functools.partial(self._before_backward, u)))
+
+    def _before_forward(self, u: UnitState, *_) -> None:
+        with self.clock.span("bookkeeping"):
+            self._use(u, self._next, True)
+
+    def _after_forward(self, u: UnitState, *_) -> None:
+        with self.clock.span("bookkeeping"):
+            self.zero.release(u)
+
+    def _before_backward(self, u: UnitState, *_) -> None:
+        with self.clock.span("bookkeeping"):
+            self._use(u, self._prev)
 
     def _use(self, u: UnitState, ahead: dict, forward: bool = False) -> None:
         if forward and not self._next and all(v is not u for v in self._order):

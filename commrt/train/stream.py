@@ -44,7 +44,11 @@ class CommStream:
     def fence(self) -> None:
         """Return once the stream has issued everything submitted so far: then the caller may
         use the same groups directly without changing their order on any rank."""
-        self._executor.submit("fence", lambda: None).wait()
+        self._executor.submit("fence", _nothing).wait()
 
     def close(self) -> None:
         self._executor.close()
+
+
+def _nothing() -> None:
+    """A fence's operation: done once everything before it on the stream has been issued."""

@@ -79,7 +79,7 @@ def test_with_stage_drops_the_strategy_name():
 def test_run_ready_finishes_only_the_done_front_in_order():
     """Zero.progress: hybrid's follow-up all-reduce starts from a hook once its reduce-scatter
     is done; only from the front, so every rank starts follow-ups in the same order."""
-    from commrt.train.zero import run_ready
+    from commrt.train.followups import Followup, run_ready
 
     class W:
         def __init__(self, done):
@@ -92,10 +92,11 @@ def test_run_ready_finishes_only_the_done_front_in_order():
             assert self.done
 
     ran = []
-    works = [(W(True), lambda: ran.append(1)), (W(True), lambda: works.append((W(True), lambda: ran.append(9)))),
-             (W(False), lambda: ran.append(3)), (W(True), lambda: ran.append(4))]
+    works = [Followup(W(True), ran.append, (1,)),
+             Followup(W(True), lambda: works.append(Followup(W(True), ran.append, (9,)))),
+             Followup(W(False), ran.append, (3,)), Followup(W(True), ran.append, (4,))]
     assert run_ready(works) == 2 and ran == [1] and len(works) == 3  # stops at the one in flight
-    works[0][0].done = True
+    works[0].work.done = True
     assert run_ready(works) == 3 and ran == [1, 3, 4, 9] and not works
 
 

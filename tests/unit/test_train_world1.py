@@ -1,0 +1,133 @@
+"""The training engine at world size 1 against a plain torch loop (same model, batch, loss and
+torch.optim.AdamW): every stage must give the same parameters, and report a step breakdown.
+World size 1 takes the engine's no-collective path (``Zero._reduce_alone``), so this is also
+the check that skipping the collective changed nothing."""
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+import commrt
+import commrt.train
+from commrt.train import TrainConfig, initialize
+from commrt.train.breakdown import StepBreakdown, StepClock
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def world1():
+    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    yield
+    commrt.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.body = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.LayerNorm(48), nn.Linear(48, 24))
+        self.head = nn.Linear(24, 50)
+        self.unused = nn.Linear(3, 3)  # never gets a gradient
+
+    def forward(self, idx):
+        return self.head(self.body(self.emb(idx)))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 50, (6, 9), generator=g) for _ in range(n)]
+
+
+def _loss(model, idx):
+    logits = model(idx[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 50), idx[:, 1:].reshape(-1))
+
+
+OPTIMIZERS = {"adamw": ({"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)),
+              # Adam hardly sees a gradient's scale; SGD does
+              "sgd": ({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
+                      lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01))}
+
+
+def _plain(steps, clip, kind):
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[kind][1](model.parameters())
+    for idx in _batches(steps):
+        opt.zero_grad(set_to_none=True)
+        _loss(model, idx).backward()
+        for p in model.parameters():  # the engine steps every parameter, a zero gradient included
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_equals_the_plain_torch_loop(world1, stage, clip, kind):
+    want = _plain(4, clip, kind)
+    torch.manual_seed(0)
+    cfg = TrainConfig.from_dict({"zero_optimization": {"stage": stage, "reduce_bucket_size": 1500},
+                                 "optimizer": OPTIMIZERS[kind][0],
+                                 "gradient_clipping": clip})
+    engine = initialize(Net(), cfg)
+    for idx in _batches(4):
+        engine.backward(_loss(engine, idx))
+        assert engine.step()
+    got = engine.full_state_dict()
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-6, msg=f"stage {stage}: {name}")
+    bd = engine.step_breakdown()
+    assert isinstance(bd, StepBreakdown) and bd.forward > 0 and bd.backward > 0 and bd.optimizer > 0
+    parts = bd.forward + bd.backward + bd.optimizer + bd.comm_waited + bd.bookkeeping
+    assert abs(parts - bd.total) < 1e-6  # exclusive spans: every second counted once
+
+
+def test_a_nonfinite_gradient_skips_the_step(world1):
+    engine = initialize(Net(), TrainConfig.from_dict({"zero_optimization": {"stage": 2}}))
+    before = engine.full_state_dict()
+    engine.backward(_loss(engine, _batches(1)[0]) * float("inf"))
+    assert not engine.step() and engine.skipped_steps == 1
+    for name, value in engine.full_state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_step_clock_counts_nested_spans_once():
+    clock = StepClock()
+    with clock.span("backward"):
+        with clock.span("bookkeeping"):
+            with clock.span("comm_waited"):
+                pass
+    clock.hidden(1.0, 3.0, 2.5)  # done before anybody waited: hidden until it was done
+    clock.hidden(1.0, 3.0, None)  # completion unknown: hidden until the wait
+    bd = clock.finish_step()
+    assert bd.comm_hidden == pytest.approx(3.5)
+    assert bd.backward + bd.bookkeeping + bd.comm_waited == pytest.approx(bd.total)
+    assert clock.last is bd and clock.current.total == 0
+
+
+def test_data_parallel_equals_the_plain_torch_loop(world1):
+    want = _plain(4, 0.0, "sgd")
+    torch.manual_seed(0)
+    model = commrt.train.DataParallel(Net())
+    opt = OPTIMIZERS["sgd"][1](model.parameters())
+    for idx in _batches(4):
+        opt.zero_grad(set_to_none=True)
+        _loss(model, idx).backward()
+        opt.step()
+    for name, p in model.module.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=1e-6, msg=name)
+    bd = model.step_breakdown()
+    assert bd.forward > 0 and bd.backward > 0 and bd.optimizer == 0
+    assert abs(bd.forward + bd.backward + bd.comm_waited + bd.bookkeeping - bd.total) < 1e-6
