@@ -15,7 +15,7 @@ def _args(*argv):
 
 
 def test_table_names_every_algorithm_and_the_pick():
-    text = command.render(_args("--worlds", "8,12", "--sizes", "4K,8M")).text
+    text = command.render(_args("--worlds", "8,12", "--sizes", "4K,64M")).text
     lines = text.splitlines()
     assert "recursive_doubling us" in lines[1] and "ring us" in lines[1] and len(lines) == 6
     assert lines[2].split()[-1] == "recursive_doubling" and lines[3].split()[-1] == "ring"
