@@ -25,6 +25,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
+from commrt.plan import simulate_command
 from commrt.runtime.errors import ConfigError
 
 if TYPE_CHECKING:  # the model imports torch: only once the command runs, not for every commrt command
@@ -49,7 +50,7 @@ def parse_bandwidth(text: str) -> float:
 def add_parser(sub) -> argparse.ArgumentParser:
     ep = sub.add_parser("estimate", help="predict memory, bytes and communication time per rank and step",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ep.add_argument("--params", type=float, required=True, help="trainable parameters (7e9)")
+    ep.add_argument("--params", type=float, help="trainable parameters (7e9); required unless --simulate")
     ep.add_argument("--nodes", type=int, default=1)
     ep.add_argument("--per-node", type=int, default=1, help="ranks per node")
     ep.add_argument("--stage", type=int, help="ZeRO stage 0-3")
@@ -76,6 +77,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "with 2 local ranks")
     ep.add_argument("--measure-bytes", default="16M", help="--measure: the probe's all_reduce size")
     ep.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    simulate_command.add_arguments(ep)
     return ep
 
 
@@ -192,6 +194,10 @@ class Output(NamedTuple):
 def render(args) -> Output | None:
     """The estimate for ``args``; None on a job's ranks other than 0 (``--measure`` in a job).
     The CLI prints it (commrt/cli.py)."""
+    if args.simulate:
+        return Output(simulate_command.render(args, parse_size, parse_bandwidth), None)
+    if args.params is None:
+        raise ConfigError("commrt estimate needs --params (or --simulate)")
     from commrt.plan.estimate import estimate
     measured = None
     if args.measure:

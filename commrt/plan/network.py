@@ -1,0 +1,61 @@
+"""The network ``plan.simulate`` replays schedules over (issue 32.4): pure data, no I/O.
+
+Nodes of ``per_node`` ranks (rank r on node r // per_node). Inside a node every rank has a
+port into the node's fabric, one link each way (``intra_bw``; NVLink or shared memory). Each
+node has one NIC, a link each way to its leaf switch (``nic_bw``). Leaves hold
+``nodes_per_leaf`` nodes and reach the spine through one aggregate link each way of
+``nodes_per_leaf * nic_bw / oversubscription`` (a two-level fat tree: 1.0 is full bisection).
+
+A message pays the latencies of the levels it crosses once (alpha) and its bytes over the
+slowest link of its path (beta); concurrent messages on one link are serialised, first come
+first served (``simulate.replay``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Link = tuple[str, int]  # (kind, index): ("out"|"in", rank), ("nic_up"|"nic_down", node), ("leaf_up"|"leaf_down", leaf)
+
+
+@dataclass(frozen=True)
+class Network:
+    world: int
+    per_node: int = 8
+    intra_latency: float = 2e-6
+    """seconds for a message between two ranks of a node"""
+    intra_bw: float = 100e9
+    """bytes/s of each rank's port into its node, each way"""
+    nic_latency: float = 5e-6
+    """seconds added when a message leaves the node (NIC, leaf switch)"""
+    nic_bw: float = 25e9
+    """bytes/s of a node's one NIC, each way (200 Gbit/s)"""
+    nodes_per_leaf: int = 16
+    spine_latency: float = 1e-6
+    """seconds added when a message crosses the spine (another leaf)"""
+    oversubscription: float = 1.0
+    """a leaf's downlink bandwidth over its uplink bandwidth"""
+    reduce_bw: float = 0.0
+    """bytes/s a rank reduces (0: reduction costs nothing)"""
+
+    def __post_init__(self):
+        if self.world < 1 or self.per_node < 1 or self.nodes_per_leaf < 1:
+            raise ValueError(f"network needs world, per_node, nodes_per_leaf >= 1: {self}")
+        if min(self.intra_bw, self.nic_bw, self.oversubscription) <= 0:
+            raise ValueError(f"bandwidths and oversubscription must be > 0: {self}")
+
+    @property
+    def spine_bw(self) -> float:
+        return self.nodes_per_leaf * self.nic_bw / self.oversubscription
+
+    def route(self, src: int, dst: int) -> tuple[tuple[Link, ...], float, float]:
+        """(links crossed, latency, bottleneck bandwidth) of a message src -> dst."""
+        a, b = src // self.per_node, dst // self.per_node
+        if a == b:
+            return (("out", src), ("in", dst)), self.intra_latency, self.intra_bw
+        la, lb = a // self.nodes_per_leaf, b // self.nodes_per_leaf
+        lat = self.intra_latency + self.nic_latency
+        bw = min(self.intra_bw, self.nic_bw)
+        if la == lb:
+            return (("out", src), ("nic_up", a), ("nic_down", b), ("in", dst)), lat, bw
+        return ((("out", src), ("nic_up", a), ("leaf_up", la), ("leaf_down", lb), ("nic_down", b), ("in", dst)),
+                lat + self.spine_latency, min(bw, self.spine_bw))

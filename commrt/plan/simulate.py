@@ -1,0 +1,153 @@
+"""Replay collective schedules over a network model (issue 32.4): time and per-link load.
+
+The schedules are the ones the executors run (``collectives/schedules.py``, which re-expresses
+``algorithms.py``'s ring and chain as steps), not a formula. Every rank walks its steps: a
+step's send leaves when the rank reaches it and takes every link of its path at once for
+bytes / bottleneck bandwidth, after whatever the links already carry (first come, first served,
+in time order); it arrives a path latency later. The step ends when its send has left and its
+receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set.
+
+Long schedules (the ring and pairwise all_to_all take n-1 steps per phase, 537 M rank-steps at
+16,384 ranks) are replayed over their first ``k`` and ``2k`` steps of each phase and the
+remaining steps extended at the per-step time and load between the two: every step of these
+schedules moves the same chunk size in the same pattern (to the neighbour, or to the peer k
+away), so the per-step cost is steady. ``Result.replayed`` says how much was replayed.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from typing import NamedTuple
+
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.schedules import ALGORITHMS, REDUCE, Schedule, Step, schedule
+from commrt.plan.network import Network
+
+MAX_RANK_STEPS = 60_000  # beyond this, steady-state extension (~20 us of Python per rank-step)
+HARD_LIMIT = 3_000_000   # rank-steps replayed at most (an unextendable schedule beyond: ValueError)
+# schedules whose steps are uniform: phases of n-1 steps each
+_PHASES = {("all_reduce", "ring"): 2, ("all_gather", "ring"): 1, ("all_to_all", "pairwise"): 1}
+
+
+class Result(NamedTuple):
+    collective: str
+    algorithm: str
+    world: int
+    nbytes: int
+    seconds: float
+    link_bytes: dict          # (kind, index) -> bytes carried
+    messages: int             # sent, all ranks together
+    bytes_sent: int           # sent, all ranks together
+    replayed: float           # fraction of the rank-steps replayed (1.0: all)
+
+
+def _range_bytes(prefix: list[int], parts: int, rng: tuple[int, int], itemsize: int) -> int:
+    lo, hi = rng
+    if hi <= lo:
+        return 0
+    start = lo % parts
+    end = start + (hi - lo)
+    elems = prefix[min(end, parts)] - prefix[start] + (prefix[end - parts] if end > parts else 0)
+    return elems * itemsize
+
+
+def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tuple[float, dict, int, int]:
+    """(seconds until the last rank finishes, link -> bytes, messages, bytes sent)."""
+    parts, ranks = sched
+    prefix = [0]
+    for a, b in chunk_bounds(numel, parts):
+        prefix.append(prefix[-1] + b - a)
+    free, load = defaultdict(float), defaultdict(float)
+    chan, waiting = defaultdict(deque), {}
+    n = len(ranks)
+    pos, clock, sent_at = [0] * n, [0.0] * n, [None] * n
+    heap = [(0.0, r) for r in range(n)]
+    messages = sent = 0
+    while heap:
+        _, r = heapq.heappop(heap)
+        steps = ranks[r]
+        while pos[r] < len(steps):
+            s, t = steps[pos[r]], clock[r]
+            if s.send_to is not None and sent_at[r] is None:
+                size = _range_bytes(prefix, parts, s.send, itemsize)
+                links, lat, bw = net.route(r, s.send_to)
+                start = max(t, max(free[link] for link in links))
+                sent_at[r] = start + size / bw
+                for link in links:
+                    free[link] = sent_at[r]
+                    load[link] += size
+                chan[r, s.send_to].append(sent_at[r] + lat)
+                messages, sent = messages + 1, sent + size
+                woken = waiting.pop((r, s.send_to), None)
+                if woken is not None:
+                    heapq.heappush(heap, (clock[woken], woken))
+            done = t if sent_at[r] is None else sent_at[r]
+            if s.recv_from is not None:
+                queue = chan[s.recv_from, r]
+                if not queue:
+                    waiting[s.recv_from, r] = r
+                    break
+                done = max(done, queue.popleft())
+                if s.action == REDUCE and net.reduce_bw:
+                    done += _range_bytes(prefix, parts, s.recv, itemsize) / net.reduce_bw
+            clock[r], sent_at[r] = done, None
+            pos[r] += 1
+            if heap and heap[0][0] < done:  # keep sends in time order: let the earlier ranks go first
+                heapq.heappush(heap, (done, r))
+                break
+    assert not waiting and all(p == len(st) for p, st in zip(pos, ranks)), "schedule deadlocked"
+    return max(clock, default=0.0), dict(load), messages, sent
+
+
+def _rotated(step: Step, r: int, n: int) -> Step:
+    """Rank 0's step as rank r takes it in a rotation-symmetric schedule (ring, pairwise):
+    peers and chunks shifted by r (chunk ranges are taken modulo parts = n)."""
+    def shift(rng):
+        return (rng[0] + r) % n, (rng[0] + r) % n + rng[1] - rng[0]
+    return step._replace(send_to=None if step.send_to is None else (step.send_to + r) % n, send=shift(step.send),
+                         recv_from=None if step.recv_from is None else (step.recv_from + r) % n,
+                         recv=shift(step.recv))
+
+
+def truncated(collective: str, algorithm: str, n: int, k: int, phases: int) -> Schedule:
+    """The first ``k`` steps of each of the ``phases`` phases of n-1 steps. Built from rank 0's
+    schedule, rotated: building every rank's whole ring at 16,384 ranks is 537 M steps."""
+    build, parts = ALGORITHMS[collective][algorithm]
+    first = [s for ph in range(phases) for s in build(0, n, 0, 1)[ph * (n - 1):ph * (n - 1) + k]]
+    return Schedule(parts(n, 1), [[_rotated(s, r, n) for s in first] for r in range(n)])
+
+
+def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsize: int = 4,
+             root: int = 0, piece_bytes: int = 4 << 20, max_rank_steps: int = MAX_RANK_STEPS) -> Result:
+    """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``."""
+    n, numel = net.world, nbytes // itemsize
+    pieces = max(1, -(-nbytes // piece_bytes))
+    phases = _PHASES.get((collective, algorithm))
+    if phases is None or phases * (n - 1) * n <= max_rank_steps or n < 8:
+        if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
+            raise ValueError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
+                             f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform")
+        secs, load, msgs, sent = replay(net, schedule(collective, algorithm, n, root, pieces), numel, itemsize)
+        return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
+    total_steps = phases * (n - 1) * n
+    k = max(2, max_rank_steps // (2 * phases * n))
+    first = replay(net, truncated(collective, algorithm, n, k, phases), numel, itemsize)
+    second = replay(net, truncated(collective, algorithm, n, 2 * k, phases), numel, itemsize)
+    scale = (n - 1 - k) / k  # the steps not in the first k, per the k steps between k and 2k
+    secs = first[0] + (second[0] - first[0]) * scale
+    load = {link: first[1].get(link, 0.0) + (second[1][link] - first[1].get(link, 0.0)) * scale
+            for link in second[1]}
+    msgs = round(first[2] + (second[2] - first[2]) * scale)
+    sent = round(first[3] + (second[3] - first[3]) * scale)
+    return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 3 * k * phases * n / total_steps)
+
+
+def load_by_kind(link_bytes: dict) -> dict[str, dict[str, float]]:
+    """Per kind of link: how many carried anything, their total and the busiest one's bytes."""
+    out: dict[str, dict[str, float]] = {}
+    for (kind, _), b in link_bytes.items():
+        agg = out.setdefault(kind, {"links": 0, "total_bytes": 0.0, "max_bytes": 0.0})
+        agg["links"] += 1
+        agg["total_bytes"] += b
+        agg["max_bytes"] = max(agg["max_bytes"], b)
+    return out

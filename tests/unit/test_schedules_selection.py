@@ -1,0 +1,50 @@
+"""The selection table (issue 32.1): defaults cover every collective at every size, overrides
+go first, and a bad override names what is valid."""
+import pytest
+
+from commrt.collectives import selection as sel
+from commrt.collectives.schedules import ALGORITHMS
+from commrt.runtime.errors import ConfigError
+
+
+@pytest.mark.parametrize("collective", sorted(ALGORITHMS))
+def test_defaults_cover_every_size_and_world(collective):
+    for world in (1, 2, 3, 8, 1000, 16384):
+        for nbytes in (0, 1, 4096, 65536, 1 << 20, 1 << 34):
+            assert sel.choose(collective, nbytes, world) in ALGORITHMS[collective]
+
+
+def test_defaults_go_from_latency_to_bandwidth_algorithms():
+    assert sel.choose("all_reduce", 4096, 1024) == "recursive_doubling"
+    assert sel.choose("all_reduce", 128 << 10, 1024) == "rabenseifner"
+    assert sel.choose("all_reduce", 64 << 20, 1024) == "ring"
+    assert sel.choose("broadcast", 4096, 64) == "binomial"
+    assert sel.choose("all_gather", 4096, 64) == "bruck"
+
+
+def test_overrides_pin_an_algorithm_for_a_range():
+    table = sel.table_from({"all_reduce": [{"algorithm": "ring", "max_bytes": 1024, "min_world": 4}],
+                            "all_gather": "ring"})
+    assert sel.choose("all_reduce", 512, 8, table) == "ring"
+    assert sel.choose("all_reduce", 512, 2, table) == "recursive_doubling"   # outside the world range
+    assert sel.choose("all_reduce", 2048, 8, table) == "recursive_doubling"  # outside the byte range
+    assert sel.choose("all_gather", 1, 8, table) == "ring"
+    assert "ring" in sel.format_table(table).splitlines()[0]
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ({"allreduce": "ring"}, "valid: ['all_gather', 'all_reduce'"),
+    ({"all_reduce": "tree"}, "valid: ['rabenseifner', 'recursive_doubling', 'ring']"),
+    ({"all_reduce": [{"algorithm": "ring", "max_size": 3}]}, "unknown keys ['max_size']"),
+    ({"all_reduce": [{"algorithm": "ring", "max_bytes": -1}]}, "non-negative"),
+    ({"all_reduce": 3}, "expected a name or a table"),
+])
+def test_bad_overrides_name_what_is_valid(overrides, says):
+    with pytest.raises(ConfigError, match=None) as err:
+        sel.table_from(overrides)
+    assert says in str(err.value)
+
+
+def test_a_table_with_a_gap_says_so():
+    with pytest.raises(ConfigError, match="no algorithm for all_reduce"):
+        sel.choose("all_reduce", 1 << 20, 8, (sel.Rule("all_reduce", "ring", max_bytes=1024),))

@@ -1,0 +1,71 @@
+"""The schedule simulator (issue 32.4) against hand-computed times, and its link accounting
+against the bytes the schedules say they send (counted here, independently of the replay)."""
+import pytest
+
+from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.schedules import ALGORITHMS, schedule
+from commrt.plan.network import Network
+from commrt.plan.simulate import simulate, truncated
+
+S = 1 << 20
+
+
+def test_two_ranks_take_latency_plus_bytes_over_bandwidth():
+    net = Network(world=2, per_node=2, intra_latency=3e-6, intra_bw=50e9)
+    assert simulate(net, "all_reduce", "recursive_doubling", S).seconds == pytest.approx(3e-6 + S / 50e9, rel=1e-12)
+    net = Network(world=2, per_node=1, intra_latency=1e-6, nic_latency=4e-6, intra_bw=100e9, nic_bw=10e9)
+    assert simulate(net, "broadcast", "binomial", S).seconds == pytest.approx(5e-6 + S / 10e9, rel=1e-12)
+
+
+def test_messages_sharing_a_nic_are_serialised():
+    # 2 nodes x 2 ranks: an exchange inside the node, then both ranks of a node cross one NIC
+    net = Network(world=4, per_node=2, intra_latency=1e-6, nic_latency=4e-6, intra_bw=100e9, nic_bw=10e9)
+    want = (1e-6 + S / 100e9) + (5e-6 + 2 * S / 10e9)
+    assert simulate(net, "all_reduce", "recursive_doubling", S).seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_ring_and_recursive_doubling_cross_over():
+    net = Network(world=16, per_node=8)
+    small = {a: simulate(net, "all_reduce", a, 4096).seconds for a in ("ring", "recursive_doubling")}
+    large = {a: simulate(net, "all_reduce", a, 16 << 20).seconds for a in ("ring", "recursive_doubling")}
+    assert small["recursive_doubling"] < small["ring"] / 3 and large["ring"] < large["recursive_doubling"] / 3
+
+
+def _bytes_sent(sched, numel, itemsize=4):
+    bounds = chunk_bounds(numel, sched.parts)
+    size = lambda rng: sum(bounds[i % sched.parts][1] - bounds[i % sched.parts][0] for i in range(*rng))  # noqa: E731
+    total = cross = 0
+    for r, steps in enumerate(sched.ranks):
+        for s in steps:
+            if s.send_to is not None:
+                total += size(s.send) * itemsize
+                cross += size(s.send) * itemsize * (r // 4 != s.send_to // 4)
+    return total, cross
+
+
+@pytest.mark.parametrize("collective,algo", [(c, a) for c in ALGORITHMS for a in ALGORITHMS[c]])
+@pytest.mark.parametrize("n", [1, 6, 13])
+def test_link_loads_add_up_to_the_bytes_the_schedule_sends(collective, algo, n):
+    net = Network(world=n, per_node=4, nodes_per_leaf=2)
+    nbytes = 4 * 1001
+    res = simulate(net, collective, algo, nbytes, piece_bytes=1024)
+    total, cross = _bytes_sent(schedule(collective, algo, n, 0, 4), nbytes // 4)
+    by_kind = {}
+    for (kind, _), b in res.link_bytes.items():
+        by_kind[kind] = by_kind.get(kind, 0) + b
+    assert res.bytes_sent == total == by_kind.get("out", 0) == by_kind.get("in", 0)
+    assert by_kind.get("nic_up", 0) == by_kind.get("nic_down", 0) == cross
+    assert by_kind.get("leaf_up", 0) <= cross
+
+
+def test_truncated_schedules_are_rank_0_rotated_and_the_extension_matches_a_full_replay():
+    full = schedule("all_reduce", "ring", 12)
+    cut = truncated("all_reduce", "ring", 12, 3, 2)
+    assert cut.ranks == [st[:3] + st[11:14] for st in full.ranks]
+    net = Network(world=64, per_node=8)
+    for nbytes in (4096, 16 << 20):
+        whole = simulate(net, "all_reduce", "ring", nbytes)
+        part = simulate(net, "all_reduce", "ring", nbytes, max_rank_steps=1000)
+        assert whole.replayed == 1 and part.replayed < 0.2
+        assert part.seconds == pytest.approx(whole.seconds, rel=0.1)
+        assert part.bytes_sent == whole.bytes_sent

@@ -1,0 +1,37 @@
+"""``commrt estimate --simulate``: parses, prints a table and JSON, rejects unknown algorithms."""
+import argparse
+import json
+
+import pytest
+
+from commrt.plan import command
+from commrt.runtime.errors import ConfigError
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    command.add_parser(p.add_subparsers()).set_defaults()
+    return p.parse_args(["estimate", "--simulate", *argv])
+
+
+def test_table_names_every_algorithm_and_the_pick():
+    text = command.render(_args("--worlds", "8,12", "--sizes", "4K,64M")).text
+    lines = text.splitlines()
+    assert "recursive_doubling us" in lines[1] and "ring us" in lines[1] and len(lines) == 6
+    assert lines[2].split()[-1] == "recursive_doubling" and lines[3].split()[-1] == "ring"
+
+
+def test_json_reports_time_and_links():
+    out = json.loads(command.render(_args("--json", "--worlds", "16", "--sizes", "64K",
+                                          "--algorithms", "ring", "--per-node", "8")).text)
+    (r,) = out["results"]
+    assert r["algorithm"] == "ring" and r["seconds"] > 0 and r["links"]["nic_up"]["links"] == 2
+
+
+def test_unknown_algorithm_and_missing_params():
+    with pytest.raises(ConfigError, match="valid: \\['rabenseifner'"):
+        command.render(_args("--algorithms", "tree"))
+    args = _args()
+    args.simulate = False
+    with pytest.raises(ConfigError, match="needs --params"):
+        command.render(args)
