@@ -74,11 +74,11 @@ class ZmqBackend:
         self._ops = TCP_OPS  # SHM_OPS once connect() finds every member on this rank's node
         self._shm: shm.Channel | None = None
         self._shm_contexts: dict = {}  # op shape -> its ShmContext (see _shm_context)
-        self._segment = make_segment(c.intra_node)  # (name, mapping) or None
+        self._segment = make_segment(c.intra_node)  # a zmq_shm.LocalSegment or None
 
     @property
     def addresses(self) -> list[str]:
-        seg = f"shm:{shm.node_key()}:{self._segment[0]}" if self._segment else "shm:-"
+        seg = f"shm:{shm.node_key()}:{self._segment.name}" if self._segment else "shm:-"
         return [self._coll.address, self._p2p_address, seg]
 
     def connect(self, table: list[list[str]]) -> None:
@@ -95,11 +95,11 @@ class ZmqBackend:
             return
         self._verify_peers()
         self._ops = SHM_OPS
-        self._p2p.use_shm(set(range(self.size)) - {self.rank})  # large p2p payloads through rings too
+        self._p2p.use_shm(self._shm.rings)  # large p2p payloads through the rings handed over too
 
     def _verify_peers(self) -> None:
         """One barrier over the authenticated sockets before any data goes through shared memory.
-        The segments' names come from the address exchange, and under torch.distributed's store
+        The handoff sockets' names come from the address exchange, and under torch.distributed's store
         (commrt/tdist) nobody authenticated that: a rank without the job's secret (or CURVE key)
         must fail here, as it would on the TCP path, not share our memory."""
         channel, self._shm = self._shm, None
@@ -283,7 +283,7 @@ class ZmqBackend:
         coll_stopped = self._exec.close(closed, timeout_s)
         p2p_stopped = self._p2p.close(timeout_s)
         if self._segment is not None:  # made, never connected
-            shm.unlink(self._segment[0])
+            self._segment.close()
         if coll_stopped:
             if self._shm is not None:
                 self._shm.close()

@@ -219,6 +219,12 @@ class Guard:
             self._auth.start()  # before any bind: without a ZAP handler libzmq admits anyone
 
     @property
+    def secret(self) -> bytes:
+        """The job secret in 'secret' mode, else b"": the shared-memory handoff (handoff.py)
+        proves holding it with an HMAC, never sending it."""
+        return self._secret
+
+    @property
     def active(self) -> bool:
         return self._auth is not None
 

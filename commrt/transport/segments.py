@@ -1,46 +1,48 @@
-"""Shared-memory segment files: made, checked, mapped and removed (the Channel over them is
-shm.py's). A segment is a file under /dev/shm opened with O_CREAT | O_EXCL | O_NOFOLLOW and
-mode 0600, named by 128 random bits that travel only in the group's authenticated address
-exchange, mapped with mmap (not multiprocessing.shared_memory, whose resource tracker unlinks a
-segment when any process that attached to it exits, cpython 82300). Its creator unlinks it at
-exit at the latest; ``sweep`` removes those of creators that died first.
+"""Shared-memory segments without names (issue 30.1-3): anonymous memory files made with
+``memfd_create``, mapped by their creator and handed to the node's peers as file descriptors
+over an authenticated Unix socket (handoff.py); the Channel over them is shm.py's.
+
+Nothing appears in /dev/shm or any other directory, so no other process can list or open a
+segment, nothing needs sweeping, and the memory goes with the last process that maps it or
+holds its descriptor: a SIGKILL at any moment leaves nothing behind. A segment is sealed
+against shrinking and growing before anyone else sees it, so no holder can truncate it under
+the others (which would turn their next access into SIGBUS), and its memory is reserved when it
+is made (a full memory cgroup fails here with OSError, not later with SIGBUS); rings reserve on
+first use (``reserve``), since most pairs never carry a large point-to-point payload.
 """
 from __future__ import annotations
 
-import atexit
+import fcntl
 import hashlib
 import mmap
 import os
 import platform
-import re
-import secrets
 import socket
 import stat
 
 from commrt.runtime.errors import ProtocolError
 
-SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20  # one step's data per rank; large payloads are pipelined through it
 CTL_BYTES = 8192
 MAGIC = 0x316D6873746D6D63  # b"cmmtshm1", little-endian
 W_MAGIC = 0
-_NAME = re.compile(r"commrt-[0-9]+-[0-9a-f]{32}")
-_mine: set[str] = set()  # created by this process and not unlinked yet: atexit unlinks them
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # the size is fixed for good
 
 
 def supported() -> str | None:
     """Why shared memory cannot be used on this host, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the step counters rely on x86-64 store ordering (this host is {platform.machine()})"
-    if not os.access(SHM_DIR, os.W_OK):
-        return f"{SHM_DIR} is not writable"
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+        return "this Python has no os.memfd_create or socket.send_fds (Linux, Python 3.9+)"
     return None
 
 
 def node_key(environ=os.environ) -> str:
     """Equal for processes that can share memory and sockets alike: one boot of one host, in
-    one network namespace (emulated nodes are namespaces on one machine), and, when the
-    launcher numbers nodes (torchrun's GROUP_RANK), one node: the topology's nodes, never more."""
+    one network namespace (emulated nodes are namespaces on one machine; the handoff's abstract
+    Unix sockets live in it too), and, when the launcher numbers nodes (torchrun's GROUP_RANK),
+    one node: the topology's nodes, never more."""
     parts = [socket.gethostname(), environ.get("GROUP_RANK", "")]
     for path in ("/proc/sys/kernel/random/boot_id",):
         try:
@@ -59,89 +61,57 @@ def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
     return CTL_BYTES + 2 * slot_bytes
 
 
-def create(slot_bytes: int = SLOT_BYTES) -> tuple[str, mmap.mmap]:
-    """A new 0600 segment under an unguessable name, its memory reserved now (a full /dev/shm
-    fails here with OSError, not later with SIGBUS)."""
-    sweep()
-    name = f"commrt-{os.getpid()}-{secrets.token_hex(16)}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def create(slot_bytes: int = SLOT_BYTES, reserve_now: bool = True) -> tuple[int, mmap.mmap]:
+    """A new sealed segment: (its descriptor, close-on-exec, for the handoff; its mapping, with
+    the magic written). ``reserve_now`` False leaves its pages unallocated until ``reserve``."""
+    size = segment_bytes(slot_bytes)
+    fd = os.memfd_create("commrt", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.posix_fallocate(fd, 0, segment_bytes(slot_bytes))
-        mm = mmap.mmap(fd, segment_bytes(slot_bytes))
+        os.ftruncate(fd, size)
+        if reserve_now:
+            os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        mm = mmap.mmap(fd, size)
     except BaseException:
-        unlink(name)
-        raise
-    finally:
         os.close(fd)
-    _mine.add(name)
+        raise
     ctl = memoryview(mm)[:CTL_BYTES].cast("q")
     ctl[W_MAGIC] = MAGIC
     ctl.release()
-    return name, mm
+    return fd, mm
 
 
-def attach(name: str, slot_bytes: int = SLOT_BYTES) -> mmap.mmap:
-    """Map a peer's segment after checking that it is one of ours: our name pattern, a regular
-    file of this user with mode 0600, the expected size and magic."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ProtocolError(f"invalid shared-memory segment name {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+def reserve(fd: int) -> None:
+    """Allocate every page of a segment made with ``reserve_now`` False (OSError when memory
+    is short: the caller falls back to the socket instead of meeting SIGBUS mid-copy)."""
+    os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+
+
+def attach(fd: int, slot_bytes: int = SLOT_BYTES) -> mmap.mmap:
+    """Map a segment a peer handed us after checking that it is one of ours: a memory file of
+    this user, sealed at the expected size, with the magic. The descriptor stays the caller's."""
+    want = segment_bytes(slot_bytes)
+    st = os.fstat(fd)
     try:
-        st = os.fstat(fd)
-        want = segment_bytes(slot_bytes)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
-                or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != want):
-            raise ProtocolError(f"shared-memory segment {name} is not a 0600 file of this user "
-                                f"of {want} bytes")
-        mm = mmap.mmap(fd, want)
-    finally:
-        os.close(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != want or seals & SEALS != SEALS:
+        raise ProtocolError(f"a shared-memory segment handed over is not a sealed memory file of this "
+                            f"user of {want} bytes (size {st.st_size}, seals {seals:#x})")
+    mm = mmap.mmap(fd, want)
     ctl = memoryview(mm)[:CTL_BYTES].cast("q")
     magic = ctl[W_MAGIC]
     ctl.release()
     if magic != MAGIC:
         mm.close()
-        raise ProtocolError(f"shared-memory segment {name} has no commrt header")
+        raise ProtocolError("a shared-memory segment handed over has no commrt header")
     return mm
 
 
-def unlink(name: str) -> None:
-    if _NAME.fullmatch(name or ""):
-        _mine.discard(name)
+def close_fd(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-
-
-def sweep() -> None:
-    """Unlink our user's segments whose creator process is gone: one SIGKILLed before its
-    group's address exchange, when no peer knew the name to remove it (the name carries the
-    creator's pid; the 128-bit token keeps it unguessable)."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in entries:
-        if not _NAME.fullmatch(name):
-            continue
-        pid = int(name.split("-")[1])
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        try:
-            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
-                unlink(name)
+            os.close(fd)
         except OSError:
             pass
-
-
-@atexit.register
-def _unlink_mine() -> None:
-    for name in list(_mine):
-        unlink(name)

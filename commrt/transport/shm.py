@@ -9,9 +9,9 @@ peer that has published ``t + 1`` has finished reading step ``t - 1``, so a rank
 Stores become visible in program order on x86-64 (TSO): data is written before the counter,
 so a peer that sees the counter sees the data. Other architectures keep the TCP path.
 
-Safety: a segment is a 0600 file under an unguessable name (segments.py), unlinked by its
-creator once every peer has marked it attached (any rank unlinks all of its group's names on a
-failed setup, so a rank killed before that point leaves nothing behind either). What a peer
+Safety: a segment is an anonymous memory file (segments.py) that exists nowhere in the file
+system; its descriptor reaches only peers that proved the job secret on this rank's handoff
+socket (handoff.py), and its memory goes with the last process that maps it. What a peer
 writes in its control page is validated like a wire header: it is compared, never used as a
 size or index.
 """
@@ -28,12 +28,12 @@ import zmq
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
 from commrt.transport.wire import ABORT, COLL
 from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report
-from commrt.transport.segments import (CTL_BYTES, MAGIC, SHM_DIR, SLOT_BYTES, attach, create, node_key,
-    segment_bytes, supported, sweep, unlink)
+from commrt.transport.segments import (CTL_BYTES, MAGIC, SLOT_BYTES, attach, close_fd, create, node_key,
+    reserve, segment_bytes, supported)
 
-__all__ = ["Channel", "yield_window", "HDR_WORDS", "W_COUNTER", "ATTACH_BASE",  # the segment files too:
-           "CTL_BYTES", "MAGIC", "SHM_DIR", "SLOT_BYTES", "attach", "create", "node_key",  # shm.create etc.
-           "segment_bytes", "supported", "sweep", "unlink"]
+__all__ = ["Channel", "yield_window", "watch_peers", "HDR_WORDS", "W_COUNTER", "ATTACH_BASE",  # segments too:
+           "CTL_BYTES", "MAGIC", "SLOT_BYTES", "attach", "close_fd", "create", "node_key",  # shm.create etc.
+           "reserve", "segment_bytes", "supported"]
 
 W_COUNTER = 1  # word 0 is the magic (segments.W_MAGIC)
 HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, root, aux
@@ -54,6 +54,17 @@ def yield_window(ranks: int, cores: int) -> float:
     return YIELD_S if ranks <= cores else CROWDED_YIELD_S
 
 
+def watch_peers(ep: Endpoint, waiting: list[int], op: str, seq: int, now: float | None = None) -> None:
+    """PeerLost naming the first peer the group's liveness found gone, if one of ``waiting`` is."""
+    now = time.monotonic() if now is None else now
+    ep.watch_peers()
+    for p in waiting:
+        if ep.live.is_lost(p, now):
+            first = min(ep.down, key=ep.down.get)
+            raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
+                           "(process ended, or stopped answering heartbeats)")
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -68,8 +79,10 @@ class Channel:
 
     def __init__(self, ep: Endpoint, maps: list[mmap.mmap], names: list[str], slot_bytes: int,
                  grace_s: float):
+        """``names``: each rank's handoff socket name (for messages and tests)."""
         self.ep, self.rank, self.size = ep, ep.rank, len(maps)
         self.slot_bytes, self.names, self._maps = slot_bytes, names, maps
+        self.rings: dict = {}  # peer -> the point-to-point rings handed over with the segments
         self._grace_s = grace_s
         self.ctl = [memoryview(m)[:CTL_BYTES].cast("q") for m in maps]
         self.data = [torch.frombuffer(m, dtype=torch.uint8, offset=CTL_BYTES) for m in maps]
@@ -82,14 +95,12 @@ class Channel:
         self._yield_s = yield_window(self.size, _cores())
 
     def attach_all(self) -> None:
-        """Mark every peer's segment attached, wait for their marks on ours, unlink ours."""
+        """Mark every peer's segment attached and wait for their marks on ours: every rank then
+        knows that its peers map the very memory it maps (the handoff passed that memory)."""
         for _, c in self._peers:
             c[ATTACH_BASE + self.rank] = 1
         mine = self.ctl[self.rank]
-        try:
-            self._wait(lambda: [p for p, _ in self._peers if mine[ATTACH_BASE + p] != 1], "connect", 0)
-        finally:
-            unlink(self.names[self.rank])
+        self._wait(lambda: [p for p, _ in self._peers if mine[ATTACH_BASE + p] != 1], "connect", 0)
 
     def begin(self, header) -> int:
         """Start the next step: write its header (HDR_WORDS int64, an array('q') whose first
@@ -179,12 +190,7 @@ class Channel:
 
     def _watch(self, waiting: list[int], op: str, seq: int, now: float) -> None:
         ep = self.ep
-        ep.watch_peers()
-        for p in waiting:
-            if ep.live.is_lost(p, now):
-                first = min(ep.down, key=ep.down.get)
-                raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
-                               "(process ended, or stopped answering heartbeats)")
+        watch_peers(ep, waiting, op, seq, now)
         while (msg := ep.read(zmq.NOBLOCK)) is not None:
             h = msg.header
             if h.kind != ABORT:
@@ -198,9 +204,7 @@ class Channel:
             raise MismatchReport(h.src, mine, theirs)
 
     def close(self) -> None:
-        """Unmap (and unlink, should setup have stopped early) every segment."""
-        for name in self.names:
-            unlink(name)
+        """Unmap every segment (the memory goes once no peer maps it either)."""
         for v in self.ctl:
             v.release()
         self.ctl, self.data, self._peers, self._peer_ctl = [], [], [], []

@@ -8,11 +8,13 @@ only where it lies (``Descriptor``); the receiver copies it out into the posted 
 hands the space back. One copy each side, no kernel copies, no I/O thread, and an isend is
 complete as soon as its pieces are in the ring: it never waits for the receiver.
 
-A ring is a segment like the collectives' (shm.py: 0600, an unguessable name, attached only
-after checking owner, mode, size and magic). Its name travels in the descriptor, over the
-group's authenticated point-to-point socket, and only between members of a group that runs on
-shared memory; the receiver unlinks it as soon as it has mapped it (the sender at close, and
-the sweep of dead creators otherwise). The receiver publishes how far it has consumed in the
+A ring is a segment like the collectives' (segments.py: an anonymous memory file, sealed at its
+size), one per ordered pair of a shared-memory group, made when the group connects and handed
+to its receiver with the collectives' segment over the authenticated handoff socket
+(handoff.py): nothing has a name anyone could open, and the memory goes with the last process
+that maps it, whether or not a message was ever received. Its pages are reserved on first use.
+The descriptor's name only tells the receiver which ring a payload lies in (it must not change).
+The receiver publishes how far it has consumed in the
 ring's control word; the sender writes only behind that. Data is written before the socket
 send that announces it, so a receiver that has the header sees the bytes (the send is a
 system call; the receiver reads after its own). When a ring has had no room for FULL_WAIT_S
@@ -23,8 +25,8 @@ from __future__ import annotations
 
 import collections
 import mmap
+import secrets
 import struct
-import time
 
 import torch
 
@@ -38,7 +40,7 @@ W_TAIL = shm.W_COUNTER  # the receiver's consumed position (bytes, counting up f
 W_MAPPED = shm.ATTACH_BASE  # set by the receiver once it has mapped the ring
 FULL = (-1, -1, "")  # Rings.place: eligible, but the ring has no room yet
 FULL_WAIT_S = 0.05  # a piece waits this long for room (the receiver is copying out), then goes inline
-CLOSE_WAIT_S = 5.0  # a closing sender waits this long for a receiver to map what it was sent
+RING_SLOT = RING_BYTES // 2  # shm's layout: CTL + 2 x slot = CTL + RING_BYTES
 _DESC = struct.Struct("<qq")  # position, length; then the ring's name, padded to 8 bytes
 
 
@@ -59,14 +61,30 @@ def parse(frame: bytes | memoryview) -> tuple[int, int, str]:
     return pos, length, name
 
 
-class OutRing:
-    """The sender's ring to one destination (one owner: the engine thread)."""
+def make_ring() -> tuple[int, mmap.mmap]:
+    """A ring's segment, its pages unreserved: (descriptor to hand over, mapping)."""
+    return shm.create(RING_SLOT, reserve_now=False)
 
-    def __init__(self) -> None:
-        self.name, self._mm = shm.create(RING_BYTES // 2)  # shm's layout: CTL + 2 x slot = CTL + RING_BYTES
+
+class OutRing:
+    """The sender's ring to one destination (one owner: the engine thread), from ``make_ring``."""
+
+    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+        self.name = f"ring-{secrets.token_hex(8)}"
+        self._fd, self._mm = fd, mm
         self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
         self._data = memoryview(self._mm)[shm.CTL_BYTES:]
         self.head = 0
+
+    @property
+    def reserved(self) -> bool:
+        return self._fd is None
+
+    def reserve_memory(self) -> None:
+        """Allocate the ring's pages before the first write (OSError when memory is short)."""
+        shm.reserve(self._fd)
+        shm.close_fd(self._fd)
+        self._fd = None
 
     def reserve(self, length: int) -> int | None:
         """Where ``length`` bytes (at most RING_BYTES) would go (contiguous: skip the ring's end
@@ -80,24 +98,20 @@ class OutRing:
         self._data[at:at + n] = memoryview(payload).cast("B")
         self.head = pos + n
 
-    def close(self, wait_s: float) -> None:
-        """Unlink once the receiver has mapped the ring (it unlinks the name itself then), or
-        after ``wait_s``: a receiver that has not read our descriptor by then never asked for
-        it, and a closing socket drops unread messages too."""
-        deadline = time.monotonic() + wait_s
-        while self.head and self._ctl[W_MAPPED] != 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        shm.unlink(self.name)
+    def close(self) -> None:
+        """Unmap: nothing to remove, and nothing to wait for (the receiver mapped the ring when
+        the group connected; the memory goes with the last of us)."""
+        shm.close_fd(self._fd)
+        self._fd = None
         _unmap(self._ctl, self._data, self._mm)
 
 
 class InRing:
     """The receiver's view of one sender's ring to it, and what of it is still in use."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._mm: mmap.mmap = shm.attach(name, RING_BYTES // 2)
-        shm.unlink(name)  # mapped by both ends now: nothing needs the name any more
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.name: str | None = None  # the sender's, from its first descriptor
+        self._mm = mm
         self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
         self._ctl[W_MAPPED] = 1
         self._data = memoryview(self._mm)[shm.CTL_BYTES:]
@@ -121,7 +135,7 @@ class InRing:
         if tail is not None:
             self._ctl[W_TAIL] = tail  # after our reads of it (x86-64 keeps loads before later stores)
 
-    def close(self, wait_s: float = 0.0) -> None:
+    def close(self) -> None:
         self._held.clear()
         _unmap(self._ctl, self._data, self._mm)
 
@@ -143,13 +157,14 @@ class Region:
 
 
 class Rings:
-    """One engine's rings: out to each destination (made on first use), in from each source
-    (mapped on first descriptor). Only peers in ``peers`` (members of a shared-memory group)."""
+    """One engine's rings with the other members of its shared-memory group: ``pairs[p]`` is
+    (our OutRing to p, p's InRing to us), as the group's setup handed them over."""
 
-    def __init__(self, peers: set[int]):
-        self.peers = peers
-        self._out: dict[int, OutRing] = {}
-        self._in: dict[int, InRing] = {}
+    def __init__(self, pairs: dict[int, tuple[OutRing, InRing]]):
+        self.peers = set(pairs)
+        self._out: dict[int, OutRing] = {p: o for p, (o, _) in pairs.items()}
+        self._in: dict[int, InRing] = {p: i for p, (_, i) in pairs.items()}
+        self._used: set[int] = set()  # destinations we placed a payload for (tests, stats)
 
     def place(self, dst: int, payload) -> tuple[int, int, str] | None:
         """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), FULL (no room
@@ -159,13 +174,14 @@ class Rings:
         n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
         if dst not in self.peers or not MIN_BYTES <= n <= RING_BYTES:
             return None
-        ring = self._out.get(dst)
-        if ring is None:
+        ring = self._out[dst]
+        if not ring.reserved:
             try:
-                ring = self._out[dst] = OutRing()
+                ring.reserve_memory()
             except OSError:
-                self.peers = self.peers - {dst}  # /dev/shm full: this pair stays on the socket
+                self.peers = self.peers - {dst}  # memory short: this pair stays on the socket
                 return None
+        self._used.add(dst)
         pos = ring.reserve(n)
         return FULL if pos is None else (pos, n, ring.name)
 
@@ -176,16 +192,20 @@ class Rings:
         if src not in self.peers:
             raise ProtocolError(f"rank index {src} sent a shared-memory descriptor but is not on this node's group")
         pos, length, name = parse(frame.buffer)
-        ring = self._in.get(src)
-        if ring is None:
-            ring = self._in[src] = InRing(name)
+        ring = self._in[src]
+        if ring.name is None:
+            ring.name = name
         elif ring.name != name:
             raise ProtocolError(f"rank index {src} switched shared-memory rings ({ring.name} -> {name})")
         return ring.region(pos, length)
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+    def used(self) -> bool:
+        """Whether a payload went through a ring, either way."""
+        return bool(self._used) or any(r.name is not None for r in self._in.values())
+
+    def close(self) -> None:
         for ring in [*self._out.values(), *self._in.values()]:
-            ring.close(wait_s)
+            ring.close()
         self._out.clear()
         self._in.clear()
 

@@ -37,6 +37,6 @@ def test_the_distribution_installs_only_commrt(tmp_path):
 
 def test_no_multiprocessing_shared_memory():
     """Its resource tracker unlinks a segment when any process that attached it exits (cpython
-    82300): the shared-memory transport maps /dev/shm files itself (commrt/transport/shm.py)."""
+    82300): the shared-memory transport maps memory files itself (commrt/transport/segments.py)."""
     hits = [str(p.relative_to(ROOT)) for p in CODE if re.search(r"import.*shared_memory|SharedMemory\(", p.read_text())]
     assert not hits, hits

@@ -46,9 +46,11 @@ class _Ep:
 def pair():
     """Rank 0's Channel over two segments made here (rank 1's is written by the test)."""
     made = [shm.create(SLOT) for _ in range(2)]
-    chan = shm.Channel(_Ep(0, 2), [mm for _, mm in made], [name for name, _ in made], SLOT, 1.0)
+    chan = shm.Channel(_Ep(0, 2), [mm for _, mm in made], ["a", "b"], SLOT, 1.0)
     yield chan
     chan.close()
+    for fd, _ in made:
+        shm.close_fd(fd)
 
 
 def test_cached_views_alias_the_segments_bytes(pair):

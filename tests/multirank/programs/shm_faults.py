@@ -1,7 +1,9 @@
-"""Failures on the shared-memory path; every rank prints the name of the segment it made.
+"""Failures on the shared-memory path; every rank prints its pid.
 
     shm_faults MODE   with MODE in
-      setup-kill   rank 1 is SIGKILLed while mapping its peers' segments (before anyone unlinked)
+      setup-kill   rank 1 is SIGKILLed while mapping the segments its peers handed it
+      handoff-kill rank 1 is SIGKILLed with its segment made and its handoff socket listening,
+                   before it served or fetched any descriptor
       mismatch     rank 1 calls all_reduce with another count than the others
       garbage      rank 1 publishes a step whose header is garbage mid-job
 """
@@ -15,29 +17,31 @@ import time
 import torch
 
 import commrt
-from commrt.transport import shm
+from commrt.transport import handoff, shm
 
 RANK = int(os.environ["RANK"])
 VICTIM = 1
 
 
-def _announce_segments() -> None:
-    made, attach = shm.create, shm.attach
-
-    def create(*a, **k):
-        name, mm = made(*a, **k)
-        print(f"segment: {name}", flush=True)
-        return name, mm
+def _kill_in_setup() -> None:
+    attach, exchange = shm.attach, handoff.Handoff.exchange
 
     def attach_or_die(*a, **k):
         if RANK == VICTIM and MODE == "setup-kill":
             os.kill(os.getpid(), signal.SIGKILL)
         return attach(*a, **k)
-    shm.create, shm.attach = create, attach_or_die
+
+    def exchange_or_die(*a, **k):
+        if RANK == VICTIM and MODE == "handoff-kill":
+            time.sleep(0.5)  # let the peers connect to our socket and wait on us
+            os.kill(os.getpid(), signal.SIGKILL)
+        return exchange(*a, **k)
+    shm.attach, handoff.Handoff.exchange = attach_or_die, exchange_or_die
 
 
 def main() -> int:
-    _announce_segments()
+    print(f"pid: {os.getpid()}", flush=True)
+    _kill_in_setup()
     try:
         commrt.init_process_group()
         if MODE == "mismatch":

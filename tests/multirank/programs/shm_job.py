@@ -97,6 +97,7 @@ def check_bit_identical(rank: int, n: int, numel: int) -> None:
 def main() -> int:
     if len(sys.argv) > 1:
         shm.SLOT_BYTES = int(sys.argv[1])
+    print(f"pid: {os.getpid()}", flush=True)
     commrt.init_process_group()
     rank, n = commrt.get_rank(), commrt.get_world_size()
     _channel()

@@ -5,7 +5,9 @@
              in flight than a ring holds, sent before the receiver posts; replies back
       kill   rank 1 sends one large message (its ring to rank 0 exists), then is SIGKILLed;
              rank 0's next recv from it is a PeerLost naming rank 1
-Every rank prints the ring segments it made and whether its transfers went through rings."""
+      unreceived  rank 1 puts a large message in its ring that rank 0 never receives, then is
+             SIGKILLed
+Every rank prints its pid, each ring when first used, and whether transfers went through rings."""
 from __future__ import annotations
 
 import os
@@ -22,12 +24,13 @@ SIZES = [0, 1, 7, (32 << 10) // 4 - 1, (32 << 10) // 4 + 3, shm_p2p.RING_BYTES /
 
 
 def _announce_rings() -> None:
-    made = shm_p2p.OutRing.__init__
+    """Print each ring when a payload first goes into it (every pair's ring exists from setup)."""
+    reserve = shm_p2p.OutRing.reserve_memory
 
-    def init(self):
-        made(self)
+    def reserve_memory(self):
+        reserve(self)
         print(f"ring: {self.name}", flush=True)
-    shm_p2p.OutRing.__init__ = init
+    shm_p2p.OutRing.reserve_memory = reserve_memory
 
 
 def expected(size: int, dtype: torch.dtype, dst: int, tag: int) -> torch.Tensor:
@@ -95,15 +98,29 @@ def kill(rank: int, n: int) -> None:
             print(f"CAUGHT PeerLost: {exc}", flush=True)
 
 
+def unreceived(rank: int, n: int) -> None:
+    """Rank 1 puts a large message in its ring to rank 0, which never receives it, and is
+    SIGKILLed: no process ever unlinks or unmaps anything, and nothing may be left."""
+    if rank == 1:
+        commrt.isend(expected(1 << 20, torch.float32, 0, 1), 0, tag=1).wait()  # complete: in the ring
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == 0:
+        try:
+            commrt.recv(torch.empty(1), 1, tag=3)
+        except commrt.PeerLost as exc:
+            print(f"CAUGHT PeerLost: {exc}", flush=True)
+
+
 def main() -> int:
     mode = sys.argv[1]
+    print(f"pid: {os.getpid()}", flush=True)
     _announce_rings()
     commrt.init_process_group()
     rank, n = commrt.get_rank(), commrt.get_world_size()
-    (data if mode == "data" else kill)(rank, n)
+    {"data": data, "kill": kill, "unreceived": unreceived}[mode](rank, n)
     engine = commrt.distributed._rt().world.backend._p2p
     rings = engine._rings
-    used = bool(rings and (rings._out or rings._in))
+    used = bool(rings and rings.used())
     if mode == "data":  # comm_stats counts what each rank sent, whichever way it went
         p2p = commrt.comm_stats()["by_op"]["p2p"]
         sent = (sum(expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
@@ -111,7 +128,7 @@ def main() -> int:
                 + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
         assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
     print(f"rank {rank}: p2p {mode} passed, rings used {used}", flush=True)
-    if mode == "kill":
+    if mode != "data":
         os._exit(0)  # the group's peer is gone: skip the goodbye barrier
     commrt.destroy_process_group()
     return 0
