@@ -77,8 +77,8 @@ class P2PEngine:
         self._rings: shm_p2p.Rings | None = None
         self._checked_at = 0.0  # the reader's last look at receive deadlines and peers
 
-    def use_shm(self, peers: set[int]) -> None:
-        """Large payloads to and from ``peers`` (this node's members of a shared-memory group)
+    def use_shm(self, peers: dict) -> None:
+        """Large payloads to and from ``peers`` (peer -> its (OutRing, InRing), handed over at connect)
         through shared-memory rings; called once, before the first transfer."""
         self._rings = shm_p2p.Rings(peers)
 
