@@ -67,7 +67,8 @@ def run_block(body: str, timeout_s: float = CASE_TIMEOUT_S) -> subprocess.Comple
     """Run ``body`` as the README shows it, after the activation fence, from the repository root.
     Whatever it left running (a server of a fence that failed before its ``kill``) is stopped
     with it: the fence runs in a session of its own, signalled as a whole at the end."""
-    script = f"set -e -o pipefail\n{ACTIVATE}\n{body}"
+    # a fence that fails early leaves its background servers holding our pipes: end them on exit
+    script = f"set -e -o pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n{ACTIVATE}\n{body}"
     p = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -113,6 +114,7 @@ def test_a_failing_command_fails_its_case():
     assert res.returncode != 0 and "after" not in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.timeout(CASE_TIMEOUT_S + 30)  # the case's own deadline reports its output first
 @pytest.mark.parametrize("block", _params())
 def test_walk_through(block: Block):
     if not (ROOT / ".venv" / "bin" / "activate").exists():

@@ -102,16 +102,17 @@ def nccl_fails_on(victim: int) -> None:
     (gloo stands in for NCCL where it works: a real torch process group that must be torn down)."""
     real = bootstrap._init_torch
 
-    def init_torch(name, store, spec, *rest):
+    def init_torch(name, store, spec, *rest, **kw):
         if name != "nccl":
-            return real(name, store, spec, *rest)
-        backend = real("gloo", store, spec, *rest)
+            return real(name, store, spec, *rest, **kw)
+        backend = real("gloo", store, spec, *rest, **kw)
         if spec.rank == victim:
             torch.distributed.destroy_process_group()
             raise RuntimeError(f"simulated NCCL failure on rank {victim}: ncclUnhandledCudaError")
         return backend
     bootstrap._init_torch = init_torch
     bootstrap.choose_backend = lambda requested, local: ("nccl", "simulated GPU box")
+    bootstrap.devices.problems = lambda gpus, layout: []  # one GPU per rank, as on the box simulated
 
 
 def _config_file(chunk: int) -> str:
