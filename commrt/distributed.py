@@ -13,6 +13,7 @@ from typing import Any
 
 from commrt import quant as _quantized
 from commrt.collectives.reduce_ops import ReduceOp, as_op
+from commrt.obs import stats
 from commrt.obs.observer import Observer
 from commrt.runtime import bootstrap, dtypes, rendezvous, world
 from commrt.runtime.config import Config, load_config
@@ -48,6 +49,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     world.install(rt)
     _start_observing(rt)
 
+
+# commrt.comm_stats()["hierarchical_auto"]: what [comm] hierarchical = "auto" measured and chose
+# (commrt.quant registers ["quant"] when imported, above)
+stats.register("hierarchical_auto", dispatch.auto_stats)
 
 _rt = world.current  # the default runtime (commrt/runtime/world.py)
 _group = world.resolve

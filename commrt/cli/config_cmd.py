@@ -11,7 +11,6 @@ import sys
 from commrt.runtime.config import load_with_sources, markdown_env_table, read_file, unknown_variables
 from commrt.runtime.config.render import section_lines
 from commrt.runtime.errors import ConfigError
-from commrt.train.config import TrainConfig
 
 
 def add_parser(sub) -> None:
@@ -38,6 +37,7 @@ def run(args) -> int:
     cfg, sources = load_with_sources(path)
     train_raw = read_file(path).get("train", {}) if path else {}
     try:
+        from commrt.train.config import TrainConfig  # loads torch (optim): not for --help
         train = TrainConfig.from_dict(train_raw)
     except ConfigError as exc:
         raise ConfigError(f"[train] in {path}: {exc}") from None
@@ -52,7 +52,7 @@ def run(args) -> int:
     return 0
 
 
-def _train_lines(train: TrainConfig, raw: dict, from_file: str) -> list[str]:
+def _train_lines(train, raw: dict, from_file: str) -> list[str]:
     """``[train]`` in DeepSpeed's keys, as the file would write them."""
     def source(table: dict, key: str) -> str:
         return from_file if key in table else "default"
