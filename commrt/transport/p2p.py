@@ -52,6 +52,7 @@ class P2PEngine(CallerProgress):
         self._match = Matching(ep.rank, self._bind, _release, time.monotonic)
         self._rings: shm_p2p.Rings | None = None
         self._checked_at = 0.0  # the reader's last look at receive deadlines and peers
+        self._dialled: set[int] = set()  # peers a receive has dialled (_bind)
 
     def use_shm(self, peers: dict) -> None:
         """Large payloads to and from ``peers`` (peer -> its (OutRing, InRing), handed over at connect)
@@ -113,8 +114,11 @@ class P2PEngine(CallerProgress):
                 pass
 
     def _bind(self, src: int) -> None:
-        with self._tx:  # a receive waits on src: dial it, so its connection's monitor is our liveness
-            self._ep.socket_to(src)
+        """A receive waits on ``src``: dial it, so its connection's monitor is our liveness."""
+        if src not in self._dialled:  # once: the lock and lookup cost ~1 us a receive (issue 29)
+            with self._tx:
+                self._ep.socket_to(src)
+            self._dialled.add(src)
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -187,8 +191,7 @@ class P2PEngine(CallerProgress):
     def _match_recv(self, op: Recv) -> None:
         for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
             if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
-                with self._tx:
-                    self._ep.socket_to(peer)
+                self._bind(peer)
         self._match.post(op)
 
     def _check_if_due(self, now: float) -> None:
