@@ -81,12 +81,6 @@ def all_to_all(rank: int, world: int) -> None:
     out = torch.empty((rank + 1) * world)
     dist.all_to_all_single(out, torch.cat(ins), [rank + 1] * world, [d + 1 for d in range(world)])
     assert torch.equal(out, torch.cat(outs))
-    # output and input one tensor: torch's API over ours still sends from a copy (aliasing.py)
-    big = 20001  # past a pipeline piece, so received blocks would overwrite unsent ones
-    t = torch.arange(big * world, dtype=torch.float64) + 1e6 * rank
-    dist.all_to_all_single(t, t)
-    want = torch.cat([torch.arange(big * rank, big * (rank + 1), dtype=torch.float64) + 1e6 * s for s in range(world)])
-    assert torch.equal(t, want), "all_to_all_single with output and input one tensor"
 
 
 def sparse(rank: int, world: int) -> None:
