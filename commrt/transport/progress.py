@@ -12,6 +12,12 @@ One reader at a time (``Reader``): ZeroMQ sockets and ``Matching`` have one owne
 gives the socket up when a caller asks; a caller that cannot have it sleeps until it is free or
 its own receive is done (the reader lands every message, not only its own, and wakes it), so
 two threads receiving on one group never wait on each other's message.
+
+Where the rest of a small message's time goes (2-core machine, 4 KiB, ~75 us one way): raw
+pyzmq PUSH/PULL between two processes takes 26 us; the Python on both sides about 25 us of CPU;
+and the sending thread is off the CPU for ~85 us inside the send of a message's last part (3 us
+of it on the CPU), while ZeroMQ's I/O threads and the peer run on the two cores. Below that
+floor, small node-local messages would have to bypass ZeroMQ's I/O threads.
 """
 from __future__ import annotations
 
