@@ -156,14 +156,12 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Wor
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False) -> Work | None:
-    """``output`` may share memory with ``input`` (even be the same tensor): the input is then
-    copied first, on every backend (gloo alone would return wrong blocks)."""
+    """``output`` may share memory with ``input`` (even be the same tensor): every backend then
+    sends from a copy of the input (collectives/aliasing.all_to_all_source, the one place)."""
     g = _group(group)
     if g is None:
         return None
     out, inp = dtypes.as_tensor(output), dtypes.as_tensor(input)
-    if out.numel() and dtypes.overlaps(out, inp):
-        inp = inp.clone()
     return _call(_begin(g, "all_to_all_single", inp, async_op), g.backend.all_to_all_single,
                  out, inp, output_split_sizes, input_split_sizes, async_op)
 

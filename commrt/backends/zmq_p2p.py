@@ -54,7 +54,9 @@ class PointToPoint:
             raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
         flat, wb = flat_view(tensor)
         pe = max(1, self._chunk_bytes // flat.element_size())
-        steps = [flat[a:a + pe] for a in range(0, max(flat.numel(), 1), pe)]
+        n = flat.numel()
+        # one piece (every pipeline message, most sends) without slicing: ~1 us a transfer
+        steps = [flat] if n <= pe else [flat[a:a + pe] for a in range(0, n, pe)]
         return flat, wb, dtypes.code_of(flat.dtype), steps
 
     def _next(self, direction: str, peer: int, tag: int) -> int:

@@ -17,6 +17,7 @@ import torch.distributed as tdist
 _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
+from commrt.collectives import aliasing
 from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
 from commrt.runtime.dtypes import as_tensor
 from commrt.runtime.work import CommTimeout, Work
@@ -137,6 +138,7 @@ class TorchBackend:
         out, inp = as_tensor(output), as_tensor(input)
         for t, s, what in ((out, output_split_sizes, "output"), (inp, input_split_sizes, "input")):
             split_bounds(t.numel(), t.shape[0] if t.dim() else 1, s, self.size, what)
+        inp = aliasing.all_to_all_source(out, inp)  # gloo alone would return wrong blocks
         w = tdist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                     group=self.pg, async_op=async_op)
         return self._finish("all_to_all_single", w, async_op)

@@ -12,11 +12,28 @@ tag), which is what the sender's numbering of its sends to us means. The progres
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from commrt.runtime.errors import CollectiveMismatch
+from commrt.runtime.errors import CollectiveMismatch, PeerLost
 
 ANY_SOURCE = -1  # Recv.src of a receive from any peer, until a message binds it to one
+
+
+@dataclass
+class Recv:
+    src: int
+    tag: int
+    seq: int
+    code: int
+    count: int
+    pieces: list  # one writable destination per expected piece
+    land: Callable  # land(piece, frame): copy a received frame into its piece
+    done: Callable | None  # after the last piece (write-back), or None
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
+    got: int = 0
+    since: float = 0.0
+    order: int = 0  # posting order, between receives from one peer and from any
 
 
 class Matching:
@@ -34,7 +51,7 @@ class Matching:
         self._removed: collections.Counter = collections.Counter()  # receives done per (src, tag)
 
     def post(self, op) -> None:
-        """A new receive (p2p.Recv); takes what was kept for it."""
+        """A new receive (``Recv``); takes what was kept for it."""
         self._posts += 1
         op.order = self._posts
         if op.src == ANY_SOURCE:
@@ -78,6 +95,36 @@ class Matching:
         op = waiting.popleft()
         self._removed[(op.src, op.tag)] += 1
         return op
+
+    def overdue(self, now: float, timeout_s: float, live) -> list:
+        """Remove and return [(receive, PeerLost)] for the first receive of each queue whose sender
+        is lost (``live``: transport/liveness.py) or that saw no progress for ``timeout_s``."""
+        out = []
+        for waiting in self.recvs.values():
+            op = waiting[0] if waiting else None
+            if op is None:
+                continue
+            if live.is_lost(op.src, now):
+                out.append((self.pop(waiting), live.lost(op.src, "recv", op.seq, now)))
+            elif now - op.since > timeout_s:
+                out.append((self.pop(waiting), PeerLost(op.src, "recv", op.seq,
+                                                        f"timeout after {timeout_s:g}s: no message from it")))
+        gone = {p for p in live.down if live.is_lost(p, now)}
+        for tag, waiting in self.any.items():
+            op = waiting[0] if waiting else None
+            if op is None:
+                continue
+            if gone:  # a possible sender died: it may be the one we wait for (as MPI ULFM; issue 30.11)
+                error = PeerLost(min(gone, key=live.down.get), "recv", op.seq, f"its connection is lost (lost: "
+                                 f"ranks {sorted(gone)}, the first named) and it may be the sender of this "
+                                 f"receive from any source (tag {tag})")
+            elif now - op.since > timeout_s:
+                error = PeerLost(ANY_SOURCE, "recv", op.seq, f"no message with tag {tag} from any rank "
+                                 f"within {timeout_s:g}s", role="any peer")
+            else:
+                continue
+            out.append((waiting.popleft(), error))
+        return out
 
     def _bind(self, op, src: int) -> None:
         op.src = src

@@ -1,7 +1,7 @@
 """Point-to-point progress engine: one thread owns a group's point-to-point Endpoint.
 
-Callers post transfers (``post_send``/``post_recv``) and get a ``Work``; the engine thread sends
-posted pieces as the sockets take them, matches arriving messages to posted receives
+Callers post transfers (``post``) and get a ``Work``; the engine thread sends posted pieces the
+sockets did not take at once (p2p_send.py), matches arriving messages to posted receives
 (matching.py: by (source, tag) in posting order, or from any source by tag) and keeps what
 arrives early (bounded per peer). A receive's Work result is the sender's rank. Nothing
 blocks on one transfer, so irecv-then-isend on both sides cannot deadlock, and transfers
@@ -14,17 +14,19 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
-from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
-from commrt.transport.wire import P2P, encode_header
+from commrt.runtime.errors import GroupClosed, ProtocolError
+from commrt.transport.wire import P2P
 from commrt.transport import shm_p2p
-from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint, Message
-from commrt.transport.matching import ANY_SOURCE, Matching
-from commrt.transport.progress import ENGINE, P2PWork, Reader
+from commrt.transport.endpoint import Endpoint, Message
+from commrt.transport.matching import ANY_SOURCE, Matching, Recv
+from commrt.transport.p2p_send import Send, Sender
+from commrt.transport.progress import ENGINE, CallerProgress, P2PWork, Reader
+
+__all__ = ["ANY_SOURCE", "P2PEngine", "Recv", "Send"]
 
 log = logging.getLogger(__name__)
 
@@ -32,38 +34,13 @@ UNEXPECTED_BYTES = 1 << 30  # early point-to-point data kept per peer before it 
 BUSY_POLL_MS = 1  # while sends wait on a full pipe or ZeroMQ still reads our buffers
 
 
-@dataclass
-class Send:
-    dst: int
-    tag: int
-    seq: int
-    frames: list  # [(header, payload)] pieces in order
-    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
-    sent: int = 0
-    trackers: list = field(default_factory=list)
-    since: float = 0.0  # last progress
+class P2PEngine(CallerProgress):
+    """The engine thread's half; the caller's half (drive/test/kick) is progress.CallerProgress,
+    the send path p2p_send.Sender."""
 
-
-@dataclass
-class Recv:
-    src: int
-    tag: int
-    seq: int
-    code: int
-    count: int
-    pieces: list  # one writable destination per expected piece
-    land: Callable  # land(piece, frame): copy a received frame into its piece
-    done: Callable | None  # after the last piece (write-back), or None
-    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
-    got: int = 0
-    since: float = 0.0
-    order: int = 0  # posting order, between receives from one peer and from any
-
-
-class P2PEngine:
     def __init__(self, ep: Endpoint, timeout_s: float):
         self._ep, self._timeout_s = ep, timeout_s
-        # sends (PUSH sockets, out rings, _sends, _draining), _posted, the wake socket's sending
+        # sends (PUSH sockets, out rings, _out's queues), _posted, the wake socket's sending
         # end and the endpoint's monitors; re-entrant: a Work callback may post from under it
         self._tx = threading.RLock()
         self._posted: collections.deque = collections.deque()  # receives posted while the socket was busy
@@ -71,16 +48,16 @@ class P2PEngine:
         self._reader = Reader(self._wake)  # the inbound socket, Matching and the in rings
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._draining: list[Send] = []
+        self._out = Sender(ep, timeout_s, self._fail)
         self._match = Matching(ep.rank, self._bind, _release, time.monotonic)
         self._rings: shm_p2p.Rings | None = None
         self._checked_at = 0.0  # the reader's last look at receive deadlines and peers
+        self._dialled: set[int] = set()  # peers a receive has dialled (_bind)
 
     def use_shm(self, peers: dict) -> None:
         """Large payloads to and from ``peers`` (peer -> its (OutRing, InRing), handed over at connect)
         through shared-memory rings; called once, before the first transfer."""
-        self._rings = shm_p2p.Rings(peers)
+        self._rings = self._out.rings = shm_p2p.Rings(peers)
 
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""
@@ -92,7 +69,14 @@ class P2PEngine:
         receive is matched against what has arrived, then waits for ``wait()`` or the engine."""
         op.since = time.monotonic()
         if isinstance(op, Send):
-            self._post_send(op)
+            with self._tx:
+                self._check_open(op)
+                self._start()
+                done, wake = self._out.post(op)
+            if done and not op.work._done.is_set():
+                op.work._finish(None, None)
+            if wake:
+                self._wake()
             return op.work
         if self._thread is None:
             with self._tx:
@@ -112,25 +96,6 @@ class P2PEngine:
             self._wake()
         return op.work
 
-    def _post_send(self, op: Send) -> None:
-        wake = done = False
-        with self._tx:
-            self._check_open(op)
-            self._start()
-            queue = self._sends[op.dst]
-            if queue or not self._push(op, op.since):
-                queue.append(op)  # behind the queued ones (send order), or the rest of its pieces
-                wake = True
-            elif op.trackers:  # ZeroMQ still reads our buffers: the engine watches them
-                self._draining.append(op)
-                wake = True
-            else:
-                done = True
-        if done and not op.work._done.is_set():
-            op.work._finish(None, None)
-        if wake:
-            self._wake()
-
     def _check_open(self, op) -> None:
         if self._closing:
             raise GroupClosed(self._ep.group, "send" if isinstance(op, Send) else "recv", op.seq)
@@ -149,55 +114,11 @@ class P2PEngine:
                 pass
 
     def _bind(self, src: int) -> None:
-        with self._tx:  # a receive waits on src: dial it, so its connection's monitor is our liveness
-            self._ep.socket_to(src)
-
-    # -- progress in the caller's thread (progress.py) -------------------------------------
-    def drive(self, work: P2PWork, deadline: float | None) -> None:
-        """Read the socket in this thread until ``work`` is done, the deadline passes or the
-        group closes; while another thread reads, wait for it to land ``work`` or let go."""
-        me = threading.get_ident()
-        if not self._reader.try_take(me) and not self._reader.take(me, work._done.is_set, deadline):
-            return
-        try:
-            self._take_posted()
-            slice_ms = int(self._ep.live.slice_s * 1000)
-            while not work._done.is_set() and not self._closing:
-                left_ms = slice_ms if deadline is None else int((deadline - time.monotonic()) * 1000)
-                if left_ms >= slice_ms:  # one blocking read: no poll round trip on the latency path
-                    msg = self._ep.read(0)
-                else:
-                    msg = self._ep.read(zmq.NOBLOCK) if self._ep.inbound.poll(max(0, left_ms)) else None
-                if msg is not None:
-                    self._on_message(msg)
-                now = time.monotonic()
-                self._check_if_due(now)
-                if deadline is not None and now >= deadline:
-                    return
-                if self._posted:
-                    self._take_posted()
-        finally:
-            self._reader.release()
-            if self._receives_waiting():
-                self._wake()  # the engine lands the rest (irecvs nobody waits on yet)
-
-    def test(self) -> None:
-        """Land what has arrived, without blocking (``is_completed`` of a receive)."""
-        if self._closing or not self._reader.try_take(threading.get_ident()):
-            return
-        try:
-            self._take_posted()
-            self._read_all()
-        finally:
-            self._reader.release()
-
-    def kick(self) -> None:
-        """A receive wants completing unwatched (a done-callback): the engine reads for it."""
-        self._wake()
-
-    def _receives_waiting(self) -> bool:
-        # list(): one C call, so another thread adding a key cannot break the iteration
-        return bool(self._posted) or any(list(self._match.recvs.values())) or any(list(self._match.any.values()))
+        """A receive waits on ``src``: dial it, so its connection's monitor is our liveness."""
+        if src not in self._dialled:  # once: the lock and lookup cost ~1 us a receive (issue 29)
+            with self._tx:
+                self._ep.socket_to(src)
+            self._dialled.add(src)
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -208,7 +129,7 @@ class P2PEngine:
         try:
             while not self._closing:
                 mine = self._hold_reader()
-                busy = self._draining or any(list(self._sends.values()))
+                busy = self._out.busy()
                 events = dict((reading if mine else idle).poll(BUSY_POLL_MS if busy else self._ep.live.slice_s * 1000))
                 if self._wake_rx in events:
                     self._drain_wake()
@@ -219,7 +140,7 @@ class P2PEngine:
                         self._read_all()
                     self._check_if_due(now)
                 with self._tx:
-                    self._progress(now)
+                    self._out.progress(now)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)
             self._stop(exc)
@@ -270,8 +191,7 @@ class P2PEngine:
     def _match_recv(self, op: Recv) -> None:
         for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
             if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
-                with self._tx:
-                    self._ep.socket_to(peer)
+                self._bind(peer)
         self._match.post(op)
 
     def _check_if_due(self, now: float) -> None:
@@ -321,85 +241,8 @@ class P2PEngine:
             return None
         return Message(h._replace(nbytes=len(region), root=0), region)
 
-    def _progress(self, now: float) -> None:
-        for dst, queue in self._sends.items():
-            while queue and self._push(queue[0], now):
-                self._draining.append(queue.popleft())
-        self._draining = [op for op in self._draining if not self._drained(op, now)]
-
-    def _push(self, op: Send, now: float) -> bool:
-        """Send what the pipe takes; True once every piece is queued."""
-        sock = self._ep.socket_to(op.dst)
-        while op.sent < len(op.frames):
-            header, payload = op.frames[op.sent]
-            place = self._rings.place(op.dst, payload) if self._rings is not None else None
-            if place is shm_p2p.FULL:
-                if now - op.since < shm_p2p.FULL_WAIT_S:
-                    return False  # retried within BUSY_POLL_MS: the receiver is usually copying out
-                place = None  # it is not taking it: inline, as the socket would have it
-            if place is not None:  # the payload goes into our ring to dst; the socket says where
-                desc = shm_p2p.descriptor(*place)
-                header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)
-            try:
-                sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
-            except zmq.Again:
-                if now - op.since > self._timeout_s:
-                    self._fail(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
-                    return True
-                return False
-            if place is not None:
-                self._rings.write(op.dst, place[0], payload)
-                sock.send(desc, copy=True)
-            elif len(payload) >= ZERO_COPY_MIN_BYTES:
-                op.trackers.append(sock.send(payload, copy=False, track=True))
-            else:
-                sock.send(payload, copy=True)
-            # op code 0: comm_stats()["by_op"]["p2p"], inside / across nodes
-            self._ep.count_sent(op.dst, P2P, 0, len(payload))
-            op.sent += 1
-            op.since = now
-        return True
-
-    def _drained(self, op: Send, now: float) -> bool:
-        if op.work._done.is_set():
-            return True
-        if all(t.done for t in op.trackers):
-            op.work._finish(None, None)
-            return True
-        if now - op.since > self._timeout_s:
-            self._fail(op, PeerLost(op.dst, "send", op.seq, "send not drained before the deadline"))
-            return True
-        return False
-
     def _check_recvs(self, now: float) -> None:
-        ep = self._ep
-        for waiting in self._match.recvs.values():
-            if not waiting:
-                continue
-            op = waiting[0]
-            if ep.live.is_lost(op.src, now):
-                error = ep.live.lost(op.src, "recv", op.seq, now)
-            elif now - op.since > self._timeout_s:
-                error = PeerLost(op.src, "recv", op.seq, f"timeout after {self._timeout_s:g}s: no message from it")
-            else:
-                continue
-            self._match.pop(waiting)
-            op.work._finish(None, error)
-        gone = {p for p in ep.down if ep.live.is_lost(p, now)}
-        for tag, waiting in self._match.any.items():
-            if not waiting:
-                continue
-            op = waiting[0]
-            if gone:  # a possible sender died: it may be the one we wait for (as MPI ULFM; issue 30.11)
-                error = PeerLost(min(gone, key=ep.down.get), "recv", op.seq, f"its connection is lost (lost: "
-                                 f"ranks {sorted(gone)}, the first named) and it may be the sender of this "
-                                 f"receive from any source (tag {tag})")
-            elif now - op.since > self._timeout_s:
-                error = PeerLost(ANY_SOURCE, "recv", op.seq, f"no message with tag {tag} from any rank "
-                                 f"within {self._timeout_s:g}s", role="any peer")
-            else:
-                continue
-            waiting.popleft()
+        for op, error in self._match.overdue(now, self._timeout_s, self._ep.live):
             op.work._finish(None, error)
 
     def _fail(self, op, error: BaseException) -> None:
@@ -409,20 +252,19 @@ class P2PEngine:
     def _fail_all(self, error: Callable, peer: int | None = None) -> None:
         """Fail every transfer (to or from ``peer``); the caller holds the reader."""
         with self._tx:
-            sends = list(self._sends.values())
-            draining = list(self._draining)
+            queued, draining = self._out.take(peer)
             posted = [] if peer is not None else list(self._posted)
             if peer is None:
                 self._posted = collections.deque()
+        for op in queued:
+            self._fail(op, error(op))
         anywhere = list(self._match.any.values()) if peer is None else []  # from any source: only when all fail
-        for queue in sends + list(self._match.recvs.values()) + anywhere:
-            for op in list(queue):
-                if peer is None or peer in (getattr(op, "dst", None), getattr(op, "src", None)):
-                    self._fail(op, error(op))
-                    queue.remove(op)
-        for op in draining + posted:
-            if peer is None or getattr(op, "dst", None) == peer:
+        for queue in list(self._match.recvs.values()) + anywhere:
+            for op in [op for op in queue if peer is None or op.src == peer]:
                 self._fail(op, error(op))
+                queue.remove(op)
+        for op in draining + posted:
+            self._fail(op, error(op))
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self, timeout_s: float) -> bool:

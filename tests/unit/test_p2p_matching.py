@@ -109,3 +109,24 @@ def test_an_expired_receive_uses_its_number():
     m.post(nxt)
     m.arrive(msg(1, 2, 5.0))
     assert nxt.pieces[0][0] == 5.0 and nxt.work.result == 1 and not nxt.work.error
+
+
+def test_overdue_receives_name_the_lost_sender_or_time_out_and_leave_the_rest():
+    from commrt.runtime.errors import PeerLost
+    from commrt.transport.liveness import Liveness
+    m, _ = matching()
+    live = Liveness(slice_s=0.1, grace_s=1.0, timeout_s=30.0)
+    from_1, from_2, anyone, fresh = recv(1), recv(2), recv(ANY_SOURCE, tag=5), recv(3)
+    for op in (from_1, from_2, anyone, fresh):
+        m.post(op)
+        op.since = 100.0
+    fresh.since = 109.0
+    live.down[2] = 95.0  # rank 2 dropped 10 s ago: past the grace
+    out = dict((id(op), e) for op, e in m.overdue(105.0 + 0.5, timeout_s=5.0, live=live))
+    assert set(out) == {id(from_1), id(from_2), id(anyone)}  # fresh saw progress 3.5 s ago
+    assert all(isinstance(e, PeerLost) for e in out.values())
+    assert out[id(from_1)].rank == 1 and "timeout after 5s" in str(out[id(from_1)])
+    assert out[id(from_2)].rank == 2 and "connection lost" in str(out[id(from_2)])
+    assert out[id(anyone)].rank == 2 and "from any source (tag 5)" in str(out[id(anyone)])
+    assert list(m.recvs[(3, 0)]) == [fresh] and not m.recvs[(1, 0)] and not m.any[5]
+    assert m.overdue(105.5, timeout_s=5.0, live=live) == []  # each reported once

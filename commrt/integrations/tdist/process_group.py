@@ -15,7 +15,6 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from commrt.runtime import dtypes
 from commrt.integrations.tdist import compose
 from commrt.integrations.tdist.compose import copy_out, flat_cat, reduce_op, same_dtype, wire_view
 from commrt.integrations.tdist.sparse import all_reduce_sparse
@@ -183,8 +182,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return self._issue(name, opts, launch, result, lambda: copy_out(flat, result))
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=c10d.AllToAllOptions()):
-        if output.numel() and dtypes.overlaps(output, input):
-            input = input.clone()  # gloo alone would return wrong blocks (commrt.all_to_all_single)
+        # an input sharing memory with the output is copied by the backend (aliasing.all_to_all_source)
         return self._issue("alltoall", opts, lambda a: [self._b.all_to_all_single(
             wire_view(output), wire_view(input), list(output_splits) or None, list(input_splits) or None, a)],
             [output])

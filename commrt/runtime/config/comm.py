@@ -49,8 +49,9 @@ class CommConfig:
     finds two levels >= 1.1x faster (comm_stats()["hierarchical_auto"]). All ranks must agree."""
     intra_node: str = "auto"
     """How ranks of one node (one host and network namespace) exchange collective payloads:
-    ``auto`` through shared memory where the host allows it (x86-64, /dev/shm writable), else
-    TCP; ``shm`` shared memory or an error; ``tcp`` always the zmq/TCP path. All ranks must agree."""
+    ``auto`` through shared memory where the host allows it (Linux on x86-64: memfd_create and
+    abstract Unix sockets; nothing in /dev/shm), else TCP; ``shm`` shared memory or an error;
+    ``tcp`` always the zmq/TCP path. All ranks must agree."""
 
     def __post_init__(self) -> None:
         check_types("comm", self)

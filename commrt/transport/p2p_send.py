@@ -1,0 +1,112 @@
+"""The send side of the point-to-point engine (p2p.py): per-destination queues in posting order,
+pieces pushed as the socket or the shared-memory ring takes them, and sends whose zero-copy
+buffers ZeroMQ still reads ("draining"). The engine calls every method here under its lock
+(``P2PEngine._tx``): the PUSH sockets and the out rings have one owner at a time.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from commrt.runtime.errors import PeerLost
+from commrt.transport import shm_p2p
+from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint
+from commrt.transport.wire import P2P, encode_header
+
+
+@dataclass
+class Send:
+    dst: int
+    tag: int
+    seq: int
+    frames: list  # [(header, payload)] pieces in order
+    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
+    sent: int = 0
+    trackers: list = field(default_factory=list)
+    since: float = 0.0  # last progress
+
+
+class Sender:
+    def __init__(self, ep: Endpoint, timeout_s: float, fail: Callable[[Send, BaseException], None]):
+        self._ep, self._timeout_s, self._fail = ep, timeout_s, fail
+        self.rings: shm_p2p.Rings | None = None  # set by P2PEngine.use_shm before the first transfer
+        self._queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._draining: list[Send] = []
+
+    def post(self, op: Send) -> tuple[bool, bool]:
+        """Send what goes out now; (done, wake): the Work is complete, or the engine has the rest."""
+        queue = self._queues[op.dst]
+        if queue or not self._push(op, op.since):
+            queue.append(op)  # behind the queued ones (send order), or the rest of its pieces
+            return False, True
+        if op.trackers:  # ZeroMQ still reads our buffers: the engine watches them
+            self._draining.append(op)
+            return False, True
+        return True, False
+
+    def busy(self) -> bool:
+        """Pieces wait for the pipe, or buffers for ZeroMQ: the engine polls briefly."""
+        return bool(self._draining) or any(list(self._queues.values()))
+
+    def progress(self, now: float) -> None:
+        for queue in self._queues.values():
+            while queue and self._push(queue[0], now):
+                self._draining.append(queue.popleft())
+        self._draining = [op for op in self._draining if not self._drained(op, now)]
+
+    def take(self, peer: int | None) -> tuple[list[Send], list[Send]]:
+        """Remove the queued sends to ``peer`` (every one when None), to be failed; with them the
+        draining ones, which stay watched (they drop out once their Work is done)."""
+        queued = []
+        for queue in self._queues.values():
+            for op in [op for op in queue if peer is None or op.dst == peer]:
+                queue.remove(op)
+                queued.append(op)
+        return queued, [op for op in self._draining if peer is None or op.dst == peer]
+
+    def _push(self, op: Send, now: float) -> bool:
+        """Send what the pipe takes; True once every piece is queued."""
+        sock = self._ep.socket_to(op.dst)
+        while op.sent < len(op.frames):
+            header, payload = op.frames[op.sent]
+            place = self.rings.place(op.dst, payload) if self.rings is not None else None
+            if place is shm_p2p.FULL:
+                if now - op.since < shm_p2p.FULL_WAIT_S:
+                    return False  # retried within BUSY_POLL_MS: the receiver is usually copying out
+                place = None  # it is not taking it: inline, as the socket would have it
+            if place is not None:  # the payload goes into our ring to dst; the socket says where
+                desc = shm_p2p.descriptor(*place)
+                header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)
+            try:
+                sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
+            except zmq.Again:
+                if now - op.since > self._timeout_s:
+                    self._fail(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
+                    return True
+                return False
+            if place is not None:
+                self.rings.write(op.dst, place[0], payload)
+                sock.send(desc, copy=True)
+            elif len(payload) >= ZERO_COPY_MIN_BYTES:
+                op.trackers.append(sock.send(payload, copy=False, track=True))
+            else:
+                sock.send(payload, copy=True)
+            # op code 0: comm_stats()["by_op"]["p2p"], inside / across nodes
+            self._ep.count_sent(op.dst, P2P, 0, len(payload))
+            op.sent += 1
+            op.since = now
+        return True
+
+    def _drained(self, op: Send, now: float) -> bool:
+        if op.work._done.is_set():
+            return True
+        if all(t.done for t in op.trackers):
+            op.work._finish(None, None)
+            return True
+        if now - op.since > self._timeout_s:
+            self._fail(op, PeerLost(op.dst, "send", op.seq, "send not drained before the deadline"))
+            return True
+        return False
