@@ -72,8 +72,9 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"no {what} within {deadline_s}s; progress {self.progress()[-5:]}\n{self.output()}")
 
-    def output(self) -> str:
-        return "\n".join(f"--- {name} ---\n{path.read_text()[-4000:]}" for (_, name), path in self.logs.items())
+    def output(self, tail: int | None = 4000) -> str:
+        return "\n".join(f"--- {name} ---\n{path.read_text()[-tail if tail else 0:]}"
+                         for (_, name), path in self.logs.items())
 
     def link(self, node: int, state: str) -> None:
         subprocess.run(["ip", "-n", self.net.namespaces[node], "link", "set", "eth0", state], check=True, timeout=30)
@@ -114,7 +115,7 @@ def lose_and_regain(job: Job, victim: int, full: int, how: str = "kill") -> dict
     final = json.loads((job.dir / "ckpt" / "final.json").read_text())
     ref = reference(STEPS)
     worst = max(abs(a - b) for k in ref for a, b in zip(final[k], ref[k]))
-    text = job.output()
+    text = job.output(tail=None)
     times = {"kill_to_step_s": resumed["time"] - t_kill, "restart_to_full_s": regained["time"] - t_back,
              "max_abs_diff": worst}
     print(f"elastic {full}->{full - 1}->{full} ({how}): {json.dumps(times)}")
