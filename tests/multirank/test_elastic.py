@@ -175,3 +175,20 @@ def _cluster(nnodes: int):
         pytest.skip(str(exc))
     with emulate.cluster(nnodes, emulate.parse_shape("1gbit")) as net:
         yield net
+
+
+def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(tmp_path):
+    """The rendezvous is authenticated like every commrt store: node 1 with another secret is never
+    answered (exit 4, EXIT_LOST); node 0 cannot gather MIN = 2 nodes (exit 3, EXIT_TOO_FEW)."""
+    port = _free_port()
+    base = {**os.environ, "PYTHONPATH": ROOT}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2:2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "5", "--timeout", "60",
+               "--", sys.executable, "-c", "pass"]
+        procs.append(subprocess.Popen(cmd, env={**base, "COMMRT_JOB_SECRET": new_secret()}, cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=default_signals))
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert procs[0].returncode == 3 and "only 1 node(s) [0] ready within 5s" in outs[0], outs
+    assert procs[1].returncode == 4 and "did not answer within 5s" in outs[1], outs

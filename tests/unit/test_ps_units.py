@@ -438,3 +438,16 @@ def test_sync_refuses_a_dropped_worker_and_says_why():
     reply = _init(core, 1, now=3.0)
     assert reply.status == P.ERROR and "sync job does not take a worker back" in reply.body[0], reply
     assert core.state.dropped == {1}
+
+
+def test_a_readmission_survives_a_server_restart(tmp_path):
+    """The 'r' log record: a resumed server knows the dropped worker is back, at its new step."""
+    core = _core(mode="ssp", staleness=1, worker_timeout_s=1.0, on_worker_loss="continue",
+                 checkpoint_dir=str(tmp_path), checkpoint_every=1000)
+    for step in range(3):
+        _push(core, 0, step, np.ones(6), now=0.0)
+    core.tick(2.0)
+    assert _init(core, 1, now=3.0).body[1] == 3
+    again = ServerCore(core.cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 2))
+    again.resume()
+    assert again.state.dropped == set() and again.state.clocks == [3, 3]
