@@ -14,7 +14,13 @@ from commrt.runtime.errors import CommError
 def add_arguments(lp: argparse.ArgumentParser) -> None:
     lp.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True,
                     help="ranks to start on this node (torchrun's --nproc-per-node); required")
-    lp.add_argument("--nnodes", type=int, default=1, help="nodes in the job (torchrun's --nnodes); default 1")
+    lp.add_argument("--nnodes", default="1", help="nodes in the job (torchrun's --nnodes); MIN:MAX makes it elastic: "
+                    "node 0's launcher keeps a rendezvous on --master-port, a lost node's generation ends, the "
+                    "job re-forms with the nodes present (>= MIN) and the ranks restart from your checkpoint "
+                    "(exit 3: fewer than MIN nodes within --rdzv-timeout; 4: node 0 unreachable); default 1")
+    lp.add_argument("--rdzv-timeout", type=float, default=120.0,
+                    help="with --nnodes MIN:MAX: how long a forming generation waits for MIN nodes, and a node "
+                         "for an unreachable node 0, in seconds; default 120")
     lp.add_argument("--node-rank", type=int, help="this host's node, 0..nnodes-1 (GROUP_RANK); needed with --nnodes > 1")
     lp.add_argument("--master-addr", help="address of node 0, where the job meets (MASTER_ADDR); default 127.0.0.1")
     lp.add_argument("--master-port", type=int, help="port on node 0 (MASTER_PORT); default: a free port (29500 "
@@ -47,6 +53,9 @@ def run(args) -> int:
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
+    if ":" in args.nnodes:
+        return _launch_elastic(args, cmd, env)
+    args.nnodes = _count(args.nnodes)
     if args.hosts:
         return _launch_hosts(args, cmd, env)
     run_at = lambda nodes, port: launcher.launch(args.nproc, cmd, config=args.config, timeout_s=args.timeout,
@@ -64,6 +73,36 @@ def run(args) -> int:
         result = run_at(_nodes(args), args.master_port)
     if result.returncode != 0:
         print(f"commrt launch: {result.describe()}", file=sys.stderr)
+    return result.returncode
+
+
+def _count(spec: str) -> int:
+    try:
+        return int(spec)
+    except ValueError:
+        raise SystemExit(f"commrt launch: --nnodes {spec!r} must be a number, or MIN:MAX for an elastic job") from None
+
+
+def _launch_elastic(args, cmd, env) -> int:
+    """--nnodes MIN:MAX: this host's node of an elastic job (runtime/elastic.py)."""
+    from commrt.runtime.elastic import Policy, parse_nnodes
+    try:
+        lo, hi = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        raise SystemExit(f"commrt launch: {exc}") from None
+    if args.hosts or args.emulate_network or args.servers:
+        raise SystemExit("commrt launch: --nnodes MIN:MAX starts one node per launcher; it takes no --hosts, "
+                         "--emulate-network or --servers (run one launcher per host, e.g. from deploy/slurm)")
+    if args.node_rank is None or not args.master_addr or not args.master_port:
+        raise SystemExit("commrt launch: --nnodes MIN:MAX needs --node-rank (this node's id, 0..MAX-1, unique), "
+                         "--master-addr and --master-port (node 0's rendezvous) on every host")
+    if not 0 <= args.node_rank < hi:
+        raise SystemExit(f"commrt launch: --node-rank {args.node_rank} must be in 0..{hi - 1}")
+    policy = Policy(lo, hi, join_timeout_s=args.rdzv_timeout, max_restarts=args.max_restarts)
+    result = launcher.launch_elastic(args.nproc, cmd, policy, args.node_rank, args.master_addr, args.master_port,
+                                     config=args.config, timeout_s=args.timeout, env=env)
+    if result.returncode != 0:
+        print(f"commrt launch: {result.failures[-1]}", file=sys.stderr)
     return result.returncode
 
 

@@ -52,6 +52,11 @@ class Job:
     """Where node 0 serves the rendezvous (MASTER_PORT)."""
     ps_port: int = DEFAULT_PS_PORT
     """Shard i listens on ps_port + i (COMMRT_DEPLOY_PS_PORT)."""
+    min_nodes: int = 0
+    """Elastic when >= 1 (COMMRT_DEPLOY_MIN_NODES): ``--nnodes MIN:W``, the job goes on with at
+    least this many worker nodes and takes lost ones back (issue 33); 0: a lost node ends the job."""
+    rdzv_timeout_s: int = 0
+    """``--rdzv-timeout`` of an elastic job (COMMRT_DEPLOY_RDZV_TIMEOUT); 0: launch's default."""
 
 
 def job_from_env(env: Mapping[str, str], worker_nodes: int | None = None) -> Job:
@@ -59,7 +64,8 @@ def job_from_env(env: Mapping[str, str], worker_nodes: int | None = None) -> Job
     does not set COMMRT_DEPLOY_WORKER_NODES."""
     return Job(_int(env, "COMMRT_DEPLOY_WORKER_NODES", worker_nodes, 1), _int(env, "COMMRT_DEPLOY_NPROC", 1, 1),
                _int(env, "COMMRT_DEPLOY_SERVERS", 0), _int(env, "MASTER_PORT", DEFAULT_PORT, 1),
-               _int(env, "COMMRT_DEPLOY_PS_PORT", DEFAULT_PS_PORT, 1))
+               _int(env, "COMMRT_DEPLOY_PS_PORT", DEFAULT_PS_PORT, 1), _int(env, "COMMRT_DEPLOY_MIN_NODES", 0),
+               _int(env, "COMMRT_DEPLOY_RDZV_TIMEOUT", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +108,11 @@ class NodePlan:
         if not program:
             raise ConfigError("a worker node needs the program to run (after --)")
         j = self.job
-        return ["-n", str(j.nproc), "--nnodes", str(j.worker_nodes), "--node-rank", str(self.index),
+        if j.min_nodes > j.worker_nodes:
+            raise ConfigError(f"COMMRT_DEPLOY_MIN_NODES={j.min_nodes} is more than the {j.worker_nodes} worker nodes")
+        nnodes = f"{j.min_nodes}:{j.worker_nodes}" if j.min_nodes else str(j.worker_nodes)
+        elastic = ["--rdzv-timeout", str(j.rdzv_timeout_s)] if j.min_nodes and j.rdzv_timeout_s else []
+        return ["-n", str(j.nproc), "--nnodes", nnodes, *elastic, "--node-rank", str(self.index),
                 "--master-addr", self.master_addr, "--master-port", str(j.port), *extra, "--", *program]
 
 

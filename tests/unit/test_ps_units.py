@@ -380,3 +380,74 @@ def test_a_worker_with_no_server_says_what_it_waits_for_then_waits_to_the_deadli
     assert time.monotonic() - start >= 2.5  # the notice does not shorten the wait
     notices = [r.getMessage() for r in caplog.records if "waiting for server 0" in r.getMessage()]
     assert len(notices) == 1 and server in notices[0] and "ps.init" in notices[0], caplog.text
+
+
+# -- workers that start late or come back (issue 33 item 3) ------------------------------------
+
+def _init(core, worker, now=0.0):
+    segs, shapes = [["w", 0, 4, 1], ["w", 4, 6, 1]], [["w", [6]]]
+    out = core.handle(b"late", [P.encode_request(P.INIT, worker, 0, 9, [False, segs, shapes])], now)
+    return P.decode_reply(out[0].frames[0])
+
+
+def _pull(core, worker, step, now=0.0):
+    out = core.handle(b"p", [P.encode_request(P.PULL, worker, step, 11, [0, 1])], now)
+    return [(P.decode_reply(r.frames[0]), r.frames[1:]) for r in out]
+
+
+def _late_core(mode, **kw):
+    """Three workers; worker 2 has not started: only 0 and 1 init."""
+    core = _core(mode=mode, workers=2, **kw)
+    core.state.workers = 3
+    core.state.clocks.append(0)
+    core.state.recent.append(__import__("collections").deque(maxlen=64))
+    return core
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_worker_that_starts_late_joins_at_the_current_step_with_the_current_weights(mode):
+    core = _late_core(mode, staleness=1)
+    for step in range(4):  # worker 2's clock 0 does not hold SSP back: it has not joined
+        for w in (0, 1):
+            assert _push(core, w, step, np.ones(6))[0][1].status == P.OK, (mode, w, step)
+    reply = _init(core, 2)
+    assert reply.status == P.OK and reply.body == [8, 4]  # version 8; it starts at the others' step 4
+    (got, frames), = _pull(core, 2, 4)  # answered at once, with the weights after 8 updates
+    current = np.concatenate([np.frombuffer(f, dtype=np.float32) for f in frames])
+    np.testing.assert_allclose(current, np.arange(6) - 0.5 * 8)
+    assert got.body[0] == 8
+    assert _push(core, 2, 4, np.ones(6))[0][1].status == P.OK  # and its pushes count from there
+
+
+def test_a_dropped_worker_rejoins_an_ssp_job_at_the_step_of_the_others():
+    core = _core(mode="ssp", staleness=1, worker_timeout_s=1.0, on_worker_loss="continue")
+    _push(core, 0, 0, np.ones(6), now=0.0)
+    _push(core, 0, 1, np.ones(6), now=0.0)
+    assert _push(core, 0, 2, np.ones(6), now=0.0) == []  # held: worker 1 is silent
+    core.tick(2.0)
+    assert core.state.dropped == {1}
+    reply = _init(core, 1, now=3.0)
+    assert reply.status == P.OK and reply.body[1] == 3 and core.state.dropped == set()
+    assert _push(core, 1, 3, np.ones(6), now=3.0)[0][1].status == P.OK
+
+
+def test_sync_refuses_a_dropped_worker_and_says_why():
+    core = _core(worker_timeout_s=1.0, on_worker_loss="continue")
+    _push(core, 0, 0, np.ones(6), now=0.0)
+    core.tick(2.0)
+    reply = _init(core, 1, now=3.0)
+    assert reply.status == P.ERROR and "sync job does not take a worker back" in reply.body[0], reply
+    assert core.state.dropped == {1}
+
+
+def test_a_readmission_survives_a_server_restart(tmp_path):
+    """The 'r' log record: a resumed server knows the dropped worker is back, at its new step."""
+    core = _core(mode="ssp", staleness=1, worker_timeout_s=1.0, on_worker_loss="continue",
+                 checkpoint_dir=str(tmp_path), checkpoint_every=1000)
+    for step in range(3):
+        _push(core, 0, step, np.ones(6), now=0.0)
+    core.tick(2.0)
+    assert _init(core, 1, now=3.0).body[1] == 3
+    again = ServerCore(core.cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 2))
+    again.resume()
+    assert again.state.dropped == set() and again.state.clocks == [3, 3]

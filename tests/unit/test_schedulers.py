@@ -169,3 +169,12 @@ def test_commrt_node_resolves_without_running_anything():
     assert argv == ["t.py"] and added["RANK"] == "0"
     with pytest.raises(ConfigError, match="program"):
         resolve(build_parser().parse_args(["k8s", "worker"]), [], {**K8S, "JOB_COMPLETION_INDEX": "0", "HOSTNAME": "trainer-0"})
+
+
+def test_an_elastic_job_launches_with_min_to_max_nodes():
+    node = P.slurm_plan(_slurm(COMMRT_DEPLOY_MIN_NODES="1", COMMRT_DEPLOY_RDZV_TIMEOUT="300"), "worker")
+    assert node.launch_args(["train.py"]) == [
+        "-n", "4", "--nnodes", "1:2", "--rdzv-timeout", "300", "--node-rank", "1", "--master-addr", "node01",
+        "--master-port", "29500", "--", "train.py"]
+    with pytest.raises(ConfigError, match="MIN_NODES=3 is more than the 2 worker nodes"):
+        P.slurm_plan(_slurm(COMMRT_DEPLOY_MIN_NODES="3"), "worker").launch_args(["train.py"])

@@ -1,0 +1,183 @@
+"""One node's elastic agent (issue 33 item 1): beat, wait for a generation that includes this
+node, run its ranks, and stop them when the generation ends (``elastic.py`` has the protocol).
+
+The launcher gives ``run_node`` a ``start(plan, index)`` that starts this node's ranks of a
+generation (RANK, WORLD_SIZE, MASTER_* and COMMRT_ELASTIC_GENERATION from the plan) and returns
+their processes. Every wait has a deadline: a plan within the join deadline, a stop within the
+grace of ``processes._stop_everything``, the rendezvous within the join deadline after it stops
+answering (then the node ends with ``EXIT_LOST``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, FAILED, IDLE, RUNNING, Policy, pack, unpack)
+from commrt.runtime.errors import RendezvousError
+from commrt.runtime.processes import _exited, _stop_everything
+from commrt.runtime.store_core import ABORT, OK
+
+
+@dataclasses.dataclass
+class Outcome:
+    code: int
+    why: str
+    generations: list = dataclasses.field(default_factory=list)
+    """(generation, members, reason) of every generation this node ran ranks in."""
+
+
+class Beater:
+    """Rewrites ``beat/<node>`` every BEAT_S on its own store client, so a node that is busy
+    stopping its ranks still counts as present. ``lost_since``: when the store stopped answering."""
+
+    def __init__(self, client, node: int, addr: str, pick_port: Callable[[], int]):
+        self.client, self.node, self.pick_port = client, node, pick_port
+        self.state = {"id": os.urandom(6).hex(), "seq": 0, "state": IDLE, "gen": -1, "addr": addr, "port": 0}
+        self.lost_since: float | None = None
+        self._lock, self._quit = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="commrt-elastic-beat", daemon=True)
+        self._thread.start()
+
+    def set(self, **fields) -> None:
+        with self._lock:
+            self.state.update(fields)
+        self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            self.state["seq"] += 1
+            raw = pack(self.state)
+        try:
+            self.client.set(f"beat/{self.node}", raw)
+            self.lost_since = None
+        except RendezvousError:
+            self.lost_since = self.lost_since or time.monotonic()
+
+    def _loop(self) -> None:
+        while not self._quit.wait(BEAT_S):
+            self._beat()
+
+    def close(self) -> None:
+        self._quit.set()
+        self._thread.join(5.0)
+
+
+def run_node(client, beater: Beater, policy: Policy, start: Callable[[dict, int], Sequence],
+             say: Callable[[str], None], timeout_s: float | None = None) -> Outcome:
+    """Take part in generations until the job finishes or aborts; the node's exit code and why."""
+    out = Outcome(0, "")
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    latest = _latest(client, policy)
+    want = latest + 1
+    while True:
+        # a fresh port for each generation's rank 0: the last one's may still be closing
+        beater.set(state=IDLE, gen=want - 1, rank=None, code=None, port=beater.pick_port())
+        got = _await_plan(client, beater, want, policy, end)
+        if isinstance(got, Outcome):
+            got.generations = out.generations
+            return got
+        g, plan = got
+        if "abort" in plan:
+            return Outcome(int(plan["code"]), plan["abort"], out.generations)
+        want = g + 1
+        if beater.node not in plan["members"]:
+            say(f"generation {g} formed without this node ({plan['members']}); asking for {want}")
+            continue
+        index = plan["members"].index(beater.node)
+        out.generations.append((g, plan["members"], plan["reason"]))
+        procs = start(plan, index)
+        beater.set(state=RUNNING, gen=g)
+        ended = _watch(client, beater, g, procs, policy, end, say)
+        if ended is not None:
+            ended.generations = out.generations
+            return ended
+
+
+def _latest(client, policy: Policy) -> int:
+    deadline = time.monotonic() + policy.join_timeout_s
+    while True:
+        try:
+            raw = client.mget(["latest"])[0]
+            return -1 if raw is None else int(bytes(raw))
+        except RendezvousError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | None):
+    """(g, plan), or an Outcome: finished, the job's timeout, or the rendezvous lost for good."""
+    # bounded without a deadline of its own: the coordinator forms or aborts a generation within
+    # its join deadline, and a store that stops answering ends the wait after the same time
+    while True:
+        now = time.monotonic()
+        if end is not None and now >= end:
+            return Outcome(124, "the launch's --timeout passed while waiting for a generation")
+        try:
+            status, value = client.wait([f"plan/{g}"], "finished", BEAT_S)
+        except RendezvousError as exc:
+            if beater.lost_since is not None and now - beater.lost_since > policy.join_timeout_s:
+                return Outcome(EXIT_LOST, f"lost the rendezvous: {exc}")
+            continue
+        if status == ABORT:
+            return Outcome(0, "the job finished")
+        if status == OK:
+            return g, unpack(value[0])
+
+
+def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end: float | None,
+           say: Callable[[str], None]) -> Outcome | None:
+    """Until generation ``g`` ends here: None to ask for the next one, or the node's Outcome."""
+    next_check = 0.0
+    while True:
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if _exited(p) and p.returncode != 0]
+        if failed:
+            i, rc = failed[0]
+            code = 128 - rc if rc < 0 else rc
+            _stop_everything(procs)
+            say(f"generation {g}: local rank {i} exited with code {code}; stopped this node's ranks")
+            beater.set(state=FAILED, gen=g, rank=i, code=code)
+            _await_stop(client, g, policy)
+            return None
+        if all(_exited(p) for p in procs):
+            beater.set(state=DONE, gen=g)
+            _await_finish(client, policy)
+            return Outcome(0, f"generation {g} finished")
+        now = time.monotonic()
+        if end is not None and now >= end:
+            _stop_everything(procs)
+            return Outcome(124, "the launch's --timeout passed")
+        if beater.lost_since is not None and now - beater.lost_since > policy.dead_after_s:
+            _stop_everything(procs)
+            say(f"generation {g}: the rendezvous has not answered for {policy.dead_after_s:g}s (node 0 "
+                "gone, or this node's link down); stopped this node's ranks")
+            return None
+        if now >= next_check:
+            next_check = now + BEAT_S
+            try:
+                reason = client.mget([f"stop/{g}"])[0]
+            except RendezvousError:
+                reason = None  # the beater counts how long the store has been gone
+            if reason is not None:
+                say(f"generation {g} ends: {bytes(reason).decode(errors='replace')}; stopping this node's ranks")
+                _stop_everything(procs)
+                return None
+        time.sleep(0.05)
+
+
+def _await_stop(client, g: int, policy: Policy) -> None:
+    """The coordinator has seen our failure once it ends the generation (bounded)."""
+    try:
+        client.wait([f"stop/{g}"], "finished", policy.dead_after_s + policy.settle_s)
+    except RendezvousError:
+        pass
+
+
+def _await_finish(client, policy: Policy) -> None:
+    """Our ranks are done; node 0 announces when every node's are (bounded: ours are done either way)."""
+    try:
+        client.wait(["finished"], None, policy.join_timeout_s)
+    except RendezvousError:
+        pass

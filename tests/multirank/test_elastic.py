@@ -1,0 +1,194 @@
+"""Elastic restarts across nodes (issue 33 items 1 and 4): one ``commrt launch --nnodes MIN:MAX``
+per node; a node's launcher is killed with SIGKILL (its ranks die with it), the others stop their
+ranks, re-form without it and resume from the last complete checkpoint; the launcher comes back
+and the job returns to its full size. The final parameters must equal plain torch on one process
+over the same steps (every step's global batch is the same whatever the world size, so the
+reference replays each generation's steps as they were), and the times from the kill to the next
+completed step and from the restart to the first step at full size are printed and bounded.
+
+The short version runs 2 nodes on loopback; the emulated one 3 nodes, each in a network namespace
+(emulate.py), killing node 2 — or cutting its link (``ip link set down``)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from commrt import emulate
+from commrt.runtime.errors import ConfigError
+from commrt.transport.security import new_secret
+from tests.multirank.harness import ROOT, default_signals
+from tests.multirank.programs.elastic_job import reference
+
+STEPS, PAUSE_S = 60, 0.4
+REFORM_TARGET_S = 60.0
+
+
+class Job:
+    """The launchers of one elastic job, each writing its output to a file."""
+
+    def __init__(self, tmp_path, nnodes: str, max_nodes: int, master: str, net=None):
+        wrap = _wrap(net) if net else None
+        self.net = net
+        self.dir, self.max_nodes, self.master, self.wrap = tmp_path, max_nodes, master, wrap or (lambda n: ([], {}))
+        (tmp_path / "ckpt").mkdir()
+        self.nnodes, self.procs, self.logs, self.port = nnodes, {}, {}, 29500 if wrap else _free_port()
+        self.env = {**os.environ, "PYTHONPATH": ROOT, "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "60",
+                    "COMMRT_JOB_SECRET": new_secret()}  # every node the same secret, as a scheduler would give
+
+    def start(self, node: int) -> None:
+        argv, extra = self.wrap(node)
+        log = self.dir / f"node{node}.{len([k for k in self.logs if k[0] == node])}.log"
+        self.logs[(node, log.name)] = log
+        cmd = [*argv, sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", self.nnodes,
+               "--node-rank", str(node), "--master-addr", self.master, "--master-port", str(self.port),
+               "--rdzv-timeout", "60", "--timeout", "240", "--",
+               sys.executable, "-m", "tests.multirank.programs.elastic_job", str(self.dir / "ckpt"), str(STEPS),
+               str(PAUSE_S)]
+        with open(log, "w") as fh:
+            self.procs[node] = subprocess.Popen(cmd, env={**self.env, **extra}, stdout=fh, stderr=subprocess.STDOUT,
+                                                cwd=ROOT, preexec_fn=default_signals)
+
+    def progress(self) -> list[dict]:
+        path = self.dir / "ckpt" / "progress.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for(self, what: str, check, deadline_s: float = 120.0) -> dict:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            found = [p for p in self.progress() if check(p)]
+            if found:
+                return found[0]
+            if any(p.poll() not in (None, 0) for p in self.procs.values()) or \
+                    all(p.poll() is not None for p in self.procs.values()):
+                break  # a launcher failed, or the job ended without it
+            time.sleep(0.1)
+        raise AssertionError(f"no {what} within {deadline_s}s; progress {self.progress()[-5:]}\n{self.output()}")
+
+    def output(self, tail: int | None = 4000) -> str:
+        return "\n".join(f"--- {name} ---\n{path.read_text()[-tail if tail else 0:]}"
+                         for (_, name), path in self.logs.items())
+
+    def link(self, node: int, state: str) -> None:
+        subprocess.run(["ip", "-n", self.net.namespaces[node], "link", "set", "eth0", state], check=True, timeout=30)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _free_port() -> int:
+    from commrt.launch import free_port
+    return free_port()
+
+
+def lose_and_regain(job: Job, victim: int, full: int, how: str = "kill") -> dict:
+    """Run the job to the end, taking ``victim`` away at step 3 and back after the resume."""
+    for n in range(full):
+        job.start(n)
+    job.wait_for("a step at full size", lambda p: p["world"] == full and p["step"] >= 3)
+    t_kill = time.time()
+    if how == "kill":
+        killed = job.procs.pop(victim)
+        killed.send_signal(signal.SIGKILL)
+        assert killed.wait(10) == -signal.SIGKILL
+    else:  # the node's link goes down: its launcher and ranks live on, cut off
+        job.link(victim, "down")
+    resumed = job.wait_for("a step after the loss", lambda p: p["time"] > t_kill and p["world"] == full - 1)
+    t_back = time.time()
+    if how == "kill":
+        job.start(victim)
+    else:  # the same launcher, still waiting for the rendezvous, joins the next generation
+        job.link(victim, "up")
+    regained = job.wait_for("a step at full size again", lambda p: p["time"] > t_back and p["world"] == full)
+    for n, p in job.procs.items():
+        assert p.wait(180) == 0, f"node {n}'s launcher ended with {p.returncode}\n{job.output()}"
+    final = json.loads((job.dir / "ckpt" / "final.json").read_text())
+    ref = reference(STEPS)
+    worst = max(abs(a - b) for k in ref for a, b in zip(final[k], ref[k]))
+    text = job.output(tail=None)
+    times = {"kill_to_step_s": resumed["time"] - t_kill, "restart_to_full_s": regained["time"] - t_back,
+             "max_abs_diff": worst}
+    print(f"elastic {full}->{full - 1}->{full} ({how}): {json.dumps(times)}")
+    assert set(final) == set(ref) and worst <= 1e-5, (worst, text)
+    gens = sorted({(p["generation"], p["world"]) for p in job.progress()})
+    assert [w for _, w in gens] == [full, full - 1, full], gens  # exactly two re-forms
+    assert "resumes at step 0" in text and text.count("resumes at step 0") == full, text  # only gen 0 starts fresh
+    # the loss is named, even when a survivor's rank failed first (PeerLost names the lost rank sooner)
+    assert re.search(rf"generation 1: nodes .*\(node {victim} stopped beating", text), text
+    assert f"node {victim} joined" in text, text
+    assert times["kill_to_step_s"] < REFORM_TARGET_S and times["restart_to_full_s"] < REFORM_TARGET_S, times
+    return times
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    jobs = []
+
+    def make(*args, **kw) -> Job:
+        jobs.append(Job(tmp_path, *args, **kw))
+        return jobs[-1]
+    yield make
+    for j in jobs:
+        j.stop()
+
+
+def test_two_nodes_on_loopback_lose_one_and_regain_it(job_factory):
+    lose_and_regain(job_factory("1:2", 2, "127.0.0.1"), victim=1, full=2)
+
+
+@pytest.mark.slow
+def test_three_emulated_nodes_lose_one_and_regain_it(job_factory):
+    with _cluster(3) as net:
+        job = job_factory("2:3", 3, emulate.node_address(0), net=net)
+        lose_and_regain(job, victim=2, full=3)
+
+
+@pytest.mark.slow
+def test_three_emulated_nodes_one_link_down_and_up(job_factory):
+    with _cluster(3) as net:
+        job = job_factory("2:3", 3, emulate.node_address(0), net=net)
+        lose_and_regain(job, victim=2, full=3, how="link")
+
+
+def _wrap(net):
+    def wrap(node: int):
+        return ["ip", "netns", "exec", net.namespaces[node]], {"COMMRT_CLUSTER_BIND_HOST": emulate.node_address(node),
+                                                               "COMMRT_SECURITY_ALLOW_INSECURE": "1"}
+    return wrap
+
+
+@contextlib.contextmanager
+def _cluster(nnodes: int):
+    try:
+        emulate.check_usable(emulate.parse_shape("1gbit"))
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    with emulate.cluster(nnodes, emulate.parse_shape("1gbit")) as net:
+        yield net
+
+
+def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(tmp_path):
+    """The rendezvous is authenticated like every commrt store: node 1 with another secret is never
+    answered (exit 4, EXIT_LOST); node 0 cannot gather MIN = 2 nodes (exit 3, EXIT_TOO_FEW)."""
+    port = _free_port()
+    base = {**os.environ, "PYTHONPATH": ROOT}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2:2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "5", "--timeout", "60",
+               "--", sys.executable, "-c", "pass"]
+        procs.append(subprocess.Popen(cmd, env={**base, "COMMRT_JOB_SECRET": new_secret()}, cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=default_signals))
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert procs[0].returncode == 3 and "only 1 node(s) [0] ready within 5s" in outs[0], outs
+    assert procs[1].returncode == 4 and "did not answer within 5s" in outs[1], outs

@@ -1,0 +1,149 @@
+"""The elastic rendezvous's decisions (runtime/elastic.py ``Membership``), without sockets: time
+and heartbeats in, generations out. The multi-process behaviour is tests/multirank/test_elastic.py."""
+from __future__ import annotations
+
+import pytest
+
+from commrt.runtime.elastic import (DONE, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
+                                    parse_nnodes)
+
+
+class Cluster:
+    """Agents as the coordinator sees them: each beat bumps a sequence number."""
+
+    def __init__(self, policy: Policy):
+        self.m, self.now, self.beats, self.seq = Membership(policy, 0.0), 0.0, {}, 0
+
+    def beat(self, node: int, state: str, gen: int, agent: str = "a", **extra) -> None:
+        self.seq += 1
+        self.beats[node] = {"id": f"{agent}{node}", "seq": self.seq, "state": state, "gen": gen,
+                            "addr": f"10.0.0.{node}", "port": 5000 + node, **extra}
+
+    def tick(self, dt: float = 0.5, silent: tuple = ()) -> list[tuple]:
+        """Advance time; every node not in ``silent`` beats again (same state)."""
+        self.now += dt
+        for n, b in list(self.beats.items()):
+            if n not in silent:
+                self.beat(n, b["state"], b["gen"], b["id"][0], **{k: b[k] for k in ("rank", "code") if k in b})
+        return self.m.tick(self.now, {n: (None if n in silent else b) for n, b in self.beats.items()})
+
+
+def plans(actions):
+    return [a for a in actions if a[0] == "plan"]
+
+
+def test_parse_nnodes():
+    assert parse_nnodes("2:4") == (2, 4) and parse_nnodes("3") == (3, 3)
+    for bad in ("0:2", "3:2", "a:b", "1:2:3", ""):
+        with pytest.raises(ValueError, match="MIN:MAX"):
+            parse_nnodes(bad)
+
+
+def test_forms_at_max_at_once_and_below_max_after_the_settle_time():
+    c = Cluster(Policy(2, 3, settle_s=2.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    assert plans(c.tick()) == []  # 2 of 3 nodes: wait for the third a little
+    c.beat(2, IDLE, -1)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 0 and plan[2]["members"] == [0, 1, 2] and plan[2]["master"] == ["10.0.0.0", 5000]
+    c2 = Cluster(Policy(2, 3, settle_s=2.0))
+    c2.beat(1, IDLE, -1)
+    c2.beat(2, IDLE, -1)
+    got = [plans(c2.tick()) for _ in range(5)]
+    assert got[:3] == [[], [], []] and got[3][0][2]["members"] == [1, 2]
+    assert got[3][0][2]["master"] == ["10.0.0.1", 5001]  # rank 0 on the lowest member
+
+
+def _running(c: Cluster, nodes: list[int], gen: int) -> None:
+    for n in nodes:
+        c.beat(n, RUNNING, gen)
+
+
+def test_a_silent_member_ends_the_generation_and_the_rest_re_form_then_it_rejoins():
+    c = Cluster(Policy(2, 3, dead_after_s=5.0, settle_s=2.0))
+    for n in range(3):
+        c.beat(n, IDLE, -1)
+    assert plans(c.tick())[0][2]["members"] == [0, 1, 2]
+    _running(c, [0, 1, 2], 0)
+    quiet = [c.tick(silent=(2,)) for _ in range(10)]  # 5 s without a beat from node 2: not yet
+    assert all(a == [] for a in quiet)
+    (stop,) = c.tick(silent=(2,))
+    assert stop[:2] == ("stop", 0) and "node 2 stopped beating" in stop[2]
+    c.beat(0, IDLE, 0)
+    c.beat(1, IDLE, 0)
+    got = [plans(c.tick(silent=(2,))) for _ in range(5)]
+    formed = [p for p in got if p][0][0]
+    assert formed[1] == 1 and formed[2]["members"] == [0, 1] and "node 2 stopped beating" in formed[2]["reason"]
+    _running(c, [0, 1], 1)
+    c.beat(2, IDLE, 1, agent="b")  # its launcher is back (a new agent id) and asks for generation 2
+    (stop,) = c.tick()
+    assert stop == ("stop", 1, "node 2 joined")
+    c.beat(0, IDLE, 1)
+    c.beat(1, IDLE, 1)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 2 and plan[2]["members"] == [0, 1, 2] and plan[2]["reason"] == "node 2 joined"
+
+
+def test_too_few_nodes_within_the_join_deadline_aborts_with_its_exit_code():
+    c = Cluster(Policy(2, 3, join_timeout_s=3.0))
+    c.beat(0, IDLE, -1)
+    got = [plans(c.tick()) for _ in range(6)]
+    assert got[:5] == [[]] * 5
+    assert got[5][0][2]["code"] == EXIT_TOO_FEW and "only 1 node(s) [0]" in got[5][0][2]["abort"]
+    assert c.tick() == []  # decided once
+
+
+def test_a_failed_rank_restarts_the_same_nodes_until_max_restarts_then_aborts_with_its_code():
+    c = Cluster(Policy(1, 2, max_restarts=1, settle_s=0.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    for gen in (0, 1):
+        _running(c, [0, 1], gen)
+        c.beat(1, FAILED, gen, rank=0, code=7)
+        assert c.tick() == [("stop", gen, "node 1: rank 0 exited with code 7")]
+        c.beat(0, IDLE, gen)
+        c.beat(1, IDLE, gen)
+        (plan,) = plans(c.tick())
+        if gen == 0:
+            assert plan[2]["members"] == [0, 1] and "exited with code 7" in plan[2]["reason"]
+    assert plan[2]["code"] == 7 and "no restarts left (1 of --max-restarts 1 used)" in plan[2]["abort"]
+
+
+def test_a_rank_failing_because_a_node_vanished_is_not_a_failure_of_its_own():
+    """Node 2 dies; node 0's rank gets PeerLost (exit 1) before node 2's silence is 5 s long."""
+    c = Cluster(Policy(1, 3, max_restarts=0, dead_after_s=5.0, settle_s=0.0))
+    for n in range(3):
+        c.beat(n, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1, 2], 0)
+    c.tick()
+    c.beat(0, FAILED, 0, rank=0, code=1)
+    assert c.tick(silent=(2,)) == [("stop", 0, "node 0: rank 0 exited with code 1")]
+    c.beat(0, IDLE, 0)
+    c.beat(1, IDLE, 0)
+    got = [c.tick(silent=(2,)) for _ in range(12)]
+    (plan,) = plans(sum(got, []))
+    assert plan[2]["members"] == [0, 1] and plan[2]["reason"].startswith("node 2 stopped beating"), plan
+    assert sum(map(len, got[:8])) == 0  # it waited for node 2's silence to be conclusive
+
+
+def test_members_that_finish_end_the_job_and_a_finishing_job_does_not_re_form():
+    c = Cluster(Policy(1, 2))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1], 0)
+    c.beat(0, DONE, 0)
+    assert c.tick() == []  # node 1 still running
+    c.beat(1, DONE, 0)
+    assert c.tick() == [("finish",)]
+    c2 = Cluster(Policy(1, 2, dead_after_s=1.0))
+    c2.beat(0, IDLE, -1)
+    c2.beat(1, IDLE, -1)
+    c2.tick()
+    _running(c2, [0, 1], 0)
+    c2.beat(0, DONE, 0)
+    got = [c2.tick(silent=(1,)) for _ in range(4)]  # node 1 leaves after node 0 finished
+    assert ("finish",) in sum(got, []) and not any(a[0] == "stop" for a in sum(got, []))
