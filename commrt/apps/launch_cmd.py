@@ -8,6 +8,7 @@ import os
 import sys
 
 from commrt import launch as launcher
+from commrt.apps.elastic_launch import launch_elastic
 from commrt.runtime.errors import CommError
 
 
@@ -99,7 +100,7 @@ def _launch_elastic(args, cmd, env) -> int:
     if not 0 <= args.node_rank < hi:
         raise SystemExit(f"commrt launch: --node-rank {args.node_rank} must be in 0..{hi - 1}")
     policy = Policy(lo, hi, join_timeout_s=args.rdzv_timeout, max_restarts=args.max_restarts)
-    result = launcher.launch_elastic(args.nproc, cmd, policy, args.node_rank, args.master_addr, args.master_port,
+    result = launch_elastic(args.nproc, cmd, policy, args.node_rank, args.master_addr, args.master_port,
                                      config=args.config, timeout_s=args.timeout, env=env)
     if result.returncode != 0:
         print(f"commrt launch: {result.failures[-1]}", file=sys.stderr)
