@@ -94,6 +94,11 @@ class Zero:
         self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
+        # stage 3 over one shard (world size 1, or replicas only) in fp32: a gather would copy the
+        # master and a release free the copy, around every module, to end where they began; the
+        # parameters stay views of the master instead (the optimizer steps them in place)
+        self.resident = (s.stage == 3 and self.shards == 1 and not s.qwz and s.dtype == torch.float32
+                         and self.hgroup is None)
         self.units: list[UnitState] = []
         for idx in make_units(model, params, s.stage, s.bucket_size, self.world):
             lay = make_unit(idx, [params[i].numel() for i in idx], self.world)
@@ -108,6 +113,9 @@ class Zero:
             u.full = flat if self.dtype == torch.float32 else flat.to(self.dtype)
             u.master = u.full[lo:hi] if self.dtype == torch.float32 else flat[lo:hi].clone()
             u.views(u.full)
+        elif self.resident:  # the one shard is the whole unit: the parameters view it for good
+            u.master = u.full = flat
+            u.views(flat)
         else:
             u.master = flat[lo:hi].clone()
             if self.hgroup is not None:
@@ -285,6 +293,8 @@ class Zero:
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def release(self, u: UnitState) -> None:
+        if self.resident:
+            return
         if u.full is not None:
             self.count_live(-u.full.numel() * u.full.element_size())
         u.full = None
