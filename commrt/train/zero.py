@@ -132,6 +132,12 @@ class Zero:
         if self.world == 1 and not self.qgz:  # the group's average is the gradient itself
             self._reduce_alone(u)
             return
+        if self.stage < 2 and not self.qgz and self.dtype == torch.float32:
+            self._flatten_grads(u, into=u.grad)  # reduced where the optimizer reads it: no copy back
+            work = self._issue("all_reduce", self._start_all_reduce, u.grad, u)
+            self._track(work, self.grad_all_reduced, u, u.grad)
+            self.progress()
+            return
         flat = self._flatten_grads(u)
         if self.stage < 2:
             work = self._issue("qgZ all_reduce" if self.qgz else "all_reduce", self._start_all_reduce, flat, u)
@@ -163,11 +169,15 @@ class Zero:
         if self.stage == 3:
             self.release(u)
 
-    def _flatten_grads(self, u: UnitState) -> torch.Tensor:
-        """The unit's gradients in one buffer of the communication dtype (``p.grad`` let go)."""
-        flat = torch.zeros(u.layout.padded, dtype=self.dtype)
+    def _flatten_grads(self, u: UnitState, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's gradients in one buffer of the communication dtype (``p.grad`` let go):
+        a new one, or ``into`` (stages 0-1 in fp32: the unit's gradient buffer itself)."""
+        flat = torch.zeros(u.layout.padded, dtype=self.dtype) if into is None else into
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
-            if p.grad is not None:
+            if p.grad is None:
+                if into is not None:
+                    flat[off:off + n].zero_()
+            else:
                 flat[off:off + n].copy_(p.grad.reshape(-1))
                 p.grad = None
         if not all_finite(flat):
@@ -191,8 +201,9 @@ class Zero:
         return dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True)
 
     def grad_all_reduced(self, u: UnitState, flat: torch.Tensor) -> None:
-        """Stages 0-1: the group's average is the unit's gradient."""
-        u.grad.copy_(flat)
+        """Stages 0-1: the group's average is the unit's gradient (reduced in place in fp32)."""
+        if flat is not u.grad:
+            u.grad.copy_(flat)
 
     def shard_reduced(self, u: UnitState, out: torch.Tensor) -> None:
         """Stages 2-3: the shard group's average of this rank's shard arrived; hybrid sharding
@@ -260,7 +271,9 @@ class Zero:
             work = self._issue("hpZ all_gather", self._start_secondary_gather, buf, u.secondary)
             u.gathering = Followup(work, self._gathered, (u, buf, False), time.perf_counter())
         else:
-            work = self._issue("all_gather", self._start_primary_gather, buf, u.master.to(self.dtype, copy=True))
+            # the master itself in fp32: it changes only in update, which waits out every gather first
+            send = u.master if self.dtype == torch.float32 and not self.qwz else u.master.to(self.dtype, copy=True)
+            work = self._issue("all_gather", self._start_primary_gather, buf, send)
             u.gathering = Followup(work, self._gathered, (u, buf, True), time.perf_counter())
         self.count_live(buf.numel() * buf.element_size())
 
