@@ -10,6 +10,7 @@ the torch backend's own transport for the ``commrt`` groups; gloo's are not visi
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import resource
@@ -84,8 +85,13 @@ def bytes_sent(where: str) -> tuple[int, int] | None:
 
 def reset_peak_memory() -> None:
     """Start a new resident-set high-water mark (Linux: writing 5 to clear_refs resets VmHWM to
-    the current RSS), after collecting the previous strategy's garbage."""
+    the current RSS), after collecting the previous strategy's garbage and returning it to the
+    system."""
     gc.collect()
+    try:  # glibc keeps freed heap mapped: hand it back, or each row's peak includes the last's
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
