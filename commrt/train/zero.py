@@ -5,7 +5,8 @@ Every trainable parameter belongs to a unit (``layout.Unit``): one flat buffer, 
 
     stage 0  every rank keeps everything; gradients all-reduced; every rank steps everything
     stage 1  + optimizer state and the fp32 master values only for the own shard; gradients
-             all-reduced, each rank steps its shard, then the units are all-gathered
+             reduce-scattered into each rank's shard (all-reduced with hybrid sharding, qgZ or
+             bf16), each rank steps its shard, then the units are all-gathered
     stage 2  + gradients: each bucket is reduce-scattered from the gradient hooks (during
              backward) into the owner's shard; no rank keeps a full gradient after its bucket
     stage 3  + parameters: a module's unit is all-gathered just before its forward and again
@@ -132,6 +133,13 @@ class Zero:
         if self.world == 1 and not self.qgz:  # the group's average is the gradient itself
             self._reduce_alone(u)
             return
+        if self.stage == 1 and self.rgroup is None and not self.qgz and self.dtype == torch.float32:
+            # each rank steps only its shard: a reduce-scatter into it carries half an all-reduce's bytes
+            flat = self._flatten_grads(u)
+            work = self._issue("reduce_scatter", self._start_reduce_scatter, u.grad[u.own[0]:u.own[1]], flat, u)
+            self._track(work, self.shard_scattered, u, flat)
+            self.progress()
+            return
         if self.stage < 2 and not self.qgz and self.dtype == torch.float32:
             self._flatten_grads(u, into=u.grad)  # reduced where the optimizer reads it: no copy back
             work = self._issue("all_reduce", self._start_all_reduce, u.grad, u)
@@ -204,6 +212,10 @@ class Zero:
         """Stages 0-1: the group's average is the unit's gradient (reduced in place in fp32)."""
         if flat is not u.grad:
             u.grad.copy_(flat)
+
+    def shard_scattered(self, u: UnitState, flat: torch.Tensor) -> None:
+        """Stage 1: the average of this rank's shard is in ``u.grad`` (``flat``, the local
+        gradients the reduce-scatter read, may go now)."""
 
     def shard_reduced(self, u: UnitState, out: torch.Tensor) -> None:
         """Stages 2-3: the shard group's average of this rank's shard arrived; hybrid sharding
