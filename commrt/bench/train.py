@@ -1,14 +1,18 @@
 """``commrt bench train``: the built-in language model (``commrt.apps.train_lm``'s TinyLM) under
-a plain torch loop and under the commrt engine at each ZeRO stage, over the same ranks, in one
-run, alternating round by round:
+a plain torch loop, commrt's DataParallel, the commrt engine at each ZeRO stage, and torch's DDP
+and FSDP2 over gloo and over the ``commrt`` torch backend (``train_peers``), over the same ranks,
+in one run, alternating round by round:
 
-    commrt bench train -n 2 --stages 0,1,2,3 --dim 384 --layers 4 --steps 8 [--json F]
+    commrt bench train -n 2 --stages dp,0,1,2,3 --peers ddp-gloo,fsdp-gloo --dim 384 --layers 4 [--json F]
 
 Every rank runs the plain loop (the same model, batch, loss and ``torch.optim.AdamW``, alone, no
 communication) at the same time, so the reference sees the machine as loaded as the engine does;
 efficiency = plain step time / strategy step time (1.0: communication and engine cost nothing).
 A step's time is the slowest rank's; the median of the steps after ``--warmup`` of every round is
-reported, with the engine's step breakdown (``Engine.step_breakdown``, mean over those steps).
+reported, with the engine's step breakdown (``Engine.step_breakdown``, mean over those steps),
+the bytes sent per step inside / across nodes (the largest rank's; "n/a" over gloo, which commrt
+cannot count) and the peak resident memory (the largest rank's high-water mark during the run
+of that strategy, reset before each).
 """
 from __future__ import annotations
 
@@ -23,15 +27,20 @@ from torch import nn
 
 import commrt
 from commrt.apps.train_lm import TinyLM, batch, mean_breakdown
+from commrt.bench import train_peers
 from commrt.bench.report import write_json
 from commrt.train import TrainConfig, initialize
+from commrt.train.ddp import DataParallel
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commrt bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--ranks", type=int, default=2)
-    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to run (comma list)")
+    p.add_argument("--stages", default="dp,0,1,2,3",
+                   help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), 0-3 (the engine's ZeRO stages)")
+    p.add_argument("--peers", default="ddp-gloo,ddp-commrt,fsdp-gloo,fsdp-commrt",
+                   help="torch's strategies (comma list, '' for none): ddp or fsdp (FSDP2), over gloo or commrt")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -59,74 +68,129 @@ def main(argv=None) -> int:
     return result.returncode
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
     commrt.all_reduce(t, commrt.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
-def _run(args, stage: int | None) -> tuple[list[float], list]:
-    """Step times (slowest rank) and breakdowns of one strategy: None is the plain torch loop."""
+def strategies(args) -> list[tuple[str, str, object]]:
+    """(row name, kind, argument) in the order every round runs them."""
+    out = [("plain torch", "plain", None)]
+    for s in (s.strip() for s in args.stages.split(",") if s.strip()):
+        out.append(("commrt DataParallel", "dp", None) if s == "dp" else (f"commrt stage {int(s)}", "engine", int(s)))
+    for p in (p.strip() for p in args.peers.split(",") if p.strip()):
+        wrapper, _, backend = p.partition("-")
+        if wrapper not in train_peers.WRAPPERS or backend not in ("gloo", "commrt"):
+            raise SystemExit(f"commrt bench train: --peers takes ddp-gloo, ddp-commrt, fsdp-gloo, fsdp-commrt, not {p!r}")
+        out.append((f"torch {'DDP' if wrapper == 'ddp' else 'FSDP2'} {backend}", wrapper, backend))
+    return out
+
+
+def _setup(args, kind: str, arg, groups):
+    """A model under one strategy: (step(tokens), breakdown() or None, where its bytes are counted)."""
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    loss_fn, rank = nn.CrossEntropyLoss(), commrt.get_rank()
-    if stage is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        engine = initialize(model, TrainConfig().with_stage(stage))
-    times, local, breakdowns = [], [], []
-    for step in range(args.steps):
-        tokens = batch(rank, step, args.batch, args.seq, args.vocab)
-        start = time.perf_counter()
-        if stage is None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(tokens[:, :-1]).reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)).backward()
-            opt.step()
-        else:
-            engine.backward(loss_fn(engine(tokens[:, :-1]).reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)))
+    loss_fn, vocab = nn.CrossEntropyLoss(), args.vocab
+
+    def loss_of(net, tokens):
+        return loss_fn(net(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+    if kind == "engine":
+        engine = initialize(model, TrainConfig().with_stage(arg))
+
+        def engine_step(tokens):
+            engine.backward(loss_of(engine, tokens))
             engine.step()
-            breakdowns.append(engine.step_breakdown())
+        return engine_step, engine.step_breakdown, "engine"
+    net, where = model, None
+    if kind == "dp":
+        net, where = DataParallel(model), "engine"
+    elif kind != "plain":
+        net, where = train_peers.WRAPPERS[kind](model, groups.groups[arg]), arg
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step(tokens):
+        opt.zero_grad(set_to_none=True)
+        loss_of(net, tokens).backward()
+        opt.step()
+    return step, (net.step_breakdown if kind == "dp" else None), where
+
+
+def _run(args, kind: str, arg, groups) -> dict:
+    """One strategy's steps: times (slowest rank), breakdowns, bytes per step, peak memory."""
+    step, breakdown, where = _setup(args, kind, arg, groups)
+    rank = commrt.get_rank()
+    train_peers.reset_peak_memory()
+    commrt.barrier()
+    sent0 = train_peers.bytes_sent(where) if where else (0, 0)
+    local, parts = [], []
+    for i in range(args.steps):
+        tokens = batch(rank, i, args.batch, args.seq, args.vocab)
+        start = time.perf_counter()
+        step(tokens)
         local.append(time.perf_counter() - start)
-    times = [_slowest(t) for t in local]  # after the loop: no extra collective inside a step
-    return times[args.warmup:], breakdowns[args.warmup:]
+        if breakdown is not None:
+            parts.append(breakdown())
+    sent1 = train_peers.bytes_sent(where) if where else (0, 0)
+    per_step = None if sent0 is None or sent1 is None else [(b - a) / args.steps for a, b in zip(sent0, sent1)]
+    # after the loop: no extra collective inside a step; one all-reduce for times, bytes, memory
+    merged = _slowest(local + [train_peers.peak_memory_mb()] + (per_step or [0.0, 0.0]))
+    n = args.steps
+    return {"times": merged[args.warmup:n], "breakdowns": [b for b in parts[args.warmup:] if b is not None],
+            "peak_mb": merged[n], "bytes": None if per_step is None else merged[n + 1:]}
 
 
 def _rank(args) -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
-    stages = [int(s) for s in args.stages.split(",") if s.strip()]
-    names = ["plain torch"] + [f"commrt stage {s}" for s in stages]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    parts: dict[str, list] = {n: [] for n in names}
-    for _ in range(args.rounds):
-        for name, stage in zip(names, [None, *stages]):
-            t, b = _run(args, stage)
-            times[name] += t
-            parts[name] += b
-    rows, world = [], commrt.get_world_size()
-    base = statistics.median(times[names[0]])
-    for name in names:
-        step = statistics.median(times[name])
-        rows.append({"strategy": name, "ranks": world, "step_ms": round(step * 1000, 2),
-                     "samples_per_s": round(world * args.batch / step, 1), "efficiency": round(base / step, 3),
-                     "breakdown_ms": mean_breakdown(parts[name]).as_ms() if parts[name] else None})
+    plan = strategies(args)
+    groups = train_peers.TorchGroups() if any(k in train_peers.WRAPPERS for _, k, _ in plan) else None
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in plan}
+    for _ in range(args.rounds):  # alternate: load changes hit every strategy alike
+        for name, kind, arg in plan:
+            runs[name].append(_run(args, kind, arg, groups))
+    rows = _rows(args, plan, runs)
     if commrt.get_rank() == 0:
         print(table(rows))
         if args.json:
             write_json(args.json, {"command": "commrt bench train " + " ".join(sys.argv[1:]), "rows": rows})
+    if groups is not None:
+        groups.close()
     commrt.destroy_process_group()
     return 0
 
 
+def _rows(args, plan, runs) -> list[dict]:
+    rows, world = [], commrt.get_world_size()
+    base = statistics.median(t for r in runs[plan[0][0]] for t in r["times"])
+    for name, _, _ in plan:
+        rs = runs[name]
+        step = statistics.median(t for r in rs for t in r["times"])
+        parts = [b for r in rs for b in r["breakdowns"]]
+        sent = rs[-1]["bytes"]
+        rows.append({"strategy": name, "ranks": world, "step_ms": round(step * 1000, 2),
+                     "samples_per_s": round(world * args.batch / step, 1), "efficiency": round(base / step, 3),
+                     "intra_node_mb_per_step": None if sent is None else round(sent[0] / 2**20, 3),
+                     "inter_node_mb_per_step": None if sent is None else round(sent[1] / 2**20, 3),
+                     "peak_rss_mb": round(max(r["peak_mb"] for r in rs), 1),
+                     "breakdown_ms": mean_breakdown(parts).as_ms() if parts else None})
+    return rows
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'strategy':16s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s}  breakdown (ms)"]
+    def mb(v):
+        return "n/a" if v is None else f"{v:.2f}"
+    lines = [f"{'strategy':20s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
+             f"{'MiB/step in':>11s} {'across':>7s} {'peak RSS':>9s}  breakdown (ms)"]
     for r in rows:
         b = r["breakdown_ms"]
         text = "" if b is None else (f"fwd {b['forward']:.1f} bwd {b['backward']:.1f} opt {b['optimizer']:.1f} "
                                      f"waited {b['comm_waited']:.1f} hidden {b['comm_hidden']:.1f} "
                                      f"bookkeeping {b['bookkeeping']:.1f}")
-        lines.append(f"{r['strategy']:16s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
-                     f"{r['efficiency']:10.3f}  {text}")
+        lines.append(f"{r['strategy']:20s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
+                     f"{r['efficiency']:10.3f} {mb(r['intra_node_mb_per_step']):>11s} "
+                     f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M  {text}")
     return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@ it, so a backward phase that contains gradient hooks (bookkeeping) which wait on
 (comm waited) counts each second once. Phases (forward, backward, optimizer) are the outer
 spans; what remains of them after their inner spans is compute. A collective's hidden time is
 how long it ran before anybody waited for it: from its issue to its completion or to the start
-of the wait, whichever came first.
+of the wait, whichever came first; time in which several collectives ran hidden counts once (a
+stage-3 prefetch of many units summed their durations to 10x the step), so hidden time is wall
+time, at most the step's.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class StepClock:
         self._stack: list[list] = []  # [name, start, time of nested spans]
         self.current = StepBreakdown()
         self.last: StepBreakdown | None = None
+        self._hidden_until = 0.0  # where the hidden time counted so far ends
 
     def enter(self, name: str) -> None:
         self._stack.append([name, time.perf_counter(), 0.0])
@@ -75,7 +78,10 @@ class StepClock:
         """A collective issued at ``issued_at`` whose wait began at ``waited_at`` (done at
         ``done_at`` if known) ran hidden until the earlier of the two."""
         end = waited_at if done_at is None else min(done_at, waited_at)
-        self.current.comm_hidden += max(0.0, end - issued_at)
+        start = max(issued_at, self._hidden_until)  # collectives in flight together count once
+        if end > start:
+            self.current.comm_hidden += end - start
+        self._hidden_until = max(self._hidden_until, end)
 
     def finish_step(self) -> StepBreakdown:
         self.last, self.current = self.current, StepBreakdown()

@@ -2,10 +2,12 @@
 optimizer.
 
 Gradients are copied into buckets (parameters in reverse registration order, about the order
-backward produces them) and each bucket's all-reduce starts from the gradient hooks as soon as
+backward produces them; the first bucket at most 1 MiB, as torch DDP's) and each bucket's all-reduce starts from the gradient hooks as soon as
 it is full, so communication overlaps the rest of backward. At the end of backward (an autograd
 callback, as torch DDP does) the reductions are waited for and the averaged gradients written
-back to ``p.grad``, before the optimizer step.
+back to ``p.grad``, before the optimizer step. In fp32 (no ``comm_dtype``, no codec) each bucket
+is a buffer kept across steps and ``p.grad`` is left a view of it, as with torch DDP's
+``gradient_as_bucket_view=True``: a gradient kept past the next backward is overwritten by it.
 
 ``comm_quant="int8" | "int4"`` reduces each bucket with the quantized all-reduce (commrt.quant:
 block-wise scales, fp32 reduction, bit-identical on every rank), synchronously from the hook
@@ -24,6 +26,8 @@ from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train.breakdown import StepBreakdown, StepClock
 from commrt.train.layout import buckets
+
+FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket: its all-reduce starts early in backward
 
 
 class DataParallel(nn.Module):
@@ -45,8 +49,12 @@ class DataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         cap = max(1, int(bucket_cap_mb * (1 << 20)) // 4)
         self._buckets = [[self._params[i] for i in u.params]
-                         for u in buckets([p.numel() for p in self._params], cap, 1)]
+                         for u in buckets([p.numel() for p in self._params], cap, 1, FIRST_BUCKET_BYTES // 4)]
         self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
+        # exact buckets of one dtype reduce in a buffer kept across steps, and the gradients are
+        # left as views of it (torch DDP's gradient_as_bucket_view): no copy back, no allocation
+        self._as_view = [comm_quant is None and len({p.dtype for p in ps}) == 1 for ps in self._buckets]
+        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
         loco = error_feedback if isinstance(error_feedback, dict) else None
         self._feedback = [cq.ErrorFeedback.from_loco(loco) if error_feedback else None for _ in self._buckets]
         self._pending: list[int] = []
@@ -109,8 +117,11 @@ class DataParallel(nn.Module):
                     p.grad = torch.zeros_like(p)
             return
         dtype = self.comm_dtype or params[0].dtype
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                          for p in params])
+        if self._as_view[b] and dtype == params[0].dtype:
+            flat = self._fill_bucket(b)
+        else:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                              for p in params])
         self._pending[b] = -1  # reduced
         if self.comm_quant is not None:
             work = cq.all_reduce(flat, ReduceOp.AVG, self.group, True, quant=self.comm_quant,
@@ -118,6 +129,24 @@ class DataParallel(nn.Module):
         else:
             work = dist.all_reduce(flat, ReduceOp.AVG, self.group, async_op=True)
         self._inflight.append((work, b, flat))
+
+    def _fill_bucket(self, b: int) -> torch.Tensor:
+        """The bucket's gradients in its buffer, kept from step to step (a fresh one per step
+        page-faulted its whole size every time); a gradient that already is its view there
+        (the last step's, accumulated in place) is not copied."""
+        flat = self._flat[b]
+        if flat is None:
+            flat = self._flat[b] = torch.empty(sum(p.numel() for p in self._buckets[b]), dtype=self._buckets[b][0].dtype)
+        offset = 0
+        for p in self._buckets[b]:
+            n = p.numel()
+            dst = flat[offset:offset + n]
+            if p.grad is None:
+                dst.zero_()
+            elif p.grad.data_ptr() != dst.data_ptr() or not p.grad.is_contiguous():
+                dst.copy_(p.grad.reshape(-1))
+            offset += n
+        return flat
 
     def _finish(self) -> None:
         with self.clock.span("bookkeeping"):
@@ -136,9 +165,11 @@ class DataParallel(nn.Module):
             offset = 0
             for p in self._buckets[b]:
                 n = p.numel()
-                g = flat[offset:offset + n].view(p.shape).to(p.dtype)  # back to fp32 for accumulation
-                if p.grad is None:
-                    p.grad = g.clone()
+                g = flat[offset:offset + n].view(p.shape)
+                if flat is self._flat[b]:  # the gradient is a view of the bucket (no copy back)
+                    p.grad = g
+                elif p.grad is None:
+                    p.grad = g.to(p.dtype)  # back to fp32 for accumulation
                 else:
                     p.grad.copy_(g)
                 offset += n

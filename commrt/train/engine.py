@@ -62,16 +62,20 @@ class Engine:
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
         self.reduced_during_backward = 0  # units whose reduction a gradient hook started
+        self.prefetched = 0  # stage-3 gathers started ahead of their module's use (the overlap)
         self.clock = self.zero.clock
         self._no_sync = False
         self._sync_now = True
         self._hooks = []
         self._unit_of = {}
+        self._order: list[UnitState] = []  # stage 3: units in the order the first forward ran them
+        self._next: dict[int, UnitState] = {}
+        self._prev: dict[int, UnitState] = {}
         for u in self.zero.units:
             for p in u.params:
                 self._unit_of[id(p)] = u
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if self.plan.stage == 3:
+        if self.plan.stage == 3 and not self.zero.resident:  # resident: nothing to gather
             self._install_gather_hooks(model)
 
     # -- forward / backward / step ----------------------------------------------------------
@@ -179,9 +183,6 @@ class Engine:
         """Gather before forward and before backward, free after forward; prefetch along the
         order the first forward actually ran the modules in (not their registration order)."""
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self._order: list[UnitState] = []
-        self._next: dict[int, UnitState] = {}
-        self._prev: dict[int, UnitState] = {}
         for m in model.modules():
             mine = [p for p in m.parameters(recurse=False) if id(p) in self._unit_of]
             if not mine:
@@ -211,6 +212,7 @@ class Engine:
         # (at least one unit when prefetch is on), as DeepSpeed's setting means
         budget, nxt = self.cfg.zero.stage3_prefetch_bucket_size, ahead.get(id(u))
         while nxt is not None and budget > 0:
+            self.prefetched += nxt.full is None and nxt.gathering is None
             self.zero.start_gather(nxt)
             budget -= nxt.layout.padded
             nxt = ahead.get(id(nxt))

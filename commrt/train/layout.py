@@ -32,13 +32,16 @@ def make_unit(params: list[int], numels: list[int], world: int) -> Unit:
     return Unit(tuple(params), tuple(offsets), tuple(numels), total, padded)
 
 
-def buckets(numels: list[int], cap: int, world: int) -> list[Unit]:
+def buckets(numels: list[int], cap: int, world: int, first_cap: int | None = None) -> list[Unit]:
     """Stages 0-2: parameters in reverse registration order (roughly the order backward produces
     their gradients, as torch DDP assumes), packed into units of at most ``cap`` elements (a
-    larger parameter gets a unit of its own)."""
+    larger parameter gets a unit of its own); the first unit (the first gradients backward
+    produces) at most ``first_cap``, so that its reduction starts early in backward (torch DDP's
+    1 MiB first bucket)."""
     units, cur, cur_n = [], [], []
     for i in reversed(range(len(numels))):
-        if cur and sum(cur_n) + numels[i] > cap:
+        limit = cap if units or first_cap is None else min(cap, first_cap)
+        if cur and sum(cur_n) + numels[i] > limit:
             units.append(make_unit(cur, cur_n, world))
             cur, cur_n = [], []
         cur.append(i)

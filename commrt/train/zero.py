@@ -5,7 +5,8 @@ Every trainable parameter belongs to a unit (``layout.Unit``): one flat buffer, 
 
     stage 0  every rank keeps everything; gradients all-reduced; every rank steps everything
     stage 1  + optimizer state and the fp32 master values only for the own shard; gradients
-             all-reduced, each rank steps its shard, then the units are all-gathered
+             reduce-scattered into each rank's shard (all-reduced with hybrid sharding, qgZ or
+             bf16), each rank steps its shard, then the units are all-gathered
     stage 2  + gradients: each bucket is reduce-scattered from the gradient hooks (during
              backward) into the owner's shard; no rank keeps a full gradient after its bucket
     stage 3  + parameters: a module's unit is all-gathered just before its forward and again
@@ -94,6 +95,11 @@ class Zero:
         self.started_early = 0  # queued works finished (and follow-ups started) from the hooks, before wait()
         self.nonfinite = False
         self.live_bytes = self.peak_live_bytes = 0
+        # stage 3 over one shard (world size 1, or replicas only) in fp32: a gather would copy the
+        # master and a release free the copy, around every module, to end where they began; the
+        # parameters stay views of the master instead (the optimizer steps them in place)
+        self.resident = (s.stage == 3 and self.shards == 1 and not s.qwz and s.dtype == torch.float32
+                         and self.hgroup is None)
         self.units: list[UnitState] = []
         for idx in make_units(model, params, s.stage, s.bucket_size, self.world):
             lay = make_unit(idx, [params[i].numel() for i in idx], self.world)
@@ -108,6 +114,9 @@ class Zero:
             u.full = flat if self.dtype == torch.float32 else flat.to(self.dtype)
             u.master = u.full[lo:hi] if self.dtype == torch.float32 else flat[lo:hi].clone()
             u.views(u.full)
+        elif self.resident:  # the one shard is the whole unit: the parameters view it for good
+            u.master = u.full = flat
+            u.views(flat)
         else:
             u.master = flat[lo:hi].clone()
             if self.hgroup is not None:
@@ -123,6 +132,19 @@ class Zero:
         """Hand the unit's local gradients to the collective (from a hook, or a final flush)."""
         if self.world == 1 and not self.qgz:  # the group's average is the gradient itself
             self._reduce_alone(u)
+            return
+        if self.stage == 1 and self.rgroup is None and not self.qgz and self.dtype == torch.float32:
+            # each rank steps only its shard: a reduce-scatter into it carries half an all-reduce's bytes
+            flat = self._flatten_grads(u)
+            work = self._issue("reduce_scatter", self._start_reduce_scatter, u.grad[u.own[0]:u.own[1]], flat, u)
+            self._track(work, self.shard_scattered, u, flat)
+            self.progress()
+            return
+        if self.stage < 2 and not self.qgz and self.dtype == torch.float32:
+            self._flatten_grads(u, into=u.grad)  # reduced where the optimizer reads it: no copy back
+            work = self._issue("all_reduce", self._start_all_reduce, u.grad, u)
+            self._track(work, self.grad_all_reduced, u, u.grad)
+            self.progress()
             return
         flat = self._flatten_grads(u)
         if self.stage < 2:
@@ -155,11 +177,15 @@ class Zero:
         if self.stage == 3:
             self.release(u)
 
-    def _flatten_grads(self, u: UnitState) -> torch.Tensor:
-        """The unit's gradients in one buffer of the communication dtype (``p.grad`` let go)."""
-        flat = torch.zeros(u.layout.padded, dtype=self.dtype)
+    def _flatten_grads(self, u: UnitState, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's gradients in one buffer of the communication dtype (``p.grad`` let go):
+        a new one, or ``into`` (stages 0-1 in fp32: the unit's gradient buffer itself)."""
+        flat = torch.zeros(u.layout.padded, dtype=self.dtype) if into is None else into
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
-            if p.grad is not None:
+            if p.grad is None:
+                if into is not None:
+                    flat[off:off + n].zero_()
+            else:
                 flat[off:off + n].copy_(p.grad.reshape(-1))
                 p.grad = None
         if not all_finite(flat):
@@ -183,8 +209,13 @@ class Zero:
         return dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True)
 
     def grad_all_reduced(self, u: UnitState, flat: torch.Tensor) -> None:
-        """Stages 0-1: the group's average is the unit's gradient."""
-        u.grad.copy_(flat)
+        """Stages 0-1: the group's average is the unit's gradient (reduced in place in fp32)."""
+        if flat is not u.grad:
+            u.grad.copy_(flat)
+
+    def shard_scattered(self, u: UnitState, flat: torch.Tensor) -> None:
+        """Stage 1: the average of this rank's shard is in ``u.grad`` (``flat``, the local
+        gradients the reduce-scatter read, may go now)."""
 
     def shard_reduced(self, u: UnitState, out: torch.Tensor) -> None:
         """Stages 2-3: the shard group's average of this rank's shard arrived; hybrid sharding
@@ -252,7 +283,9 @@ class Zero:
             work = self._issue("hpZ all_gather", self._start_secondary_gather, buf, u.secondary)
             u.gathering = Followup(work, self._gathered, (u, buf, False), time.perf_counter())
         else:
-            work = self._issue("all_gather", self._start_primary_gather, buf, u.master.to(self.dtype, copy=True))
+            # the master itself in fp32: it changes only in update, which waits out every gather first
+            send = u.master if self.dtype == torch.float32 and not self.qwz else u.master.to(self.dtype, copy=True)
+            work = self._issue("all_gather", self._start_primary_gather, buf, send)
             u.gathering = Followup(work, self._gathered, (u, buf, True), time.perf_counter())
         self.count_live(buf.numel() * buf.element_size())
 
@@ -285,6 +318,8 @@ class Zero:
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def release(self, u: UnitState) -> None:
+        if self.resident:
+            return
         if u.full is not None:
             self.count_live(-u.full.numel() * u.full.element_size())
         u.full = None

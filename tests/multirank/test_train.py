@@ -10,7 +10,8 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping"]
             "resume stage 1 from file", "resume stage 1 from state_dict", "resume stage 3 from file",
             "resume stage 3 from state_dict", "memory accounting", "non-finite gradients: skip",
             "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients",
-            "DataParallel fp16 gradients"])
+            "DataParallel fp16 gradients", "DataParallel overlapped = one bucket",
+            "DataParallel overlapped = torch", "stage 3 prefetched = serial", "stage 3 prefetched = torch"])
 
 
 @pytest.mark.parametrize("backend,nproc", [("zmq", 1), ("zmq", 2), ("zmq", 3), ("zmq", 4), ("gloo", 2)])

@@ -1,23 +1,54 @@
-"""``commrt bench train`` end to end at one rank (the launcher starts it): every strategy gets a
-row, the plain loop is the reference, and the JSON matches the table."""
+"""``commrt bench train`` end to end (the launcher starts it): every strategy gets a row, the plain
+loop is the reference, bytes are counted where commrt carries them and "n/a" over gloo, and the
+JSON matches the table. One rank here; two in tests/multirank/test_bench_train.py."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 
-def test_one_rank_run_reports_every_strategy(tmp_path):
+from commrt.bench.train import build_parser, strategies
+
+TINY = ["--dim", "32", "--layers", "1", "--seq", "8", "--vocab", "64", "--steps", "3", "--warmup", "1"]
+ALL = ["plain torch", "commrt DataParallel", "commrt stage 0", "commrt stage 3", "torch DDP gloo",
+       "torch DDP commrt", "torch FSDP2 gloo", "torch FSDP2 commrt"]
+
+
+def bench(tmp_path, ranks: int, *extra: str) -> tuple[list[dict], str]:
     out = tmp_path / "train.json"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "bench", "train", "-n", "1", "--stages", "0,3",
-                           "--dim", "32", "--layers", "1", "--seq", "8", "--vocab", "64", "--steps", "3",
-                           "--warmup", "1", "--rounds", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["strategy"] for r in rows] == ["plain torch", "commrt stage 0", "commrt stage 3"]
-    assert rows[0]["efficiency"] == 1.0 and rows[0]["breakdown_ms"] is None
-    for r in rows[1:]:
-        assert r["step_ms"] > 0 and r["samples_per_s"] > 0 and r["breakdown_ms"]["total"] > 0
-        assert r["strategy"] in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "bench", "train", "-n", str(ranks), *TINY,
+                           "--json", str(out), *extra], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"], proc.stdout
+
+
+def check_rows(rows: list[dict], stdout: str) -> None:
+    assert rows[0]["strategy"] == "plain torch" and rows[0]["efficiency"] == 1.0 and rows[0]["breakdown_ms"] is None
+    for r in rows:
+        assert r["step_ms"] > 0 and r["samples_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["strategy"] in stdout
+        if "gloo" in r["strategy"]:  # commrt cannot count gloo's bytes
+            assert r["intra_node_mb_per_step"] is None and r["inter_node_mb_per_step"] is None
+        else:
+            assert r["intra_node_mb_per_step"] >= 0 and r["inter_node_mb_per_step"] == 0  # one host
+        if r["strategy"].startswith("commrt"):
+            assert r["breakdown_ms"]["total"] > 0
+
+
+def test_one_rank_run_reports_every_strategy(tmp_path):
+    rows, stdout = bench(tmp_path, 1, "--stages", "dp,0,3", "--rounds", "1")
+    assert [r["strategy"] for r in rows] == ALL
+    check_rows(rows, stdout)
+    assert all(r["intra_node_mb_per_step"] in (0, None) for r in rows)  # one rank sends nothing
+    assert "n/a" in stdout
+
+
+def test_strategies_parse_and_refuse_unknown_peers():
+    parse = build_parser().parse_args
+    assert [n for n, _, _ in strategies(parse(["--stages", "1", "--peers", ""]))] == ["plain torch", "commrt stage 1"]
+    assert [k for _, k, _ in strategies(parse(["--stages", "dp", "--peers", "fsdp-commrt"]))] == ["plain", "dp", "fsdp"]
+    with pytest.raises(SystemExit, match="not 'ddp-nccl'"):
+        strategies(parse(["--peers", "ddp-nccl"]))

@@ -110,9 +110,10 @@ def test_step_clock_counts_nested_spans_once():
             with clock.span("comm_waited"):
                 pass
     clock.hidden(1.0, 3.0, 2.5)  # done before anybody waited: hidden until it was done
-    clock.hidden(1.0, 3.0, None)  # completion unknown: hidden until the wait
+    clock.hidden(1.0, 3.0, None)  # completion unknown: hidden until the wait; in flight with the first
+    clock.hidden(4.0, 5.0, None)  # alone
     bd = clock.finish_step()
-    assert bd.comm_hidden == pytest.approx(3.5)
+    assert bd.comm_hidden == pytest.approx(3.0)  # wall time: [1, 3] and [4, 5], overlaps once
     assert bd.backward + bd.bookkeeping + bd.comm_waited == pytest.approx(bd.total)
     assert clock.last is bd and clock.current.total == 0
 
