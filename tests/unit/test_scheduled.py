@@ -185,3 +185,13 @@ def test_small_all_reduce_sends_log2_n_messages_per_rank(n):
         return int(t[0])
     for got, sent in run_ranks(n, torch.int32, table_from(None), body, piece_elems=1 << 20):
         assert (got, sent) == (n, n.bit_length() - 1)
+
+
+def test_comm_stats_counts_messages_per_op():
+    from commrt.obs.stats import split_by_node
+    from commrt.transport.wire import COLL
+    sent = {(COLL, 1, "rank1"): 40, (COLL, 1, "rank2"): 0}
+    msgs = {(COLL, 1, "rank1"): 3, (COLL, 1, "rank2"): 2}
+    out = split_by_node(sent, [True, True, False], msgs)
+    assert out["by_op"]["all_reduce"] == {"intra_node_bytes": 40, "inter_node_bytes": 0, "messages": 5}
+    assert "messages" not in split_by_node(sent, [True, True, False])["by_op"]["all_reduce"]
