@@ -190,30 +190,6 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
         finish_avg_(flat, n)
 
 
-def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
-    n, numel = ctx.size, flat.numel()
-    if n == 1 or numel == 0:
-        return
-    if numel * ctx.itemsize <= ctx.small_bytes:
-        if ctx.rank == src:
-            for dst in range(n):
-                if dst != src:
-                    ctx.send(dst, flat)
-        else:
-            copy_(flat, ctx.recv(src, numel))
-    else:
-        chain = chain_order(src, n)
-        pos = chain.index(ctx.rank)
-        prev = chain[pos - 1] if pos else None
-        nxt = chain[pos + 1] if pos + 1 < n else None
-        for a, b in pieces(0, numel, ctx.piece_elems):
-            if prev is not None:
-                copy_(flat[a:b], ctx.recv(prev, b - a))
-            if nxt is not None:
-                ctx.send(nxt, flat[a:b])
-    ctx.flush()
-
-
 def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
     """Ring reduce-scatter into scratch, then every rank sends its reduced chunk to ``dst``."""
     n = ctx.size

@@ -13,13 +13,15 @@ import torch
 from commrt.collectives import ops
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.scheduled import spans, step_pieces
+from commrt.collectives.schedules import messages_sent, schedule
 from commrt.collectives.selection import choose, table_from
 
 
 class FakeCtx:
     def __init__(self, rank, n, dtype, table, wires, piece_elems=5):
         self.rank, self.size, self.dtype, self.table = rank, n, dtype, table
-        self.itemsize, self.piece_elems, self.small_bytes = dtype.itemsize, piece_elems, 0
+        # small_bytes huge: a path that still tested it (a direct exchange) would show in the counts
+        self.itemsize, self.piece_elems, self.small_bytes = dtype.itemsize, piece_elems, 1 << 30
         self.wires, self.sent = wires, 0
 
     def algorithm(self, collective, nbytes):
@@ -135,11 +137,17 @@ def test_reduce_and_broadcast_every_root(algorithm, n):
         def body(ctx):
             t, b = parts[ctx.rank].clone(), parts[ctx.rank].clone()
             ops.reduce(ctx, t, root, ReduceOp.SUM)
+            before = ctx.sent
             ops.broadcast(ctx, b, root)
-            return t, b
-        for r, ((t, b), _) in enumerate(run_ranks(n, torch.int32, table, body)):
+            return t, b, ctx.sent - before
+        bcast = "binomial" if algorithm == "binomial" else "chain"
+        pieces = -(-11 // 5)  # the chain pipelines 11 elements in pieces of 5
+        want = schedule("broadcast", bcast, n, root, pieces if bcast == "chain" else 1).ranks
+        for r, ((t, b, sent), _) in enumerate(run_ranks(n, torch.int32, table, body)):
             assert torch.equal(t, reference(parts, ReduceOp.SUM) if r == root else parts[r]), (n, root, r)
             assert torch.equal(b, parts[root]), (n, root, r)
+            per_step = pieces if bcast == "binomial" else 1  # binomial: each send cut into the pieces
+            assert sent == messages_sent(want[r]) * per_step, (n, root, r, sent)  # the schedule ran, nothing else
 
 
 @pytest.mark.parametrize("algorithm", ["bruck", "ring"])
