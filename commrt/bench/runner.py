@@ -148,9 +148,9 @@ def _variant_config(cfg, name: str, collective: str):
 
 def data_path(name: str, cfg, rt) -> str:
     """Which path a backend's bytes take between this node's ranks: "shm" where ours uses shared
-    memory (``[comm] intra_node``, read by name so the bench runs with or without that option)
-    and every rank shares this node; else "tcp". The efficiency column uses that path's ceiling."""
-    intra = getattr(cfg.comm, "intra_node", None) or os.environ.get("COMMRT_COMM_INTRA_NODE", "tcp")
+    memory (``[comm] intra_node``) and every rank shares this node; else "tcp". The efficiency
+    column uses that path's ceiling."""
+    intra = cfg.comm.intra_node
     one_node = all(rt.transport.counters.same_node or [True])
     return "shm" if backend_variant(name)[0] == "zmq" and intra in ("auto", "shm") and one_node else "tcp"
 

@@ -167,8 +167,7 @@ def test_settings_are_read_from_the_environment_in_one_place():
     root = pathlib.Path(__file__).resolve().parents[2] / "commrt"
     # known readers, each for a reason other than a setting's value (owners: see the comments)
     allowed = {"apps/ps_train.py": "COMMRT_PS_PRINT_STATS, the demo's own switch (not a setting)",
-               "bench/ps.py": "COMMRT_PS_SERVERS set: this process is a launched rank of the PS benchmark",
-               "bench/runner.py": "a fallback for trees without [comm] intra_node (dead: the field exists)"}
+               "bench/ps.py": "COMMRT_PS_SERVERS set: this process is a launched rank of the PS benchmark"}
     bad = []
     for path in root.rglob("*.py"):
         if (path.parent.name == "config" and path.parent.parent.name == "runtime") or \
