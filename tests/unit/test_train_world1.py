@@ -161,3 +161,32 @@ def test_stage3_trains_torch_transformer_layers(world1):
     attn = engine.module[0].self_attn
     assert attn.out_proj.weight.numel() == 0 and attn.in_proj_weight.numel() == 0  # released after use
     assert engine.zero.live_bytes == 0
+
+
+def test_a_save_killed_before_its_switch_leaves_the_previous_save_loadable(world1, tmp_path, monkeypatch):
+    """Issue 30.18: the job dies after writing its rank files, before the completion marker."""
+    from commrt.train import checkpoint
+
+    cfg = {"zero_optimization": {"stage": 2}, "optimizer": OPTIMIZERS["adamw"][0]}
+    engine = initialize(Net(), cfg)
+    batches = _batches(2)
+    engine.backward(_loss(engine, batches[0]))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    saved = engine.full_state_dict()
+    engine.backward(_loss(engine, batches[1]))
+    engine.step()
+
+    def killed(*_):
+        raise KeyboardInterrupt("killed mid-save")
+    monkeypatch.setattr(checkpoint, "write_marker", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    fresh = initialize(Net(), cfg)
+    fresh.load_checkpoint(str(tmp_path))
+    assert fresh.global_steps == 1
+    for name, value in fresh.full_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    fresh.save_checkpoint(str(tmp_path))  # the next save switches and removes the interrupted one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["save-2", "zero-complete.json"]

@@ -170,7 +170,7 @@ def reshard_case(rank: int, world: int, directory: str) -> None:
     """Load a checkpoint written at another world size (values and optimizer state), go on."""
     engine = engine_for(1, "adamw")
     engine.load_checkpoint(directory)
-    old_world = int(os.path.basename(glob.glob(os.path.join(directory, "zero-rank*"))[0]).split("-of-")[1][:5])
+    old_world = int(os.path.basename(glob.glob(os.path.join(directory, "save-*", "zero-rank*"))[0]).split("-of-")[1][:5])
     x, y = data(rank, 2)
     engine.backward(nn.functional.mse_loss(engine(x), y))
     engine.step()
@@ -191,9 +191,10 @@ def torn_case(rank: int, world: int, directory: str) -> None:
     last = f"zero-rank{world - 1:05d}-of-{world:05d}.ckpt"
     if rank == 0:  # a crash mid-save: the last rank already wrote step 3 over step 2's set
         shutil.copytree(f"{directory}-a", f"{directory}-mixed")
-        shutil.copy(os.path.join(f"{directory}-b", last), os.path.join(f"{directory}-mixed", last))
+        # (each set is its directory's first save: its rank files are in save-1)
+        shutil.copy(os.path.join(f"{directory}-b", "save-1", last), os.path.join(f"{directory}-mixed", "save-1", last))
         os.makedirs(f"{directory}-unfinished")  # every shard written, but the save never completed
-        for f in glob.glob(os.path.join(f"{directory}-b", "zero-rank*.ckpt")):
+        for f in glob.glob(os.path.join(f"{directory}-b", "save-1", "zero-rank*.ckpt")):
             shutil.copy(f, f"{directory}-unfinished")
     commrt.barrier()
     for case, named in (("mixed", last), ("unfinished", "")):
