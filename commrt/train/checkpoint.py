@@ -5,7 +5,11 @@ files hold, then keeps the range it owns.
 
 A save is complete only once rank 0 has written the marker ``zero-complete.json`` (last, after
 every rank's file is on disk): it names the step, the world size and each rank file's SHA-256.
-Every file and the marker go through a temporary file, fsync and rename. A load reads exactly
+Each save writes its rank files into a new subdirectory (``save-<k>``, k one more than the
+marker's), never over the files of the save the marker names: the marker's rename is the switch,
+so a job killed at any point leaves the previous complete save loadable; rank 0 then removes the
+older subdirectories. Every file and the marker go through a temporary file, fsync and rename. A
+load reads exactly
 the files the marker names and refuses a set without a marker (a save that never finished) or
 with a file the marker does not describe (a crash part-way through a later save mixed steps).
 """
@@ -16,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -61,10 +66,11 @@ def file_name(rank: int, world: int) -> str:
 
 
 def save(engine, directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
     z = engine.zero
+    sub = _next_subdir(directory, engine.group)
+    os.makedirs(os.path.join(directory, sub), exist_ok=True)
     st = shard_state(engine)
-    path = os.path.join(directory, file_name(z.rank, z.world))
+    path = os.path.join(directory, sub, file_name(z.rank, z.world))
     save_checkpoint(path, st["meta"], [a.numpy() for a in st["arrays"]], [1] * len(st["arrays"]))
     mine = torch.frombuffer(bytearray(_sha256(path)), dtype=torch.uint8)
     digests = torch.empty(32 * z.world, dtype=torch.uint8)
@@ -72,9 +78,35 @@ def save(engine, directory: str) -> str:
     if z.rank == 0:
         files = {file_name(r, z.world): bytes(digests[32 * r:32 * r + 32].tolist()).hex() for r in range(z.world)}
         write_marker(directory, {"format": FORMAT, "global_steps": engine.global_steps, "world": z.world,
-                                 "files": files})
+                                 "files": files, "dir": sub})
+        _remove_older(directory, sub)
     dist.barrier(engine.group)  # nobody returns before the save is complete
     return path
+
+
+def _next_subdir(directory: str, group) -> str:
+    """``save-<k>``: k one more than the complete save's (rank 0 reads the marker, every rank
+    takes its answer), so a save never writes into the directory the marker names."""
+    k = torch.zeros(1, dtype=torch.int64)
+    if dist.get_rank(group) == 0:
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with open(os.path.join(directory, MARKER)) as fh:
+                last = str(json.load(fh).get("dir", "save-0"))
+            k[0] = int(last.rsplit("-", 1)[-1]) + 1 if last.startswith("save-") else 1
+        except (OSError, ValueError, AttributeError):
+            k[0] = 1  # no complete save here (or an unreadable marker, which no load accepts)
+    dist.broadcast(k, group.ranks[0] if group is not None else 0, group)
+    return f"save-{int(k[0])}"
+
+
+def _remove_older(directory: str, keep: str) -> None:
+    """After the switch: the earlier saves' subdirectories and rank files (never loaded again)."""
+    for old in glob.glob(os.path.join(directory, "save-*")):
+        if os.path.basename(old) != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    for old in glob.glob(os.path.join(directory, "zero-rank*-of-*.ckpt")):
+        os.remove(old)
 
 
 def _sha256(path: str) -> bytes:
@@ -103,15 +135,21 @@ def write_marker(directory: str, doc: dict) -> None:
 def complete_set(directory: str) -> tuple[dict, list[str]]:
     """(marker, paths of the rank files it names, in rank order), or a ConfigError that says
     why the set in ``directory`` is not one complete save and names the offending files."""
-    present = sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "zero-rank*-of-*.ckpt")))
     try:
         with open(os.path.join(directory, MARKER)) as fh:
             doc = json.load(fh)
     except FileNotFoundError:
+        present = sorted(os.path.relpath(f, directory) for f in glob.glob(os.path.join(directory, "**", "zero-rank*.ckpt"),
+                                                                         recursive=True))
         raise ConfigError(f"{directory}: no {MARKER}, so no save there completed (interrupted, or written "
                           f"before completion markers); refusing {present or 'an empty set'}") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{directory}/{MARKER} is unreadable: {exc}") from None
+    sub = doc.get("dir", "") if isinstance(doc, dict) else ""  # saves before subdirectories: ""
+    if not isinstance(sub, str) or os.sep in sub or sub.startswith("."):
+        raise ConfigError(f"{directory}/{MARKER} names no subdirectory of it: {sub!r:.100}")
+    directory = os.path.join(directory, sub) if sub else directory
+    present = sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "zero-rank*-of-*.ckpt")))
     world, files = doc.get("world"), doc.get("files")
     if (doc.get("format") != FORMAT or not isinstance(world, int) or world < 1 or not isinstance(files, dict)
             or sorted(files) != [file_name(r, world) for r in range(world)]):

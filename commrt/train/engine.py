@@ -181,27 +181,53 @@ class Engine:
     # -- stage 3 hooks ----------------------------------------------------------------------
     def _install_gather_hooks(self, model: nn.Module) -> None:
         """Gather before forward and before backward, free after forward; prefetch along the
-        order the first forward actually ran the modules in (not their registration order)."""
+        order the first forward actually ran the modules in (not their registration order).
+        A module's forward may read a descendant's parameters without calling it
+        (``nn.MultiheadAttention`` reads ``out_proj.weight``): until its first forward has shown
+        which descendants run their own hooks, it gathers every descendant's unit, and from then
+        on the ones whose hooks did not run inside it (its ``_outside``), as FSDP2 gathers a
+        whole unit. Only the first forward of such a module holds its whole subtree gathered."""
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self._outside: dict[int, list[UnitState]] = {}  # unit -> descendants' units its forward gathers
+        self._learning: dict[int, dict[int, int]] = {}  # unit -> descendants' hook counts at its first forward
+        self._calls: dict[int, int] = {}  # unit -> times its own forward hook ran
         for m in model.modules():
             mine = [p for p in m.parameters(recurse=False) if id(p) in self._unit_of]
             if not mine:
                 continue
             u = self._unit_of[id(mine[0])]
+            below = {id(v): v for p in m.parameters() if id(p) in self._unit_of
+                     for v in [self._unit_of[id(p)]] if v is not u}
+            self._outside[id(u)] = list(below.values())
+            self._learning[id(u)] = dict.fromkeys(below, 0) if below else {}
             self._hooks.append(m.register_forward_pre_hook(functools.partial(self._before_forward, u)))
             self._hooks.append(m.register_forward_hook(functools.partial(self._after_forward, u)))
             self._hooks.append(m.register_full_backward_pre_hook(functools.partial(self._before_backward, u)))
 
     def _before_forward(self, u: UnitState, *_) -> None:
         with self.clock.span("bookkeeping"):
+            self._calls[id(u)] = self._calls.get(id(u), 0) + 1
+            learning = self._learning.get(id(u))
+            if learning:  # first forward: note the descendants' hook counts before it
+                self._learning[id(u)] = {k: self._calls.get(k, 0) for k in learning}
+            for v in self._outside[id(u)]:
+                self.zero.gather(v)
             self._use(u, self._next, True)
 
     def _after_forward(self, u: UnitState, *_) -> None:
         with self.clock.span("bookkeeping"):
+            learning = self._learning.pop(id(u), None)
+            outside = self._outside[id(u)]
+            if learning:  # keep the descendants whose own hooks did not run inside this forward
+                self._outside[id(u)] = [v for v in outside if self._calls.get(id(v), 0) == learning[id(v)]]
+            for v in outside:
+                self.zero.release(v)
             self.zero.release(u)
 
     def _before_backward(self, u: UnitState, *_) -> None:
         with self.clock.span("bookkeeping"):
+            for v in self._outside[id(u)]:  # released by their gradient's reduction, as u is
+                self.zero.gather(v)
             self._use(u, self._prev)
 
     def _use(self, u: UnitState, ahead: dict, forward: bool = False) -> None:

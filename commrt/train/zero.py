@@ -153,9 +153,13 @@ class Zero(Gathering):
             self._track(work, self.grad_all_reduced, u, flat)
         else:
             out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
-            work = self._issue("qgZ reduce_scatter" if self.qgz else "reduce_scatter",
-                               self._start_reduce_scatter, out, flat, u)
-            self._track(work, self.shard_reduced, u, out)
+            name = "qgZ reduce_scatter" if self.qgz else "reduce_scatter"
+            if self.stream is not None and self.rgroup is not None:  # one stream task: see _start_hybrid
+                work = self._issue(name + " + replica all_reduce", self._start_hybrid, out, flat, u)
+                self._track(work, self.replica_reduced, u, out)
+            else:
+                work = self._issue(name, self._start_reduce_scatter, out, flat, u)
+                self._track(work, self.shard_reduced, u, out)
             if self.stage == 3:
                 self.release(u)
         self.progress()
@@ -205,6 +209,16 @@ class Zero(Gathering):
             return cq.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, True, quant="int4",
                                             feedback=u.feedback)
         return dist.reduce_scatter_tensor(out, flat, ReduceOp.AVG, self.sgroup, async_op=True)
+
+    def _start_hybrid(self, out: torch.Tensor, flat: torch.Tensor, u: UnitState):
+        """On the comm stream: the reduce-scatter, then at once the replica all-reduce. Started
+        from ``shard_reduced`` instead, it would enter the stream whenever ``progress`` saw the
+        reduce-scatter done, before or after later units' reduce-scatters depending on timing
+        (issue 30.22); chained, the stream's order is the hooks' order on every rank."""
+        work = self._start_reduce_scatter(out, flat, u)
+        if work is not None:
+            work.wait()
+        return self._start_replica_all_reduce(out)
 
     def _start_replica_all_reduce(self, out: torch.Tensor):
         return dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True)

@@ -36,3 +36,10 @@ def test_an_interrupted_checkpoint_save_is_refused(tmp_path):
     env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)}
     _, out = run_ranks(2, "zero_job", "torn", env=env, timeout_s=120)
     assert out.count("OK refused mixed checkpoint") == 2 and out.count("OK refused unfinished checkpoint") == 2, out[-3000:]
+
+
+def test_stage3_and_hpz_train_torch_transformer_layers(tmp_path):
+    """Issue 30.16 at 2 ranks (fp32: gathers across ranks), and 30.22's chained replica all-reduce."""
+    _, out = run_ranks(2, "zero_job", "transformer", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=180)
+    for case in ("stage 3 transformer", "hpZ transformer", "hybrid qgZ stream = serial"):
+        assert out.count(f"OK {case}\n") == 2, f"{case!r} missing:\n{out[-3000:]}"

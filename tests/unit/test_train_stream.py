@@ -41,3 +41,48 @@ def test_errors_reach_the_waiter_and_the_stream_goes_on():
         later.wait()
     assert stream.submit("after", lambda: None).wait() is None
     stream.close()
+
+
+def test_hybrid_replica_all_reduce_keeps_the_hooks_order_on_the_stream():
+    """Issue 30.22: ZeRO++ with HYBRID_SHARD. Unit A's reduce-scatter finishes only after unit
+    B's hook ran; the replica all-reduce of A must still enter the stream right after A's
+    reduce-scatter (as it does when A finishes early), not wherever progress() first saw A done."""
+    import torch
+    from torch import nn
+
+    from commrt.train.breakdown import StepClock
+    from commrt.train.layout import make_unit
+    from commrt.train.units import UnitState
+    from commrt.train.zero import Zero
+
+    z = Zero.__new__(Zero)  # the queue and stream logic alone: no process group
+    z.world, z.stage, z.qgz, z.dtype, z.overlap, z.rgroup = 2, 2, False, torch.float32, True, "replicas"
+    z.stream, z.works, z.clock, z.nonfinite, z.started_early = CommStream("test-stream"), [], StepClock(), False, 0
+    issued, rs = [], {"A": Work("rs A"), "B": Work("rs B")}
+    units = {}
+    for name in "AB":
+        p = nn.Parameter(torch.ones(4))
+        p.grad = torch.ones(4)
+        u = UnitState(make_unit([0], [4], 2), [p], (0, 2))
+        u.grad, u.name = torch.zeros(2), name
+        units[name] = u
+
+    outs = {}  # the reduce-scatter's output -> its unit: the replica all-reduce reduces it
+
+    def start_rs(out, flat, u):
+        issued.append(f"reduce_scatter {u.name}")
+        outs[id(out)] = u.name
+        out.copy_(flat[:2])
+        return rs[u.name]
+
+    z._start_reduce_scatter = start_rs
+    z._start_replica_all_reduce = lambda out: issued.append(f"replica all_reduce {outs[id(out)]}")
+    z.reduce(units["A"])
+    rs["A"]._finish(None, None)  # A's data arrives after its hook ...
+    z.fence()
+    z.reduce(units["B"])  # ... and B's hook is the first progress() to see it
+    rs["B"]._finish(None, None)
+    z.wait()
+    assert issued == ["reduce_scatter A", "replica all_reduce A", "reduce_scatter B", "replica all_reduce B"]
+    assert all(torch.equal(u.grad, torch.ones(2)) for u in units.values())
+    z.stream.close()

@@ -132,3 +132,61 @@ def test_data_parallel_equals_the_plain_torch_loop(world1):
     bd = model.step_breakdown()
     assert bd.forward > 0 and bd.backward > 0 and bd.optimizer == 0
     assert abs(bd.forward + bd.backward + bd.comm_waited + bd.bookkeeping - bd.total) < 1e-6
+
+
+def _transformer_run(stage, bf16):
+    """torch's own encoder layer: nn.MultiheadAttention reads out_proj.weight without calling
+    out_proj, so stage 3 must gather that unit with the attention module's (issue 30.16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), nn.Linear(16, 4))
+    engine = initialize(model, {"bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage},
+                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 4, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y))
+        assert engine.step()
+    return engine
+
+
+def test_stage3_trains_torch_transformer_layers(world1):
+    """bf16 keeps stage 3 gathering at world size 1 (fp32 would keep the parameters resident);
+    stage 2 at world size 1 equals the plain torch loop (above), and stage 3 must equal it."""
+    want = _transformer_run(2, True).full_state_dict()
+    engine = _transformer_run(3, True)
+    assert not engine.zero.resident
+    got = engine.full_state_dict()
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)
+    attn = engine.module[0].self_attn
+    assert attn.out_proj.weight.numel() == 0 and attn.in_proj_weight.numel() == 0  # released after use
+    assert engine.zero.live_bytes == 0
+
+
+def test_a_save_killed_before_its_switch_leaves_the_previous_save_loadable(world1, tmp_path, monkeypatch):
+    """Issue 30.18: the job dies after writing its rank files, before the completion marker."""
+    from commrt.train import checkpoint
+
+    cfg = {"zero_optimization": {"stage": 2}, "optimizer": OPTIMIZERS["adamw"][0]}
+    engine = initialize(Net(), cfg)
+    batches = _batches(2)
+    engine.backward(_loss(engine, batches[0]))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    saved = engine.full_state_dict()
+    engine.backward(_loss(engine, batches[1]))
+    engine.step()
+
+    def killed(*_):
+        raise KeyboardInterrupt("killed mid-save")
+    monkeypatch.setattr(checkpoint, "write_marker", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    fresh = initialize(Net(), cfg)
+    fresh.load_checkpoint(str(tmp_path))
+    assert fresh.global_steps == 1
+    for name, value in fresh.full_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    fresh.save_checkpoint(str(tmp_path))  # the next save switches and removes the interrupted one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["save-2", "zero-complete.json"]

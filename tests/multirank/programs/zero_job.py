@@ -170,7 +170,7 @@ def reshard_case(rank: int, world: int, directory: str) -> None:
     """Load a checkpoint written at another world size (values and optimizer state), go on."""
     engine = engine_for(1, "adamw")
     engine.load_checkpoint(directory)
-    old_world = int(os.path.basename(glob.glob(os.path.join(directory, "zero-rank*"))[0]).split("-of-")[1][:5])
+    old_world = int(os.path.basename(glob.glob(os.path.join(directory, "save-*", "zero-rank*"))[0]).split("-of-")[1][:5])
     x, y = data(rank, 2)
     engine.backward(nn.functional.mse_loss(engine(x), y))
     engine.step()
@@ -191,9 +191,10 @@ def torn_case(rank: int, world: int, directory: str) -> None:
     last = f"zero-rank{world - 1:05d}-of-{world:05d}.ckpt"
     if rank == 0:  # a crash mid-save: the last rank already wrote step 3 over step 2's set
         shutil.copytree(f"{directory}-a", f"{directory}-mixed")
-        shutil.copy(os.path.join(f"{directory}-b", last), os.path.join(f"{directory}-mixed", last))
+        # (each set is its directory's first save: its rank files are in save-1)
+        shutil.copy(os.path.join(f"{directory}-b", "save-1", last), os.path.join(f"{directory}-mixed", "save-1", last))
         os.makedirs(f"{directory}-unfinished")  # every shard written, but the save never completed
-        for f in glob.glob(os.path.join(f"{directory}-b", "zero-rank*.ckpt")):
+        for f in glob.glob(os.path.join(f"{directory}-b", "save-1", "zero-rank*.ckpt")):
             shutil.copy(f, f"{directory}-unfinished")
     commrt.barrier()
     for case, named in (("mixed", last), ("unfinished", "")):
@@ -310,6 +311,46 @@ def overlap_case(rank: int, world: int) -> None:
     compare(got, reference("adamw", world, STEPS), "stage 3 prefetched = torch")
 
 
+def transformer_case(rank: int, world: int) -> None:
+    """torch's own encoder layer (nn.MultiheadAttention reads out_proj.weight without calling
+    out_proj): ZeRO-3 and hpZ equal single-process training on the global batch (issue 30.16);
+    and ZeRO++ hybrid (qgZ, replica all-reduce chained on the comm stream, issue 30.22) gives
+    the same values with the stream as without it."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Linear(8, 5))
+
+    def batch(r, step):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        return torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 5, generator=g)
+
+    ref = model()
+    # SGD: the key bias gets a zero gradient up to rounding, which Adam would scale up to lr
+    opt = torch.optim.SGD(ref.parameters(), foreach=False, **OPT["sgd"]["params"])
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(r, step) for r in range(world)))
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    runs = {"stage 3 transformer": {"stage": 3}, "hpZ transformer": {"stage": 3, "zero_hpz_partition_size": world},
+            "hybrid qgZ stream": {"stage": 3, "sharding_strategy": "HYBRID_SHARD", "shard_group_size": 1,
+                                  "zero_quantized_gradients": True, "overlap_comm": True},
+            "hybrid qgZ serial": {"stage": 3, "sharding_strategy": "HYBRID_SHARD", "shard_group_size": 1,
+                                  "zero_quantized_gradients": True, "overlap_comm": False}}
+    got = {}
+    for what, zero in runs.items():
+        engine = initialize(model(), {"zero_optimization": zero, "optimizer": OPT["sgd"]})
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        got[what] = engine.full_state_dict()
+    compare(got["stage 3 transformer"], want, "stage 3 transformer")
+    compare(got["hpZ transformer"], want, "hpZ transformer")
+    compare(got["hybrid qgZ stream"], got["hybrid qgZ serial"], "hybrid qgZ stream = serial", atol=0)
+
+
 def main() -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
@@ -327,6 +368,8 @@ def main() -> int:
         torn_case(rank, world, os.path.join(os.environ["COMMRT_TEST_TMP"], f"torn-{world}"))
     if "reshard" in which:
         reshard_case(rank, world, os.path.join(os.environ["COMMRT_TEST_TMP"], f"ckpt-{world}"))
+    if "transformer" in which:
+        transformer_case(rank, world)
     if "memory" in which:
         memory_case(rank, world)
     if "nonfinite" in which:
