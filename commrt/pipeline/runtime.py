@@ -208,13 +208,24 @@ class PipelineSchedule:
         if slot.loss is not None:
             data_parallel.backward(module, [slot.loss], None, sync=left == 0)
         else:
-            pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel() == o.numel()]
+            _check_grads(stage, mb, slot.outputs, slot.grads_out)
+            pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel()]
             if pairs:  # the stage's last backward also reduces over its data-parallel replicas
                 data_parallel.backward(module, [o for o, _ in pairs], [g for _, g in pairs], sync=left == 0)
         slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:
             del self._slots[(stage, mb)]
+
+
+def _check_grads(stage: int, mb: int, outputs: list, grads: list) -> None:
+    """The next stage sends one gradient per output of ours, empty where it has none (an output
+    that needs no gradient, or one it did not use). Any other size means the stages disagree on
+    the model, and dropping that gradient would train on a silently wrong one."""
+    if len(grads) != len(outputs) or any(g.numel() and g.shape != o.shape for o, g in zip(outputs, grads)):
+        raise ProtocolError(f"pipeline stage {stage}, micro-batch {mb}: gradients received from stage {stage + 1} "
+                            f"have shapes {[tuple(g.shape) for g in grads]}, expected the outputs' "
+                            f"{[tuple(o.shape) for o in outputs]} (or empty for an output without gradient)")
 
 
 class GPipe(PipelineSchedule):
