@@ -87,20 +87,35 @@ class PipelineSchedule:
         self.peak_in_flight = {s: 0 for s in self.stages}
         self._backwards_left = dict(self._backwards)
         self.timeline = Timeline()
+        failed = None
         try:
             self._inbox = Inbox(self._recv_plan, self.group)
             for a in self.rank_actions:
                 self._run(a)
-        except PeerLost as exc:
-            self._abort(exc)
+        except BaseException as exc:
+            failed = exc
+            if isinstance(exc, PeerLost):
+                self._abort(exc)
             raise
         finally:
-            for h in self._sends:
-                h.wait()
+            self._wait_sends(failed)
             self.timeline.finish()
         if self._outs:
             return torch.cat([self._outs[m] for m in sorted(self._outs)])
         return None
+
+    def _wait_sends(self, failed: BaseException | None) -> None:
+        """Wait for this step's sends. After a failure a send often fails too (the peer went
+        away with it); raising that from step()'s ``finally`` would hide the cause, so it is
+        attached to the original error as a note and logged instead."""
+        for h in self._sends:
+            try:
+                h.wait()
+            except Exception as err:
+                if failed is None:
+                    raise
+                failed.add_note(f"while unwinding, a pipeline send also failed: {err!r}")
+                log.warning("pipeline step failed with %r; a pending send also failed: %r", failed, err)
 
     def _chunks(self, tensors, stage: int, what: str):
         if stage not in self.stages:

@@ -43,3 +43,36 @@ def test_matching_and_empty_gradients_still_run_backward():
     sched, module = _schedule_with_slot([torch.empty(0)])  # the next stage did not use the output
     sched._backward(0, 3)
     assert module.weight.grad is None
+
+
+class _FailingSend:
+    def wait(self):
+        raise ProtocolError("send to rank 2 failed: peer closed")
+
+
+def _middle_stage_schedule(monkeypatch, run):
+    """Stage 1 of 3 (no inputs, no target), no receives; ``run(sched, action)`` is each action."""
+    monkeypatch.setattr(runtime, "Inbox", lambda plan, group: None)
+    sched = PipelineSchedule.__new__(PipelineSchedule)
+    sched.stages, sched.num_stages, sched.num_microbatches, sched.group = {1: None}, 3, 1, None
+    sched._recv_plan, sched._backwards, sched.rank_actions = [], {}, ["an action"]
+    monkeypatch.setattr(sched, "_run", lambda a: run(sched, a), raising=False)
+    return sched
+
+
+def test_a_failing_send_does_not_replace_the_steps_original_error(monkeypatch):
+    """issue 30 item 20: step()'s ``finally`` waited for the sends and raised their error in place
+    of the one that stopped the step."""
+    def run(sched, a):
+        sched._sends.append(_FailingSend())
+        raise ValueError("the stage's forward failed")
+    sched = _middle_stage_schedule(monkeypatch, run)
+    with pytest.raises(ValueError, match="the stage's forward failed") as info:
+        sched.step()
+    assert any("a pipeline send also failed" in n and "peer closed" in n for n in info.value.__notes__)
+
+
+def test_a_failing_send_alone_is_still_raised(monkeypatch):
+    sched = _middle_stage_schedule(monkeypatch, lambda s, a: s._sends.append(_FailingSend()))
+    with pytest.raises(ProtocolError, match="peer closed"):
+        sched.step()
