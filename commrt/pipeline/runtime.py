@@ -87,20 +87,35 @@ class PipelineSchedule:
         self.peak_in_flight = {s: 0 for s in self.stages}
         self._backwards_left = dict(self._backwards)
         self.timeline = Timeline()
+        failed = None
         try:
             self._inbox = Inbox(self._recv_plan, self.group)
             for a in self.rank_actions:
                 self._run(a)
-        except PeerLost as exc:
-            self._abort(exc)
+        except BaseException as exc:
+            failed = exc
+            if isinstance(exc, PeerLost):
+                self._abort(exc)
             raise
         finally:
-            for h in self._sends:
-                h.wait()
+            self._wait_sends(failed)
             self.timeline.finish()
         if self._outs:
             return torch.cat([self._outs[m] for m in sorted(self._outs)])
         return None
+
+    def _wait_sends(self, failed: BaseException | None) -> None:
+        """Wait for this step's sends. After a failure a send often fails too (the peer went
+        away with it); raising that from step()'s ``finally`` would hide the cause, so it is
+        attached to the original error as a note and logged instead."""
+        for h in self._sends:
+            try:
+                h.wait()
+            except Exception as err:
+                if failed is None:
+                    raise
+                failed.add_note(f"while unwinding, a pipeline send also failed: {err!r}")
+                log.warning("pipeline step failed with %r; a pending send also failed: %r", failed, err)
 
     def _chunks(self, tensors, stage: int, what: str):
         if stage not in self.stages:
@@ -208,13 +223,24 @@ class PipelineSchedule:
         if slot.loss is not None:
             data_parallel.backward(module, [slot.loss], None, sync=left == 0)
         else:
-            pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel() == o.numel()]
+            _check_grads(stage, mb, slot.outputs, slot.grads_out)
+            pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel()]
             if pairs:  # the stage's last backward also reduces over its data-parallel replicas
                 data_parallel.backward(module, [o for o, _ in pairs], [g for _, g in pairs], sync=left == 0)
         slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:
             del self._slots[(stage, mb)]
+
+
+def _check_grads(stage: int, mb: int, outputs: list, grads: list) -> None:
+    """The next stage sends one gradient per output of ours, empty where it has none (an output
+    that needs no gradient, or one it did not use). Any other size means the stages disagree on
+    the model, and dropping that gradient would train on a silently wrong one."""
+    if len(grads) != len(outputs) or any(g.numel() and g.shape != o.shape for o, g in zip(outputs, grads)):
+        raise ProtocolError(f"pipeline stage {stage}, micro-batch {mb}: gradients received from stage {stage + 1} "
+                            f"have shapes {[tuple(g.shape) for g in grads]}, expected the outputs' "
+                            f"{[tuple(o.shape) for o in outputs]} (or empty for an output without gradient)")
 
 
 class GPipe(PipelineSchedule):

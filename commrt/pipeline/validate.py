@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 
 from commrt.runtime.errors import CommError
-from commrt.pipeline.actions import (B, COMPUTE, F, I, RECV_B, RECV_F, SEND_B, SEND_F, UPDATE, W, Action,
+from commrt.pipeline.actions import (B, COMPUTE, F, I, KINDS, RECV_B, RECV_F, SEND_B, SEND_F, UPDATE, W, Action,
     format_grid)
 
 GRID_CONTEXT = 4  # steps shown either side of the failing one
@@ -56,6 +56,8 @@ class _Sim:
     def step(self, r: int) -> bool:
         """Run rank r's next action if it can; False if it is blocked on a receive."""
         i, a = self.pos[r], self.actions[r][self.pos[r]]
+        if a.kind not in KINDS:  # before the checks below, whose messages would blame its stage or mb
+            self.fail(r, i, f"unknown action kind {a.kind!r}; valid kinds: {', '.join(KINDS)}")
         if a.kind != UPDATE and self.owner.get(a.stage, r) != r:
             self.fail(r, i, f"stage {a.stage} lives on rank {self.owner[a.stage]}")
         if not 0 <= a.mb < self.num_mbs and a.kind != UPDATE:

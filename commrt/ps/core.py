@@ -26,6 +26,7 @@ import torch
 
 from commrt.runtime.config import PsConfig
 from commrt.runtime.dtypes import NAMES
+from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import ProtocolError
 from commrt.ps import protocol as P
 from commrt.ps.durable import NUMPY_DTYPES
@@ -35,6 +36,7 @@ from commrt.ps.recovery import Durability, StorageFailed
 from commrt.ps.state import ShardState
 
 log = logging.getLogger(__name__)
+_limited = RateLimited(log)  # a worker retrying a refused request in a loop must not flood the log
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
 # upper bounds (seconds) of the apply-latency histogram's buckets, as Prometheus' defaults span
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -71,7 +73,8 @@ class ServerCore(Durability, Binding):
             req = P.decode_request(frames[0])
         except (ProtocolError, IndexError) as exc:
             self.counters["malformed"] += 1
-            log.warning("server %d: dropped a malformed request: %s", self.index, exc)
+            _limited.warning(f"server {self.index}: malformed request", "server %d: dropped a malformed request: %s",
+                             self.index, exc)
             return []
         if self.failure is not None:
             return [_reply(ident, P.FAILED, req.req_id, [self.failure])]
@@ -120,7 +123,8 @@ class ServerCore(Durability, Binding):
 
     def _rejected(self, ident: bytes, req: P.Request, why: str) -> Reply:
         self.counters["rejected"] += 1
-        log.warning("server %d: rejected %s from worker %d: %s", self.index, P.OP_NAMES[req.op], req.worker, why)
+        _limited.warning(f"server {self.index}: rejected {P.OP_NAMES[req.op]}", "server %d: rejected %s from worker %d: %s",
+                         self.index, P.OP_NAMES[req.op], req.worker, why)
         return _reply(ident, P.ERROR, req.req_id, [why])
 
     def _refuse(self, p: Parked, why: str) -> Reply:

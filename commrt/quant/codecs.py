@@ -31,6 +31,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SLAB = 1 << 17  # elements per encode step: its fp32 temporaries fit in L2
 
 
+def scale_range_problem(block: int, absmax: float, scale_dtype: str) -> str:
+    """Why a block's scale overflowed, and the way out that exists for this scale dtype."""
+    fix = ("use scale_dtype fp32" if scale_dtype != "fp32" else
+           "no scale dtype holds it: absmax / qmax is beyond float32's largest value; rescale the tensor or send it "
+           "unquantized")
+    return f"block {block}: absmax {absmax:.6g} needs a scale beyond {scale_dtype}'s range; {fix}"
+
+
 @dataclass(frozen=True)
 class Codec:
     bits: int = 8
@@ -167,8 +175,7 @@ class Codec:
             problem = f"cannot quantize a non-finite value: element {offset + bad} is {flat[bad]}"
         elif np.isinf(s).any():
             row = int(np.flatnonzero(np.isinf(s))[0])
-            problem = (f"block {offset // self.block + row}: absmax {absmax[row]:.6g} needs a scale beyond "
-                       f"{self.scale_dtype}'s range; use scale_dtype fp32")
+            problem = scale_range_problem(offset // self.block + row, float(absmax[row]), self.scale_dtype)
         s[~np.isfinite(s)] = np.nan
         return s, problem
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from commrt.quant.codecs import Codec, _slabs
+from commrt.quant.codecs import Codec, _slabs, scale_range_problem
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16}  # same-width integer views
@@ -101,8 +101,7 @@ def _scales(codec: Codec, rows: torch.Tensor, offset: int) -> tuple[torch.Tensor
         problem = f"cannot quantize a non-finite value: element {offset + bad} is {float(flat[bad])}"
     else:
         row = int(torch.nonzero(~ok)[0])
-        problem = (f"block {offset // codec.block + row}: absmax {float(absmax[row]):.6g} needs a scale beyond "
-                   f"{codec.scale_dtype}'s range; use scale_dtype fp32")
+        problem = scale_range_problem(offset // codec.block + row, float(absmax[row]), codec.scale_dtype)
     return torch.where(ok, s, float("nan")), problem
 
 

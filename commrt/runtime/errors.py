@@ -45,10 +45,10 @@ class CollectiveMismatch(CommError):
         self.op, self.seq, self.mine, self.theirs, self.peer = op, seq, mine, theirs, peer
         self.rank, self.reported_by = rank, reported_by  # reported_by: the rank that saw it
         seen = "" if reported_by is None else f" (reported by rank {reported_by})"
-        super().__init__(
-            f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, "
-            f"rank {peer} runs {_fmt(theirs)}{seen}"
-        )
+        other = f"rank {peer} runs {_fmt(theirs)}"
+        if peer == rank:  # a corrupt or foreign header: "rank 0 runs A, rank 0 runs B" says nothing
+            other = f"but a header attributed to rank {peer} says {_fmt(theirs)} (corrupt, or not from this job)"
+        super().__init__(f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, {other}{seen}")
 
 
 class GroupClosed(CommError):

@@ -28,9 +28,11 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
+from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import CommError, ProtocolError
 
 log = logging.getLogger(__name__)
+_limited = RateLimited(log)  # what a misbehaving client makes us say, once per request
 
 VERSION = 1
 REQUEST, REPLY, ERROR = 0, 1, 2
@@ -145,7 +147,7 @@ class RpcClient:
                 env = decode(frames[0], self.max_frame)
             except ProtocolError as exc:
                 self.discarded += 1
-                log.warning("%s: dropped a malformed reply: %s", self.name, exc)
+                _limited.warning(f"{self.name}: malformed reply", "%s: dropped a malformed reply: %s", self.name, exc)
                 continue
             if env.req_id != req_id or env.kind == REQUEST:
                 self.discarded += 1  # a late reply to a call that already gave up
@@ -258,7 +260,7 @@ class RpcServer:
     def _reject(self, route: bytes, req_id: int, method: str, exc: Exception) -> None:
         self.rejected += 1
         reason = f"{type(exc).__name__}: {exc}"[:1000]
-        log.warning("%s: rejected a request (%s): %s", self.name, method or "?", reason)
+        _limited.warning(f"{self.name}: rejected request", "%s: rejected a request (%s): %s", self.name, method or "?", reason)
         self._send([route, encode(Envelope(ERROR, req_id, method, reason))])
 
     def _guarded(self, fn: Callable, *args) -> None:

@@ -27,9 +27,11 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from commrt.runtime.config import Config
+from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
+_refusals = RateLimited(log)  # a peer retrying with a bad key or secret must not flood the log
 ALLOW_FILE = "allow.txt"
 DOMAIN = "commrt"
 SECRET_ENV = "COMMRT_JOB_SECRET"  # set by `commrt launch` for its processes (one secret per job)
@@ -181,7 +183,8 @@ class _Authenticator(ThreadAuthenticator):
     def callback(self, domain: str, key: bytes) -> bool:  # credentials provider
         allowed = key in self.ring.names
         if not allowed:
-            log.warning("refused a connection with an unknown CURVE key %s", key[:8].decode(errors="replace"))
+            _refusals.warning("unknown CURVE key", "refused a connection with an unknown CURVE key %s",
+                              key[:8].decode(errors="replace"))
         return allowed
 
 
@@ -196,7 +199,7 @@ class _SecretAuthenticator(ThreadAuthenticator):
     def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
         if domain == DOMAIN and hmac.compare_digest(password.encode(), self._secret):
             return True, b"OK"
-        log.warning("refused a connection claiming to be %r: wrong job secret", username[:32])
+        _refusals.warning("wrong job secret", "refused a connection claiming to be %r: wrong job secret", username[:32])
         return False, b"wrong job secret"
 
 

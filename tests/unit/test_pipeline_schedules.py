@@ -111,3 +111,10 @@ def test_computing_twice_or_on_a_foreign_stage_is_caught():
     assert (e.rank, e.step) == (0, 1) and "twice" in e.reason
     e = _err(parse_actions(["0F0 0B0 1F0", "1F0"]))
     assert "also computes on rank" in e.reason
+
+
+def test_a_bogus_action_kind_is_named_not_reported_as_a_micro_batch_range():
+    """issue 30 item 15: a schedule of unknown kinds only said "micro-batch 0 is out of range 0..-1"."""
+    e = _err([[Action(0, "X", 0)]])
+    assert (e.rank, e.step) == (0, 0) and "unknown action kind 'X'; valid kinds: F" in e.reason
+    assert "out of range" not in e.reason

@@ -451,3 +451,41 @@ def test_a_readmission_survives_a_server_restart(tmp_path):
     again = ServerCore(core.cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 2))
     again.resume()
     assert again.state.dropped == set() and again.state.clocks == [3, 3]
+
+
+def test_metrics_server_threads_stay_bounded_under_idle_connections():
+    """issue 30 item 14: prometheus_client's server held a thread per idle connection (310 for
+    300). Here at most MAX_CONNECTIONS, the rest refused; a scrape works once they are gone."""
+    import socket
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from commrt.ps import metrics
+    server = metrics.MetricsServer(dict, "127.0.0.1", 0)
+    before, idle = set(threading.enumerate()), []
+    try:
+        for _ in range(100):
+            idle.append(socket.create_connection(("127.0.0.1", server.port)))
+        time.sleep(0.5)
+        started = [t for t in threading.enumerate() if t not in before]  # other tests' threads do not count
+        assert len(started) <= metrics.MAX_CONNECTIONS, started
+        for s in idle:
+            s.close()
+        idle = []
+        deadline = time.monotonic() + 10
+        while True:  # the served ones end when their client closes
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as reply:
+                    assert reply.status == 200
+                break
+            except urllib.error.HTTPError:  # answered (the empty stats make the collector fail)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

@@ -190,3 +190,11 @@ def test_functional_api_and_bad_arguments():
             quantize(x, **kwargs)
     with pytest.raises(TypeError, match="float tensors"):
         quantize(torch.ones(3, dtype=torch.int32))
+
+
+def test_an_fp32_scale_overflow_does_not_advise_fp32():
+    """issue 30 item 15: the advice was "use scale_dtype fp32" when it already was fp32."""
+    x = torch.full((4,), 1e300, dtype=torch.float64)
+    with pytest.raises(ValueError, match="beyond fp32's range; no scale dtype holds it") as info:
+        encode(x, Codec(8, 256, "fp32"))
+    assert "use scale_dtype fp32" not in str(info.value)

@@ -123,3 +123,36 @@ def test_done_callbacks_run_once_whether_added_before_or_after_finishing():
     w._finish(None, None)
     w.add_done_callback(lambda _: calls.append("after"))
     assert calls == ["before", "after"]
+
+
+class _RecordingBackend:
+    """Stands in for commrt's backend: records what the process group launches."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, flat, op, async_op):
+        self.calls.append(("all_reduce", flat.numel()))
+
+    def reduce_scatter_tensor(self, out, flat, op, async_op):
+        self.calls.append(("reduce_scatter_tensor", flat.numel()))
+
+
+@pytest.mark.parametrize("out_size,blocks,match", [
+    (3, [2, 3], "output has 3 elements, expected 2"),  # would silently take rank 1's first element
+    (1, [2, 3], "output has 1 elements, expected 2"),
+    (2, [2], "one input block per rank \\(2\\), got 1"),
+])
+def test_uneven_list_reduce_scatter_checks_the_output_size(out_size, blocks, match):
+    """issue 30 item 21: the uneven path all-reduces and keeps ``out.numel()`` elements from our
+    block's offset, so a wrong-sized output read into the next rank's block with no error."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _RecordingBackend()
+    pg = CommrtProcessGroup(backend, 0, 2, [0, 1], lambda: None)
+    ins = [torch.ones(n) for n in blocks]
+    with pytest.raises(ValueError, match=match):
+        pg.reduce_scatter([torch.zeros(out_size)], [ins])
+    assert backend.calls == []  # refused before anything reached the wire
+    out = torch.zeros(2)
+    pg.reduce_scatter([out], [[torch.ones(2), torch.ones(3)]])  # the right size still runs
+    assert backend.calls == [("all_reduce", 5)] and out.tolist() == [1.0, 1.0]

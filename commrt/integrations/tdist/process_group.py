@@ -122,6 +122,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         (out,) = _one(outputs, "reduce_scatter")
         (ins,) = _one(input_lists, "reduce_scatter")
         same_dtype([out, *ins], "reduce_scatter")
+        _check_blocks(ins, out, self.rank(), self.size())
         flat = flat_cat(ins)
         rop = reduce_op(opts.reduceOp, out.dtype)
         if rop is not None and all(t.numel() == out.numel() for t in ins):
@@ -254,6 +255,17 @@ def _one(items, what: str) -> list:
     if len(items) != 1:
         raise ValueError(f"commrt backend: {what} takes one tensor (list) per process, got {len(items)}")
     return items
+
+
+def _check_blocks(ins: list, out: torch.Tensor, rank: int, size: int) -> None:
+    """A list reduce_scatter keeps block ``rank``: without this check a wrong-sized output
+    silently takes its neighbour's elements (or a short view fails deep in the copy-out)."""
+    if len(ins) != size:
+        raise ValueError(f"commrt backend: reduce_scatter on rank {rank} needs one input block per rank "
+                         f"({size}), got {len(ins)}")
+    if out.numel() != ins[rank].numel():
+        raise ValueError(f"commrt backend: reduce_scatter on rank {rank}: the output has {out.numel()} "
+                         f"elements, expected {ins[rank].numel()} (the size of input block {rank})")
 
 
 # torch 2.13's Python API calls these names (the C++ side the older ones): one body each
