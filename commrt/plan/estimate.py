@@ -6,7 +6,8 @@ The model follows what ``train/zero.py`` and the engine do per step (not the pap
 
     every unit (a gradient bucket, stages 0-2; the caller's units for stage 3), padded to a
     multiple of the data-parallel world:
-    stage 0-1  grads: all_reduce (AVG) over the world; qgZ: quantized all_reduce (int4 all_to_all
+    stage 0-1  grads: all_reduce (AVG) over the world (stage 1 in fp32, not hybrid, not qgZ: a
+               reduce_scatter into the owner's shard instead); qgZ: quantized all_reduce (int4 all_to_all
                + all_gather of the codes)
     stage 1-2  publish: all_gather of the unit over the shard group
     stage 2-3  grads: reduce_scatter over the shard group (qgZ: int4 all_to_all); hybrid: then an
@@ -203,7 +204,10 @@ class _Step:
                 self.op("hpZ secondary all_gather", "all_gather", self.secondary, n, b)
             else:
                 self._gather("backward all_gather", own)
-        if p.stage < 2:
+        # stage 1 in fp32, unquantized and not hybrid reduce-scatters into the owner's shard (zero.py)
+        scatter = p.stage >= 2 or (p.stage == 1 and self.replica is None and not job.quant_grads
+                                   and job.dtype == "fp32")
+        if not scatter:
             if job.quant_grads:
                 self.q_all_reduce("gradient all_reduce", self.world, n)
             else:
