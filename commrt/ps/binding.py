@@ -54,14 +54,7 @@ class Binding:
 
     def _answer_init(self, p: Parked) -> P.Routed:
         w, why = p.req.worker, self._differs(*p.init)
-        if why is None and w in self.state.dropped and self.cfg.mode == "sync":
-            why = ("it was dropped after it went silent, and a sync job does not take a worker back (every "
-                   "step averages the same workers; restart the job from the servers' checkpoint, or use "
-                   "mode 'async' or 'ssp', where a restarted worker rejoins)")
-            return self._rejected(p.ident, p.req, f"worker {w} cannot rejoin: {why}")
         if why is None:
-            if self.cfg.mode != "sync" and (w in self.state.dropped or w not in self.state.joined):
-                self._readmit(w)
             self._join(w)
         else:  # a refused init changes nothing: worker w's accepted one (if any) stays (issue 30.7)
             return self._rejected(p.ident, p.req, f"worker {w} describes different parameters than the "
@@ -81,17 +74,6 @@ class Binding:
             if shapes.get(name) != self.state.shapes.get(name):
                 return f"{name} has shape {self.state.shapes.get(name)} here, {shapes.get(name)} described"
         return None
-
-    def _readmit(self, worker: int) -> None:
-        """A worker that starts after the job began, or comes back after it was dropped, joins
-        at the slowest live worker's step: its first pull gets the current weights at once, and
-        the staleness bound does not hold the others back to its step 0 (issue 33 item 3)."""
-        was = self.state.clocks[worker]
-        clock = self.state.readmit(worker)
-        self._log({"k": "r", "w": worker, "c": clock}, [])
-        if clock != was:
-            log.info("server %d: worker %d joins at step %d (version %d)", self.index, worker, clock,
-                     self.state.version)
 
     def _join(self, worker: int) -> None:
         if worker not in self.state.joined:

@@ -186,11 +186,6 @@ class ServerCore(Durability, Binding):
             if whole != set(ids):
                 raise ProtocolError("LAMB needs whole tensors: push every segment of a tensor together")
 
-    def _floor(self) -> int:
-        """The clock the staleness bound counts from: in async/SSP, over the workers that have
-        joined, so a worker that starts late (or rejoins) holds nobody back; in sync, over all."""
-        return self.state.min_clock(joined_only=self.cfg.mode != "sync")
-
     def _level(self, clock: int) -> int:
         """The slowest live worker's clock at which a pull at ``clock`` may be served."""
         if self.cfg.mode == "async":
@@ -213,7 +208,7 @@ class ServerCore(Durability, Binding):
     def _park_pull(self, p: Parked, bounded: bool = True) -> None:
         level = self._level(p.clock)
         self.waiting.park_pull(p, level, bounded)
-        if self.cfg.mode == "ssp" and level > self._floor():
+        if self.cfg.mode == "ssp" and level > self.state.min_clock():
             self.counters["ssp_waits"] += 1  # held by the staleness bound, not by its own pushes
 
     def _push(self, ident: bytes, req: P.Request, payload: list, now: float) -> list[Reply]:
@@ -230,7 +225,7 @@ class ServerCore(Durability, Binding):
         grads = [np.frombuffer(f, dtype=NUMPY_DTYPES[self.state.segs[i].dtype]) for f, i in zip(payload, req.body)]
         if (w, step) not in self.pushes:
             self.counters["pushes"] += 1
-            if self.cfg.mode == "ssp" and step - self._floor() > self.cfg.staleness:
+            if self.cfg.mode == "ssp" and step - self.state.min_clock() > self.cfg.staleness:
                 self.counters["ssp_waits"] += 1
         self.waiting.park_push(Parked(ident, req, now, grads=grads))
         return []
@@ -250,7 +245,7 @@ class ServerCore(Durability, Binding):
             return out
         if self.waiting.inits:
             out += [self._answer_init(p) for p in self.waiting.take_inits()]
-        return out + [self._serve_pull(p) for p in self.waiting.ready_pulls(self._floor())]
+        return out + [self._serve_pull(p) for p in self.waiting.ready_pulls(self.state.min_clock())]
 
     def _serve_pull(self, p: Parked) -> Reply:
         ids = p.req.body
@@ -276,10 +271,10 @@ class ServerCore(Durability, Binding):
         else:
             order = sorted(self.pushes, key=lambda k: (k[1], k[0]))
             ready = next((k for k in order if k[1] == self.state.clocks[k[0]] and (
-                self.cfg.mode == "async" or k[1] - self._floor() <= self.cfg.staleness)), None)
+                self.cfg.mode == "async" or k[1] - self.state.min_clock() <= self.cfg.staleness)), None)
             if ready is None:
                 return False
-            gap = ready[1] - self._floor()
+            gap = ready[1] - self.state.min_clock()
             group = [self.waiting.take_push(ready)]
             self._update(group, [ready], gap=gap)
         for p in group:
@@ -322,9 +317,7 @@ class ServerCore(Durability, Binding):
             return [w for w in self.state.active() if (w, self.state.version) not in self.pushes]
         bound = self.cfg.staleness if self.cfg.mode == "ssp" else 0
         need = max((p.req.step if p.grads is not None else p.clock) - bound for p in stuck)
-        # in async/SSP a worker that never joined holds nobody back (_floor), so it is not to blame
-        return [w for w in self.state.active() if self.state.clocks[w] < need
-                and (self.cfg.mode == "sync" or w in self.state.joined)]
+        return [w for w in self.state.active() if self.state.clocks[w] < need]
 
     def stats(self) -> dict:
         st = self.state

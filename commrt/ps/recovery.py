@@ -68,9 +68,6 @@ class Durability:
             kind = meta.get("k")
             if kind == "d":
                 self.state.dropped.update(meta["w"])
-            elif kind == "r":  # a late or dropped worker (re)admitted at a clock
-                self.state.dropped.discard(meta["w"])
-                self.state.clocks[meta["w"]] = meta["c"]
             elif kind == "j":
                 (self.state.joined.add if meta["on"] else self.state.joined.discard)(meta["w"])
             elif kind == "u" and meta["v"] > self.state.version:

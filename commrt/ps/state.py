@@ -56,20 +56,9 @@ class ShardState:
     def active(self) -> list[int]:
         return [w for w in range(self.workers) if w not in self.dropped]
 
-    def min_clock(self, joined_only: bool = False) -> int:
-        """The slowest live worker's clock; ``joined_only``: of the workers that have joined (an
-        async/SSP job does not wait for a worker that has not started yet)."""
-        live = [self.clocks[w] for w in self.active() if not joined_only or w in self.joined]
+    def min_clock(self) -> int:
+        live = [self.clocks[w] for w in self.active()]
         return min(live) if live else max(self.clocks)
-
-    def readmit(self, worker: int) -> int:
-        """Take a dropped or late worker (back) into an async/SSP job at the slowest other live
-        worker's clock, never below its own (its applied steps stay de-duplicated); its clock."""
-        self.dropped.discard(worker)
-        others = [self.clocks[w] for w in self.active() if w != worker and w in self.joined]
-        if others:
-            self.clocks[worker] = max(self.clocks[worker], min(others))
-        return self.clocks[worker]
 
     def seed(self, segs: list[SegInfo], values: list[np.ndarray],
              shapes: dict[str, tuple[int, ...]] | None = None) -> None:

@@ -119,18 +119,6 @@ def test_async_keeps_serving_the_rest(tmp_path):
     assert len(re.findall(r"'clocks': \[12, [0-3]\]", stats)) == 2, stats
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_a_worker_that_starts_late_joins_at_the_current_step_with_the_current_weights(tmp_path, mode):
-    """Issue 33 item 3: worker 2 starts once worker 0 has reached step 6; meanwhile workers 0 and
-    1 are not held back by it (SSP counts the workers that joined), and it starts at the others'
-    step with the weights they have made, not the initial ones."""
-    env = ps_env("sgd", mode=mode, staleness=1, worker_timeout_s=30)
-    _, out = run_job(tmp_path, 3, 2, env, "12", "--marker-at", "6", "--sleep", "0.05", "--join-late")
-    joined = re.search(r"worker 2 joined at step (\d+); its first pull moved the weights by ([\d.e+-]+)", out)
-    assert joined and int(joined.group(1)) >= 3 and float(joined.group(2)) > 1e-3, out
-    assert "CAUGHT" not in out and all((tmp_path / f"params-{w}.npy").exists() for w in range(3)), out
-
-
 @pytest.mark.parametrize("mode,extra", [("async", {}), ("ssp", {"COMMRT_PS_STALENESS": "2"})])
 def test_async_and_ssp_converge_within_the_bound(mode, extra):
     env = {"COMMRT_PS_MODE": mode, "COMMRT_PS_LR": "0.05", "COMMRT_PS_MOMENTUM": "0.9",

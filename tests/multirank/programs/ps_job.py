@@ -2,10 +2,7 @@
 small model on its own batch for step t, pushes it and pulls the new weights. The test
 recomputes the same steps in one process on the global batch.
 
-    ps_job OUT_DIR STEPS [--die-at K] [--marker-at K] [--sleep S] [--slow-worker W] [--join-late]
-
---join-late: the last worker starts only once OUT/marker exists (--marker-at), joining a job
-that has already taken steps (issue 33 item 3).
+    ps_job OUT_DIR STEPS [--die-at K] [--marker-at K] [--sleep S] [--slow-worker W]
 
 Errors are printed as 'CAUGHT <type>: <message>' with the time it took to surface.
 """
@@ -56,21 +53,13 @@ def main() -> int:
     p.add_argument("--die-at", type=int, default=-1, help="the last worker exits (cleanly) at this step")
     p.add_argument("--marker-at", type=int, default=-1, help="worker 0 touches OUT/marker at this step")
     p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--join-late", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     client = PSClient(load_config())
     worker, workers = client.worker, client.cfg.ps.workers
-    late = args.join_late and worker == workers - 1
-    while late and not os.path.exists(os.path.join(args.out, "marker")):
-        time.sleep(0.05)
     params = make_params()
     client.init(params)
     client.pull(params)
-    if late:
-        moved = float(max((params[k] - v).abs().max() for k, v in make_params().items()))
-        print(f"worker {worker} joined at step {client.step}; its first pull moved the weights by {moved:.4g}",
-              flush=True)
     t0 = time.monotonic()
     try:
         for step in range(client.step, args.steps):
