@@ -142,6 +142,7 @@ def job_factory(tmp_path):
         j.stop()
 
 
+@pytest.mark.slow  # 40-80 s of restarts and heartbeat waits: CI runs the unit tests of runtime/elastic.py
 def test_two_nodes_on_loopback_lose_one_and_regain_it(job_factory):
     lose_and_regain(job_factory("1:2", 2, "127.0.0.1"), victim=1, full=2)
 
