@@ -53,8 +53,8 @@ def __dir__() -> list[str]:
 
 
 def _register_torch_backend() -> None:
-    """torch.distributed.init_process_group("commrt") (commrt/integrations/tdist)."""
-    from commrt.integrations.tdist import register_backend
+    """torch.distributed.init_process_group("commrt") (commrt/integrations/torch_plugin.py)."""
+    from commrt.integrations.torch_plugin import register_backend
     register_backend()
 
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import zmq
 
 from commrt.runtime.errors import GroupClosed, ProtocolError
-from commrt.transport.wire import P2P
-from commrt.transport import shm_p2p
+from commrt.transport.wire import P2P, P2P_DOORBELL
+from commrt.transport import shm, shm_p2p
 from commrt.transport.endpoint import Endpoint, Message
 from commrt.transport.matching import ANY_SOURCE, Matching, Recv
 from commrt.transport.p2p_send import Send, Sender
@@ -51,6 +51,8 @@ class P2PEngine(CallerProgress):
         self._out = Sender(ep, timeout_s, self._fail)
         self._match = Matching(ep.rank, self._bind, _release, time.monotonic)
         self._rings: shm_p2p.Rings | None = None
+        self._inboxes: dict = {}  # peer -> mailbox.Inbox, with the rings
+        self._spin_s = 0.0  # how long a waiting receive watches the mailboxes before it blocks
         self._checked_at = 0.0  # the reader's last look at receive deadlines and peers
         self._dialled: set[int] = set()  # peers a receive has dialled (_bind)
 
@@ -58,6 +60,8 @@ class P2PEngine(CallerProgress):
         """Large payloads to and from ``peers`` (peer -> its (OutRing, InRing), handed over at connect)
         through shared-memory rings; called once, before the first transfer."""
         self._rings = self._out.rings = shm_p2p.Rings(peers)
+        self._inboxes = self._rings.inboxes
+        self._spin_s = shm.yield_window(len(peers) + 1, shm._cores())
 
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""
@@ -136,6 +140,7 @@ class P2PEngine(CallerProgress):
                 now = time.monotonic()
                 if mine:
                     self._take_posted()
+                    self.drain_mail()  # what a receiver that stopped spinning left (mailbox.py)
                     if self._ep.inbound in events:
                         self._read_all()
                     self._check_if_due(now)
@@ -209,14 +214,44 @@ class P2PEngine(CallerProgress):
             self._on_message(msg)
 
     def _on_message(self, msg: Message) -> None:
+        """A message from the socket."""
         h = msg.header
         if h.kind != P2P:
             return  # collectives' ABORTs travel on the collective endpoint
+        inbox = self._inboxes.get(h.src)
+        if inbox is not None:  # what the sender put in its mailbox before this comes first
+            self._drain(inbox)
+            inbox.socket_read()
+        if h.root == P2P_DOORBELL:
+            return
         if h.root == shm_p2p.SHM_ROOT:
             msg = self._from_ring(msg)
             if msg is None:
                 return
-            h = msg.header
+        self._deliver(msg)
+
+    def drain_mail(self) -> bool:
+        """Land what the mailboxes hold (the reader calls this); whether there was anything."""
+        got = False
+        for inbox in self._inboxes.values():
+            if inbox.pending():
+                self._drain(inbox)
+                got = True
+        return got
+
+    def _drain(self, inbox) -> None:
+        try:
+            msgs = inbox.take()
+        except ProtocolError as exc:
+            error = exc  # the except clause's name goes when it ends
+            log.warning("rank %d: %s", self._ep.rank, error)
+            self._fail_all(lambda op: error, peer=inbox.src)
+            return
+        for msg in msgs:
+            self._deliver(msg)
+
+    def _deliver(self, msg: Message) -> None:
+        h = msg.header
         if self._match.arrive(msg):
             self._reader.landed()
             return

@@ -14,7 +14,10 @@ import zmq
 from commrt.runtime.errors import PeerLost
 from commrt.transport import shm_p2p
 from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint
-from commrt.transport.wire import P2P, encode_header
+from commrt.runtime import dtypes
+from commrt.transport.wire import P2P, P2P_DOORBELL, Header, encode_header
+
+UINT8 = dtypes.code_of(dtypes.BY_NAME["uint8"])  # a doorbell's dtype (it carries no bytes)
 
 
 @dataclass
@@ -77,6 +80,15 @@ class Sender:
                 if now - op.since < shm_p2p.FULL_WAIT_S:
                     return False  # retried within BUSY_POLL_MS: the receiver is usually copying out
                 place = None  # it is not taking it: inline, as the socket would have it
+            if place is None and self.rings is not None:
+                put = self.rings.put(op.dst, header, payload)  # a waiting receiver: its mailbox
+                if put is not None:
+                    if put is False:
+                        self._doorbell(sock, op.dst)
+                    self._ep.count_sent(op.dst, P2P, 0, len(payload))
+                    op.sent += 1
+                    op.since = now
+                    continue
             if place is not None:  # the payload goes into our ring to dst; the socket says where
                 desc = shm_p2p.descriptor(*place)
                 header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)
@@ -94,11 +106,23 @@ class Sender:
                 op.trackers.append(sock.send(payload, copy=False, track=True))
             else:
                 sock.send(payload, copy=True)
+            if self.rings is not None:
+                self.rings.sent_on_socket(op.dst)
             # op code 0: comm_stats()["by_op"]["p2p"], inside / across nodes
             self._ep.count_sent(op.dst, P2P, 0, len(payload))
             op.sent += 1
             op.since = now
         return True
+
+    def _doorbell(self, sock, dst: int) -> None:
+        """Tell ``dst`` to look in its mailbox (it stopped spinning as we wrote; mailbox.py rule 3).
+        Should the pipe be full, its reader's next slice looks anyway."""
+        bell = Header(P2P, self._ep.group, 0, self._ep.rank, 0, UINT8, 0, 0, 0, 0, P2P_DOORBELL)
+        try:
+            sock.send_multipart([encode_header(bell), b""], zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self.rings.sent_on_socket(dst)
 
     def _drained(self, op: Send, now: float) -> bool:
         if op.work._done.is_set():

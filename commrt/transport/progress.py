@@ -21,6 +21,7 @@ floor, small node-local messages would have to bypass ZeroMQ's I/O threads.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -28,6 +29,7 @@ from typing import Callable
 import zmq
 
 from commrt.runtime.work import Work
+from commrt.transport.mailbox import barrier
 
 ENGINE = "engine"
 
@@ -120,6 +122,8 @@ class CallerProgress:
             return
         try:
             self._take_posted()
+            if self._inboxes and self._spin_s:
+                self._spin(work, deadline)
             slice_ms = int(self._ep.live.slice_s * 1000)
             while not work._done.is_set() and not self._closing:
                 left_ms = slice_ms if deadline is None else int((deadline - time.monotonic()) * 1000)
@@ -140,12 +144,41 @@ class CallerProgress:
             if self._receives_waiting():
                 self._wake()  # the engine lands the rest (irecvs nobody waits on yet)
 
+    def _spin(self, work: P2PWork, deadline: float | None) -> None:
+        """Watch the mailboxes (and the socket) for a few hundred microseconds, telling the
+        senders so, before ``drive`` blocks on the socket (mailbox.py's rules 1 and 3)."""
+        inboxes = list(self._inboxes.values())
+        for inbox in inboxes:
+            inbox.spin(True)
+        try:
+            end = time.monotonic() + self._spin_s
+            if deadline is not None:
+                end = min(end, deadline)
+            while not work._done.is_set() and not self._closing:
+                got = self.drain_mail()
+                msg = self._ep.read(zmq.NOBLOCK)
+                if msg is not None:
+                    self._on_message(msg)
+                    got = True
+                if self._posted:
+                    self._take_posted()
+                if work._done.is_set() or time.monotonic() >= end:
+                    return
+                if not got:
+                    os.sched_yield()  # a peer on this core gets its turn
+        finally:
+            for inbox in inboxes:
+                inbox.spin(False)
+            barrier()
+            self.drain_mail()  # what landed while we stopped
+
     def test(self) -> None:
         """Land what has arrived, without blocking (``is_completed`` of a receive)."""
         if self._closing or not self._reader.try_take(threading.get_ident()):
             return
         try:
             self._take_posted()
+            self.drain_mail()
             self._read_all()
         finally:
             self._reader.release()

@@ -33,6 +33,7 @@ import torch
 from commrt.runtime.errors import ProtocolError
 from commrt.transport.wire import P2P_SHM_ROOT as SHM_ROOT
 from commrt.transport import shm
+from commrt.transport.mailbox import MAILBOX_BYTES, MAX_PAYLOAD, Inbox, Outbox
 
 RING_BYTES = 8 << 20  # per (sender, receiver) pair: two 4 MiB pieces (the default chunk_bytes) in flight
 MIN_BYTES = 32 << 10  # smaller payloads stay inline on the socket: one message beats two copies
@@ -40,7 +41,7 @@ W_TAIL = shm.W_COUNTER  # the receiver's consumed position (bytes, counting up f
 W_MAPPED = shm.ATTACH_BASE  # set by the receiver once it has mapped the ring
 FULL = (-1, -1, "")  # Rings.place: eligible, but the ring has no room yet
 FULL_WAIT_S = 0.05  # a piece waits this long for room (the receiver is copying out), then goes inline
-RING_SLOT = RING_BYTES // 2  # shm's layout: CTL + 2 x slot = CTL + RING_BYTES
+RING_SLOT = (RING_BYTES + MAILBOX_BYTES) // 2  # shm's layout: CTL + 2 x slot = CTL + ring + mailbox
 _DESC = struct.Struct("<qq")  # position, length; then the ring's name, padded to 8 bytes
 
 
@@ -74,6 +75,7 @@ class OutRing:
         self._fd, self._mm = fd, mm
         self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
         self._data = memoryview(self._mm)[shm.CTL_BYTES:]
+        self.outbox = Outbox(self._ctl, self._data[RING_BYTES:])
         self.head = 0
 
     @property
@@ -103,6 +105,7 @@ class OutRing:
         the group connected; the memory goes with the last of us)."""
         shm.close_fd(self._fd)
         self._fd = None
+        self.outbox.close()
         _unmap(self._ctl, self._data, self._mm)
 
 
@@ -115,6 +118,7 @@ class InRing:
         self._ctl = memoryview(self._mm)[:shm.CTL_BYTES].cast("q")
         self._ctl[W_MAPPED] = 1
         self._data = memoryview(self._mm)[shm.CTL_BYTES:]
+        self._box = self._data[RING_BYTES:]
         self._held: collections.deque = collections.deque()  # [pos, end, freed] in arrival order
         self._expect = 0  # no region may start before the end of the last one
 
@@ -137,6 +141,7 @@ class InRing:
 
     def close(self) -> None:
         self._held.clear()
+        self._box.release()
         _unmap(self._ctl, self._data, self._mm)
 
 
@@ -165,6 +170,8 @@ class Rings:
         self._out: dict[int, OutRing] = {p: o for p, (o, _) in pairs.items()}
         self._in: dict[int, InRing] = {p: i for p, (_, i) in pairs.items()}
         self._used: set[int] = set()  # destinations we placed a payload for (tests, stats)
+        self.inboxes = {p: Inbox(p, i._ctl, i._box) for p, i in self._in.items()}
+        self.mailed = 0  # messages that went through a mailbox (tests, stats)
 
     def place(self, dst: int, payload) -> tuple[int, int, str] | None:
         """Reserve a place for ``payload`` to ``dst``: (pos, length, ring name), FULL (no room
@@ -174,16 +181,35 @@ class Rings:
         n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
         if dst not in self.peers or not MIN_BYTES <= n <= RING_BYTES:
             return None
+        if not self._ready(dst):
+            return None
+        ring = self._out[dst]
+        self._used.add(dst)
+        pos = ring.reserve(n)
+        return FULL if pos is None else (pos, n, ring.name)
+
+    def put(self, dst: int, header, payload) -> bool | None:
+        """A small message into ``dst``'s mailbox (mailbox.Outbox.try_put: None = take the socket)."""
+        if dst not in self.peers or len(payload) > MAX_PAYLOAD or not self._ready(dst):
+            return None
+        put = self._out[dst].outbox.try_put(header, payload)
+        self.mailed += put is not None
+        return put
+
+    def sent_on_socket(self, dst: int) -> None:
+        """A P2P message to ``dst`` went over the socket (mailbox rule 2 counts them)."""
+        if dst in self._out:
+            self._out[dst].outbox.sock_sent += 1
+
+    def _ready(self, dst: int) -> bool:
         ring = self._out[dst]
         if not ring.reserved:
             try:
                 ring.reserve_memory()
             except OSError:
                 self.peers = self.peers - {dst}  # memory short: this pair stays on the socket
-                return None
-        self._used.add(dst)
-        pos = ring.reserve(n)
-        return FULL if pos is None else (pos, n, ring.name)
+                return False
+        return True
 
     def write(self, dst: int, pos: int, payload) -> None:
         self._out[dst].write(pos, payload)

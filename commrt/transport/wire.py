@@ -33,6 +33,7 @@ MAX_TAG = _INT_MAX  # point-to-point tags are in [0, MAX_TAG)
 COLL = 0  # part of a collective
 P2P = 1  # point-to-point send/recv; ``op`` is the tag
 P2P_SHM_ROOT = 1  # a P2P header's ``root``: its payload lies in the sender's shared-memory ring (transport/shm_p2p.py)
+P2P_DOORBELL = 2  # an empty P2P message: look in the sender's mailbox (transport/mailbox.py)
 ABORT = 2  # "I am giving up": rank <op> is lost (empty payload), or a mismatch report (payload)
 
 
@@ -85,7 +86,7 @@ def problem(h: Header) -> str | None:
             return None
     elif kind == P2P:
         size = ITEMSIZE.get(dtype)
-        if size and not nbytes % size and reduce == 0 and root in (0, P2P_SHM_ROOT):
+        if size and not nbytes % size and reduce == 0 and root in (0, P2P_SHM_ROOT, P2P_DOORBELL):
             return None
     elif kind == ABORT and dtype == reduce == root == 0:  # the payload: empty, or a mismatch report
         return None

@@ -65,7 +65,7 @@ IMPOSSIBLE = {
     "unknown reduce op": GOOD._replace(reduce=5),
     "partial element": GOOD._replace(dtype=1, nbytes=6),
     "p2p with a reduce op": Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4, reduce=1),
-    "p2p with a root": Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4, root=2),
+    "p2p with a root": Header(P2P, 0, 1, 1, 7, 1, 1, 0, 4, root=3),  # 1: in a ring, 2: a doorbell
     "p2p unknown dtype": Header(P2P, 0, 1, 1, 7, 99, 1, 0, 4),
     "abort with dtype": Header(ABORT, 0, 1, 1, 2, 1, 0, 0, 0),
     "abort with a reduce op": Header(ABORT, 0, 1, 1, 2, 0, 0, 0, 0, reduce=1),

@@ -15,8 +15,6 @@ process group; ``route_torch_api`` wraps it so that on a commrt group it calls t
 """
 from __future__ import annotations
 
-import datetime
-import functools
 import time
 import weakref
 
@@ -128,27 +126,3 @@ def _collect(backend, chan: _Channel, size: int, members: list[int], limit: floa
 
 def _why(exc: BaseException, limit: float) -> str:
     return f"nothing within {limit:g}s" if isinstance(exc, CommTimeout) else str(exc)
-
-
-def route_torch_api(is_ours) -> None:
-    """Make ``torch.distributed.monitored_barrier`` serve groups for which ``is_ours(pg)`` holds
-    (torch itself raises "only implemented for GLOO backend" for them). Idempotent."""
-    import torch.distributed as dist
-    c10d = dist.distributed_c10d
-    original = c10d.monitored_barrier
-    if getattr(original, "__commrt__", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(group=None, timeout=None, wait_all_ranks=False):
-        if c10d._rank_not_in_group(group):
-            return original(group, timeout, wait_all_ranks)
-        pg = c10d._get_default_group() if group is None else group
-        if not is_ours(pg):
-            return original(group, timeout, wait_all_ranks)
-        if isinstance(timeout, (int, float)):
-            timeout = datetime.timedelta(seconds=timeout)
-        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
-
-    wrapper.__commrt__ = True
-    c10d.monitored_barrier = dist.monitored_barrier = wrapper

@@ -19,8 +19,6 @@ import os
 import threading
 import zlib
 
-import torch.distributed as dist
-
 from commrt.runtime import rendezvous
 from commrt.transport import security
 from commrt.backends.zmq_backend import ZmqBackend
@@ -28,7 +26,6 @@ from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError
 from commrt.runtime.store import TorchStore
 from commrt.transport import Transport
-from commrt.integrations.tdist.monitor import route_torch_api
 from commrt.integrations.tdist.process_group import CommrtProcessGroup
 
 log = logging.getLogger(__name__)
@@ -36,15 +33,6 @@ log = logging.getLogger(__name__)
 NAME = "commrt"
 _lock = threading.Lock()
 _shared: dict = {"transport": None, "config": None, "groups": 0}
-
-
-def register_backend() -> None:
-    """Make ``init_process_group("commrt")`` and ``new_group(backend="commrt")`` work. Cheap and
-    idempotent (``import commrt`` calls it). gloo/nccl stay torch's defaults for cpu/cuda."""
-    if NAME.upper() in dist.Backend._plugins:
-        return
-    dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
-    route_torch_api(lambda pg: isinstance(pg, CommrtProcessGroup))  # torch refuses non-gloo groups by name
 
 
 def create(opts, _backend_options=None) -> CommrtProcessGroup:

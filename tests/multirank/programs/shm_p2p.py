@@ -5,6 +5,8 @@
              in flight than a ring holds, sent before the receiver posts; replies back
       kill   rank 1 sends one large message (its ring to rank 0 exists), then is SIGKILLed;
              rank 0's next recv from it is a PeerLost naming rank 1
+      mixed  small and large messages, at once or late, in bursts, on two tags: through the
+             mailbox, the socket and the ring, in order (transport/mailbox.py)
       unreceived  rank 1 puts a large message in its ring that rank 0 never receives, then is
              SIGKILLed
 Every rank prints its pid, each ring when first used, and whether transfers went through rings."""
@@ -78,6 +80,32 @@ def data(rank: int, n: int) -> None:
             assert torch.equal(got, expected(1 << 18, torch.float32, p, 5)), p
 
 
+def mixed(rank: int, n: int) -> None:
+    """Rank 0 sends rank 1 small and large messages on two tags, at once or after rank 1 has
+    stopped spinning (so some go through its mailbox, some over the socket, some as ring
+    descriptors), singly and in bursts; rank 1 takes each tag in order and answers each round."""
+    sizes = [1, 1024, 7, 10 << 10, 0, 100 << 10, 33, 3000]
+    for rnd in range(120):
+        plan = [(t, sizes[(rnd + i) % len(sizes)]) for i, t in enumerate((1, 2, 1, 1, 2)[:1 + rnd % 5])]
+        if rank == 0:
+            if rnd % 3 == 1:
+                time.sleep(0.002)  # rank 1 has blocked on its socket by now
+            works = [commrt.isend(expected(s, torch.float32, rnd, t), 1, tag=t) for t, s in plan]
+            for w in works:
+                w.wait()
+            back = torch.empty(1024)
+            commrt.recv(back, 1, tag=3)
+            assert torch.equal(back, expected(1024, torch.float32, rnd, 3)), rnd
+        elif rank == 1:
+            for tag in (2, 1):  # tag 2 first: tag 1's messages wait, matched later in order
+                for t, s in plan:
+                    if t == tag:
+                        got = torch.full((s,), -1.0)
+                        commrt.recv(got, 0, tag=t)
+                        assert torch.equal(got, expected(s, torch.float32, rnd, t)), (rnd, t, s)
+            commrt.send(expected(1024, torch.float32, rnd, 3), 0, tag=3)
+
+
 def count_bytes() -> int:
     return (shm_p2p.RING_BYTES // (1 << 20) + 2) * (1 << 18) * 4
 
@@ -117,7 +145,7 @@ def main() -> int:
     _announce_rings()
     commrt.init_process_group()
     rank, n = commrt.get_rank(), commrt.get_world_size()
-    {"data": data, "kill": kill, "unreceived": unreceived}[mode](rank, n)
+    {"data": data, "kill": kill, "unreceived": unreceived, "mixed": mixed}[mode](rank, n)
     engine = commrt.distributed._rt().world.backend._p2p
     rings = engine._rings
     used = bool(rings and rings.used())
@@ -127,7 +155,9 @@ def main() -> int:
                     for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES) * (n - 1)
                 + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
         assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
-    print(f"rank {rank}: p2p {mode} passed, rings used {used}", flush=True)
+    mailed = rings.mailed if rings else 0
+    sock = sum(r.outbox.sock_sent for r in rings._out.values()) if rings else 0
+    print(f"rank {rank}: p2p {mode} passed, rings used {used}, mailed {mailed}, socket {sock}", flush=True)
     if mode != "data":
         os._exit(0)  # the group's peer is gone: skip the goodbye barrier
     commrt.destroy_process_group()
