@@ -78,8 +78,14 @@ def data(rank: int, n: int) -> None:
             assert torch.equal(got, expected(1 << 18, torch.float32, p, 5)), p
 
 
-def count_bytes() -> int:
-    return (shm_p2p.RING_BYTES // (1 << 20) + 2) * (1 << 18) * 4
+def sent_sizes(rank: int, n: int) -> list[int]:
+    """The bytes of each send ``data`` makes this rank issue, in order."""
+    if rank:
+        return [(1 << 18) * 4]
+    per_peer = [expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
+                for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES]
+    count = shm_p2p.RING_BYTES // (1 << 20) + 2
+    return per_peer * (n - 1) + [(3 << 18) * 4] * 2 + [(1 << 18) * 4] * count + [4]
 
 
 def kill(rank: int, n: int) -> None:
@@ -123,10 +129,12 @@ def main() -> int:
     used = bool(rings and rings.used())
     if mode == "data":  # comm_stats counts what each rank sent, whichever way it went
         p2p = commrt.comm_stats()["by_op"]["p2p"]
-        sent = (sum(expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
-                    for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES) * (n - 1)
-                + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
-        assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
+        sends = sent_sizes(rank, n)
+        # a message is one piece of at most chunk_bytes (an empty send is one message too)
+        chunk = commrt.distributed.get_config().comm.chunk_bytes
+        want = {"intra_node_bytes": sum(sends), "inter_node_bytes": 0,
+                "messages": sum(max(1, -(-b // chunk)) for b in sends)}
+        assert p2p == want, (p2p, want)
     print(f"rank {rank}: p2p {mode} passed, rings used {used}", flush=True)
     if mode != "data":
         os._exit(0)  # the group's peer is gone: skip the goodbye barrier
