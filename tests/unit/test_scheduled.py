@@ -22,7 +22,7 @@ class FakeCtx:
         self.rank, self.size, self.dtype, self.table = rank, n, dtype, table
         # small_bytes huge: a path that still tested it (a direct exchange) would show in the counts
         self.itemsize, self.piece_elems, self.small_bytes = dtype.itemsize, piece_elems, 1 << 30
-        self.wires, self.sent = wires, 0
+        self.wires, self.sent, self.bytes_to = wires, 0, {}
 
     def algorithm(self, collective, nbytes):
         return choose(collective, nbytes, self.size, self.table)
@@ -31,6 +31,7 @@ class FakeCtx:
         payload = b"" if data is None or not data.numel() else data.view(torch.uint8).numpy().tobytes()
         self.wires[self.rank, dst].put(payload)
         self.sent += 1
+        self.bytes_to[dst] = self.bytes_to.get(dst, 0) + len(payload)
 
     def recv_buffer(self, src, numel):
         payload = self.wires[src, self.rank].get(timeout=10)
