@@ -14,9 +14,11 @@ from commrt.collectives import ops, shm_ops
 from commrt.collectives.aliasing import Aliased
 from commrt.collectives.context import Coll, Journal, OpContext
 from commrt.collectives.contract import NAMES as _NAMES, restate_report
+from commrt.collectives.selection import table_from
 from commrt.collectives.shm_ops import ShmContext
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.config import Config
+from commrt.runtime.config.comm import parse_algorithms
 from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
 from commrt.transport import shm
 from commrt.transport import Endpoint, Transport
@@ -68,6 +70,7 @@ class ZmqBackend:
         self._exec = Executor(f"group{group_id}")
         self._seq = 0  # of the last collective started (assigned when it starts, in issue order)
         self._journal = Journal()  # recent ops, so a stray message's error names both sides
+        self._table = table_from(parse_algorithms(c.algorithms))  # which schedule runs what ([comm] algorithms)
         self._broken: BaseException | None = None
         self._largest = 0  # bytes of the largest collective so far
         self._pending = [0, 0]  # (ops, bytes) submitted and not finished: the read-ahead budget
@@ -147,7 +150,8 @@ class ZmqBackend:
                 ctx = self._shm_context(coll, dtype, count, site, reduce, root)
             else:
                 ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
-                                count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal)
+                                count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal,
+                                self._table)
             try:
                 body(ctx)
             except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:

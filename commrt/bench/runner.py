@@ -8,7 +8,6 @@ import os
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from commrt.runtime import bootstrap, rendezvous
@@ -19,6 +18,7 @@ from commrt.collectives.reduce_ops import ReduceOp, parse_op
 from commrt.runtime.config import load_config
 from commrt.runtime.dtypes import parse_dtype
 from commrt.bench import alone, metrics, physical
+from commrt.bench.cases import _DEVICE, Case, device_of, make_case, pattern, reference  # noqa: F401 (p2p.py, apps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,129 +40,6 @@ class BenchSpec:
     device: str = "cpu"
     """cpu | cuda: where the non-NCCL backends' tensors live (NCCL's are always on the GPU);
     cuda puts every backend, and the quantized columns' codec, on this rank's GPU."""
-
-
-def pattern(numel: int, rank: int, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
-    """Small integers, so that sums and products are exact in every dtype we support."""
-    i = torch.arange(numel, dtype=torch.int64)
-    if op == ReduceOp.PRODUCT:
-        v = 1 + ((i + rank) % 3 == 0).long()
-    else:
-        v = (i * 7 + rank * 13) % 17 - 8
-        if dtype == torch.uint8:
-            v = v.abs()
-    return v.to(dtype)
-
-
-def reference(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    """Single-process reduction of every rank's tensor, in rank order (the oracle)."""
-    wide = [p.double() if p.is_floating_point() else p.long() for p in parts]
-    acc = wide[0].clone()
-    for p in wide[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            acc += p
-        elif op == ReduceOp.PRODUCT:
-            acc *= p
-        elif op == ReduceOp.MAX:
-            acc = torch.maximum(acc, p)
-        else:
-            acc = torch.minimum(acc, p)
-    if op == ReduceOp.AVG:
-        acc = acc / len(parts) if acc.is_floating_point() else torch.div(acc, len(parts), rounding_mode="floor")
-    return acc.to(parts[0].dtype)
-
-
-@dataclasses.dataclass
-class Case:
-    """Buffers and closures for one (collective, size) on one rank."""
-    run: Callable[[], None]
-    reset: Callable[[], None]
-    check: Callable[[], torch.Tensor]  # the tensor to compare
-    expected: torch.Tensor
-    count: int
-    nbytes: int
-    refill: Callable[[], None] = lambda: None  # rewrite the input, as a new step's gradients
-
-
-def _refiller(dst: torch.Tensor, src: torch.Tensor, as_numpy: bool) -> Callable[[], None]:
-    """dst[:] = src, the way the program would write it: numpy for numpy input (one thread),
-    torch's copy for tensors (which may use its intra-op threads, as a training step does)."""
-    if as_numpy:
-        d, s = dst.numpy(), src.numpy()
-        return lambda: np.copyto(d, s)
-    return lambda: dst.copy_(src)
-
-
-_DEVICE = {"all": "cpu"}
-"""``BenchSpec.device`` of this rank's run (set once by ``run``: one spec a process), so the
-helpers below that take only a backend know it."""
-
-
-def device_of(be) -> torch.device:
-    """Where a backend's tensors live: NCCL works on this rank's GPU; the others on the CPU, or
-    on the GPU too with ``--device cuda`` (zmq / gloo then stage them through host memory)."""
-    if be.name == "nccl" or _DEVICE["all"] == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, as_numpy: bool = False) -> Case:
-    """``as_numpy``: the collective gets numpy views of the buffers (the public API takes both)."""
-    n, r = be.size, be.rank
-    item = dtype.itemsize
-    count = max(1, nbytes // item)
-    if coll in ("reduce_scatter", "all_gather", "all_to_all"):
-        count = max(n, count // n * n)
-    m = count // n
-    dev = device_of(be)
-    if as_numpy and (dev.type != "cpu" or dtype == torch.bfloat16):
-        raise ValueError(f"--input numpy needs a CPU backend and a numpy dtype, not {be.name} / {dtype}")
-    arg = (lambda t: t.numpy()) if as_numpy else (lambda t: t)
-    cpu_pats = [pattern(count, k, dtype, op) for k in range(n)]
-    pats = [p.to(dev) for p in cpu_pats]
-    mine = pats[r].clone()  # the input the op reads; pats[r] stays the source of each refill
-    refill = _refiller(mine, pats[r], as_numpy)
-    size = count * item
-    if coll in ("all_reduce", "broadcast", "reduce"):
-        exp = {"all_reduce": reference(cpu_pats, op), "broadcast": cpu_pats[0],
-               "reduce": reference(cpu_pats, op) if r == 0 else cpu_pats[r]}[coll]
-        x = arg(mine)
-        run = {"all_reduce": lambda: be.all_reduce(x, op, False), "broadcast": lambda: be.broadcast(x, 0, False),
-               "reduce": lambda: be.reduce(x, 0, op, False)}[coll]
-        return Case(run, refill, lambda: mine, exp, count, size, refill)
-    if coll == "sendrecv":
-        return _sendrecv_case(be, pats, cpu_pats, mine, refill, arg, count, size)
-    out = torch.empty(m if coll == "reduce_scatter" else count, dtype=dtype, device=dev)
-    o, x = arg(out), arg(mine)
-    if coll == "reduce_scatter":
-        return Case(lambda: be.reduce_scatter_tensor(o, x, op, False), lambda: None, lambda: out,
-                    reference(cpu_pats, op)[r * m:(r + 1) * m], count, size, refill)
-    if coll == "all_gather":
-        part = mine[:m]
-        p = arg(part)
-        return Case(lambda: be.all_gather_into_tensor(o, p, False), lambda: None, lambda: out,
-                    torch.cat([q[:m] for q in cpu_pats]), count, size, _refiller(part, pats[r][:m], as_numpy))
-    if coll == "all_to_all":
-        exp = torch.cat([cpu_pats[k][r * m:(r + 1) * m] for k in range(n)])
-        return Case(lambda: be.all_to_all_single(o, x, None, None, False), lambda: None,
-                    lambda: out, exp, count, size, refill)
-    raise ValueError(f"unknown collective '{coll}'; valid: {list(metrics.COLLECTIVES)}")
-
-
-def _sendrecv_case(be, pats, cpu_pats, mine, refill, arg, count: int, size: int) -> Case:
-    n, r = be.size, be.rank
-    out = torch.empty_like(mine)
-    right, left = (r + 1) % n, (r - 1) % n
-    x, o = arg(mine), arg(out)
-
-    def run():
-        if n == 1:
-            out.copy_(mine)
-            return
-        works = [be.isend(x, right, 0), be.irecv(o, left, 0)]
-        for w in works:
-            w.wait()
-    return Case(run, lambda: None, lambda: out, cpu_pats[left], count, size, refill)
 
 
 def _slowest(be, seconds: float) -> float:
@@ -248,8 +125,25 @@ def backend_variant(name: str) -> tuple[str, int | None]:
     """``zmq``, ``zmq+hier``, ``zmq@1M`` (piece size 1 MiB: ``[comm] chunk_bytes``) ->
     (backend, chunk_bytes or None). Variants of one backend run as separate groups in the same
     processes, so their settings are compared sample by sample (``--backend zmq,zmq@1M,gloo``)."""
-    base, _, chunk = name.split("+")[0].partition("@")
+    base, _, chunk = name.split("+")[0].partition(":")[0].partition("@")
     return base, (metrics.parse_size(chunk) if chunk else None)
+
+
+def algorithm_variant(name: str) -> str | None:
+    """``zmq:rabenseifner`` (``commrt bench --algo``) -> the schedule pinned, or None."""
+    return name.split("+")[0].partition(":")[2] or None
+
+
+def _variant_config(cfg, name: str, collective: str):
+    """The config of one backend column: its piece size, and for ``:ALGO`` the schedule pinned
+    over TCP (``[comm] algorithms``; the shared-memory path has its own schedules, so ``:ALGO``
+    columns run ``intra_node = "tcp"``)."""
+    kind, chunk = backend_variant(name)
+    comm = dataclasses.replace(cfg.comm, backend=kind, **({"chunk_bytes": chunk} if chunk else {}))
+    algorithm = algorithm_variant(name)
+    if algorithm:
+        comm = dataclasses.replace(comm, algorithms=f"{collective}={algorithm}", intra_node="tcp")
+    return dataclasses.replace(cfg, comm=comm)
 
 
 def data_path(name: str, cfg, rt) -> str:
@@ -295,11 +189,9 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)
     runtimes = {}
     try:
+        configs = {name: _variant_config(cfg, name, spec.collective) for name in spec.backends}
         for name in spec.backends:
-            kind, chunk = backend_variant(name)
-            comm = dataclasses.replace(cfg.comm, backend=kind, **({"chunk_bytes": chunk} if chunk else {}))
-            bcfg = dataclasses.replace(cfg, comm=comm)
-            runtimes[name] = bootstrap.init_world(bcfg, rdzv, store=(store, None), namespace=f"{name}/")
+            runtimes[name] = bootstrap.init_world(configs[name], rdzv, store=(store, None), namespace=f"{name}/")
         backends = {name: _backend(name, rt) for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
         ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
@@ -309,7 +201,7 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
             label = f"[{i + 1}/{len(sizes)}] {spec.collective} {metrics.format_size(nbytes)}"
             row = measure_size(spec, backends, nbytes, dtype, op, progress, label)
             for name, rt in runtimes.items():
-                row[name]["path"] = data_path(name, cfg, rt)
+                row[name]["path"] = data_path(name, configs[name], rt)
             if ring is not None:
                 row["ceiling"] = ring.measure(first, nbytes, spec.iters, spec.warmup)
                 row["memory"] = physical.memory_ceiling(first, spec.collective, nbytes, spec.iters, spec.warmup)

@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     bp.add_argument("--backend", default="zmq", help="zmq|gloo|nccl or a comma list (interleaved); "
                     "NAME+hier: NAME with the hierarchical collectives (needs a multi-node launch); "
                     "NAME@SIZE: NAME with [comm] chunk_bytes = SIZE")
+    bp.add_argument("--algo", help="schedules to measure, each as its own column over TCP (a comma list, or "
+                    "'all'): e.g. recursive_doubling,rabenseifner,ring for all_reduce; each column is the first "
+                    "zmq --backend with [comm] algorithms pinning it and intra_node = tcp; default: the table's choice")
     bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
     bp.add_argument("-b", "--minbytes", default="4K", help="smallest payload per rank (K, M, G suffixes)")
     bp.add_argument("-e", "--maxbytes", default="64M", help="largest payload per rank")
@@ -54,12 +57,25 @@ def check_backends(names: tuple[str, ...]) -> None:
         raise SystemExit(f"commrt bench: --backend is empty; valid: {list(BACKENDS)}")
     for name in names:
         base, _, variant = name.partition("+")
-        backend, _, chunk = base.partition("@")
+        backend, _, chunk = base.partition(":")[0].partition("@")
         if backend not in BACKENDS or variant not in VARIANTS:
             raise SystemExit(f"commrt bench: --backend {name!r} is invalid; valid: {list(BACKENDS)}, each "
                              "optionally with +hier, +int8, +int4 or @CHUNK_SIZE")
         if chunk:
             metrics.parse_size(chunk)
+
+
+def with_algorithms(backends: tuple[str, ...], collective: str, algo: str) -> tuple[str, ...]:
+    """``--algo``: one ``zmq:ALGO`` column per schedule (bench/runner.py pins it), after the other
+    backends; refuses a name the collective has no schedule for, listing those it has."""
+    from commrt.collectives.schedules import ALGORITHMS
+    valid = sorted(ALGORITHMS.get(collective, {}))
+    names = valid if algo.strip() == "all" else [a.strip() for a in algo.split(",") if a.strip()]
+    bad = [a for a in names if a not in valid]
+    if bad or not names:
+        raise SystemExit(f"commrt bench: --algo {algo!r} is invalid for {collective}; valid: {valid or 'none'} or 'all'")
+    zmq = next((b for b in backends if b.partition("+")[0].partition("@")[0] == "zmq"), "zmq")
+    return tuple(b for b in backends if b != zmq) + tuple(f"{zmq}:{a}" for a in names)
 
 
 def run(args) -> int:
@@ -70,6 +86,8 @@ def run(args) -> int:
     from commrt.bench.runner import BenchSpec
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     check_backends(backends)
+    if args.algo:
+        backends = with_algorithms(backends, args.collective, args.algo)
     if args.quant:
         from commrt.bench.quant import with_quant
         backends = with_quant(backends, args.quant)

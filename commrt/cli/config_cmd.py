@@ -8,8 +8,10 @@ import dataclasses
 import os
 import sys
 
+from commrt.collectives.selection import format_table, table_from
 from commrt.runtime.config import load_with_sources, markdown_env_table, read_file, unknown_variables
 from commrt.runtime.config.render import section_lines
+from commrt.runtime.config.comm import parse_algorithms
 from commrt.runtime.errors import ConfigError
 
 
@@ -46,10 +48,20 @@ def run(args) -> int:
         values = getattr(cfg, section.name)
         lines += ["", *section_lines(section.name, [(f.name, getattr(values, f.name), sources[(section.name, f.name)])
                                                     for f in dataclasses.fields(values)])]
+        if section.name == "comm":
+            lines += _table_lines(cfg.comm.algorithms)
     lines += _train_lines(train, train_raw, f"file {path}")
     lines += ["", f"# digest {cfg.digest()} (what every rank must agree on)"]
     print("\n".join(lines))
     return 0
+
+
+def _table_lines(algorithms: str) -> list[str]:
+    """The selection table in force on the TCP path (``algorithms`` ahead of the defaults), as
+    comments: which schedule runs a collective, by size and world size, first match wins."""
+    rows = format_table(table_from(parse_algorithms(algorithms))).splitlines()
+    return ["# selection table (first match wins; sizes: the bytes a rank holds at the end):",
+            *(f"#   {row}" for row in rows)]
 
 
 def _train_lines(train, raw: dict, from_file: str) -> list[str]:

@@ -11,6 +11,7 @@ from commrt.runtime.errors import CollectiveMismatch
 from commrt.transport import Endpoint
 from commrt.transport.wire import Coll, Header
 from commrt.collectives.contract import NAMES as _NAMES, OpShape, describe as _describe
+from commrt.collectives.selection import DEFAULT_TABLE, Rule, choose
 
 __all__ = ["Coll", "Journal", "OpContext", "_NAMES", "_describe"]  # _NAMES: obs/stats.py reads it
 
@@ -47,6 +48,7 @@ class OpContext(OpShape):
     reduce: int = 0  # ReduceOp code of a reducing collective, else 0
     root: int = 0  # broadcast's source / reduce's destination (group rank), else 0
     journal: Journal | None = None  # the group's recent operations, for naming stray messages
+    table: tuple[Rule, ...] = DEFAULT_TABLE  # which schedule runs which size (selection.py, [comm] algorithms)
     # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)
@@ -64,6 +66,10 @@ class OpContext(OpShape):
         self._recvd = [0] * self.size
         if self.journal is not None:
             self.journal.record(self)
+
+    def algorithm(self, collective: str, nbytes: int) -> str:
+        """The schedule the table names for ``collective`` moving ``nbytes`` on this group."""
+        return choose(collective, nbytes, self.size, self.table)
 
     def send(self, dst: int, data: torch.Tensor | None = None) -> None:
         payload = b"" if data is None else _as_bytes(data)

@@ -1,10 +1,14 @@
 """The collectives, executed over an OpContext. Each takes flat (1-D, contiguous) tensors.
 
-Large payloads use the ring with a pipeline of pieces: a piece received from the left is
-reduced and forwarded right at once, so sending, receiving and reducing overlap and the
-whole reduce-scatter + all-gather of an all-reduce flows as one stream. Small payloads use a
-direct exchange (one network latency instead of 2(n-1)), reducing in rank order so that every
-rank computes bit-identical results.
+Which schedule runs is the selection table's choice (selection.py, ``[comm] algorithms``), by
+collective, size and world size. Latency-optimal schedules (recursive doubling, Rabenseifner,
+binomial trees, Bruck, pairwise exchange, dissemination) are data from schedules.py, run by
+scheduled.py: log2 n messages per rank where the old direct exchange sent n-1. The ring, the
+bandwidth-optimal choice for large payloads, runs here with a pipeline of pieces: a piece
+received from the left is reduced and forwarded right at once, so sending, receiving and
+reducing overlap and the whole reduce-scatter + all-gather of an all-reduce flows as one stream.
+reduce_scatter keeps a direct exchange up to small_bytes (it is not in the table yet).
+Every schedule reduces so that all ranks compute bit-identical results.
 
 Buffer rule: ZeroMQ reads large payloads after ``send`` returns, so a buffer that was sent is
 not written again until ``ctx.flush()`` (or until causality proves the peer received it).
@@ -14,14 +18,17 @@ these functions (and shm_ops.py's) behind the rules that make every other form s
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
-from commrt.collectives.algorithms import (chain_order, chunk_bounds, dissemination_steps,
-    pairwise_exchange_steps, pieces, ring_all_gather_steps, ring_neighbours, ring_reduce_scatter_steps)
+from commrt.collectives.algorithms import (chain_order, chunk_bounds, pieces, ring_all_gather_steps,
+    ring_neighbours, ring_reduce_scatter_steps)
 from commrt.collectives.aliasing import own_part
 from commrt.collectives.context import OpContext
+from commrt.collectives.scheduled import Side, run
+from commrt.collectives.schedules import ALGORITHMS, REDUCE, Step
 from commrt.collectives.reduce_ops import (ReduceOp, combine_, combine_into, copy_, finish_avg_,
     reduce_in_order_)
 
@@ -47,13 +54,18 @@ def _ring(ctx: OpContext, steps, chunks, first: torch.Tensor, handle: Forward) -
                 ctx.send(right, out)
 
 
-def _direct_gather(ctx: OpContext, mine: torch.Tensor, send_to: list[int], recv_from: list[int],
-                   numel: int) -> dict[int, torch.Tensor]:
-    """Send ``mine`` whole to ``send_to``; return what each of ``recv_from`` sent (unpipelined:
-    for small payloads only)."""
-    for dst in send_to:
-        ctx.send(dst, mine)
-    return {src: ctx.recv(src, numel) for src in recv_from}
+@functools.lru_cache(maxsize=256)
+def _steps(collective: str, algorithm: str, rank: int, n: int, root: int) -> tuple[tuple[Step, ...], int]:
+    """One rank's steps and the schedule's chunk count (cached: programs repeat their ops)."""
+    build, parts = ALGORITHMS[collective][algorithm]
+    return tuple(build(rank, n, root, 1)), parts(n, 1)
+
+
+def _scheduled(ctx: OpContext, collective: str, algorithm: str, buf: torch.Tensor,
+               op: ReduceOp | None = None, root: int = 0) -> None:
+    """Run a schedule over one buffer cut into the schedule's chunks (scheduled.run)."""
+    steps, parts = _steps(collective, algorithm, ctx.rank, ctx.size, root)
+    run(ctx, list(steps), Side(buf, chunk_bounds(buf.numel(), parts)), op=op)
 
 
 def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, got: dict, op: ReduceOp) -> None:
@@ -66,28 +78,29 @@ def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, g
 def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
     n, numel = ctx.size, flat.numel()
     if n > 1 and numel:
-        if numel * ctx.itemsize <= ctx.small_bytes:
-            peers = [p for p in range(n) if p != ctx.rank]
-            for dst in peers:
-                ctx.send(dst, flat)
-            got = {src: ctx.recv_buffer(src, numel) for src in peers}
-            ctx.flush()  # flat was handed to ZeroMQ: only now may it change
-            _reduce_own_in_order(ctx, flat, flat, got, op)
+        algorithm = ctx.algorithm("all_reduce", numel * ctx.itemsize)
+        if algorithm == "ring":
+            _ring_all_reduce(ctx, flat, op)
         else:
-            chunks = chunk_bounds(numel, n)
-            steps = ring_reduce_scatter_steps(ctx.rank, n) + ring_all_gather_steps(ctx.rank, n)
-            reducing = n - 1
-
-            def handle(k, a, b, incoming):
-                if k < reducing:
-                    combine_(flat[a:b], incoming, op)
-                else:
-                    copy_(flat[a:b], incoming)
-                return flat[a:b]
-            _ring(ctx, steps, chunks, flat, handle)
+            _scheduled(ctx, "all_reduce", algorithm, flat, op)
     ctx.flush()  # the last pieces may still be on their way out of flat
     if op == ReduceOp.AVG:
         finish_avg_(flat, n)
+
+
+def _ring_all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
+    n = ctx.size
+    chunks = chunk_bounds(flat.numel(), n)
+    steps = ring_reduce_scatter_steps(ctx.rank, n) + ring_all_gather_steps(ctx.rank, n)
+    reducing = n - 1
+
+    def handle(k, a, b, incoming):
+        if k < reducing:
+            combine_(flat[a:b], incoming, op)
+        else:
+            copy_(flat[a:b], incoming)
+        return flat[a:b]
+    _ring(ctx, steps, chunks, flat, handle)
 
 
 def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
@@ -125,15 +138,14 @@ def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     if m and mine.data_ptr() != inp.data_ptr():  # not the in-place form
         copy_(mine, inp)
     if n > 1 and m:
-        if n * m * ctx.itemsize <= ctx.small_bytes:
-            peers = [p for p in range(n) if p != ctx.rank]
-            for src, piece in _direct_gather(ctx, inp, peers, peers, m).items():
-                copy_(out[chunks[src][0]:chunks[src][1]], piece)
-        else:
+        algorithm = ctx.algorithm("all_gather", n * m * ctx.itemsize)
+        if algorithm == "ring":
             def handle(k, a, b, incoming):
                 copy_(out[a:b], incoming)
                 return out[a:b]
             _ring(ctx, ring_all_gather_steps(ctx.rank, n), chunks, out, handle)
+        else:  # Bruck: chunk i of out is rank i's block, as chunk_bounds(n*m, n) cuts it
+            _scheduled(ctx, "all_gather", algorithm, out)
     ctx.flush()
 
 
@@ -141,13 +153,9 @@ def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
     n, numel = ctx.size, flat.numel()
     if n == 1 or numel == 0:
         return
-    if numel * ctx.itemsize <= ctx.small_bytes:
-        if ctx.rank == src:
-            for dst in range(n):
-                if dst != src:
-                    ctx.send(dst, flat)
-        else:
-            copy_(flat, ctx.recv(src, numel))
+    algorithm = ctx.algorithm("broadcast", numel * ctx.itemsize)
+    if algorithm != "chain":
+        _scheduled(ctx, "broadcast", algorithm, flat, root=src)
     else:
         chain = chain_order(src, n)
         pos = chain.index(ctx.rank)
@@ -165,14 +173,18 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
     """Only ``dst``'s tensor receives the result; the others are left unchanged."""
     n, numel = ctx.size, flat.numel()
     if n > 1 and numel:
-        if numel * ctx.itemsize <= ctx.small_bytes:
-            if ctx.rank != dst:
-                ctx.send(dst, flat)
-            else:
-                got = {r: ctx.recv_buffer(r, numel) for r in range(n) if r != dst}
-                _reduce_own_in_order(ctx, flat, flat, got, op)
-        else:
+        algorithm = ctx.algorithm("reduce", numel * ctx.itemsize)
+        if algorithm == "ring":
             _ring_reduce_to(ctx, flat, dst, op)
+        else:
+            steps, _ = _steps("reduce", algorithm, ctx.rank, n, dst)
+            reduces = any(s.action == REDUCE for s in steps)
+            buf = flat
+            if ctx.rank != dst and reduces:  # an inner node sums into scratch: its tensor stays as it was
+                buf = torch.empty_like(flat)
+                copy_(buf, flat)
+            _scheduled(ctx, "reduce", algorithm, buf, op, root=dst)
+            ctx.flush()  # buf may still be read by ZeroMQ: flush while it is alive
     ctx.flush()
     if op == ReduceOp.AVG and ctx.rank == dst:
         finish_avg_(flat, n)
@@ -201,21 +213,21 @@ def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) 
 def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
     """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``.
-    ``out`` and ``inp`` are disjoint (aliasing.all_to_all_source)."""
+    ``out`` and ``inp`` are disjoint (aliasing.all_to_all_source). Pairwise exchange: sends
+    read only the input, so all are queued before the receives (scheduled.run's sends_first)."""
     lo, hi = in_bounds[ctx.rank]
     olo, ohi = out_bounds[ctx.rank]
     copy_(out[olo:ohi], inp[lo:hi])
-    steps = pairwise_exchange_steps(ctx.rank, ctx.size)
-    for dst, _ in steps:
-        for a, b in pieces(*in_bounds[dst], ctx.piece_elems):
-            ctx.send(dst, inp[a:b])
-    for _, src in steps:
-        for a, b in pieces(*out_bounds[src], ctx.piece_elems):
-            copy_(out[a:b], ctx.recv(src, b - a))
+    nbytes = (in_bounds[-1][1] - in_bounds[0][0]) * ctx.itemsize if in_bounds else 0
+    steps, _ = _steps("all_to_all", ctx.algorithm("all_to_all", nbytes), ctx.rank, ctx.size, 0)
+    run(ctx, list(steps), Side(inp, in_bounds), Side(out, out_bounds), sends_first=True)
     ctx.flush()
 
 
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
 def barrier(ctx: OpContext) -> None:
-    for dst, src in dissemination_steps(ctx.rank, ctx.size):
-        ctx.send(dst)
-        ctx.recv(src, 0)
+    """Dissemination: ceil(log2 n) rounds of one empty message each way."""
+    steps, _ = _steps("barrier", ctx.algorithm("barrier", 0), ctx.rank, ctx.size, 0)
+    run(ctx, list(steps), Side(_NOTHING, [(0, 0)]))

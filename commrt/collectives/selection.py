@@ -9,7 +9,8 @@ NIC once per step beats Rabenseifner's long-distance steps that push every rank 
 through the NIC at once (simulated at 1,024 ranks: 7.2 ms against 11.0 ms at 64 MiB). ``nbytes`` is the buffer a rank holds at the end
 (all_gather: the gathered output; all_to_all: the input).
 
-``table_from(overrides)`` puts rules from a dict (the ``[comm]`` section, once wired) in front of
+``table_from(overrides)`` puts rules from a dict (``[comm] algorithms``, parsed by
+``runtime.config.comm.parse_algorithms``; the TCP path's backend builds its table so) in front of
 the defaults: ``{"all_reduce": "ring"}`` pins an algorithm for every size, and
 ``{"all_reduce": [{"algorithm": "ring", "min_bytes": 0, "max_bytes": 65536}]}`` pins it for a
 range (``min_world``/``max_world`` too). Unknown collectives, algorithms or keys raise

@@ -26,8 +26,9 @@ def _peer_rank(name: str) -> int | None:
     return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
 
 
-def split_by_node(sent: dict[tuple, int], same_node: list[bool]) -> dict:
-    """Pure: ``{(kind, op, peer name): bytes}`` -> totals and per-op intra/inter bytes."""
+def split_by_node(sent: dict[tuple, int], same_node: list[bool], msgs: dict[tuple, int] | None = None) -> dict:
+    """Pure: ``{(kind, op, peer name): bytes}`` -> totals and per-op intra/inter bytes; with
+    ``msgs`` (the same keys, message counts) each op also gets ``messages``."""
     total = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_op": {}}
     for (kind, op, peer), nbytes in sent.items():
         r = _peer_rank(peer)
@@ -38,6 +39,8 @@ def split_by_node(sent: dict[tuple, int], same_node: list[bool]) -> dict:
         entry = total["by_op"].setdefault(name, {"intra_node_bytes": 0, "inter_node_bytes": 0})
         entry[where] += nbytes
         total[where] += nbytes
+        if msgs is not None:
+            entry["messages"] = entry.get("messages", 0) + msgs.get((kind, op, peer), 0)
     return total
 
 
@@ -45,11 +48,12 @@ def comm_stats() -> dict:
     """``intra_node_bytes`` / ``inter_node_bytes``: bytes this rank's collectives and
     point-to-point transfers sent to ranks on its own node / on other nodes, since init;
     ``by_op``: the same per op kind as it went on the wire (a hierarchical all_reduce shows as
-    its reduce_scatter, all_reduce and all_gather steps); plus every registered key."""
+    its reduce_scatter, all_reduce and all_gather steps), each with ``messages``: how many
+    messages it sent (a message is one header and its payload piece); plus every registered key."""
     rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
-    out = split_by_node(counters.sent_by_op(), same)
+    out = split_by_node(counters.sent_by_op(), same, counters.sent_by_op(messages=True))
     for key, fn in _SECTIONS.items():
         out[key] = fn()
     return out

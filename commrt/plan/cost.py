@@ -1,10 +1,11 @@
-"""Bytes one collective makes each rank send, inside its node and to other nodes: pure formulas
-that follow ``collectives/ops.py`` and ``collectives/hierarchical.py`` (not the textbook):
+"""Bytes one collective makes each rank send, inside its node and to other nodes: pure, and
+following ``collectives/ops.py`` and ``collectives/hierarchical.py`` (not the textbook):
 
-    all_reduce      <= small_bytes: direct, the whole buffer to every peer: (g-1) * S
-                    larger: ring, 2 (g-1)/g * S on average (each rank sends all chunks but its own, twice)
-    reduce_scatter  (g-1) * S/g either way (direct or ring)
-    all_gather      (g-1) * S/g either way (S: the gathered output)
+    all_reduce      the selection table's schedule (``Net.table``, ``[comm] algorithms``) replayed
+                    step by step over the group (recursive doubling, Rabenseifner); the ring by its
+                    formula, 2 (g-1)/g * S on average (each rank sends all chunks but its own, twice)
+    all_gather      the same (Bruck replayed; the ring (g-1)/g * S; S: the gathered output)
+    reduce_scatter  (g-1) * S/g either way (direct up to small_bytes, else the ring; not in the table)
     all_to_all      the part for each peer, to that peer
 
 The world group spanning nodes (K nodes of M ranks, ``[comm] hierarchical``) runs all_reduce,
@@ -30,10 +31,13 @@ sends; ``Traffic.by_op`` names ops as ``comm_stats()["by_op"]`` does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.schedules import ALGORITHMS
+from commrt.collectives.selection import DEFAULT_TABLE, Rule, choose
 from commrt.topology.dispatch import AUTO_PROBE_BYTES, HIERARCHY_HELPS, segments_for
 
 
@@ -47,6 +51,8 @@ class Net:
     hierarchical: str = "auto"
     intra_bw: float = 100e9
     inter_bw: float = 12.5e9
+    table: tuple[Rule, ...] = DEFAULT_TABLE
+    """Which schedule runs all_reduce and all_gather over TCP (selection.table_from)."""
 
     def seconds(self, intra: float, inter: float) -> float:
         """One flat step: its intra-node and cross-node links run at once; every rank of a
@@ -98,24 +104,60 @@ def _ring_split(ranks: tuple[int, ...], per_node: int) -> float:
     return sum(1 for i in range(g) if ranks[i] // per_node == ranks[(i + 1) % g] // per_node) / g
 
 
+@functools.lru_cache(maxsize=1024)
+def replayed(op: str, algorithm: str, ranks: tuple[int, ...], nbytes: int, per_node: int) -> tuple[float, float]:
+    """Mean (intra, inter) bytes a rank of ``ranks`` sends running ``algorithm``'s schedule on a
+    buffer of ``nbytes``, every step's send ranges summed over the schedule's chunks (in bytes:
+    the runtime cuts elements, which moves a chunk's end by less than one element)."""
+    g = len(ranks)
+    build, parts = ALGORITHMS[op][algorithm]
+    bounds = chunk_bounds(nbytes, parts(g, 1))
+    starts = [a for a, _ in bounds]
+
+    def upto(c: int) -> int:  # bytes of chunks [0, c), c taken past the end as Bruck's ranges wrap
+        laps, c = divmod(c, len(bounds))
+        return laps * nbytes + starts[c]
+    sent = [0, 0]
+    for r in range(g):
+        for step in build(r, g, 0, 1):
+            if step.send_to is not None and step.send[1] > step.send[0]:
+                across = ranks[r] // per_node != ranks[step.send_to] // per_node
+                sent[across] += upto(step.send[1]) - upto(step.send[0])
+    return sent[0] / g, sent[1] / g
+
+
+def _table_split(op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -> tuple[float, float]:
+    """all_reduce / all_gather: (intra, inter) bytes of the schedule the table picks (ops.py)."""
+    g = len(ranks)
+    algorithm = choose(op, int(nbytes), g, net.table)
+    if algorithm != "ring":
+        return replayed(op, algorithm, ranks, int(nbytes), net.per_node)
+    # the ring, in O(g) where replaying its steps is O(g^2): rank i sends its right neighbour every
+    # chunk but chunk i (the reduce-scatter) and every chunk but chunk i+1 (the all-gather)
+    size = [b - a for a, b in chunk_bounds(int(nbytes), g)]
+    sent = [0, 0]
+    for i in range(g):
+        right = (i + 1) % g
+        mine = int(nbytes) - size[right] + (int(nbytes) - size[i] if op == "all_reduce" else 0)
+        sent[ranks[i] // net.per_node != ranks[right] // net.per_node] += mine
+    return sent[0] / g, sent[1] / g
+
+
 def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -> float:
     """One flat collective of ``op`` over ``ranks``: ``nbytes`` is the buffer (all_reduce), the
     input (reduce_scatter), the output (all_gather), or what one rank sends in all (all_to_all)."""
     g = len(ranks)
     if g < 2 or nbytes <= 0:
         return 0.0
-    if op == "all_to_all":
-        sent, share = nbytes, _direct_split(ranks, net.per_node)
-    elif op == "all_reduce" and nbytes <= net.small_bytes:
-        sent, share = (g - 1) * nbytes, _direct_split(ranks, net.per_node)
-    elif op == "all_reduce":
-        sent, share = 2 * (g - 1) / g * nbytes, _ring_split(ranks, net.per_node)
+    if op in ("all_reduce", "all_gather"):
+        intra, inter = _table_split(op, ranks, nbytes, net)
     else:
-        direct = nbytes <= net.small_bytes
-        sent = (g - 1) / g * nbytes
+        sent = nbytes if op == "all_to_all" else (g - 1) / g * nbytes
+        direct = op == "all_to_all" or nbytes <= net.small_bytes
         share = _direct_split(ranks, net.per_node) if direct else _ring_split(ranks, net.per_node)
-    t.add(op, sent * share, sent * (1 - share))
-    return net.seconds(sent * share, sent * (1 - share))
+        intra, inter = sent * share, sent * (1 - share)
+    t.add(op, intra, inter)
+    return net.seconds(intra, inter)
 
 
 def hierarchical(net: Net, is_world: bool, nbytes: float) -> bool:

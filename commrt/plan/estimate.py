@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commrt.runtime.errors import ConfigError
+from commrt.collectives.selection import table_from
+from commrt.runtime.config.comm import parse_algorithms
 from commrt.quant.codecs import Codec
 from commrt.train import sharding
 from commrt.train.config import ZeroConfig
@@ -53,13 +55,16 @@ class Cluster:
     inter_bw: float = 12.5e9
     """Bytes/s one node can send to the others (its network link, shared by its ranks)."""
     small_bytes: int = 64 << 10
-    """[comm] small_bytes: up to this size collectives exchange directly instead of in a ring."""
+    """[comm] small_bytes: up to this size reduce_scatter exchanges directly instead of in a ring."""
     chunk_bytes: int = 4 << 20
     """[comm] chunk_bytes (the hierarchical all_reduce's pipelined pieces)."""
     hierarchical: str = "auto"
     """[comm] hierarchical: auto | always | never."""
+    algorithms: str = ""
+    """[comm] algorithms: schedules pinned ahead of the selection table (its syntax)."""
 
     def __post_init__(self) -> None:
+        parse_algorithms(self.algorithms)  # ConfigError naming what is valid
         if self.nodes < 1 or self.per_node < 1:
             raise ConfigError(f"nodes = {self.nodes} and per_node = {self.per_node} must both be >= 1")
         if self.intra_bw <= 0 or self.inter_bw <= 0:
@@ -253,7 +258,7 @@ def estimate(job: Job, cluster: Cluster) -> Estimate:
     dp = world // job.pipeline
     p = sharding.plan(job.zero(), dp, min(cluster.per_node, dp))
     net = cost.Net(cluster.nodes, cluster.per_node, cluster.small_bytes, cluster.chunk_bytes, cluster.hierarchical,
-                   cluster.intra_bw, cluster.inter_bw)
+                   cluster.intra_bw, cluster.inter_bw, table_from(parse_algorithms(cluster.algorithms)))
     units = unit_sizes(job, dp)
     step = _Step(job, p, net, dp)
     for n in units:

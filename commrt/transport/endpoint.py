@@ -60,6 +60,7 @@ class Endpoint:
         self._out: dict[int, zmq.Socket] = {}
         self._counters = [transport.counters.peer(n) for n in names]
         self._op_sent = transport.counters.op_table()
+        self._op_msgs = transport.counters.op_table(messages=True)
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._ahead = [[0, 0] for _ in names]  # per peer: messages, bytes stashed
         self.ahead_limit = (1 << 10, 64 << 20)  # (messages, bytes) per peer; the owner sets it per op
@@ -98,6 +99,7 @@ class Endpoint:
         c.sent_msgs += 1
         key = (kind, op & 0xFF, self.names[dst])
         self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
+        self._op_msgs[key] = self._op_msgs.get(key, 0) + 1
 
     def watch_peers(self) -> None:
         self.live.watch()

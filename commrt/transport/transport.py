@@ -50,22 +50,23 @@ class Counters:
         self._peers: dict[str, PeerCounters] = {}
         self._lock = threading.Lock()
         self._op_tables: list[dict] = []
+        self._msg_tables: list[dict] = []
         self.same_node: list[bool] | None = None
         """Per global rank: on this rank's node? Set once the topology is known (bootstrap)."""
 
-    def op_table(self) -> dict:
-        """A new table of bytes sent, keyed ``(message kind, op code, peer name)``, for one
-        endpoint. Only that endpoint's owner writes it (no lock on the send path); it outlives
-        the endpoint so totals count since init."""
+    def op_table(self, messages: bool = False) -> dict:
+        """A new table of bytes (``messages``: of messages) sent, keyed ``(message kind, op code,
+        peer name)``, for one endpoint. Only that endpoint's owner writes it (no lock on the send
+        path); it outlives the endpoint so totals count since init."""
         table: dict = {}
         with self._lock:
-            self._op_tables.append(table)
+            (self._msg_tables if messages else self._op_tables).append(table)
         return table
 
-    def sent_by_op(self) -> dict[tuple, int]:
+    def sent_by_op(self, messages: bool = False) -> dict[tuple, int]:
         """Every endpoint's table summed (a snapshot: approximate while ops run)."""
         with self._lock:
-            tables = [dict(t) for t in self._op_tables]  # dict() copies in C, under the GIL
+            tables = [dict(t) for t in (self._msg_tables if messages else self._op_tables)]  # dict(): in C
         total: dict[tuple, int] = {}
         for t in tables:
             for k, v in t.items():

@@ -45,6 +45,8 @@ def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m, chunk):
 
 @pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
 def test_byte_counters_follow_the_formulas(k, m):
+    """The formulas are the ring's (node-boundary crossings per ring edge): programs/hier.py pins
+    the ring for "bytes", as the 3 MiB flat all_reduce would take the table's Rabenseifner."""
     out = run_layout(k, m, "bytes", env={"COMMRT_COMM_HIERARCHICAL": "always"})
     assert out.count("hier bytes passed") == k * m
 

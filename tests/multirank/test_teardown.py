@@ -62,9 +62,11 @@ def test_read_ahead_flood_breaks_the_group_naming_the_peer(tmp_path):
 
 def test_a_busy_peer_does_not_keep_a_wait_alive(tmp_path):
     # before: the wait never ended (the harness's limit); now PeerLost after timeout + heartbeats
-    # on the sockets (on shared memory a wait covers every peer, and rank 1 never joins either)
+    # on the sockets (on shared memory a wait covers every peer, and rank 1 never joins either).
+    # The ring pinned: rank 0 then waits on its left neighbour, rank 2, while rank 1 chatters; the
+    # table's Rabenseifner at 3 ranks has rank 0 wait on rank 1 first, the talkative one itself
     _, out = _run(3, "busy", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "1", "COMMRT_COMM_HEARTBEAT_S": "0.2",
-                                            "COMMRT_COMM_INTRA_NODE": "tcp"},
+                                            "COMMRT_COMM_INTRA_NODE": "tcp", "COMMRT_COMM_ALGORITHMS": "all_reduce=ring"},
                   timeout_s=60)
     caught = re.findall(r"CAUGHT (\w+): (.*)", out)
     assert len(caught) == 1 and caught[0][0] == "PeerLost", out

@@ -83,9 +83,14 @@ def test_compare_names_a_bad_key():
 @pytest.mark.parametrize("k,m", [(2, 2), (3, 2), (4, 8)])
 def test_hierarchical_bytes_follow_the_two_level_formulas(k, m):
     """collectives/hierarchical.py: the node's link carries 2(K-1)/K of 1/M of an all_reduce,
-    (K-1)/(K M) of a reduce_scatter's input; the rest stays in the node."""
+    (K-1)/(K M) of a reduce_scatter's input; the rest stays in the node. These are the ring's
+    formulas at each level, pinned (the table takes Rabenseifner below 32 MiB), and the two levels
+    are forced: "auto" predicts flat at 2 x 2, as the runtime's probe finds, since Rabenseifner
+    pairs ranks inside the node first and crosses nodes as little as two levels do."""
+    from commrt.collectives.selection import table_from
     from commrt.plan import cost
-    net = cost.Net(k, m)
+    ring = table_from({"all_reduce": "ring", "all_gather": "ring"})
+    net = cost.Net(k, m, hierarchical="always", table=ring)
     n = 1 << 24  # elements: well above small_bytes at every level, a multiple of every M here
     world = cost.group(0, k * m)
     t = cost.Traffic()
@@ -96,7 +101,7 @@ def test_hierarchical_bytes_follow_the_two_level_formulas(k, m):
     cost.collective(t, "reduce_scatter", world, n, 4, net)
     assert (t.intra, t.inter) == pytest.approx(((m - 1) / m * n * 4, (k - 1) / (k * m) * n * 4))
     t = cost.Traffic()
-    cost.collective(t, "all_reduce", world, n, 4, cost.Net(k, m, hierarchical="never"))
+    cost.collective(t, "all_reduce", world, n, 4, cost.Net(k, m, hierarchical="never", table=ring))
     assert t.inter == pytest.approx(2 * (k * m - 1) / (k * m) * n * 4 / m)  # one ring edge in M leaves the node
 
 
@@ -105,8 +110,10 @@ def test_quantized_collectives_on_the_world_spanning_nodes_take_two_hops():
     fp32 hops inside the node, only the codes across. Stage 3, own = 1024 values per rank:
     qwZ gather: int8 codes of 1024 = 1024 + 4 scales x 4 = 1040 B to the other node, then an fp32
     all_gather of 2 x 2048 values (8192 B sent inside); qgZ reduce_scatter: fp32 reduce_scatter of
-    4096 values inside (8192 B), int4 codes of the other node's chunk, 512 + 16 = 528 B, across."""
-    c = Cluster(nodes=2, per_node=2, small_bytes=4096)
+    4096 values inside (8192 B), int4 codes of the other node's chunk, 512 + 16 = 528 B, across.
+    The flat all_reduce is the ring's, whose crossings make "auto" take two hops (with the table's
+    Rabenseifner it stays flat at 2 x 2: test_auto_hierarchy_...)."""
+    c = Cluster(nodes=2, per_node=2, small_bytes=4096, algorithms="all_reduce=ring")
     est = estimate(Job(params=4096, stage=3, dtype="bf16", quant_weights="int8", quant_grads="int4",
                        units=(4096,)), c)
     assert est.phases["forward all_gather"] == est.phases["backward all_gather"] == (8192, 1040)
@@ -162,13 +169,19 @@ def test_probe_sizes_parse_or_say_how():
 def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model():
     """dispatch.helps: the two levels must be HIERARCHY_HELPS (1.1x) faster; the estimator's "auto"
     predicts the same probe: a slow link across picks two levels, a link as fast per rank as the
-    node does not (its world collectives stay flat, and so do their predicted bytes)."""
+    node does not (its world collectives stay flat, and so do their predicted bytes). Flat is the
+    ring here; the table's Rabenseifner pairs ranks inside the node first and crosses nodes with
+    half the buffer, as two levels do, so at 2 x 2 even the slow link keeps it flat."""
+    import dataclasses
+    from commrt.collectives.selection import table_from
     from commrt.topology import dispatch
     from commrt.plan import cost
     assert dispatch.helps(1.0, 0.5) and dispatch.helps(1.1, 1.0) and not dispatch.helps(1.05, 1.0)
-    slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6)
-    fast = cost.Net(nodes=2, per_node=2, intra_bw=1e9, inter_bw=2e9)
+    ring = table_from({"all_reduce": "ring"})
+    slow = cost.Net(nodes=2, per_node=2, intra_bw=1.2e9, inter_bw=25e6, table=ring)
+    fast = cost.Net(nodes=2, per_node=2, intra_bw=1e9, inter_bw=2e9, table=ring)
     assert cost.auto_helps(slow) and not cost.auto_helps(fast)
+    assert not cost.auto_helps(dataclasses.replace(slow, table=cost.DEFAULT_TABLE))
     assert cost.hierarchical(slow, True, 16 << 20) and not cost.hierarchical(fast, True, 16 << 20)
     t = cost.Traffic()
     cost.collective(t, "all_reduce", cost.group(0, 4), 1 << 20, 4, fast)

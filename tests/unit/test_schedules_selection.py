@@ -48,3 +48,36 @@ def test_bad_overrides_name_what_is_valid(overrides, says):
 def test_a_table_with_a_gap_says_so():
     with pytest.raises(ConfigError, match="no algorithm for all_reduce"):
         sel.choose("all_reduce", 1 << 20, 8, (sel.Rule("all_reduce", "ring", max_bytes=1024),))
+
+
+def test_config_vocabulary_is_the_schedules():
+    """[comm] algorithms is checked below the collectives layer: its list must be ALGORITHMS'."""
+    from commrt.runtime.config.comm import ALGORITHM_CHOICES
+    assert ALGORITHM_CHOICES == {c: tuple(sorted(a)) for c, a in ALGORITHMS.items()}
+
+
+def test_comm_algorithms_pins_through_the_table():
+    from commrt.runtime.config import load_config
+    from commrt.runtime.config.comm import parse_algorithms
+    cfg = load_config(environ={"COMMRT_COMM_ALGORITHMS": "all_reduce=ring@1MiB-, all_reduce=rabenseifner@-4KiB,"
+                                                        " broadcast=binomial"})
+    table = sel.table_from(parse_algorithms(cfg.comm.algorithms))
+    assert sel.choose("all_reduce", 1 << 20, 8, table) == "ring"
+    assert sel.choose("all_reduce", 100, 8, table) == "rabenseifner"
+    assert sel.choose("all_reduce", 8 << 10, 8, table) == "recursive_doubling"  # the default between
+    assert sel.choose("broadcast", 1 << 30, 8, table) == "binomial"
+    assert parse_algorithms("") == {} and load_config(environ={}).comm.algorithms == ""
+
+
+@pytest.mark.parametrize("text, says", [
+    ("all_reduce=tree", "valid for all_reduce: ['rabenseifner', 'recursive_doubling', 'ring']"),
+    ("allreduce=ring", "collectives: ['all_reduce', 'broadcast'"),
+    ("all_reduce", "expected collective=algorithm"),
+    ("all_reduce=ring@1MiB", "MIN-MAX"),
+    ("all_reduce=ring@1XB-", "expected an integer with an optional unit"),
+])
+def test_bad_comm_algorithms_fail_at_load_naming_what_is_valid(text, says):
+    from commrt.runtime.config import load_config
+    with pytest.raises(ConfigError, match="COMMRT_COMM_ALGORITHMS") as info:
+        load_config(environ={"COMMRT_COMM_ALGORITHMS": text})
+    assert says in str(info.value)

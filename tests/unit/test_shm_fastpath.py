@@ -29,6 +29,7 @@ class _Ep:
         self.rank, self.group, self.names = rank, 0, [f"rank{r}" for r in range(size)]
         self._counters = [types.SimpleNamespace(sent_bytes=0, sent_msgs=0) for _ in range(size)]
         self._op_sent: dict = {}
+        self._op_msgs: dict = {}
         self.timeout_s, self.cancelled = 5.0, False
         self.live = Liveness(10.0, 1.0, self.timeout_s)
         self.down = self.live.down
@@ -138,6 +139,7 @@ def test_sent_bytes_are_counted_per_peer(pair):
     ep = pair.ep
     assert (ep._counters[1].sent_bytes, ep._counters[1].sent_msgs, ep._counters[0].sent_msgs) == (32, 2, 0)
     assert ep._op_sent == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 32}
+    assert ep._op_msgs == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 2}
 
 
 def test_a_crowded_node_yields_for_less_long():

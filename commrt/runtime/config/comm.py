@@ -10,6 +10,55 @@ BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
 HIERARCHICAL_MODES = ("auto", "always", "never")
 INTRA_NODE_MODES = ("auto", "shm", "tcp")
 SECURITY_MODES = ("secret", "curve", "none")
+ALGORITHM_CHOICES = {
+    "all_reduce": ("rabenseifner", "recursive_doubling", "ring"),
+    "broadcast": ("binomial", "chain"),
+    "reduce": ("binomial", "ring"),
+    "all_gather": ("bruck", "ring"),
+    "all_to_all": ("pairwise",),
+    "barrier": ("dissemination",),
+}
+"""The schedules each collective has (collectives/schedules.py's ALGORITHMS; a unit test keeps the
+two equal: this layer sits below the collectives and cannot import them)."""
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "k": 1 << 10, "mib": 1 << 20, "m": 1 << 20, "gib": 1 << 30, "g": 1 << 30}
+
+
+def _bytes(text: str, entry: str) -> int | None:
+    text = text.strip().lower().replace(" ", "")
+    if not text:
+        return None
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise invalid("comm", "algorithms", entry, f"size {text!r}: expected an integer with an optional unit "
+                      "(B, KiB, MiB, GiB)")
+    return int(digits) * _UNITS[unit]
+
+
+def parse_algorithms(text: str) -> dict[str, list[dict]]:
+    """``[comm] algorithms`` as selection.table_from's overrides. The text is entries separated by
+    commas, each ``collective=algorithm`` (every size) or ``collective=algorithm@MIN-MAX`` (sizes
+    in [MIN, MAX); either bound may be left out; units B, KiB, MiB, GiB). ConfigError names
+    what is valid."""
+    out: dict[str, list[dict]] = {}
+    for entry in (e.strip() for e in text.replace(";", ",").split(",")):
+        if not entry:
+            continue
+        collective, eq, rest = (p.strip() for p in entry.partition("="))
+        algorithm, at, sizes = (p.strip() for p in rest.partition("@"))
+        if not eq or collective not in ALGORITHM_CHOICES:
+            raise invalid("comm", "algorithms", entry, f"expected collective=algorithm[@MIN-MAX]; collectives: "
+                          f"{list(ALGORITHM_CHOICES)}")
+        if algorithm not in ALGORITHM_CHOICES[collective]:
+            raise invalid("comm", "algorithms", entry, f"valid for {collective}: {list(ALGORITHM_CHOICES[collective])}")
+        rule: dict = {"algorithm": algorithm}
+        if at:
+            low, dash, high = sizes.partition("-")
+            if not dash:
+                raise invalid("comm", "algorithms", entry, "a size range is MIN-MAX (either may be empty)")
+            rule.update(min_bytes=_bytes(low, entry) or 0, max_bytes=_bytes(high, entry))
+        out.setdefault(collective, []).append(rule)
+    return out
 
 
 @dataclass(frozen=True)
@@ -23,8 +72,9 @@ class CommConfig:
     """Payloads are pipelined in pieces of at most this many bytes (pyzmq slows down on very
     large single messages, and small pieces let send, receive and reduce overlap)."""
     small_bytes: int = 64 << 10
-    """Tensors up to this size use latency-optimal algorithms (direct exchange) instead of the
-    bandwidth-optimal ring."""
+    """Tensors up to this size take a one-step path instead of the bandwidth-optimal ring:
+    reduce_scatter's direct exchange on TCP, the shared-memory all_reduce's single step. The
+    other collectives on TCP follow the selection table (``algorithms``)."""
     max_frame_bytes: int = 64 << 20
     """Largest single frame a socket accepts (ZMQ_MAXMSGSIZE); must exceed chunk_bytes."""
     heartbeat_s: float = 1.0
@@ -47,6 +97,14 @@ class CommConfig:
     (inside each node, then across nodes on 1/M of the data), ``never`` flat, ``auto``
     hierarchically above small_bytes per rank's cross-node part when a one-time probe (mesh.py)
     finds two levels >= 1.1x faster (comm_stats()["hierarchical_auto"]). All ranks must agree."""
+    algorithms: str = ""
+    """Pin schedules ahead of the built-in selection table (``commrt config`` prints the table
+    in force): comma-separated ``collective=algorithm`` or ``collective=algorithm@MIN-MAX``
+    (sizes in [MIN, MAX), units B/KiB/MiB/GiB, a bound may be left out), e.g.
+    ``"all_reduce=ring@1MiB-, broadcast=binomial"``; the first matching entry wins. Algorithms:
+    all_reduce recursive_doubling | rabenseifner | ring, broadcast binomial | chain, reduce
+    binomial | ring, all_gather bruck | ring, all_to_all pairwise, barrier dissemination. The
+    TCP path only (shared memory has its own). All ranks must agree."""
     intra_node: str = "auto"
     """How ranks of one node (one host and network namespace) exchange collective payloads:
     ``auto`` through shared memory where the host allows it (Linux on x86-64: memfd_create and
@@ -58,6 +116,7 @@ class CommConfig:
         check_choice("comm", "backend", self.backend, BACKEND_NAMES)
         check_choice("comm", "hierarchical", self.hierarchical, HIERARCHICAL_MODES)
         check_choice("comm", "intra_node", self.intra_node, INTRA_NODE_MODES)
+        parse_algorithms(self.algorithms)
         for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
             check_positive("comm", name, getattr(self, name))
         check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)

@@ -106,8 +106,14 @@ def mixed(rank: int, n: int) -> None:
             commrt.send(expected(1024, torch.float32, rnd, 3), 0, tag=3)
 
 
-def count_bytes() -> int:
-    return (shm_p2p.RING_BYTES // (1 << 20) + 2) * (1 << 18) * 4
+def sent_sizes(rank: int, n: int) -> list[int]:
+    """The bytes of each send ``data`` makes this rank issue, in order."""
+    if rank:
+        return [(1 << 18) * 4]
+    per_peer = [expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
+                for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES]
+    count = shm_p2p.RING_BYTES // (1 << 20) + 2
+    return per_peer * (n - 1) + [(3 << 18) * 4] * 2 + [(1 << 18) * 4] * count + [4]
 
 
 def kill(rank: int, n: int) -> None:
@@ -151,10 +157,12 @@ def main() -> int:
     used = bool(rings and rings.used())
     if mode == "data":  # comm_stats counts what each rank sent, whichever way it went
         p2p = commrt.comm_stats()["by_op"]["p2p"]
-        sent = (sum(expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
-                    for d in (torch.float32, torch.bfloat16, torch.int64) for s in SIZES) * (n - 1)
-                + 2 * (3 << 18) * 4 + count_bytes() + 4) if rank == 0 else (1 << 18) * 4
-        assert p2p == {"intra_node_bytes": sent, "inter_node_bytes": 0}, (p2p, sent)
+        sends = sent_sizes(rank, n)
+        # a message is one piece of at most chunk_bytes (an empty send is one message too)
+        chunk = commrt.distributed.get_config().comm.chunk_bytes
+        want = {"intra_node_bytes": sum(sends), "inter_node_bytes": 0,
+                "messages": sum(max(1, -(-b // chunk)) for b in sends)}
+        assert p2p == want, (p2p, want)
     mailed = rings.mailed if rings else 0
     sock = sum(r.outbox.sock_sent for r in rings._out.values()) if rings else 0
     print(f"rank {rank}: p2p {mode} passed, rings used {used}, mailed {mailed}, socket {sock}", flush=True)

@@ -205,7 +205,9 @@ def scale(folder: str) -> None:
     assert torch.all(t == sum(range(WORLD))), t[:4]
     with open("/proc/self/status") as fh:
         rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS"))
-    print(f"SCALE rank {RANK} world {WORLD} fds {after_barrier} {_fds()} rss_kib {rss}", flush=True)
+    dialled = sorted(commrt.distributed._rt().world.backend._coll._out)  # peers with a connection
+    print(f"SCALE rank {RANK} world {WORLD} fds {after_barrier} {_fds()} rss_kib {rss} "
+          f"dialled {','.join(map(str, dialled))}", flush=True)
 
 
 MODES = {f.__name__: f for f in (inflight, torchwork, mismatch3, queue, flood, busy, p2p, scale)}

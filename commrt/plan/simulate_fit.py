@@ -1,0 +1,166 @@
+"""Validating the simulator against measured runs on one host (issue 32.4).
+
+``python -m commrt.plan.simulate_fit BENCH.json...`` reads ``commrt bench --algo ... --json``
+files (one world size each, every rank on loopback), fits the model's loopback latency and
+bandwidth to the 2-rank ring all_reduce rows only, then predicts every other row (each
+algorithm, size and world size) with ``plan.simulate`` and prints measured against predicted.
+
+The fit: at two ranks nothing contends, so the replayed time of a schedule is linear in the two
+parameters, ``t = alpha * A + B / beta``, where ``A`` is the replay with a 1 s latency and
+infinite bandwidth and ``B`` the replay with no latency and 1 B/s. Least squares on the
+relative error (each row divided by its measured time) so 4 KiB rows count as much as 16 MiB.
+
+``--cpu`` adds a compute-only figure per row: the CPU seconds all ranks spend running the same
+executor (collectives/scheduled.py, ops.py) over in-memory queues instead of sockets, divided by
+the cores this process may use: the floor a CPU-bound host puts under the measured time, which
+the network model does not know about.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from commrt.collectives import ops
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.collectives.selection import choose, table_from
+from commrt.plan.network import Network
+from commrt.plan.simulate import simulate
+
+
+class Row(NamedTuple):
+    collective: str
+    algorithm: str
+    world: int
+    nbytes: int
+    seconds: float
+
+
+def measured(paths: list[str]) -> list[Row]:
+    """Every ``zmq:ALGO`` column of every row of the bench JSON files."""
+    rows = []
+    for path in paths:
+        with open(path) as fh:
+            doc = json.load(fh)
+        for row in doc["rows"]:
+            for name in doc["backends"]:
+                algo = name.split("+")[0].partition(":")[2]
+                if algo and "time_us" in row[name]:
+                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6))
+    return rows
+
+
+def _net(world: int, alpha: float, beta: float) -> Network:
+    return Network(world=world, per_node=world, intra_latency=alpha, intra_bw=beta)
+
+
+def fit(rows: list[Row]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) from the 2-rank ring all_reduce rows."""
+    ring = [r for r in rows if (r.collective, r.algorithm, r.world) == ("all_reduce", "ring", 2)]
+    if len(ring) < 2:
+        raise SystemExit("simulate_fit: needs >= 2 sizes of the 2-rank ring all_reduce (commrt bench all_reduce "
+                         "--nproc 2 --algo ring --json ...)")
+    a = np.array([[simulate(_net(2, 1.0, 1e30), "all_reduce", "ring", r.nbytes).seconds,
+                   simulate(_net(2, 0.0, 1.0), "all_reduce", "ring", r.nbytes).seconds] for r in ring])
+    t = np.array([r.seconds for r in ring])
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones(len(t)), rcond=None)
+    return max(alpha, 0.0), 1.0 / max(inv_beta, 1e-15)
+
+
+class _MemCtx:
+    """What ops.py needs of an OpContext, over in-memory queues (no sockets, no headers)."""
+
+    def __init__(self, rank, n, table, wires):
+        self.rank, self.size, self.table, self.wires = rank, n, table, wires
+        self.dtype, self.itemsize, self.piece_elems = torch.float32, 4, (4 << 20) // 4
+
+    def algorithm(self, collective, nbytes):
+        return choose(collective, nbytes, self.size, self.table)
+
+    def send(self, dst, data=None):
+        self.wires[self.rank, dst].put(b"" if data is None or not data.numel() else data.numpy().tobytes())
+
+    def recv(self, src, numel=0):
+        payload = self.wires[src, self.rank].get(timeout=60)
+        return torch.frombuffer(bytearray(payload), dtype=torch.float32) if numel else torch.empty(0)
+
+    def flush(self):
+        pass
+
+
+def cpu_floor(row: Row, iters: int = 5) -> float:
+    """Seconds per op if the host's cores did nothing but every rank's work for ``row`` (threads
+    in one process: their CPU time summed, over the cores this process may use)."""
+    n, numel = row.world, max(1, row.nbytes // 4)
+    wires = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
+    table = table_from({row.collective: row.algorithm})
+
+    def rank(r):
+        ctx, t = _MemCtx(r, n, table, wires), torch.ones(numel)
+        for _ in range(iters):
+            if row.collective == "all_reduce":
+                ops.all_reduce(ctx, t, ReduceOp.SUM)
+            elif row.collective == "broadcast":
+                ops.broadcast(ctx, t, 0)
+            elif row.collective == "all_gather":
+                ops.all_gather(ctx, t, t[r * (numel // n):(r + 1) * (numel // n)].clone())
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    start = time.process_time()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return (time.process_time() - start) / iters / len(os.sched_getaffinity(0))
+
+
+def compare(rows: list[Row], alpha: float, beta: float, cpu: bool) -> list[dict]:
+    out = []
+    for r in rows:
+        pred = simulate(_net(r.world, alpha, beta), r.collective, r.algorithm, r.nbytes).seconds
+        entry = {"collective": r.collective, "algorithm": r.algorithm, "ranks": r.world, "bytes": r.nbytes,
+                 "measured_us": r.seconds * 1e6, "predicted_us": pred * 1e6, "error": pred / r.seconds - 1}
+        if cpu and r.collective in ("all_reduce", "broadcast", "all_gather"):
+            entry["cpu_floor_us"] = cpu_floor(r) * 1e6
+        out.append(entry)
+    return out
+
+
+def markdown(entries: list[dict], alpha: float, beta: float) -> str:
+    lines = [f"Fitted on the 2-rank ring: alpha = {alpha * 1e6:.1f} us, beta = {beta / 1e9:.3f} GB/s", "",
+             "| collective | algorithm | ranks | bytes | measured us | predicted us | error | cpu floor us |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        floor = f"{e['cpu_floor_us']:.0f}" if "cpu_floor_us" in e else "-"
+        flag = " **" if abs(e["error"]) > 0.15 else ""
+        lines.append(f"| {e['collective']} | {e['algorithm']} | {e['ranks']} | {e['bytes']} | {e['measured_us']:.0f} | "
+                     f"{e['predicted_us']:.0f} | {e['error'] * 100:+.0f}%{flag} | {floor} |")
+    within = sum(abs(e["error"]) <= 0.15 for e in entries)
+    lines += ["", f"{within} of {len(entries)} rows within 15% (** marks the others)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m commrt.plan.simulate_fit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+", help="commrt bench --algo ... --json files")
+    ap.add_argument("--cpu", action="store_true", help="add the compute-only floor per row")
+    ap.add_argument("--out", help="also write the comparison as JSON here")
+    args = ap.parse_args(argv)
+    rows = sorted(measured(args.json), key=lambda r: (r.collective, r.algorithm, r.world, r.nbytes))
+    alpha, beta = fit(rows)
+    entries = compare(rows, alpha, beta, args.cpu)
+    print(markdown(entries, alpha, beta))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"alpha_s": alpha, "beta_Bps": beta, "rows": entries}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

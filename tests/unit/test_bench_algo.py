@@ -1,0 +1,26 @@
+"""``commrt bench --algo``: one column per pinned schedule, refused names listed with the valid."""
+import pytest
+
+from commrt.bench.runner import _variant_config, algorithm_variant, backend_variant
+from commrt.cli.bench_cmd import with_algorithms
+from commrt.runtime.config import Config
+
+
+def test_algo_columns_replace_the_zmq_column():
+    assert with_algorithms(("zmq", "gloo"), "all_reduce", "ring,rabenseifner") == ("gloo", "zmq:ring", "zmq:rabenseifner")
+    assert with_algorithms(("zmq@1M",), "all_reduce", "all") == tuple(
+        f"zmq@1M:{a}" for a in ("rabenseifner", "recursive_doubling", "ring"))
+
+
+@pytest.mark.parametrize("collective, algo", [("all_reduce", "bruck"), ("reduce_scatter", "ring"), ("all_gather", "")])
+def test_algo_names_are_checked_before_launch(collective, algo):
+    with pytest.raises(SystemExit, match="valid:"):
+        with_algorithms(("zmq",), collective, algo)
+
+
+def test_an_algo_column_pins_the_schedule_over_tcp():
+    assert backend_variant("zmq@1M:bruck") == ("zmq", 1 << 20) and algorithm_variant("zmq@1M:bruck") == "bruck"
+    assert algorithm_variant("zmq+hier") is None
+    cfg = _variant_config(Config(), "zmq@1M:bruck", "all_gather")
+    assert (cfg.comm.algorithms, cfg.comm.intra_node, cfg.comm.chunk_bytes) == ("all_gather=bruck", "tcp", 1 << 20)
+    assert _variant_config(Config(), "gloo", "all_gather").comm.algorithms == ""

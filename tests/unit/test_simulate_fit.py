@@ -1,0 +1,41 @@
+"""The simulator's validation (commrt/plan/simulate_fit.py): the fit recovers a known network
+from 2-rank ring rows it generated, predicts the other rows exactly, and flags a row that misses."""
+import json
+
+import pytest
+
+from commrt.plan import simulate_fit as sf
+from commrt.plan.simulate import simulate
+
+
+def _rows(alpha, beta):
+    rows = []
+    for n in (2, 4, 5):
+        for size in (4096, 65536, 1 << 20):
+            for algo in ("ring", "recursive_doubling", "rabenseifner"):
+                t = simulate(sf._net(n, alpha, beta), "all_reduce", algo, size).seconds
+                rows.append(sf.Row("all_reduce", algo, n, size, t))
+    return rows
+
+
+def test_fit_recovers_the_network_and_predicts_the_rest():
+    rows = _rows(30e-6, 0.8e9)
+    alpha, beta = sf.fit(rows)
+    assert alpha == pytest.approx(30e-6, rel=1e-6) and beta == pytest.approx(0.8e9, rel=1e-6)
+    assert all(abs(e["error"]) < 1e-6 for e in sf.compare(rows, alpha, beta, cpu=False))
+
+
+def test_a_miss_is_flagged_and_bench_json_is_read(tmp_path):
+    rows = _rows(30e-6, 0.8e9)
+    slow = rows[-1]._replace(seconds=rows[-1].seconds * 2)
+    text = sf.markdown(sf.compare(rows[:-1] + [slow], *sf.fit(rows), cpu=False), 30e-6, 0.8e9)
+    assert text.count("**") == 2 and "26 of 27 rows within 15%" in text
+    doc = {"collective": "all_reduce", "nproc": 2, "backends": ["gloo", "zmq:ring"],
+           "rows": [{"gloo": {"size": 4096, "time_us": 9.0}, "zmq:ring": {"size": 4096, "time_us": 50.0}}]}
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    (row,) = sf.measured([str(tmp_path / "b.json")])
+    assert row[:4] == ("all_reduce", "ring", 2, 4096) and row.seconds == pytest.approx(50e-6)
+
+
+def test_cpu_floor_runs_the_real_executor():
+    assert sf.cpu_floor(sf.Row("all_reduce", "recursive_doubling", 4, 4096, 0.0), iters=2) > 0
