@@ -14,7 +14,7 @@ import msgpack
 import torch
 
 from commrt.runtime import dtypes
-from commrt.runtime.errors import ProtocolError
+from commrt.runtime.errors import ConfigError, ProtocolError
 
 
 def describe(optimizer: torch.optim.Optimizer) -> dict:
@@ -67,3 +67,15 @@ def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:
     for group, lr in zip(sd["param_groups"], desc["lr"]):
         group["lr"] = lr
     optimizer.load_state_dict(sd)
+
+
+def make_optimizer(spec, params) -> torch.optim.Optimizer:
+    """The torch optimizer for an ``[train] optimizer`` (an ``OptimSpec``): replica mode steps
+    with torch's optimizers, whose state dicts it transfers. LAMB has none in torch."""
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+                                 weight_decay=spec.weight_decay)
+    if spec.kind == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
+                               weight_decay=spec.weight_decay)
+    raise ConfigError(f"fault_tolerance = 'replica' steps with torch's optimizers: AdamW or SGD, not {spec.kind!r}")
