@@ -76,8 +76,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         step = ft.step()
         times[step - 1] = [time.time(), time.perf_counter() - t0]
-        if a.pause:
-            time.sleep(a.pause)
+        if a.pause:  # slower while short-handed: leaves a restarted replica (a loaded host) time to join
+            time.sleep(a.pause * (1 if len(ft.stats()["members"]) == a.replicas else 5))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, a.out + ".pt")
     with open(a.out + ".json", "w") as fh:
         json.dump({"history": [[s, list(c)] for s, c in ft.history], "counts": ft.stats(), "times": times,
