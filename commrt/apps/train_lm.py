@@ -27,6 +27,8 @@ from commrt.apps import reporter
 from commrt.train import initialize
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import load_train_config
+from commrt.train.replica_ft import ReplicaFT
+from commrt.train.replica_state import make_optimizer
 
 
 class Block(nn.Module):
@@ -99,10 +101,12 @@ def main(argv=None) -> int:
                    "after the first (by op, inside / across nodes) to PATH.RANK.json (what commrt estimate predicts)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
+    if cfg.fault_tolerance == "replica":
+        return train_replicas(args, cfg)
     commrt.init_process_group()
     rank, world = commrt.get_rank(), commrt.get_world_size()
     log = reporter(__name__, f"rank {rank}")
-    cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
     if args.stage is not None:
         cfg = cfg.with_stage(args.stage)
     torch.manual_seed(0)
@@ -141,6 +145,33 @@ def main(argv=None) -> int:
     log.info("sent per step %.2f MiB inside the node, %.2f MiB to other nodes",
              sent["intra_node_bytes"] / args.steps / 2**20, sent["inter_node_bytes"] / args.steps / 2**20)
     commrt.destroy_process_group()
+    return 0
+
+
+def train_replicas(args, cfg) -> int:
+    """``[train] fault_tolerance = "replica"``: each rank is a replica that may die and come back
+    (commrt/train/replica_ft.py). The store is COMMRT_FT_STORE (host:port, served outside the
+    replicas), else replica 0 serves it at MASTER_ADDR:MASTER_PORT and its death ends the job."""
+    replica, replicas = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = os.environ.get("COMMRT_FT_STORE")
+    log = reporter(__name__, f"replica {replica}")
+    torch.manual_seed(0)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    ft = ReplicaFT(model, make_optimizer(cfg.optimizer, model.parameters()), replica, replicas,
+                   store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                   serve_store=store is None and replica == 0)
+    loss_fn, step = nn.CrossEntropyLoss(), ft.start()
+    while step < args.steps:
+        tokens = batch(replica, step, args.batch, args.seq, args.vocab)
+        start = time.perf_counter()
+        loss = loss_fn(model(tokens[:, :-1]).reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        step = ft.step()
+        if step % args.log_every == 0 or step == 1:
+            log.info("step %4d loss %.4f step time %7.1f ms, replicas %s", step, loss.item(),
+                     1000 * (time.perf_counter() - start), ft.stats()["members"])
+    log.info("replica stats: %s", commrt.comm_stats()["replica_ft"])
+    ft.close()
     return 0
 
 

@@ -23,7 +23,8 @@ _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_c
               "zero_hpz_partition_size", "mics_shard_size", "shard_group_size",
               "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
-             "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads"}
+             "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads",
+             "fault_tolerance"}
 # FSDP's strategies (torch.distributed.fsdp.ShardingStrategy) as (ZeRO stage, hybrid)
 STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
               "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
@@ -149,6 +150,10 @@ class TrainConfig:
     non_finite_grads: str = "skip"
     """A NaN/inf in any rank's gradients: 'skip' the step on every rank (counted), or 'raise'
     an error naming the ranks. Parameters never receive a non-finite update."""
+    fault_tolerance: str = "off"
+    """'replica': a data-parallel replica that dies or times out is dropped at the step it
+    failed in and the others go on; a restarted one rejoins with the live state
+    (``train/replica_ft.py``). Stage 0 only: every replica must hold the whole state."""
 
     def __post_init__(self) -> None:
         if self.gradient_accumulation_steps < 1:
@@ -157,6 +162,7 @@ class TrainConfig:
             raise ConfigError("gradient_clipping must be >= 0")
         if self.non_finite_grads not in ("skip", "raise"):
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
+        _check_fault_tolerance(self)
 
     def with_stage(self, stage: int) -> "TrainConfig":
         """This config at another stage (a sharding strategy given by name is dropped with it)."""
@@ -176,7 +182,26 @@ class TrainConfig:
                                                        raw.get("gradient_accumulation_steps", 1), int),
                    gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
                    bf16=bool(dict(raw.get("bf16", {})).get("enabled", False)),
-                   non_finite_grads=str(raw.get("non_finite_grads", "skip")))
+                   non_finite_grads=str(raw.get("non_finite_grads", "skip")),
+                   fault_tolerance=raw.get("fault_tolerance", "off"))
+
+
+FAULT_TOLERANCE = ("off", "replica")
+
+
+def _check_fault_tolerance(c: "TrainConfig") -> None:
+    ft = c.fault_tolerance
+    if ft not in FAULT_TOLERANCE:
+        raise ConfigError(f"fault_tolerance = {ft!r} is invalid; valid: {list(FAULT_TOLERANCE)}")
+    if ft != "replica":
+        return
+    if c.zero.hybrid or c.zero.zero_hpz_partition_size != 1:
+        raise ConfigError("fault_tolerance = 'replica' does not support HYBRID_SHARD, MiCS or hpZ yet (a replica "
+                          "group spanning several ranks); use stage 0 (data parallel), where a replica is a rank")
+    if c.zero.stage != 0:
+        raise ConfigError(f"fault_tolerance = 'replica' needs zero_optimization.stage 0 (every replica holds the "
+                          f"whole training state); stage {c.zero.stage} shards it across the ranks, so a dead "
+                          "rank's shard would be lost")
 
 
 def _only(raw: Mapping, valid: set, where: str) -> None:

@@ -1,0 +1,316 @@
+"""Replica fault tolerance for data parallel training, ``[train] fault_tolerance = "replica"``
+(issue 33 item 2; after TorchFT's per-step quorum).
+
+A replica (a rank of a data-parallel job) that dies or stops answering is dropped at the step
+it failed in: the others finish that step with the average over the replicas that contributed
+(the divisor is their count), and go on. A replica that (re)starts joins at a step boundary,
+receives the current parameters and optimizer state from a live replica over the transport,
+and the job is back to full size. Nothing hangs: every wait has a deadline.
+
+How: the replicas of a *generation* (see ``replica_quorum.py``) run an ordinary commrt world of
+their own. Each step, ``step()`` all-reduces a copy of the local gradients (they stay in
+``p.grad`` until the step commits, so a failed step is redone from them, never applied twice),
+then votes through the store; only a committed step is applied. A failed or aborted step ends the
+generation: the live replicas register for the next one, a leader writes its plan (members,
+contributors of the step, who sends state), they open a new world, replicas without state
+receive it, and the step is averaged again among its contributors.
+
+The store must outlive the replicas: run it in the launcher (``serve_store``; ``commrt.train.
+replica_ft.serve``), not in a replica. If replica 0 serves it (``commrt.apps.train_lm`` without
+``COMMRT_FT_STORE``), replica 0's death ends the job. A second failure while the survivors are
+forming the next generation (the leader's own death) ends it too, with an error, not a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import msgpack
+import torch
+
+from commrt.obs import stats
+from commrt.runtime import bootstrap, world
+from commrt.runtime.config import Config, load_config
+from commrt.runtime.errors import CommError, PeerLost
+from commrt.runtime.rendezvous import RendezvousSpec
+from commrt.runtime.store import StoreClient, StoreServer, wait_for
+from commrt.runtime.store_core import OK
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.train import replica_quorum as q
+from commrt.train import replica_state
+from commrt.transport import Transport
+
+log = logging.getLogger(__name__)
+P = "ft/"  # the store's keys for replica fault tolerance
+
+
+def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
+    """A store for the replicas, in a process that is not one of them (the launcher's)."""
+    transport = Transport(cfg, "ft-store")
+    return transport, StoreServer(transport, host, port)
+
+
+@dataclasses.dataclass
+class Counts:
+    drops: int = 0
+    """Replicas that left a generation (died, timed out, or were left out)."""
+    rejoins: int = 0
+    """Replicas that joined a running job (after the first generation) and received its state."""
+    redone_steps: int = 0
+    """Steps whose average was computed again after a failure (none was lost)."""
+    generations: int = 0
+
+
+class ReplicaFT:
+    """``start()`` once, then after each backward ``step()``: both return the step to compute
+    next (a replica that was left out and came back may skip ahead). ``history`` holds, per
+    applied step, the replicas whose gradients it averaged."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replica: int, replicas: int,
+                 store: str, cfg: Config | None = None, timeout_s: float = 30.0, vote_timeout_s: float = 5.0,
+                 join_timeout_s: float = 60.0, serve_store: bool = False):
+        self.model, self.optimizer, self.replica, self.replicas = model, optimizer, replica, replicas
+        base = cfg or load_config()
+        self.cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, timeout_s=timeout_s))
+        self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
+        self.host, port = store.rsplit(":", 1)
+        self.port = int(port)
+        self._ctl = Transport(self.cfg, f"replica{replica}-ft")
+        self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
+        self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)
+        self.rt = None
+        self.plan: q.Plan | None = None
+        self.t = 0  # votes cast in this generation
+        self.applied = -1
+        self.history: list[tuple[int, tuple[int, ...]]] = []
+        self.counts = Counts()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        global _active
+        _active = self
+
+    # -- entering a generation ------------------------------------------------------------
+    def start(self) -> int:
+        """Join the job: the first generation if it is forming, else the running job (as a
+        replica without state). Returns the step to compute first."""
+        raw = self.store.mget([P + "cur"])[0]
+        if raw is None:
+            return self._enter(0, q.Registration(self.replica, 0, False), end=None)
+        cur = int(raw)
+        return self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur)
+
+    def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
+        """Register for ``gen`` and run it until a step is applied (or, with nothing to redo,
+        until the state is in place); a generation that fails leads to the next."""
+        previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
+        while True:
+            self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
+            if end is not None:
+                self._end(end)  # a joiner: the running generation stops at its current step
+            if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
+                self._lead(gen, previous, self.join_timeout_s if gen == 0 else self.vote_timeout_s)
+            raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
+                           f"replica {self.replica}: the plan of generation {gen}")[0]
+            plan = q.Plan.unpack(msgpack.unpackb(raw))
+            if self.replica not in plan.members:  # left out (too slow): come back without state
+                log.warning("replica %d: left out of generation %d (members %s); rejoining",
+                            self.replica, gen, list(plan.members))
+                self.applied, reg, end, previous, gen = -1, q.Registration(self.replica, -1, False), gen, plan.members, gen + 1
+                continue
+            self._note(previous if self.plan is not None else plan.members, plan)
+            nxt, reg = self._run(plan, reg)
+            if nxt is not None:
+                return nxt
+            previous, end, gen = plan.members, None, gen + 1
+
+    def _note(self, previous: tuple[int, ...], plan: q.Plan) -> None:
+        if plan.gen > 0:
+            self.counts.drops += len(set(previous) - set(plan.members))
+            self.counts.rejoins += len(set(plan.members) - set(previous))
+        self.counts.generations += 1
+        log.info("replica %d: generation %d: replicas %s at step %d (contributors %s, state from %d to %s)",
+                 self.replica, plan.gen, list(plan.members), plan.step, list(plan.contributors), plan.source,
+                 list(plan.fresh))
+
+    def _lead(self, gen: int, previous: tuple[int, ...], within_s: float) -> None:
+        """Wait for the previous members (those not named lost) to register, then write the plan."""
+        keys = [f"{P}reg/{gen}/{r}" for r in range(self.replicas)]
+        deadline = time.monotonic() + within_s
+        while True:
+            regs = {r: q.Registration.unpack(msgpack.unpackb(v))
+                    for r, v in enumerate(self.store.mget(keys)) if v is not None}
+            missing = q.awaited(previous, regs)
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if missing:
+            log.warning("replica %d (leader): generation %d forms without %s (not registered within %gs)",
+                        self.replica, gen, sorted(missing), within_s)
+        plan = q.plan(gen, regs)
+        self.store.set(f"{P}mem/{gen}", msgpack.packb(plan.pack()))
+        self.store.set(P + "cur", str(gen).encode())
+
+    def _run(self, plan: q.Plan, reg: q.Registration) -> tuple[int | None, q.Registration]:
+        """Open the generation's world, hand state to replicas without it, redo the step of the
+        contributors. (next step, None) on success; (None, registration for the next) if it failed."""
+        self._close_world()
+        self.plan, self.t = plan, 0
+        me = plan.members.index(self.replica)
+        try:
+            self._open(plan, me)
+            if plan.gen == 0 or plan.fresh:
+                self._sync(plan)
+        except CommError as exc:
+            log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
+            self._end(plan.gen)
+            return None, self._registration(plan, reg.grad, exc)
+        self.applied = plan.step
+        if not plan.contributors:
+            return plan.step, reg
+        self.counts.redone_steps += 1
+        mine = self.replica in plan.contributors
+        return self._average(plan.contributors, mine)
+
+    def _registration(self, plan: q.Plan, grad: bool, exc: Exception | None) -> q.Registration:
+        suspects = ()
+        if isinstance(exc, PeerLost) and 0 <= exc.rank < len(plan.members):
+            suspects = (plan.members[exc.rank],)
+        return q.Registration(self.replica, self.applied, grad and self.applied >= 0, suspects)
+
+    def _open(self, plan: q.Plan, me: int) -> None:
+        spec = RendezvousSpec(self.host, self.port, me, len(plan.members))
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=f"{P}g{plan.gen}/")
+        world.install(self.rt)
+
+    def _sync(self, plan: q.Plan) -> None:
+        """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
+        key = f"{P}state/{plan.gen}"
+        if self.replica == plan.source:
+            desc = replica_state.describe(self.optimizer)
+            self.store.set(key, replica_state.pack(desc))
+        desc = replica_state.unpack(wait_for(self.store, [key], self.cfg.comm.timeout_s, "replica state")[0])
+        tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
+        src = plan.members.index(plan.source)
+        with torch.no_grad():
+            for t in tensors:
+                self.rt.world.backend.broadcast(t, src, False)
+        if self.replica != plan.source:
+            replica_state.load(self.optimizer, desc, state)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> int:
+        """Average this step's gradients over the generation (again among the survivors if it
+        fails), apply them with the optimizer, and return the next step."""
+        nxt, reg = self._average(self.plan.members, True)
+        if nxt is not None:
+            return nxt
+        return self._enter(self.plan.gen + 1, reg, end=None)
+
+    def _average(self, contributors: tuple[int, ...], mine: bool) -> tuple[int | None, q.Registration | None]:
+        flat = self._flat(mine)
+        try:
+            self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
+            exc = None
+        except CommError as e:
+            exc = e
+        if not self._vote(exc is None):
+            if exc is not None:
+                log.warning("replica %d: step %d failed in generation %d: %s", self.replica, self.applied,
+                            self.plan.gen, exc)
+            return None, self._registration(self.plan, mine, exc)
+        self._apply(flat, len(contributors))
+        self.history.append((self.applied, tuple(contributors)))
+        log.info("replica %d: step %d applied, averaged over replicas %s (generation %d)", self.replica,
+                 self.applied, list(contributors), self.plan.gen)
+        self.applied += 1
+        return self.applied, None
+
+    def _flat(self, mine: bool) -> torch.Tensor:
+        """A copy of this replica's gradients (zeros if it has none for this step): the
+        all-reduce works on the copy, so ``p.grad`` keeps them for a redo."""
+        if not mine:
+            return torch.zeros(sum(p.numel() for p in self._params))
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
+
+    def _apply(self, flat: torch.Tensor, count: int) -> None:
+        flat.div_(count)
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the vote -------------------------------------------------------------------------
+    def _vote(self, ok: bool) -> bool:
+        """Whether this step commits, as the store's vote counter decides (replica_quorum.py)."""
+        key, target = f"{P}v/{self.plan.gen}", len(self.plan.members) * (self.t + 1)
+        self.t += 1
+        result = q.UNKNOWN
+        if ok:
+            value = self.store.add(key, 1)
+            result = q.outcome(value, target)
+            if result == q.UNKNOWN and value < q.BIG:  # not every vote is in yet
+                status, value = self.store.wait_count(key, target, None, self.vote_timeout_s)
+                result = q.outcome(value, target) if status == OK else self._end(self.plan.gen, target)
+        else:
+            result = self._end(self.plan.gen, target)
+        if result == q.UNKNOWN:
+            raw = wait_for(self.store, [f"{P}dec/{self.plan.gen}"], self.cfg.comm.timeout_s, "the vote's outcome")[0]
+            result = q.COMMIT if q.committed(int(raw), target) else q.ABORT
+        return result == q.COMMIT
+
+    def _end(self, gen: int, target: int = 0) -> str:
+        """Stop generation ``gen`` at its current step (add BIG); the first to do so records how
+        many votes came before it. Returns what that says of the step with ``target``."""
+        value = self.store.add(f"{P}v/{gen}", q.BIG)
+        k = q.first_big(value)
+        if k is None:
+            return q.UNKNOWN
+        self.store.set(f"{P}dec/{gen}", str(k).encode())
+        return q.COMMIT if target and q.committed(k, target) else q.ABORT
+
+    # -- the end --------------------------------------------------------------------------
+    def _close_world(self) -> None:
+        if self.rt is not None:
+            world.install(None)
+            bootstrap.shutdown(self.rt)
+            self.rt = None
+
+    def close(self) -> None:
+        """Leave: close this generation's world; a replica that serves the store waits (briefly)
+        until the others have left, so none sees its store vanish mid-vote."""
+        global _active
+        members = len(self.plan.members) if self.plan is not None else 1
+        gen = self.plan.gen if self.plan is not None else 0
+        self._close_world()
+        try:
+            self.store.add(f"{P}left/{gen}", 1)
+            if self._server is not None:
+                self.store.wait_count(f"{P}left/{gen}", members, None, self.vote_timeout_s)
+        except CommError as exc:
+            log.warning("replica %d: leaving: %s", self.replica, exc)
+        self.store.close()
+        if self._server is not None:
+            self._server.close()
+        self._ctl.close()
+        if _active is self:
+            _active = None
+
+    def stats(self) -> dict:
+        return {"generation": self.plan.gen if self.plan else -1,
+                "members": list(self.plan.members) if self.plan else [],
+                **dataclasses.asdict(self.counts)}
+
+
+_active: ReplicaFT | None = None  # for comm_stats()["replica_ft"], as quant registers its section
+
+
+def _stats():
+    return _active.stats() if _active is not None else None
+
+
+stats.register("replica_ft", _stats)

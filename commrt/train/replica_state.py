@@ -1,0 +1,81 @@
+"""Replica fault tolerance, the state transfer: a replica that (re)joins receives the current
+parameters, buffers and optimizer state from a live one over the transport, not from a
+checkpoint (issue 33 item 2).
+
+The tensors go as broadcasts from the source in the new generation's world. Only their
+description travels through the store, as msgpack (no pickle across processes): for each
+parameter index of the optimizer, its state's tensors (shape, dtype) and plain numbers, and each
+parameter group's learning rate (a scheduler may have changed it). A receiver without state
+allocates the tensors from it, receives them, and loads them into its optimizer.
+"""
+from __future__ import annotations
+
+import msgpack
+import torch
+
+from commrt.runtime import dtypes
+from commrt.runtime.errors import ConfigError, ProtocolError
+
+
+def describe(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state's layout and scalars (what a receiver needs to allocate it)."""
+    sd = optimizer.state_dict()
+    state = {}
+    for idx, entry in sd["state"].items():
+        state[int(idx)] = {k: (["t", list(v.shape), dtypes.name_of(dtypes.code_of(v.dtype))] if torch.is_tensor(v) else ["n", v])
+                           for k, v in entry.items()}
+    return {"state": state, "lr": [g["lr"] for g in sd["param_groups"]]}
+
+
+def pack(desc: dict) -> bytes:
+    return msgpack.packb(desc)
+
+
+def unpack(raw: bytes) -> dict:
+    desc = msgpack.unpackb(bytes(raw), strict_map_key=False)
+    if not isinstance(desc, dict) or set(desc) != {"state", "lr"}:
+        raise ProtocolError(f"replica state description is malformed: {str(desc)[:80]}")
+    return desc
+
+
+def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, desc: dict) -> tuple[list, dict]:
+    """Every tensor to broadcast, in an order both sides derive alike, and the optimizer state
+    dict they fill (a receiver's is freshly allocated from ``desc``; the source's is its own)."""
+    out = [t.data for t in (*model.parameters(), *model.buffers())]
+    mine = optimizer.state_dict()["state"]
+    state = {}
+    for idx in sorted(desc["state"]):
+        entry = {}
+        for k, (kind, *rest) in sorted(desc["state"][idx].items()):
+            if kind == "n":
+                entry[k] = rest[0]
+                continue
+            have = mine.get(idx, {}).get(k)
+            shape, dtype = rest[0], dtypes.parse_dtype(rest[1])
+            if have is None or list(have.shape) != shape or have.dtype != dtype:
+                have = torch.empty(shape, dtype=dtype)
+            entry[k] = have
+            out.append(have)
+        state[idx] = entry
+    return out, state
+
+
+def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:
+    """Put the received state into ``optimizer`` (learning rates included)."""
+    sd = optimizer.state_dict()
+    sd["state"] = state
+    for group, lr in zip(sd["param_groups"], desc["lr"]):
+        group["lr"] = lr
+    optimizer.load_state_dict(sd)
+
+
+def make_optimizer(spec, params) -> torch.optim.Optimizer:
+    """The torch optimizer for an ``[train] optimizer`` (an ``OptimSpec``): replica mode steps
+    with torch's optimizers, whose state dicts it transfers. LAMB has none in torch."""
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(params, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+                                 weight_decay=spec.weight_decay)
+    if spec.kind == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
+                               weight_decay=spec.weight_decay)
+    raise ConfigError(f"fault_tolerance = 'replica' steps with torch's optimizers: AdamW or SGD, not {spec.kind!r}")

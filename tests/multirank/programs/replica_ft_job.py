@@ -1,0 +1,109 @@
+"""One replica of a fault-tolerant data-parallel job (tests/multirank/test_replica_ft.py).
+
+    python -m tests.multirank.programs.replica_ft_job REPLICA REPLICAS HOST:PORT STEPS OUT
+        [--die-at STEP] [--pause S] [--off]
+
+Trains a small MLP with AdamW on data that depends only on (replica, step); writes OUT.json
+(history: per applied step the replicas averaged; counts; per-step times) and OUT.pt (the final
+parameters). ``--die-at`` SIGKILLs this process after the backward of that step, before its
+gradients are averaged (a death mid-step). ``--off`` runs the same loop over a plain commrt
+world and DataParallel-style averaging (fault tolerance off), for the overhead figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+from commrt.train.replica_ft import ReplicaFT
+
+SEED = 0
+
+
+def make_model(width: int = 64, seed: int | None = SEED) -> nn.Module:
+    if seed is not None:
+        torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + replica)
+    return torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+
+
+def local_backward(model: nn.Module, replica: int, step: int) -> None:
+    x, y = batch(replica, step)
+    nn.functional.mse_loss(model(x), y).backward()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("replica", type=int)
+    p.add_argument("replicas", type=int)
+    p.add_argument("store")
+    p.add_argument("steps", type=int)
+    p.add_argument("out")
+    p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--pause", type=float, default=0.0)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--off", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    # a replica that is not the source starts from other values: the first generation's sync must fix that
+    model = make_model(a.width, SEED if a.replica == 0 else None)
+    opt = make_optimizer(model)
+    if a.off:
+        return _off(model, opt, a)
+    ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0)
+    started = time.time()
+    step, times = ft.start(), {}
+    joined_at = step
+    while step < a.steps:
+        t0 = time.perf_counter()
+        local_backward(model, a.replica, step)
+        if step == a.die_at:
+            with open(a.out + ".killed", "w") as fh:
+                fh.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        step = ft.step()
+        times[step - 1] = [time.time(), time.perf_counter() - t0]
+        if a.pause:  # slower while short-handed: leaves a restarted replica (a loaded host) time to join
+            time.sleep(a.pause * (1 if len(ft.stats()["members"]) == a.replicas else 5))
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, a.out + ".pt")
+    with open(a.out + ".json", "w") as fh:
+        json.dump({"history": [[s, list(c)] for s, c in ft.history], "counts": ft.stats(), "times": times,
+                   "started": started, "joined_at": joined_at}, fh)
+    ft.close()
+
+
+def _off(model: nn.Module, opt: torch.optim.Optimizer, a) -> None:
+    """Fault tolerance off: the same loop over a commrt world with DataParallel (overhead baseline)."""
+    import commrt
+    from commrt.train import DataParallel
+    host, port = a.store.rsplit(":", 1)
+    commrt.init_process_group(init_method=f"tcp://{host}:{port}", rank=a.replica, world_size=a.replicas)
+    dp = DataParallel(model)
+    times = {}
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        x, y = batch(a.replica, step)
+        nn.functional.mse_loss(dp(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times[step] = [time.time(), time.perf_counter() - t0]
+    with open(a.out + ".json", "w") as fh:
+        json.dump({"times": times}, fh)
+    commrt.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
