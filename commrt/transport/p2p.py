@@ -230,26 +230,6 @@ class P2PEngine(CallerProgress):
                 return
         self._deliver(msg)
 
-    def drain_mail(self) -> bool:
-        """Land what the mailboxes hold (the reader calls this); whether there was anything."""
-        got = False
-        for inbox in self._inboxes.values():
-            if inbox.pending():
-                self._drain(inbox)
-                got = True
-        return got
-
-    def _drain(self, inbox) -> None:
-        try:
-            msgs = inbox.take()
-        except ProtocolError as exc:
-            error = exc  # the except clause's name goes when it ends
-            log.warning("rank %d: %s", self._ep.rank, error)
-            self._fail_all(lambda op: error, peer=inbox.src)
-            return
-        for msg in msgs:
-            self._deliver(msg)
-
     def _deliver(self, msg: Message) -> None:
         h = msg.header
         if self._match.arrive(msg):

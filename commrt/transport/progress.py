@@ -21,6 +21,7 @@ floor, small node-local messages would have to bypass ZeroMQ's I/O threads.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,9 +30,12 @@ from typing import Callable
 import zmq
 
 from commrt.runtime.work import Work
+from commrt.runtime.errors import ProtocolError
 from commrt.transport.mailbox import barrier
 
 ENGINE = "engine"
+
+log = logging.getLogger("commrt.transport.p2p")
 
 
 class Reader:
@@ -171,6 +175,26 @@ class CallerProgress:
                 inbox.spin(False)
             barrier()
             self.drain_mail()  # what landed while we stopped
+
+    def drain_mail(self) -> bool:
+        """Land what the mailboxes hold (the reader calls this); whether there was anything."""
+        got = False
+        for inbox in self._inboxes.values():
+            if inbox.pending():
+                self._drain(inbox)
+                got = True
+        return got
+
+    def _drain(self, inbox) -> None:
+        try:
+            msgs = inbox.take()
+        except ProtocolError as exc:
+            error = exc  # the except clause's name goes when it ends
+            log.warning("rank %d: %s", self._ep.rank, error)
+            self._fail_all(lambda op: error, peer=inbox.src)
+            return
+        for msg in msgs:
+            self._deliver(msg)
 
     def test(self) -> None:
         """Land what has arrived, without blocking (``is_completed`` of a receive)."""
