@@ -160,7 +160,8 @@ class CallerProgress:
                 end = min(end, deadline)
             while not work._done.is_set() and not self._closing:
                 got = self.drain_mail()
-                msg = self._ep.read(zmq.NOBLOCK)
+                # EVENTS first: a read that finds nothing raises zmq.Again, ~10x the cost
+                msg = self._ep.read(zmq.NOBLOCK) if self._ep.inbound.get(zmq.EVENTS) & zmq.POLLIN else None
                 if msg is not None:
                     self._on_message(msg)
                     got = True
