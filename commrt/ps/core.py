@@ -37,11 +37,10 @@ from commrt.ps.parked import Parked, Waiting
 from commrt.ps.binding import Binding
 from commrt.ps.membership import Membership
 from commrt.ps.recovery import Durability, StorageFailed
-from commrt.ps.state import ShardState
+from commrt.ps.state import MAX_AHEAD, ShardState
 
 log = logging.getLogger(__name__)
 _limited = RateLimited(log)  # a worker retrying a refused request in a loop must not flood the log
-MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
 # upper bounds (seconds) of the apply-latency histogram's buckets, as Prometheus' defaults span
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -67,6 +66,8 @@ class ServerCore(Durability, Binding, Membership):
         self._snapshot: dict[int, bytes] = {}
         self._snapshot_version = -1
         Durability.__init__(self, cfg, index)
+        if not state.initialized:  # fresh (a resumed shard reads its members from the checkpoint)
+            state.late.update(range(cfg.initial_workers or state.workers, state.workers))
 
     # -- entry points -----------------------------------------------------------------------
     def handle(self, ident: bytes, frames: list, now: float, peer: str | None = None) -> list[Reply]:
@@ -130,11 +131,16 @@ class ServerCore(Durability, Binding, Membership):
             return self._init(ident, req, payload, now)
         if not self.state.initialized:
             raise ProtocolError("parameters are not initialised yet (call init first)")
-        if w in self.state.dropped:
-            raise ProtocolError(f"worker {w} was dropped after it went silent")
         if w not in self.state.joined:
             raise ProtocolError(f"worker {w} has no accepted init on this server (it failed or never "
                                 "happened): call init with the parameters every worker registers")
+        if req.op == P.JOIN:
+            return [self._admit(ident, req, now)]
+        if w in self.state.dropped:
+            raise ProtocolError(f"worker {w} was dropped after it went silent (its init takes it back "
+                                "in async and ssp mode)")
+        if w in self.state.late:
+            raise ProtocolError(f"worker {w} is a late joiner not admitted yet: init admits it")
         if req.op == P.PULL:
             return self._pull(ident, req, payload, now)
         return self._push(ident, req, payload, now)
@@ -287,7 +293,7 @@ class ServerCore(Durability, Binding, Membership):
         return {**self.counters, "server": self.index, "mode": self.cfg.mode, "version": st.version,
                 "segments": len(st.segs), "param_bytes": sum(s.nbytes for s in st.segs),
                 "clocks": list(st.clocks), "lag": [top - c for c in st.clocks],
-                "dropped": sorted(st.dropped), "joined": sorted(st.joined),
+                "dropped": sorted(st.dropped), "late": sorted(st.late), "joined": sorted(st.joined),
                 "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
                 "parked": self.waiting.counts(),
                 "apply_latency": {**self.apply_latency, "counts": list(self.apply_latency["counts"])}}

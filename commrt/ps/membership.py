@@ -1,9 +1,34 @@
-"""Who a shard counts: the worker-loss policy (issue 13.8).
+"""Who a shard counts: its members, workers that join a running job, and the worker-loss policy.
 
-``tick`` applies ``on_worker_loss`` to anything parked longer than ``worker_timeout_s``: the
-workers the stuck requests wait for are named (``_laggards``), then either dropped (``continue``:
-the shard goes on without them, logged so a resumed shard drops them too) or named in a LOST
-reply to everyone waiting (``error``).
+The members are the workers a shard counts: a sync step averages their pushes, the SSP bound is
+measured from the slowest of them, a stuck request blames them. They start as the configured
+initial membership, workers ``0 .. [ps] initial_workers - 1`` (all of them by default), the same
+set on every shard whatever the order in which inits, pulls and pushes arrive: a member is never
+"late", its clock starts at 0 and the others wait for it as the mode says. A worker leaves the
+members when a shard drops it (``tick``: silent for ``worker_timeout_s`` under ``on_worker_loss =
+"continue"``; ``error`` instead names it in a LOST reply to everyone waiting).
+
+Joining a running job (issue 33 item 3). A worker that is not a member (a late joiner, id >=
+initial_workers, or a dropped one that was restarted) joins in two rounds, so that every shard
+admits it at the same step however their states differ when its requests arrive:
+
+1. ``init`` changes no membership: each shard k answers ``[version, clock_k, member_k, start_k]``;
+   ``start_k`` is its own clock there for a member, else ``max(own clock, the furthest member's
+   clock)``: the running step, at which it holds nobody back.
+2. If some shard said "not a member", the client sends ``JOIN`` at ``S = max_k start_k`` to every
+   shard; a shard makes it a member at ``max(own clock, S)``, which is S (S >= every own clock_k),
+   so all shards agree. JOIN is idempotent (a re-send after a server restart is harmless).
+
+Interleavings. Between the rounds it is not a member anywhere it was not one before, so nothing
+waits for it and no push of it is accepted there; a worker that dies between them has changed
+nothing. Pushes of others applied meanwhile only raise the members' clocks: S may then lie below
+the furthest member on a shard (never below its own clock), which makes it a slower member there
+and the mode's rule (SSP bound, parked pushes) holds as for any member. A worker dropped on one
+shard but not another is admitted on both at S (on the latter its clock only moves forward). A
+member that restarts without being dropped is a member everywhere: no JOIN, it resumes at the
+lowest of its clocks (a push that reached only some shards is re-sent: a duplicate there).
+Sync mode admits nobody after the start (every step averages the same members): a dropped
+worker's init is refused, and [ps] initial_workers is a config error there.
 """
 from __future__ import annotations
 
@@ -12,10 +37,19 @@ import logging
 from commrt.ps import protocol as P
 from commrt.ps.parked import Parked, Waiting
 from commrt.ps.recovery import StorageFailed
-from commrt.ps.state import ShardState
+from commrt.ps.state import MAX_AHEAD, ShardState
 from commrt.runtime.config import PsConfig
+from commrt.runtime.errors import ProtocolError
 
 log = logging.getLogger("commrt.ps.core")
+
+
+def starting_step(init_replies: list[list]) -> tuple[bool, int]:
+    """The client's half of the rule, from every shard's init reply ``[version, clock, member,
+    start]``: (whether it must JOIN, the step it starts at)."""
+    if all(body[2] for body in init_replies):
+        return False, min(body[1] for body in init_replies)
+    return True, max(body[3] for body in init_replies)
 
 
 class Membership:
@@ -69,3 +103,39 @@ class Membership:
         need = max((p.req.step if p.grads is not None else p.clock) - bound for p in stuck)
         return [w for w in self.state.active() if self.state.clocks[w] < need]
 
+
+    # -- joining a running job (see the module docstring) ----------------------------------
+    def _membership(self, worker: int) -> list:
+        """The end of an init reply: [member, start]."""
+        st = self.state
+        if worker in st.active():
+            return [True, st.clocks[worker]]
+        running = max((st.clocks[w] for w in st.active()), default=0)
+        return [False, max(st.clocks[worker], running)]
+
+    def _unwelcome(self, worker: int) -> str | None:
+        """Why an init of ``worker`` is refused here for its membership (None: it is not)."""
+        if self.cfg.mode == "sync" and worker in self.state.dropped:
+            return (f"worker {worker} was dropped after it went silent, and a sync job admits no worker "
+                    "after it began (every step averages the same workers): restart the job (from the "
+                    "servers' checkpoint), or use mode async or ssp, where it rejoins at the running step")
+        return None
+
+    def _admit(self, ident: bytes, req: P.Request, now: float) -> P.Routed:
+        w, at, st = req.worker, req.step, self.state
+        if self.cfg.mode == "sync":
+            raise ProtocolError(f"worker {w} cannot join a sync job at step {at}: it admits no worker after "
+                                "it began (every step averages the same workers)")
+        top = max(st.clocks)
+        if at > top + MAX_AHEAD:
+            raise ProtocolError(f"worker {w} asks to join at step {at}, beyond any worker's step here ({top})")
+        clock = max(st.clocks[w], at)
+        if w not in st.active() or clock != st.clocks[w]:
+            st.admit(w, clock)
+            self._log({"k": "a", "w": w, "c": clock}, [])
+            log.info("server %d: worker %d joins at step %d (version %d)", self.index, w, clock, st.version)
+            # what an earlier life of it left parked here can never be applied now
+            for p in self.waiting.all():
+                if p.req.worker == w and p.req.step < clock and p.req.op != P.INIT:
+                    self._refuse(p, f"rejoined at step {clock}: its request for step {p.req.step} is void")
+        return P.routed(ident, P.OK, req.req_id, [st.version, clock])
