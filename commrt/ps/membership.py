@@ -121,7 +121,7 @@ class Membership:
                     "servers' checkpoint), or use mode async or ssp, where it rejoins at the running step")
         return None
 
-    def _admit(self, ident: bytes, req: P.Request, now: float) -> P.Routed:
+    def _admit(self, ident: bytes, req: P.Request) -> P.Routed:
         w, at, st = req.worker, req.step, self.state
         if self.cfg.mode == "sync":
             raise ProtocolError(f"worker {w} cannot join a sync job at step {at}: it admits no worker after "
