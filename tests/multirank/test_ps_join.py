@@ -22,6 +22,7 @@ from tests.multirank.programs.ps_job import batch, grads_of, make_params
 from tests.multirank.test_ps import _start_server, _stop_servers
 
 WAIT_S = 90  # generous: a loaded 2-core machine must not turn a pass into a failure
+pytestmark = pytest.mark.timeout(300)  # five processes start one after another (torch imports)
 
 
 def _env(tmp_path, mode: str, **ps) -> dict:
@@ -46,14 +47,17 @@ def _wait_files(*paths) -> None:
 
 
 def _finish(procs: list[subprocess.Popen]) -> str:
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=WAIT_S)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0] + "\n(killed: timed out)")
-    return "\n".join(outs)
+    """Wait for every worker; once one fails (or the deadline passes) the others are killed,
+    as they would only wait for it."""
+    deadline = time.monotonic() + 2 * WAIT_S
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return "\n".join(f"--- worker process {i} (exit {p.returncode})\n{p.communicate()[0]}"
+                     for i, p in enumerate(procs))
 
 
 def _load(path) -> np.ndarray:

@@ -58,6 +58,8 @@ def turn_before(worker: int, step: int, join: int, initial: int, workers: int) -
     def members(t):
         return list(range(initial)) + ([workers - 1] if t >= join else [])
     order = members(step)
+    if worker not in order:
+        raise RuntimeError(f"worker {worker} has no turn at step {step}: the turns are {order}")
     i = order.index(worker)
     if i > 0:
         return [f"done-{order[i - 1]}-{step}"]
