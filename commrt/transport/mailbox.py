@@ -6,7 +6,9 @@ cores (progress.py). When the receiver is already waiting for a message, that is
 the sender writes the whole message (wire header and payload) into a mailbox in the shared
 memory of the pair's ring (shm_p2p.py: the same sealed, nameless segment, behind the data ring),
 and the waiting receiver, which spins on the mailbox for a few hundred microseconds before it
-blocks on its socket, reads it from there. MPI's shared-memory "eager" protocol, in small.
+blocks on its socket, reads it from there. A payload of 32 KiB or more still goes into the data
+ring; its descriptor then takes the mailbox instead of the socket. MPI's shared-memory "eager"
+protocol, in small.
 
 When it is used (``Outbox.try_put``), so that nothing is reordered and nothing is stranded:
 
