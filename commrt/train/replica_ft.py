@@ -44,6 +44,7 @@ from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
 P = "ft/"  # the store's keys for replica fault tolerance
+PHASES = ("copy", "all_reduce", "vote", "apply")
 
 
 def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
@@ -61,6 +62,8 @@ class Counts:
     redone_steps: int = 0
     """Steps whose average was computed again after a failure (none was lost)."""
     generations: int = 0
+    time_s: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    """Seconds spent per phase of ``step()`` (the overhead's breakdown, tests/perf/replica_ft_overhead.py)."""
 
 
 class ReplicaFT:
@@ -209,18 +212,27 @@ class ReplicaFT:
         return self._enter(self.plan.gen + 1, reg, end=None)
 
     def _average(self, contributors: tuple[int, ...], mine: bool) -> tuple[int | None, q.Registration | None]:
+        spent, t0 = self.counts.time_s, time.perf_counter()
         flat = self._flat(mine)
+        t1 = time.perf_counter()
         try:
             self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
             exc = None
         except CommError as e:
             exc = e
-        if not self._vote(exc is None):
+        t2 = time.perf_counter()
+        ok = self._vote(exc is None)
+        t3 = time.perf_counter()
+        spent["copy"] += t1 - t0
+        spent["all_reduce"] += t2 - t1
+        spent["vote"] += t3 - t2
+        if not ok:
             if exc is not None:
                 log.warning("replica %d: step %d failed in generation %d: %s", self.replica, self.applied,
                             self.plan.gen, exc)
             return None, self._registration(self.plan, mine, exc)
         self._apply(flat, len(contributors))
+        spent["apply"] += time.perf_counter() - t3
         self.history.append((self.applied, tuple(contributors)))
         log.info("replica %d: step %d applied, averaged over replicas %s (generation %d)", self.replica,
                  self.applied, list(contributors), self.plan.gen)
