@@ -40,6 +40,8 @@ from commrt.runtime.store_core import OK
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train import replica_quorum as q
 from commrt.train import replica_state
+from commrt.train.replica_group import GroupBroken, ShardedGroup
+from commrt.train.replica_overlap import Overlap
 from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,20 @@ class ReplicaFT:
     next (a replica that was left out and came back may skip ahead). ``history`` holds, per
     applied step, the replicas whose gradients it averaged."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replica: int, replicas: int,
+    def __init__(self, model: torch.nn.Module, optimizer, replica: int, replicas: int,
                  store: str, cfg: Config | None = None, timeout_s: float = 30.0, vote_timeout_s: float = 5.0,
-                 join_timeout_s: float = 60.0, serve_store: bool = False):
-        self.model, self.optimizer, self.replica, self.replicas = model, optimizer, replica, replicas
+                 join_timeout_s: float = 60.0, serve_store: bool = False, shard: int = 0, shards: int = 1,
+                 overlap: bool = True):
+        """``shards`` > 1: ``replica`` is a group of that many ranks (``shard`` is this rank's
+        index in it) sharding gradients and optimizer state (replica_group.py); ``optimizer`` is
+        then a callable that makes the optimizer from a list of parameters (this rank's flat slice).
+        ``overlap`` (data parallel): all-reduce buckets from the gradient hooks during backward
+        (replica_overlap.py); then each step must run exactly one backward (False to accumulate
+        gradients over several)."""
+        self.model, self.replica, self.replicas = model, replica, replicas
+        self.shard, self.shards = shard, shards
+        self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
+        self.optimizer = self.group.optimizer if self.group is not None else optimizer
         base = cfg or load_config()
         self.cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, timeout_s=timeout_s))
         self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
@@ -90,6 +102,8 @@ class ReplicaFT:
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._shard: torch.Tensor | None = None  # a group's reduce-scattered gradient of the step to apply
+        self._overlap = Overlap(self._params, timeout_s) if overlap and self.group is None else None
         global _active
         _active = self
 
@@ -97,22 +111,43 @@ class ReplicaFT:
     def start(self) -> int:
         """Join the job: the first generation if it is forming, else the running job (as a
         replica without state). Returns the step to compute first."""
-        raw = self.store.mget([P + "cur"])[0]
+        raw = self.store.mget([P + "cur"])[0] if self.group is None else self._group_cur()
         if raw is None:
-            return self._enter(0, q.Registration(self.replica, 0, False), end=None)
+            return self._armed(self._enter(0, q.Registration(self.replica, 0, False), end=None))
         cur = int(raw)
-        return self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur)
+        return self._armed(self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur))
+
+    def _armed(self, step: int) -> int:
+        """The next backward's buckets all-reduce in this generation's world as they fill."""
+        if self._overlap is not None:
+            self._overlap.arm(self.rt.world.backend)
+        return step
+
+    def _group_cur(self) -> bytes | None:
+        """Open the group's world, then the generation the group's first rank saw running, so
+        that every rank of a (re)started group enters the same one."""
+        inc = (self.store.add(f"{P}grp{self.replica}/starts", 1) - 1) // self.shards  # a restarted group meets anew
+        self.group.open(self.cfg, self.host, self.port, self.store, inc)
+        key = f"{P}grp{self.replica}/i{inc}/cur"
+        if self.shard == 0:
+            raw = self.store.mget([P + "cur"])[0]
+            self.store.set(key, b"-" if raw is None else bytes(raw))
+        raw = bytes(wait_for(self.store, [key], self.join_timeout_s, f"replica group {self.replica}'s generation")[0])
+        return None if raw == b"-" else raw
 
     def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
         """Register for ``gen`` and run it until a step is applied (or, with nothing to redo,
         until the state is in place); a generation that fails leads to the next."""
         previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
         while True:
-            self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
-            if end is not None:
-                self._end(end)  # a joiner: the running generation stops at its current step
-            if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
-                self._lead(gen, previous, self.join_timeout_s if gen == 0 else self.vote_timeout_s)
+            if self.group is not None:
+                self.group.check()  # a group that lost a rank must not register (GroupBroken)
+            if self.shard == 0:  # a group registers (and leads) through its first rank
+                self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
+                if end is not None:
+                    self._end(end)  # a joiner: the running generation stops at its current step
+                if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
+                    self._lead(gen, previous, self.join_timeout_s if gen == 0 else self.vote_timeout_s)
             raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
                            f"replica {self.replica}: the plan of generation {gen}")[0]
             plan = q.Plan.unpack(msgpack.unpackb(raw))
@@ -184,12 +219,13 @@ class ReplicaFT:
     def _open(self, plan: q.Plan, me: int) -> None:
         spec = RendezvousSpec(self.host, self.port, me, len(plan.members))
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
-        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=f"{P}g{plan.gen}/")
+        where = f"{P}g{plan.gen}/" + (f"s{self.shard}/" if self.group is not None else "")  # a world per shard index
+        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=where)
         world.install(self.rt)
 
     def _sync(self, plan: q.Plan) -> None:
         """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
-        key = f"{P}state/{plan.gen}"
+        key = f"{P}state/{plan.gen}/{self.shard}"
         if self.replica == plan.source:
             desc = replica_state.describe(self.optimizer)
             self.store.set(key, replica_state.pack(desc))
@@ -201,25 +237,38 @@ class ReplicaFT:
                 self.rt.world.backend.broadcast(t, src, False)
         if self.replica != plan.source:
             replica_state.load(self.optimizer, desc, state)
+        if self.group is not None:
+            self.group.load_from_model()
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
-        nxt, reg = self._average(self.plan.members, True)
-        if nxt is not None:
-            return nxt
-        return self._enter(self.plan.gen + 1, reg, end=None)
+        if self.group is not None:  # once per step: a redo reuses it, so a group's ranks run the
+            # same intra-group collectives whatever their cross-replica worlds did (replica_group.py)
+            self._shard = self._group_op(self.group.reduce_scatter)
+        nxt, reg = self._average(self.plan.members, True, overlapped=True)
+        if nxt is None:
+            nxt = self._enter(self.plan.gen + 1, reg, end=None)
+        return self._armed(nxt)
 
-    def _average(self, contributors: tuple[int, ...], mine: bool) -> tuple[int | None, q.Registration | None]:
+    def _average(self, contributors: tuple[int, ...], mine: bool,
+                 overlapped: bool = False) -> tuple[int | None, q.Registration | None]:
+        """``overlapped``: the step's backward may have all-reduced its buckets already."""
         spent, t0 = self.counts.time_s, time.perf_counter()
-        flat = self._flat(mine)
-        t1 = time.perf_counter()
-        try:
-            self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
-            exc = None
-        except CommError as e:
-            exc = e
+        if overlapped and self._overlap is not None and self._overlap.started:
+            flat, t1 = self._overlap.flat, t0
+            exc = self._overlap.finish()
+        else:
+            if self._overlap is not None:
+                self._overlap.disarm()
+            flat = self._flat(mine)
+            t1 = time.perf_counter()
+            try:
+                self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
+                exc = None
+            except CommError as e:
+                exc = e
         t2 = time.perf_counter()
         ok = self._vote(exc is None)
         t3 = time.perf_counter()
@@ -231,7 +280,11 @@ class ReplicaFT:
                 log.warning("replica %d: step %d failed in generation %d: %s", self.replica, self.applied,
                             self.plan.gen, exc)
             return None, self._registration(self.plan, mine, exc)
-        self._apply(flat, len(contributors))
+        if self.group is not None:
+            self._shard = None
+            self._group_op(self.group.apply, flat, len(contributors) * self.shards)
+        else:
+            self._apply(flat, len(contributors))
         spent["apply"] += time.perf_counter() - t3
         self.history.append((self.applied, tuple(contributors)))
         log.info("replica %d: step %d applied, averaged over replicas %s (generation %d)", self.replica,
@@ -239,27 +292,44 @@ class ReplicaFT:
         self.applied += 1
         return self.applied, None
 
+    def _group_op(self, fn, *args):
+        try:
+            return fn(*args)
+        except GroupBroken:
+            self._end(self.plan.gen)  # the other groups stop waiting for this one's votes
+            raise
+
     def _flat(self, mine: bool) -> torch.Tensor:
         """A copy of this replica's gradients (zeros if it has none for this step): the
-        all-reduce works on the copy, so ``p.grad`` keeps them for a redo."""
+        all-reduce works on the copy, so ``p.grad`` (a group: the reduce-scattered shard) keeps
+        them for a redo."""
+        if self.group is not None:
+            return self._shard.clone() if mine else torch.zeros(self.group.size)
+        if self._overlap is not None:
+            return self._overlap.fill(mine)
         if not mine:
             return torch.zeros(sum(p.numel() for p in self._params))
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
 
     def _apply(self, flat: torch.Tensor, count: int) -> None:
         flat.div_(count)
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
-            offset += n
+        if self._overlap is not None:  # the buffer's order is the buckets'
+            for p, view in self._overlap.views():
+                p.grad = view
+        else:
+            offset = 0
+            for p in self._params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p)
+                offset += n
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     # -- the vote -------------------------------------------------------------------------
     def _vote(self, ok: bool) -> bool:
         """Whether this step commits, as the store's vote counter decides (replica_quorum.py)."""
-        key, target = f"{P}v/{self.plan.gen}", len(self.plan.members) * (self.t + 1)
+        # every rank of every member group votes: all shards commit (or abort) the same steps
+        key, target = f"{P}v/{self.plan.gen}", len(self.plan.members) * self.shards * (self.t + 1)
         self.t += 1
         result = q.UNKNOWN
         if ok:
@@ -296,9 +366,11 @@ class ReplicaFT:
         """Leave: close this generation's world; a replica that serves the store waits (briefly)
         until the others have left, so none sees its store vanish mid-vote."""
         global _active
-        members = len(self.plan.members) if self.plan is not None else 1
+        members = len(self.plan.members) * self.shards if self.plan is not None else 1
         gen = self.plan.gen if self.plan is not None else 0
         self._close_world()
+        if self.group is not None:
+            self.group.close()
         try:
             self.store.add(f"{P}left/{gen}", 1)
             if self._server is not None:

@@ -1,9 +1,11 @@
-"""Replica fault tolerance on the emulated cluster (issue 33 item 4): 3 nodes, one replica each,
-in network namespaces (commrt/emulate.py); the store on a fourth node, the launcher's place.
-A node dies at a random step (seeded by $COMMRT_TEST_SEED, printed): its link is cut
-(``ip link set down``) and its rank SIGKILLed while it stands after the step's backward, before
-the average, so the survivors learn of it only by heartbeats (no FIN or RST crosses a downed link).
-Then the link comes up and the rank is started again.
+"""Replica fault tolerance on the emulated cluster (issue 33 items 2 and 4): 3 nodes in network
+namespaces (commrt/emulate.py), the store on a fourth node, the launcher's place. A replica is a
+node: one rank (data parallel), or a group of 2 ranks sharding the gradient and the optimizer
+state inside the node (HYBRID_SHARD's layout, replica_group.py). A node dies at a random step
+(seeded by $COMMRT_TEST_SEED, printed): its link is cut (``ip link set down``) and all its ranks
+SIGKILLed while they stand after the step's backward, before the average, so the survivors learn
+of it only by heartbeats (no FIN or RST crosses a downed link). Then the link comes up and the
+node's ranks are started again.
 
 Checks: nothing hangs (every process and wait has a deadline), the survivors finish the step the
 node died in among themselves and go on, no step is lost or applied twice, the node rejoins and
@@ -31,7 +33,7 @@ from commrt import emulate
 from commrt.runtime.errors import ConfigError
 from commrt.transport.security import new_secret
 from tests.multirank.harness import ROOT, default_signals
-from tests.multirank.test_replica_ft import reference
+from tests.multirank.programs import replica_ft_job as job
 
 REPLICAS, STEPS, PAUSE_S, PORT = 3, 60, 0.1, 29400
 STORE_NODE = REPLICAS  # a node of its own: the store outlives any replica's node
@@ -70,10 +72,12 @@ class Nodes:
         ready, _, _ = select.select([p.stdout], [], [], 60)
         assert ready and p.stdout.readline().strip() == "READY", f"the store did not start\n{self.output()}"
 
-    def replica(self, r: int, *extra: str) -> subprocess.Popen:
-        out = str(self.dir / f"r{r}")
-        return self.spawn(r, ["-m", "tests.multirank.programs.replica_ft_job", str(r), str(REPLICAS), self.store,
-                              str(STEPS), out, "--pause", str(PAUSE_S), "--progress", *extra], f"replica{r}")
+    def node(self, r: int, shards: int, *extra: str) -> list[subprocess.Popen]:
+        """Replica ``r``'s ranks, on node ``r``."""
+        return [self.spawn(r, ["-m", "tests.multirank.programs.replica_ft_job", str(r), str(REPLICAS), self.store,
+                               str(STEPS), str(self.dir / f"r{r}s{s}"), "--pause", str(PAUSE_S), "--progress",
+                               "--shard", str(s), "--shards", str(shards), *extra], f"replica{r}s{s}")
+                for s in range(shards)]
 
     def link(self, node: int, state: str) -> None:
         subprocess.run(["ip", "-n", self.net.namespaces[node], "link", "set", "eth0", state], check=True, timeout=30)
@@ -113,39 +117,65 @@ def _cluster(nnodes: int):
 
 
 @pytest.mark.timeout(300)
-def test_a_node_dies_at_a_random_step_and_rejoins(tmp_path):
+@pytest.mark.parametrize("shards", [1, pytest.param(2, id="groups_of_2")])
+def test_a_node_dies_at_a_random_step_and_rejoins(tmp_path, shards):
     seed, victim, die_at = _pick()
-    print(f"\nCOMMRT_TEST_SEED={seed}: node {victim} dies at step {die_at} (link down, then SIGKILL)")
+    print(f"\nCOMMRT_TEST_SEED={seed}: node {victim} ({shards} rank(s)) dies at step {die_at} (link down, then SIGKILL)")
     survivors = [r for r in range(REPLICAS) if r != victim]
     with _cluster(REPLICAS + 1) as net:
         nodes = Nodes(net, tmp_path)
         try:
             nodes.start_store()
-            procs = [nodes.replica(r, *(["--freeze-at", str(die_at)] if r == victim else [])) for r in range(REPLICAS)]
-            _wait_file(nodes, tmp_path / f"r{victim}.frozen", f"node {victim} at step {die_at}")
-            nodes.link(victim, "down")  # first: the kernel's FIN/RST for the killed process must not get out
+            procs = [nodes.node(r, shards, *(["--freeze-at", str(die_at)] if r == victim else []))
+                     for r in range(REPLICAS)]
+            for s in range(shards):
+                _wait_file(nodes, tmp_path / f"r{victim}s{s}.frozen", f"node {victim}'s rank {s} at step {die_at}")
+            nodes.link(victim, "down")  # first: the kernel's FIN/RST for the killed processes must not get out
             t_kill = time.time()
-            procs[victim].kill()
-            assert procs[victim].wait(10) == -signal.SIGKILL
+            for p in procs[victim]:
+                p.kill()
+            assert [p.wait(10) for p in procs[victim]] == [-signal.SIGKILL] * shards
             # the survivors complete the step the node died in, then the node comes back
-            _wait_file(nodes, tmp_path / f"r{survivors[0]}.progress", f"step {die_at} on the survivors",
+            _wait_file(nodes, tmp_path / f"r{survivors[0]}s0.progress", f"step {die_at} on the survivors",
                        lambda text: any(int(line.split()[0]) >= die_at for line in text.splitlines()))
             nodes.link(victim, "up")
             t_restart = time.time()
-            procs[victim] = nodes.replica(victim)
+            procs[victim] = nodes.node(victim, shards)
             end = time.monotonic() + DEADLINE_S
-            for p in procs:
+            for p in (p for ranks in procs for p in ranks):
                 p.wait(timeout=max(end - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             raise AssertionError(f"a replica hung past {DEADLINE_S}s\n{nodes.output()}") from None
         finally:
             nodes.kill_all()
-    assert [p.returncode for p in procs] == [0] * REPLICAS, nodes.output()
-    _check(tmp_path, victim, survivors, die_at, t_kill, t_restart)
+    assert [p.returncode for ranks in procs for p in ranks] == [0] * (REPLICAS * shards), nodes.output()
+    _check(tmp_path, shards, victim, survivors, die_at, t_kill, t_restart)
 
 
-def _check(tmp_path, victim: int, survivors: list[int], die_at: int, t_kill: float, t_restart: float) -> None:
-    runs = {r: json.load(open(tmp_path / f"r{r}.json")) for r in range(REPLICAS)}
+def reference(history: list, shards: int) -> dict:
+    """One process: each step's gradient is the mean over the contributing replicas' ranks'
+    gradients on their data (rank s of replica r reads batch r * shards + s)."""
+    model = job.make_model()
+    opt = job.make_optimizer(model)
+    for step, contributors in history:
+        grads = []
+        for data in (r * shards + s for r in contributors for s in range(shards)):
+            model.zero_grad(set_to_none=True)
+            job.local_backward(model, data, step)
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(g[i] for g in grads) / len(grads)
+        opt.step()
+    return model.state_dict()
+
+
+def _check(tmp_path, shards: int, victim: int, survivors: list[int], die_at: int, t_kill: float,
+           t_restart: float) -> None:
+    ranks = [(r, s) for r in range(REPLICAS) for s in range(shards)]
+    every = {(r, s): json.load(open(tmp_path / f"r{r}s{s}.json")) for r, s in ranks}
+    for (r, s), run in every.items():
+        assert run["history"] == every[(r, 0)]["history"], f"replica {r}: its ranks applied different steps"
+    runs = {r: every[(r, 0)] for r in range(REPLICAS)}
     history = runs[survivors[0]]["history"]
     assert [s for s, _ in history] == list(range(STEPS)), "a step was lost or applied twice"
     assert runs[survivors[1]]["history"] == history
@@ -155,15 +185,15 @@ def _check(tmp_path, victim: int, survivors: list[int], die_at: int, t_kill: flo
     assert all(c == list(range(REPLICAS)) for s, c in history if s >= joined), "back to full size once joined"
     assert all(c == survivors for s, c in history if die_at <= s < joined)
     assert runs[victim]["history"] == [h for h in history if h[0] >= joined - 1]
-    ref = reference(history)
-    for r in range(REPLICAS):
-        got = torch.load(tmp_path / f"r{r}.pt")
+    ref = reference(history, shards)
+    for r, s in ranks:
+        got = torch.load(tmp_path / f"r{r}s{s}.pt")
         for k, v in ref.items():
-            torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}, {k}: {m}")
+            torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}.{s}, {k}: {m}")
     counts = runs[survivors[0]]["counts"]
     assert counts["drops"] == 1 and counts["rejoins"] == 1 and counts["members"] == list(range(REPLICAS)), counts
     recovered = runs[survivors[0]]["times"][str(die_at)][0] - t_kill
     full = runs[survivors[0]]["times"][str(joined)][0] - t_restart
-    print(f"kill -> next completed step {recovered:.2f}s (heartbeats over a downed link); restart -> full size "
+    print(f"{shards} rank(s) per node: kill -> next completed step {recovered:.2f}s (heartbeats over a downed link); restart -> full size "
           f"{full:.2f}s (the restarted process's start included; it joined at step {joined})")
     assert recovered < 15 and full < 30

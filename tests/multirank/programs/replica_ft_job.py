@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--off", action="store_true")
+    p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
+    p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -67,13 +69,17 @@ def main() -> None:
     opt = make_optimizer(model)
     if a.off:
         return _off(model, opt, a)
-    ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0)
+    if a.shards > 1:  # a replica group: the optimizer is made over this rank's flat slice
+        opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
+                   shard=a.shard, shards=a.shards)
+    data = a.replica * a.shards + a.shard  # the batch's index: every rank of a group reads its own
     started = time.time()
     step, times = ft.start(), {}
     joined_at = step
     while step < a.steps:
         t0 = time.perf_counter()
-        local_backward(model, a.replica, step)
+        local_backward(model, data, step)
         if step == a.die_at:
             with open(a.out + ".killed", "w") as fh:
                 fh.write(str(time.time()))

@@ -1,0 +1,101 @@
+"""Replica fault tolerance with replica *groups* (HYBRID_SHARD's layout, issue 33 item 2): a
+replica is a group of ``shards`` ranks (a node) that shard the gradient and the optimizer state
+among themselves; the unit that fails, is dropped and rejoins is the whole group.
+
+Per step, inside a group: the local gradients are reduce-scattered (summed) so that rank ``s``
+holds shard ``s`` of the group's gradient; across groups, ``ReplicaFT`` all-reduces that shard
+among rank ``s`` of every live group (one cross-replica world per shard index, re-formed per
+generation), votes, and only then divides by (contributing groups x shards), steps the shard's
+optimizer (a torch optimizer over one flat fp32 tensor: this rank's slice of the parameters)
+and all-gathers the updated slices inside the group into the model's parameters.
+
+The group's own world is opened once and never re-formed: a group that loses a rank cannot go on
+(its shard and optimizer state are gone), so an intra-group failure ends the rank with
+``GroupBroken`` and the group is started again as a whole, as a node is.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime import bootstrap
+from commrt.runtime.config import Config
+from commrt.runtime.errors import CommError
+from commrt.runtime.rendezvous import RendezvousSpec
+
+
+class GroupBroken(CommError):
+    """A rank of this replica group failed: the group must be restarted as a whole."""
+
+
+class ShardedGroup:
+    """The intra-group half: the group's world, the flat layout, and the shard optimizer."""
+
+    def __init__(self, model: torch.nn.Module, make_optimizer, replica: int, shard: int, shards: int):
+        self.replica, self.shard, self.shards = replica, shard, shards
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        total = sum(p.numel() for p in self.params)
+        self.size = -(-total // shards)  # each shard's length; the last is padded
+        self.lo = shard * self.size
+        self.flat = torch.zeros(self.size * shards)  # the parameters, flat (gathered after each step)
+        self.shard_param = torch.nn.Parameter(torch.zeros(self.size))
+        self.optimizer = make_optimizer([self.shard_param])
+        self.rt = None
+
+    def open(self, cfg: Config, host: str, port: int, store, incarnation: int) -> None:
+        """The group's world (rank = shard), namespaced by the group's incarnation (a restarted
+        group meets in a fresh one)."""
+        spec = RendezvousSpec(host, port, self.shard, self.shards)
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+        self.rt = bootstrap.init_world(cfg, spec, env, store=(store, None),
+                                       namespace=f"ft/grp{self.replica}/i{incarnation}/")
+
+    def check(self) -> None:
+        """Both halves alive (before registering for a generation): a barrier with the comm deadline."""
+        self._call("barrier", lambda b: b.barrier(False))
+
+    def reduce_scatter(self) -> torch.Tensor:
+        """Shard ``s`` of the sum of the group's gradients."""
+        local = torch.zeros(self.size * self.shards)
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params],
+                  out=local[:sum(p.numel() for p in self.params)])
+        out = torch.empty(self.size)
+        self._call("reduce_scatter", lambda b: b.reduce_scatter_tensor(out, local, ReduceOp.SUM, False))
+        return out
+
+    def apply(self, grad_shard: torch.Tensor, divisor: int) -> None:
+        """Step the shard with the average, gather every shard into the model's parameters."""
+        self.shard_param.grad = grad_shard.div_(divisor)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        self._call("all_gather", lambda b: b.all_gather_into_tensor(self.flat, self.shard_param.data, False))
+        self._scatter_to_model()
+
+    def load_from_model(self) -> None:
+        """After a state transfer: the model's parameters are current; take this rank's slice."""
+        torch.cat([p.data.reshape(-1) for p in self.params], out=self.flat[:sum(p.numel() for p in self.params)])
+        with torch.no_grad():
+            self.shard_param.copy_(self.flat[self.lo:self.lo + self.size])
+
+    def _scatter_to_model(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _call(self, op: str, fn) -> None:
+        try:
+            fn(self.rt.world.backend)
+        except CommError as exc:
+            raise GroupBroken(f"replica group {self.replica}, shard rank {self.shard}: {op} inside the group "
+                              f"failed ({exc}); the group cannot continue without it: restart it as a whole") from exc
+
+    def close(self) -> None:
+        if self.rt is not None:
+            bootstrap.shutdown(self.rt)
+            self.rt = None
