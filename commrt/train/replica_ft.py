@@ -13,7 +13,13 @@ their own. Each step, ``step()`` all-reduces a copy of the local gradients (they
 then votes through the store; only a committed step is applied. A failed or aborted step ends the
 generation: the live replicas register for the next one, a leader writes its plan (members,
 contributors of the step, who sends state), they open a new world, replicas without state
-receive it, and the step is averaged again among its contributors.
+receive it, and the step is averaged again among its contributors. On a healthy step the
+copy and the all-reduce run from the gradient hooks during backward, in buckets
+(``replica_overlap.py``); the vote, the store's decisions, is ``replica_vote.py``.
+
+A replica may be a group of ranks (``shards`` > 1, HYBRID_SHARD's layout): the group shards the
+gradient and the optimizer state inside itself and is dropped and rejoins as a whole
+(``replica_group.py``).
 
 The store must outlive the replicas: run it in the launcher (``serve_store``; ``commrt.train.
 replica_ft.serve``), not in a replica. If replica 0 serves it (``commrt.apps.train_lm`` without
@@ -36,16 +42,16 @@ from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import StoreClient, StoreServer, wait_for
-from commrt.runtime.store_core import OK
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train import replica_quorum as q
 from commrt.train import replica_state
+from commrt.train import replica_vote as rv
+from commrt.train.replica_vote import P
 from commrt.train.replica_group import GroupBroken, ShardedGroup
 from commrt.train.replica_overlap import Overlap
 from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
-P = "ft/"  # the store's keys for replica fault tolerance
 PHASES = ("copy", "all_reduce", "vote", "apply")
 
 
@@ -111,7 +117,8 @@ class ReplicaFT:
     def start(self) -> int:
         """Join the job: the first generation if it is forming, else the running job (as a
         replica without state). Returns the step to compute first."""
-        raw = self.store.mget([P + "cur"])[0] if self.group is None else self._group_cur()
+        raw = (self.store.mget([P + "cur"])[0] if self.group is None
+               else self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s))
         if raw is None:
             return self._armed(self._enter(0, q.Registration(self.replica, 0, False), end=None))
         cur = int(raw)
@@ -123,18 +130,6 @@ class ReplicaFT:
             self._overlap.arm(self.rt.world.backend)
         return step
 
-    def _group_cur(self) -> bytes | None:
-        """Open the group's world, then the generation the group's first rank saw running, so
-        that every rank of a (re)started group enters the same one."""
-        inc = (self.store.add(f"{P}grp{self.replica}/starts", 1) - 1) // self.shards  # a restarted group meets anew
-        self.group.open(self.cfg, self.host, self.port, self.store, inc)
-        key = f"{P}grp{self.replica}/i{inc}/cur"
-        if self.shard == 0:
-            raw = self.store.mget([P + "cur"])[0]
-            self.store.set(key, b"-" if raw is None else bytes(raw))
-        raw = bytes(wait_for(self.store, [key], self.join_timeout_s, f"replica group {self.replica}'s generation")[0])
-        return None if raw == b"-" else raw
-
     def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
         """Register for ``gen`` and run it until a step is applied (or, with nothing to redo,
         until the state is in place); a generation that fails leads to the next."""
@@ -145,9 +140,10 @@ class ReplicaFT:
             if self.shard == 0:  # a group registers (and leads) through its first rank
                 self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
                 if end is not None:
-                    self._end(end)  # a joiner: the running generation stops at its current step
+                    rv.end(self.store, end)  # a joiner: the running generation stops at its current step
                 if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
-                    self._lead(gen, previous, self.join_timeout_s if gen == 0 else self.vote_timeout_s)
+                    rv.lead(self.store, gen, self.replicas, previous,
+                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica)
             raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
                            f"replica {self.replica}: the plan of generation {gen}")[0]
             plan = q.Plan.unpack(msgpack.unpackb(raw))
@@ -171,24 +167,6 @@ class ReplicaFT:
                  self.replica, plan.gen, list(plan.members), plan.step, list(plan.contributors), plan.source,
                  list(plan.fresh))
 
-    def _lead(self, gen: int, previous: tuple[int, ...], within_s: float) -> None:
-        """Wait for the previous members (those not named lost) to register, then write the plan."""
-        keys = [f"{P}reg/{gen}/{r}" for r in range(self.replicas)]
-        deadline = time.monotonic() + within_s
-        while True:
-            regs = {r: q.Registration.unpack(msgpack.unpackb(v))
-                    for r, v in enumerate(self.store.mget(keys)) if v is not None}
-            missing = q.awaited(previous, regs)
-            if not missing or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        if missing:
-            log.warning("replica %d (leader): generation %d forms without %s (not registered within %gs)",
-                        self.replica, gen, sorted(missing), within_s)
-        plan = q.plan(gen, regs)
-        self.store.set(f"{P}mem/{gen}", msgpack.packb(plan.pack()))
-        self.store.set(P + "cur", str(gen).encode())
-
     def _run(self, plan: q.Plan, reg: q.Registration) -> tuple[int | None, q.Registration]:
         """Open the generation's world, hand state to replicas without it, redo the step of the
         contributors. (next step, None) on success; (None, registration for the next) if it failed."""
@@ -201,7 +179,7 @@ class ReplicaFT:
                 self._sync(plan)
         except CommError as exc:
             log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
-            self._end(plan.gen)
+            rv.end(self.store, plan.gen)
             return None, self._registration(plan, reg.grad, exc)
         self.applied = plan.step
         if not plan.contributors:
@@ -270,7 +248,10 @@ class ReplicaFT:
             except CommError as e:
                 exc = e
         t2 = time.perf_counter()
-        ok = self._vote(exc is None)
+        # every rank of every member group votes: all shards commit (or abort) the same steps
+        target = len(self.plan.members) * self.shards * (self.t + 1)
+        self.t += 1
+        ok = rv.vote(self.store, self.plan.gen, target, exc is None, self.vote_timeout_s, self.cfg.comm.timeout_s)
         t3 = time.perf_counter()
         spent["copy"] += t1 - t0
         spent["all_reduce"] += t2 - t1
@@ -296,7 +277,7 @@ class ReplicaFT:
         try:
             return fn(*args)
         except GroupBroken:
-            self._end(self.plan.gen)  # the other groups stop waiting for this one's votes
+            rv.end(self.store, self.plan.gen)  # the other groups stop waiting for this one's votes
             raise
 
     def _flat(self, mine: bool) -> torch.Tensor:
@@ -324,36 +305,6 @@ class ReplicaFT:
                 offset += n
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    # -- the vote -------------------------------------------------------------------------
-    def _vote(self, ok: bool) -> bool:
-        """Whether this step commits, as the store's vote counter decides (replica_quorum.py)."""
-        # every rank of every member group votes: all shards commit (or abort) the same steps
-        key, target = f"{P}v/{self.plan.gen}", len(self.plan.members) * self.shards * (self.t + 1)
-        self.t += 1
-        result = q.UNKNOWN
-        if ok:
-            value = self.store.add(key, 1)
-            result = q.outcome(value, target)
-            if result == q.UNKNOWN and value < q.BIG:  # not every vote is in yet
-                status, value = self.store.wait_count(key, target, None, self.vote_timeout_s)
-                result = q.outcome(value, target) if status == OK else self._end(self.plan.gen, target)
-        else:
-            result = self._end(self.plan.gen, target)
-        if result == q.UNKNOWN:
-            raw = wait_for(self.store, [f"{P}dec/{self.plan.gen}"], self.cfg.comm.timeout_s, "the vote's outcome")[0]
-            result = q.COMMIT if q.committed(int(raw), target) else q.ABORT
-        return result == q.COMMIT
-
-    def _end(self, gen: int, target: int = 0) -> str:
-        """Stop generation ``gen`` at its current step (add BIG); the first to do so records how
-        many votes came before it. Returns what that says of the step with ``target``."""
-        value = self.store.add(f"{P}v/{gen}", q.BIG)
-        k = q.first_big(value)
-        if k is None:
-            return q.UNKNOWN
-        self.store.set(f"{P}dec/{gen}", str(k).encode())
-        return q.COMMIT if target and q.committed(k, target) else q.ABORT
 
     # -- the end --------------------------------------------------------------------------
     def _close_world(self) -> None:

@@ -24,6 +24,8 @@ from commrt.runtime import bootstrap
 from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError
 from commrt.runtime.rendezvous import RendezvousSpec
+from commrt.runtime.store import wait_for
+from commrt.train.replica_vote import P
 
 
 class GroupBroken(CommError):
@@ -44,13 +46,21 @@ class ShardedGroup:
         self.optimizer = make_optimizer([self.shard_param])
         self.rt = None
 
-    def open(self, cfg: Config, host: str, port: int, store, incarnation: int) -> None:
-        """The group's world (rank = shard), namespaced by the group's incarnation (a restarted
-        group meets in a fresh one)."""
+    def join(self, cfg: Config, host: str, port: int, store, timeout_s: float) -> bytes | None:
+        """Open the group's world (rank = shard; every start of a rank counts, so a restarted
+        group meets in a fresh one), then return the generation its first rank saw running
+        (the store's ``cur``, None before the first): every rank of a (re)started group enters
+        the same one."""
+        inc = (store.add(f"{P}grp{self.replica}/starts", 1) - 1) // self.shards
         spec = RendezvousSpec(host, port, self.shard, self.shards)
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
-        self.rt = bootstrap.init_world(cfg, spec, env, store=(store, None),
-                                       namespace=f"ft/grp{self.replica}/i{incarnation}/")
+        self.rt = bootstrap.init_world(cfg, spec, env, store=(store, None), namespace=f"{P}grp{self.replica}/i{inc}/")
+        key = f"{P}grp{self.replica}/i{inc}/cur"
+        if self.shard == 0:
+            raw = store.mget([P + "cur"])[0]
+            store.set(key, b"-" if raw is None else bytes(raw))
+        raw = bytes(wait_for(store, [key], timeout_s, f"replica group {self.replica}'s generation")[0])
+        return None if raw == b"-" else raw
 
     def check(self) -> None:
         """Both halves alive (before registering for a generation): a barrier with the comm deadline."""
