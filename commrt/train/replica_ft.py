@@ -108,6 +108,7 @@ class ReplicaFT:
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
         self._shard: torch.Tensor | None = None  # a group's reduce-scattered gradient of the step to apply
         self._overlap = Overlap(self._params, timeout_s) if overlap and self.group is None else None
         global _active
@@ -135,6 +136,7 @@ class ReplicaFT:
         until the state is in place); a generation that fails leads to the next."""
         previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
         while True:
+            alive, self._alive = self._alive, None  # a hint about the generation that just ended only
             if self.group is not None:
                 self.group.check()  # a group that lost a rank must not register (GroupBroken)
             if self.shard == 0:  # a group registers (and leads) through its first rank
@@ -143,7 +145,7 @@ class ReplicaFT:
                     rv.end(self.store, end)  # a joiner: the running generation stops at its current step
                 if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
                     rv.lead(self.store, gen, self.replicas, previous,
-                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica)
+                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica, alive)
             raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
                            f"replica {self.replica}: the plan of generation {gen}")[0]
             plan = q.Plan.unpack(msgpack.unpackb(raw))
@@ -183,6 +185,10 @@ class ReplicaFT:
             return None, self._registration(plan, reg.grad, exc)
         self.applied = plan.step
         if not plan.contributors:
+            # a group's ranks must leave a generation alike (their next collectives are the
+            # group's): a vote tells every rank whether some rank failed to form it
+            if self.group is not None and not self._votes(True):
+                return None, self._registration(plan, reg.grad, None)
             return plan.step, reg
         self.counts.redone_steps += 1
         mine = self.replica in plan.contributors
@@ -248,10 +254,7 @@ class ReplicaFT:
             except CommError as e:
                 exc = e
         t2 = time.perf_counter()
-        # every rank of every member group votes: all shards commit (or abort) the same steps
-        target = len(self.plan.members) * self.shards * (self.t + 1)
-        self.t += 1
-        ok = rv.vote(self.store, self.plan.gen, target, exc is None, self.vote_timeout_s, self.cfg.comm.timeout_s)
+        ok = self._votes(exc is None)
         t3 = time.perf_counter()
         spent["copy"] += t1 - t0
         spent["all_reduce"] += t2 - t1
@@ -272,6 +275,17 @@ class ReplicaFT:
                  self.applied, list(contributors), self.plan.gen)
         self.applied += 1
         return self.applied, None
+
+    def _votes(self, ok: bool) -> bool:
+        """The generation's next vote; every rank of every member group votes, so all shards
+        commit (or abort) the same steps."""
+        per_step = len(self.plan.members) * self.shards
+        self.t += 1
+        ok, voted = rv.vote(self.store, self.plan.gen, per_step * self.t, per_step, ok, self.vote_timeout_s,
+                            self.cfg.comm.timeout_s)
+        # groups that voted, at least (a group's ranks may not all have): the leader waits for them only
+        self._alive = None if voted is None else -(-voted // self.shards)
+        return ok
 
     def _group_op(self, fn, *args):
         try:
