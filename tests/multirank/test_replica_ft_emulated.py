@@ -51,6 +51,7 @@ class Nodes:
 
     def __init__(self, net, tmp_path):
         self.net, self.dir, self.procs, self.logs = net, tmp_path, [], []
+        self.killed: set[int] = set()  # pids this test SIGKILLed on purpose
         self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "COMMRT_COMM_BACKEND": "zmq", "COMMRT_JOB_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
         self.store = f"{emulate.node_address(STORE_NODE)}:{PORT}"
@@ -98,7 +99,7 @@ def _wait_file(nodes: Nodes, path, what: str, check=lambda text: True, timeout_s
     while time.monotonic() < end:
         if path.exists() and check(path.read_text()):
             return path.read_text()
-        if any(p.poll() not in (None, 0) for p in nodes.procs):
+        if any(p.poll() not in (None, 0) and p.pid not in nodes.killed for p in nodes.procs):
             break
         time.sleep(0.05)
     raise AssertionError(f"no {what} within {timeout_s}s\n{nodes.output()}")
@@ -133,6 +134,7 @@ def test_a_node_dies_at_a_random_step_and_rejoins(tmp_path, shards):
             nodes.link(victim, "down")  # first: the kernel's FIN/RST for the killed processes must not get out
             t_kill = time.time()
             for p in procs[victim]:
+                nodes.killed.add(p.pid)
                 p.kill()
             assert [p.wait(10) for p in procs[victim]] == [-signal.SIGKILL] * shards
             # the survivors complete the step the node died in, then the node comes back

@@ -2,7 +2,7 @@
 (tests/multirank/programs/replica_ft_job.py), replica mode vs --off (DataParallel), 3 ranks on
 loopback, ROUNDS alternating rounds (off, on, off, on, ...; off first and last), one run each.
 
-    PYTHONPATH=. python tests/perf/replica_ft_overhead.py STEPS WIDTH [ROUNDS]
+    PYTHONPATH=. python tests/perf/replica_ft_overhead.py STEPS WIDTH [ROUNDS] [--no-overlap]
 
 Prints each run's median step time (the slowest rank's median, the first fifth of the steps
 dropped as warm-up), the ratio of the replica runs' median to the off runs' median, and where
@@ -21,7 +21,8 @@ from commrt.runtime.config import load_config  # noqa: E402
 from commrt.train.replica_ft import PHASES, serve  # noqa: E402
 
 steps, width = int(sys.argv[1]), sys.argv[2]
-rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3].isdigit() else 3
+replica_args = ["--no-overlap"] if "--no-overlap" in sys.argv else []
 env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
 
@@ -36,7 +37,7 @@ def run(off: bool) -> tuple[float, dict]:
     srv = None if off else serve(load_config(), "127.0.0.1", p)
     ps = [subprocess.Popen([sys.executable, "-m", "tests.multirank.programs.replica_ft_job", str(r), "3",
                             f"127.0.0.1:{p}", str(steps), f"/tmp/replica_ft_ov{os.getpid()}_{r}", "--width", width]
-                           + (["--off"] if off else []), env=env, stderr=subprocess.DEVNULL) for r in range(3)]
+                           + (["--off"] if off else replica_args), env=env, stderr=subprocess.DEVNULL) for r in range(3)]
     for q in ps:
         q.wait(timeout=600)
     if srv:

@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--off", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="ReplicaFT(overlap=False): all-reduce after backward")
     p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
     p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
@@ -72,7 +73,7 @@ def main() -> None:
     if a.shards > 1:  # a replica group: the optimizer is made over this rank's flat slice
         opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
-                   shard=a.shard, shards=a.shards)
+                   shard=a.shard, shards=a.shards, overlap=not a.no_overlap)
     data = a.replica * a.shards + a.shard  # the batch's index: every rank of a group reads its own
     started = time.time()
     step, times = ft.start(), {}
