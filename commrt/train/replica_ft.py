@@ -48,7 +48,7 @@ from commrt.train import replica_state
 from commrt.train import replica_vote as rv
 from commrt.train.replica_vote import P
 from commrt.train.replica_group import GroupBroken, ShardedGroup
-from commrt.train.replica_overlap import Overlap
+from commrt.train.replica_overlap import Replicated
 from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class ReplicaFT:
         self.shard, self.shards = shard, shards
         self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
         self.optimizer = self.group.optimizer if self.group is not None else optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.grads = self.group or Replicated(params, optimizer, overlap, timeout_s)
         base = cfg or load_config()
         self.cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, timeout_s=timeout_s))
         self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
@@ -107,10 +109,7 @@ class ReplicaFT:
         self.applied = -1
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
-        self._params = [p for p in model.parameters() if p.requires_grad]
         self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
-        self._shard: torch.Tensor | None = None  # a group's reduce-scattered gradient of the step to apply
-        self._overlap = Overlap(self._params, timeout_s) if overlap and self.group is None else None
         global _active
         _active = self
 
@@ -127,8 +126,7 @@ class ReplicaFT:
 
     def _armed(self, step: int) -> int:
         """The next backward's buckets all-reduce in this generation's world as they fill."""
-        if self._overlap is not None:
-            self._overlap.arm(self.rt.world.backend)
+        self.grads.arm(self.rt.world.backend)
         return step
 
     def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
@@ -228,9 +226,7 @@ class ReplicaFT:
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
-        if self.group is not None:  # once per step: a redo reuses it, so a group's ranks run the
-            # same intra-group collectives whatever their cross-replica worlds did (replica_group.py)
-            self._shard = self._group_op(self.group.reduce_scatter)
+        self._group_op(self.grads.prepare)
         nxt, reg = self._average(self.plan.members, True, overlapped=True)
         if nxt is None:
             nxt = self._enter(self.plan.gen + 1, reg, end=None)
@@ -240,13 +236,10 @@ class ReplicaFT:
                  overlapped: bool = False) -> tuple[int | None, q.Registration | None]:
         """``overlapped``: the step's backward may have all-reduced its buckets already."""
         spent, t0 = self.counts.time_s, time.perf_counter()
-        if overlapped and self._overlap is not None and self._overlap.started:
-            flat, t1 = self._overlap.flat, t0
-            exc = self._overlap.finish()
+        if overlapped and self.grads.overlapped():
+            (flat, exc), t1 = self.grads.finish(), t0
         else:
-            if self._overlap is not None:
-                self._overlap.disarm()
-            flat = self._flat(mine)
+            flat = self.grads.flat(mine)
             t1 = time.perf_counter()
             try:
                 self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
@@ -264,11 +257,7 @@ class ReplicaFT:
                 log.warning("replica %d: step %d failed in generation %d: %s", self.replica, self.applied,
                             self.plan.gen, exc)
             return None, self._registration(self.plan, mine, exc)
-        if self.group is not None:
-            self._shard = None
-            self._group_op(self.group.apply, flat, len(contributors) * self.shards)
-        else:
-            self._apply(flat, len(contributors))
+        self._group_op(self.grads.apply, flat, len(contributors) * self.shards)
         spent["apply"] += time.perf_counter() - t3
         self.history.append((self.applied, tuple(contributors)))
         log.info("replica %d: step %d applied, averaged over replicas %s (generation %d)", self.replica,
@@ -293,32 +282,6 @@ class ReplicaFT:
         except GroupBroken:
             rv.end(self.store, self.plan.gen)  # the other groups stop waiting for this one's votes
             raise
-
-    def _flat(self, mine: bool) -> torch.Tensor:
-        """A copy of this replica's gradients (zeros if it has none for this step): the
-        all-reduce works on the copy, so ``p.grad`` (a group: the reduce-scattered shard) keeps
-        them for a redo."""
-        if self.group is not None:
-            return self._shard.clone() if mine else torch.zeros(self.group.size)
-        if self._overlap is not None:
-            return self._overlap.fill(mine)
-        if not mine:
-            return torch.zeros(sum(p.numel() for p in self._params))
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
-
-    def _apply(self, flat: torch.Tensor, count: int) -> None:
-        flat.div_(count)
-        if self._overlap is not None:  # the buffer's order is the buckets'
-            for p, view in self._overlap.views():
-                p.grad = view
-        else:
-            offset = 0
-            for p in self._params:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p)
-                offset += n
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     # -- the end --------------------------------------------------------------------------
     def _close_world(self) -> None:

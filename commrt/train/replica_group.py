@@ -45,6 +45,7 @@ class ShardedGroup:
         self.shard_param = torch.nn.Parameter(torch.zeros(self.size))
         self.optimizer = make_optimizer([self.shard_param])
         self.rt = None
+        self._shard: torch.Tensor | None = None  # the step's reduce-scattered gradient, until applied
 
     def join(self, cfg: Config, host: str, port: int, store, timeout_s: float) -> bytes | None:
         """Open the group's world (rank = shard; every start of a rank counts, so a restarted
@@ -66,6 +67,22 @@ class ShardedGroup:
         """Both halves alive (before registering for a generation): a barrier with the comm deadline."""
         self._call("barrier", lambda b: b.barrier(False))
 
+    # -- ReplicaFT's gradient interface (as replica_overlap.Replicated) --------------------
+    def prepare(self) -> None:
+        """Once per step, after backward: a redo reuses it, so the group's ranks run the same
+        intra-group collectives whatever their cross-replica worlds did."""
+        self._shard = self.reduce_scatter()
+
+    def arm(self, backend) -> None:
+        pass
+
+    def overlapped(self) -> bool:
+        return False
+
+    def flat(self, mine: bool) -> torch.Tensor:
+        """A copy of the step's shard (zeros for a group without a gradient of the step)."""
+        return self._shard.clone() if mine else torch.zeros(self.size)
+
     def reduce_scatter(self) -> torch.Tensor:
         """Shard ``s`` of the sum of the group's gradients."""
         local = torch.zeros(self.size * self.shards)
@@ -77,6 +94,7 @@ class ShardedGroup:
 
     def apply(self, grad_shard: torch.Tensor, divisor: int) -> None:
         """Step the shard with the average, gather every shard into the model's parameters."""
+        self._shard = None
         self.shard_param.grad = grad_shard.div_(divisor)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

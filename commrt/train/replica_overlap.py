@@ -1,5 +1,5 @@
-"""Replica fault tolerance, the healthy step's all-reduce overlapped with backward (issue 33
-item 5, the <= 3% overhead): as DataParallel does, gradients go into buckets (reverse
+"""Replica fault tolerance, a replica that is one rank (data parallel): its gradients, and the
+healthy step's all-reduce overlapped with backward (issue 33 item 5, the <= 3% overhead): as DataParallel does, gradients go into buckets (reverse
 registration order, the first one small) from the gradient hooks, and each bucket's all-reduce
 starts as soon as it is full. Unlike DataParallel, the buckets are *copies*: ``p.grad`` keeps
 this replica's own gradient until the step commits, so a step that fails is redone from it.
@@ -105,3 +105,50 @@ class Overlap:
 
     def views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         return [(p, self.flat[self.offset[id(p)]:self.offset[id(p)] + p.numel()].view_as(p)) for p in self.params]
+
+
+class Replicated:
+    """The gradients of a replica that is one rank, behind the interface ``ReplicaFT`` also uses
+    for a group (replica_group.ShardedGroup): ``prepare`` after backward, ``overlapped`` /
+    ``finish`` when the buckets went out during backward, else ``flat`` (a copy to all-reduce),
+    then ``apply`` with the sum and the divisor."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer, overlap: bool, timeout_s: float):
+        self.params, self.optimizer = params, optimizer
+        self.overlap = Overlap(params, timeout_s) if overlap else None
+
+    def prepare(self) -> None:
+        pass
+
+    def arm(self, backend) -> None:
+        if self.overlap is not None:
+            self.overlap.arm(backend)
+
+    def overlapped(self) -> bool:
+        return self.overlap is not None and self.overlap.started
+
+    def finish(self) -> tuple[torch.Tensor, CommError | None]:
+        return self.overlap.flat, self.overlap.finish()
+
+    def flat(self, mine: bool) -> torch.Tensor:
+        """A copy of this replica's gradients (zeros if it has none for this step): the
+        all-reduce works on the copy, so ``p.grad`` keeps them for a redo."""
+        if self.overlap is not None:
+            self.overlap.disarm()
+            return self.overlap.fill(mine)
+        if not mine:
+            return torch.zeros(sum(p.numel() for p in self.params))
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def apply(self, flat: torch.Tensor, divisor: int) -> None:
+        flat.div_(divisor)
+        if self.overlap is not None:  # the buffer's order is the buckets'
+            for p, view in self.overlap.views():
+                p.grad = view
+        else:
+            offset = 0
+            for p in self.params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
