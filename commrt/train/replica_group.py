@@ -41,7 +41,7 @@ class ShardedGroup:
         total = sum(p.numel() for p in self.params)
         self.size = -(-total // shards)  # each shard's length; the last is padded
         self.lo = shard * self.size
-        self.flat = torch.zeros(self.size * shards)  # the parameters, flat (gathered after each step)
+        self.values = torch.zeros(self.size * shards)  # the parameters, flat (gathered after each step)
         self.shard_param = torch.nn.Parameter(torch.zeros(self.size))
         self.optimizer = make_optimizer([self.shard_param])
         self.rt = None
@@ -100,20 +100,20 @@ class ShardedGroup:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
-        self._call("all_gather", lambda b: b.all_gather_into_tensor(self.flat, self.shard_param.data, False))
+        self._call("all_gather", lambda b: b.all_gather_into_tensor(self.values, self.shard_param.data, False))
         self._scatter_to_model()
 
     def load_from_model(self) -> None:
         """After a state transfer: the model's parameters are current; take this rank's slice."""
-        torch.cat([p.data.reshape(-1) for p in self.params], out=self.flat[:sum(p.numel() for p in self.params)])
+        torch.cat([p.data.reshape(-1) for p in self.params], out=self.values[:sum(p.numel() for p in self.params)])
         with torch.no_grad():
-            self.shard_param.copy_(self.flat[self.lo:self.lo + self.size])
+            self.shard_param.copy_(self.values[self.lo:self.lo + self.size])
 
     def _scatter_to_model(self) -> None:
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                p.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+                p.copy_(self.values[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     def _call(self, op: str, fn) -> None:

@@ -118,7 +118,7 @@ def _cluster(nnodes: int):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shards", [1, pytest.param(2, id="groups_of_2")])
+@pytest.mark.parametrize("shards", [1, pytest.param(2, id="groups_of_2", marks=pytest.mark.slow)])  # 48 s here
 def test_a_node_dies_at_a_random_step_and_rejoins(tmp_path, shards):
     seed, victim, die_at = _pick()
     print(f"\nCOMMRT_TEST_SEED={seed}: node {victim} ({shards} rank(s)) dies at step {die_at} (link down, then SIGKILL)")
