@@ -1,12 +1,13 @@
 """Replica fault tolerance, a replica that is one rank (data parallel): its gradients, and the
-healthy step's all-reduce overlapped with backward (issue 33 item 5, the <= 3% overhead): as DataParallel does, gradients go into buckets (reverse
-registration order, the first one small) from the gradient hooks, and each bucket's all-reduce
-starts as soon as it is full. Unlike DataParallel, the buckets are *copies*: ``p.grad`` keeps
-this replica's own gradient until the step commits, so a step that fails is redone from it.
+healthy step's all-reduce overlapped with backward (issue 33 item 5, the <= 3% overhead): as
+DataParallel does, gradients go into buckets (reverse registration order, the first one small)
+from the gradient hooks, and each bucket's all-reduce starts as soon as it is full. Unlike
+DataParallel, the buckets are *copies*: ``p.grad`` keeps this replica's own gradient until the
+step commits, so a step that fails is redone from it.
 
 All buckets are slices of one flat buffer kept across steps (a fresh one per step page-faulted
-its whole size every time), in the same order as ``ReplicaFT._flat``'s fallback, so ``_apply``
-reads either alike. A failure in a hook is not raised there (backward would be left half done):
+its whole size every time); the plain path (``Replicated.flat``) fills the same buffer in the
+same order, so ``apply`` reads either alike. A failure in a hook is not raised there (backward would be left half done):
 it is kept and reported by ``finish``. ``ReplicaFT`` arms the buckets only when the next
 backward belongs to a healthy generation; a redo, or a step whose backward ran before the
 generation was armed, takes the plain path (copy, then one all-reduce).

@@ -196,6 +196,7 @@ def _check(tmp_path, shards: int, victim: int, survivors: list[int], die_at: int
     assert counts["drops"] == 1 and counts["rejoins"] == 1 and counts["members"] == list(range(REPLICAS)), counts
     recovered = runs[survivors[0]]["times"][str(die_at)][0] - t_kill
     full = runs[survivors[0]]["times"][str(joined)][0] - t_restart
-    print(f"{shards} rank(s) per node: kill -> next completed step {recovered:.2f}s (heartbeats over a downed link); restart -> full size "
+    print(f"{shards} rank(s) per node: kill -> next completed step {recovered:.2f}s (a downed link: heartbeats, "
+          f"or the vote timeout); restart -> full size "
           f"{full:.2f}s (the restarted process's start included; it joined at step {joined})")
     assert recovered < 15 and full < 30

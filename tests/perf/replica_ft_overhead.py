@@ -63,5 +63,6 @@ for i in range(2 * rounds + 1):
         spent = {k: spent[k] + v / rounds for k, v in phases.items()}
 print("off     ms:", " ".join(f"{t * 1e3:.2f}" for t in offs))
 print("replica ms:", " ".join(f"{t * 1e3:.2f}" for t in ons))
-print(f"ratio (median replica / median off): {statistics.median(ons) / statistics.median(offs):.3f}")
+print(f"ratio (median replica / median off): {statistics.median(ons) / statistics.median(offs):.3f}; "
+      f"least disturbed runs (min / min): {min(ons) / min(offs):.3f}")
 print("replica step, mean per step (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in spent.items()))
