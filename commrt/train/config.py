@@ -196,8 +196,10 @@ def _check_fault_tolerance(c: "TrainConfig") -> None:
     if ft != "replica":
         return
     if c.zero.hybrid or c.zero.zero_hpz_partition_size != 1:
-        raise ConfigError("fault_tolerance = 'replica' does not support HYBRID_SHARD, MiCS or hpZ yet (a replica "
-                          "group spanning several ranks); use stage 0 (data parallel), where a replica is a rank")
+        raise ConfigError("fault_tolerance = 'replica' does not support HYBRID_SHARD, MiCS or hpZ yet in the ZeRO "
+                          "engine (its replica groups are fixed at init); use stage 0 (data parallel), where a "
+                          "replica is a rank, or ReplicaFT(..., shard=, shards=) directly: replica groups that "
+                          "shard gradients and optimizer state inside a node (commrt/train/replica_group.py)")
     if c.zero.stage != 0:
         raise ConfigError(f"fault_tolerance = 'replica' needs zero_optimization.stage 0 (every replica holds the "
                           f"whole training state); stage {c.zero.stage} shards it across the ranks, so a dead "

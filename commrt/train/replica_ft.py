@@ -13,7 +13,13 @@ their own. Each step, ``step()`` all-reduces a copy of the local gradients (they
 then votes through the store; only a committed step is applied. A failed or aborted step ends the
 generation: the live replicas register for the next one, a leader writes its plan (members,
 contributors of the step, who sends state), they open a new world, replicas without state
-receive it, and the step is averaged again among its contributors.
+receive it, and the step is averaged again among its contributors. On a healthy step the
+copy and the all-reduce run from the gradient hooks during backward, in buckets
+(``replica_overlap.py``); the vote, the store's decisions, is ``replica_vote.py``.
+
+A replica may be a group of ranks (``shards`` > 1, HYBRID_SHARD's layout): the group shards the
+gradient and the optimizer state inside itself and is dropped and rejoins as a whole
+(``replica_group.py``).
 
 The store must outlive the replicas: run it in the launcher (``serve_store``; ``commrt.train.
 replica_ft.serve``), not in a replica. If replica 0 serves it (``commrt.apps.train_lm`` without
@@ -36,14 +42,17 @@ from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import StoreClient, StoreServer, wait_for
-from commrt.runtime.store_core import OK
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train import replica_quorum as q
 from commrt.train import replica_state
+from commrt.train import replica_vote as rv
+from commrt.train.replica_vote import P
+from commrt.train.replica_group import GroupBroken, ShardedGroup
+from commrt.train.replica_overlap import Replicated
 from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
-P = "ft/"  # the store's keys for replica fault tolerance
+PHASES = ("copy", "all_reduce", "vote", "apply")
 
 
 def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
@@ -61,6 +70,8 @@ class Counts:
     redone_steps: int = 0
     """Steps whose average was computed again after a failure (none was lost)."""
     generations: int = 0
+    time_s: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    """Seconds spent per phase of ``step()`` (the overhead's breakdown, tests/perf/replica_ft_overhead.py)."""
 
 
 class ReplicaFT:
@@ -68,10 +79,22 @@ class ReplicaFT:
     next (a replica that was left out and came back may skip ahead). ``history`` holds, per
     applied step, the replicas whose gradients it averaged."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replica: int, replicas: int,
+    def __init__(self, model: torch.nn.Module, optimizer, replica: int, replicas: int,
                  store: str, cfg: Config | None = None, timeout_s: float = 30.0, vote_timeout_s: float = 5.0,
-                 join_timeout_s: float = 60.0, serve_store: bool = False):
-        self.model, self.optimizer, self.replica, self.replicas = model, optimizer, replica, replicas
+                 join_timeout_s: float = 60.0, serve_store: bool = False, shard: int = 0, shards: int = 1,
+                 overlap: bool = True):
+        """``shards`` > 1: ``replica`` is a group of that many ranks (``shard`` is this rank's
+        index in it) sharding gradients and optimizer state (replica_group.py); ``optimizer`` is
+        then a callable that makes the optimizer from a list of parameters (this rank's flat slice).
+        ``overlap`` (data parallel): all-reduce buckets from the gradient hooks during backward
+        (replica_overlap.py); then each step must run exactly one backward (False to accumulate
+        gradients over several)."""
+        self.model, self.replica, self.replicas = model, replica, replicas
+        self.shard, self.shards = shard, shards
+        self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
+        self.optimizer = self.group.optimizer if self.group is not None else optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.grads = self.group or Replicated(params, optimizer, overlap, timeout_s)
         base = cfg or load_config()
         self.cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, timeout_s=timeout_s))
         self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
@@ -86,7 +109,7 @@ class ReplicaFT:
         self.applied = -1
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
         global _active
         _active = self
 
@@ -94,22 +117,33 @@ class ReplicaFT:
     def start(self) -> int:
         """Join the job: the first generation if it is forming, else the running job (as a
         replica without state). Returns the step to compute first."""
-        raw = self.store.mget([P + "cur"])[0]
+        raw = (self.store.mget([P + "cur"])[0] if self.group is None
+               else self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s))
         if raw is None:
-            return self._enter(0, q.Registration(self.replica, 0, False), end=None)
+            return self._armed(self._enter(0, q.Registration(self.replica, 0, False), end=None))
         cur = int(raw)
-        return self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur)
+        return self._armed(self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur))
+
+    def _armed(self, step: int) -> int:
+        """The next backward's buckets all-reduce in this generation's world as they fill."""
+        self.grads.arm(self.rt.world.backend)
+        return step
 
     def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
         """Register for ``gen`` and run it until a step is applied (or, with nothing to redo,
         until the state is in place); a generation that fails leads to the next."""
         previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
         while True:
-            self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
-            if end is not None:
-                self._end(end)  # a joiner: the running generation stops at its current step
-            if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
-                self._lead(gen, previous, self.join_timeout_s if gen == 0 else self.vote_timeout_s)
+            alive, self._alive = self._alive, None  # a hint about the generation that just ended only
+            if self.group is not None:
+                self.group.check()  # a group that lost a rank must not register (GroupBroken)
+            if self.shard == 0:  # a group registers (and leads) through its first rank
+                self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
+                if end is not None:
+                    rv.end(self.store, end)  # a joiner: the running generation stops at its current step
+                if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
+                    rv.lead(self.store, gen, self.replicas, previous,
+                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica, alive)
             raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
                            f"replica {self.replica}: the plan of generation {gen}")[0]
             plan = q.Plan.unpack(msgpack.unpackb(raw))
@@ -133,24 +167,6 @@ class ReplicaFT:
                  self.replica, plan.gen, list(plan.members), plan.step, list(plan.contributors), plan.source,
                  list(plan.fresh))
 
-    def _lead(self, gen: int, previous: tuple[int, ...], within_s: float) -> None:
-        """Wait for the previous members (those not named lost) to register, then write the plan."""
-        keys = [f"{P}reg/{gen}/{r}" for r in range(self.replicas)]
-        deadline = time.monotonic() + within_s
-        while True:
-            regs = {r: q.Registration.unpack(msgpack.unpackb(v))
-                    for r, v in enumerate(self.store.mget(keys)) if v is not None}
-            missing = q.awaited(previous, regs)
-            if not missing or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        if missing:
-            log.warning("replica %d (leader): generation %d forms without %s (not registered within %gs)",
-                        self.replica, gen, sorted(missing), within_s)
-        plan = q.plan(gen, regs)
-        self.store.set(f"{P}mem/{gen}", msgpack.packb(plan.pack()))
-        self.store.set(P + "cur", str(gen).encode())
-
     def _run(self, plan: q.Plan, reg: q.Registration) -> tuple[int | None, q.Registration]:
         """Open the generation's world, hand state to replicas without it, redo the step of the
         contributors. (next step, None) on success; (None, registration for the next) if it failed."""
@@ -163,10 +179,14 @@ class ReplicaFT:
                 self._sync(plan)
         except CommError as exc:
             log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
-            self._end(plan.gen)
+            rv.end(self.store, plan.gen)
             return None, self._registration(plan, reg.grad, exc)
         self.applied = plan.step
         if not plan.contributors:
+            # a group's ranks must leave a generation alike (their next collectives are the
+            # group's): a vote tells every rank whether some rank failed to form it
+            if self.group is not None and not self._votes(True):
+                return None, self._registration(plan, reg.grad, None)
             return plan.step, reg
         self.counts.redone_steps += 1
         mine = self.replica in plan.contributors
@@ -181,12 +201,13 @@ class ReplicaFT:
     def _open(self, plan: q.Plan, me: int) -> None:
         spec = RendezvousSpec(self.host, self.port, me, len(plan.members))
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
-        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=f"{P}g{plan.gen}/")
+        where = f"{P}g{plan.gen}/" + (f"s{self.shard}/" if self.group is not None else "")  # a world per shard index
+        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=where)
         world.install(self.rt)
 
     def _sync(self, plan: q.Plan) -> None:
         """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
-        key = f"{P}state/{plan.gen}"
+        key = f"{P}state/{plan.gen}/{self.shard}"
         if self.replica == plan.source:
             desc = replica_state.describe(self.optimizer)
             self.store.set(key, replica_state.pack(desc))
@@ -198,80 +219,69 @@ class ReplicaFT:
                 self.rt.world.backend.broadcast(t, src, False)
         if self.replica != plan.source:
             replica_state.load(self.optimizer, desc, state)
+        if self.group is not None:
+            self.group.load_from_model()
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
-        nxt, reg = self._average(self.plan.members, True)
-        if nxt is not None:
-            return nxt
-        return self._enter(self.plan.gen + 1, reg, end=None)
+        self._group_op(self.grads.prepare)
+        nxt, reg = self._average(self.plan.members, True, overlapped=True)
+        if nxt is None:
+            nxt = self._enter(self.plan.gen + 1, reg, end=None)
+        return self._armed(nxt)
 
-    def _average(self, contributors: tuple[int, ...], mine: bool) -> tuple[int | None, q.Registration | None]:
-        flat = self._flat(mine)
-        try:
-            self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
-            exc = None
-        except CommError as e:
-            exc = e
-        if not self._vote(exc is None):
+    def _average(self, contributors: tuple[int, ...], mine: bool,
+                 overlapped: bool = False) -> tuple[int | None, q.Registration | None]:
+        """``overlapped``: the step's backward may have all-reduced its buckets already."""
+        spent, t0 = self.counts.time_s, time.perf_counter()
+        if overlapped and self.grads.overlapped():
+            (flat, exc), t1 = self.grads.finish(), t0
+        else:
+            flat = self.grads.flat(mine)
+            t1 = time.perf_counter()
+            try:
+                self.rt.world.backend.all_reduce(flat, ReduceOp.SUM, False)
+                exc = None
+            except CommError as e:
+                exc = e
+        t2 = time.perf_counter()
+        ok = self._votes(exc is None)
+        t3 = time.perf_counter()
+        spent["copy"] += t1 - t0
+        spent["all_reduce"] += t2 - t1
+        spent["vote"] += t3 - t2
+        if not ok:
             if exc is not None:
                 log.warning("replica %d: step %d failed in generation %d: %s", self.replica, self.applied,
                             self.plan.gen, exc)
             return None, self._registration(self.plan, mine, exc)
-        self._apply(flat, len(contributors))
+        self._group_op(self.grads.apply, flat, len(contributors) * self.shards)
+        spent["apply"] += time.perf_counter() - t3
         self.history.append((self.applied, tuple(contributors)))
         log.info("replica %d: step %d applied, averaged over replicas %s (generation %d)", self.replica,
                  self.applied, list(contributors), self.plan.gen)
         self.applied += 1
         return self.applied, None
 
-    def _flat(self, mine: bool) -> torch.Tensor:
-        """A copy of this replica's gradients (zeros if it has none for this step): the
-        all-reduce works on the copy, so ``p.grad`` keeps them for a redo."""
-        if not mine:
-            return torch.zeros(sum(p.numel() for p in self._params))
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
-
-    def _apply(self, flat: torch.Tensor, count: int) -> None:
-        flat.div_(count)
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
-            offset += n
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    # -- the vote -------------------------------------------------------------------------
-    def _vote(self, ok: bool) -> bool:
-        """Whether this step commits, as the store's vote counter decides (replica_quorum.py)."""
-        key, target = f"{P}v/{self.plan.gen}", len(self.plan.members) * (self.t + 1)
+    def _votes(self, ok: bool) -> bool:
+        """The generation's next vote; every rank of every member group votes, so all shards
+        commit (or abort) the same steps."""
+        per_step = len(self.plan.members) * self.shards
         self.t += 1
-        result = q.UNKNOWN
-        if ok:
-            value = self.store.add(key, 1)
-            result = q.outcome(value, target)
-            if result == q.UNKNOWN and value < q.BIG:  # not every vote is in yet
-                status, value = self.store.wait_count(key, target, None, self.vote_timeout_s)
-                result = q.outcome(value, target) if status == OK else self._end(self.plan.gen, target)
-        else:
-            result = self._end(self.plan.gen, target)
-        if result == q.UNKNOWN:
-            raw = wait_for(self.store, [f"{P}dec/{self.plan.gen}"], self.cfg.comm.timeout_s, "the vote's outcome")[0]
-            result = q.COMMIT if q.committed(int(raw), target) else q.ABORT
-        return result == q.COMMIT
+        ok, voted = rv.vote(self.store, self.plan.gen, per_step * self.t, per_step, ok, self.vote_timeout_s,
+                            self.cfg.comm.timeout_s)
+        # groups that voted, at least (a group's ranks may not all have): the leader waits for them only
+        self._alive = None if voted is None else -(-voted // self.shards)
+        return ok
 
-    def _end(self, gen: int, target: int = 0) -> str:
-        """Stop generation ``gen`` at its current step (add BIG); the first to do so records how
-        many votes came before it. Returns what that says of the step with ``target``."""
-        value = self.store.add(f"{P}v/{gen}", q.BIG)
-        k = q.first_big(value)
-        if k is None:
-            return q.UNKNOWN
-        self.store.set(f"{P}dec/{gen}", str(k).encode())
-        return q.COMMIT if target and q.committed(k, target) else q.ABORT
+    def _group_op(self, fn, *args):
+        try:
+            return fn(*args)
+        except GroupBroken:
+            rv.end(self.store, self.plan.gen)  # the other groups stop waiting for this one's votes
+            raise
 
     # -- the end --------------------------------------------------------------------------
     def _close_world(self) -> None:
@@ -284,9 +294,11 @@ class ReplicaFT:
         """Leave: close this generation's world; a replica that serves the store waits (briefly)
         until the others have left, so none sees its store vanish mid-vote."""
         global _active
-        members = len(self.plan.members) if self.plan is not None else 1
+        members = len(self.plan.members) * self.shards if self.plan is not None else 1
         gen = self.plan.gen if self.plan is not None else 0
         self._close_world()
+        if self.group is not None:
+            self.group.close()
         try:
             self.store.add(f"{P}left/{gen}", 1)
             if self._server is not None:

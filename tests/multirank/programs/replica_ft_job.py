@@ -1,12 +1,14 @@
 """One replica of a fault-tolerant data-parallel job (tests/multirank/test_replica_ft.py).
 
     python -m tests.multirank.programs.replica_ft_job REPLICA REPLICAS HOST:PORT STEPS OUT
-        [--die-at STEP] [--pause S] [--off]
+        [--die-at STEP] [--freeze-at STEP] [--pause S] [--off]
 
 Trains a small MLP with AdamW on data that depends only on (replica, step); writes OUT.json
 (history: per applied step the replicas averaged; counts; per-step times) and OUT.pt (the final
 parameters). ``--die-at`` SIGKILLs this process after the backward of that step, before its
-gradients are averaged (a death mid-step). ``--off`` runs the same loop over a plain commrt
+gradients are averaged (a death mid-step). ``--freeze-at`` writes OUT.frozen there instead and
+waits (at most 120 s) for the test to cut the node's link and SIGKILL it, the emulated node's
+death (tests/multirank/test_replica_ft_emulated.py). ``--off`` runs the same loop over a plain commrt
 world and DataParallel-style averaging (fault tolerance off), for the overhead figure.
 """
 from __future__ import annotations
@@ -53,9 +55,14 @@ def main() -> None:
     p.add_argument("steps", type=int)
     p.add_argument("out")
     p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--freeze-at", type=int, default=-1)
     p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--off", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="ReplicaFT(overlap=False): all-reduce after backward")
+    p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
+    p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
+    p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
     a = p.parse_args()
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
@@ -63,19 +70,30 @@ def main() -> None:
     opt = make_optimizer(model)
     if a.off:
         return _off(model, opt, a)
-    ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0)
+    if a.shards > 1:  # a replica group: the optimizer is made over this rank's flat slice
+        opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
+                   shard=a.shard, shards=a.shards, overlap=not a.no_overlap)
+    data = a.replica * a.shards + a.shard  # the batch's index: every rank of a group reads its own
     started = time.time()
     step, times = ft.start(), {}
     joined_at = step
     while step < a.steps:
         t0 = time.perf_counter()
-        local_backward(model, a.replica, step)
+        local_backward(model, data, step)
         if step == a.die_at:
             with open(a.out + ".killed", "w") as fh:
                 fh.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == a.freeze_at:
+            with open(a.out + ".frozen", "w") as fh:
+                fh.write(str(time.time()))
+            time.sleep(120)  # the test kills us long before; if it does not, we go on and it fails
         step = ft.step()
         times[step - 1] = [time.time(), time.perf_counter() - t0]
+        if a.progress:
+            with open(a.out + ".progress", "a") as fh:
+                fh.write(f"{step - 1} {times[step - 1][0]} {len(ft.stats()['members'])}\n")
         if a.pause:  # slower while short-handed: leaves a restarted replica (a loaded host) time to join
             time.sleep(a.pause * (1 if len(ft.stats()["members"]) == a.replicas else 5))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, a.out + ".pt")

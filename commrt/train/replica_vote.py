@@ -1,0 +1,77 @@
+"""Replica fault tolerance, the store's side of the decisions (issue 33 item 2): the per-step
+vote, ending a generation, and the leader's plan of the next one. The rules (what a counter value
+means, who is in the plan) are replica_quorum.py's pure functions; this module only talks to the
+store, with a deadline on every wait.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgpack
+
+from commrt.runtime.store import wait_for
+from commrt.runtime.store_core import OK
+from commrt.train import replica_quorum as q
+
+log = logging.getLogger(__name__)
+P = "ft/"  # the store's keys for replica fault tolerance
+
+
+def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: float,
+         timeout_s: float) -> tuple[bool, int | None]:
+    """Whether the step whose votes end at ``target`` (``voters`` per step) commits, as
+    generation ``gen``'s vote counter decides: a completed all-reduce adds 1 and waits for the
+    rest; a failed one (or a vote wait that timed out) ends the generation. Also, when the wait
+    timed out, how many had voted: they are alive, the others most likely not (``lead``)."""
+    key, result, voted = f"{P}v/{gen}", q.UNKNOWN, None
+    if ok:
+        value = store.add(key, 1)
+        result = q.outcome(value, target)
+        if result == q.UNKNOWN and value < q.BIG:  # not every vote is in yet
+            status, value = store.wait_count(key, target, None, vote_timeout_s)
+            if status == OK:
+                result = q.outcome(value, target)
+            else:
+                voted, result = value - (target - voters), end(store, gen, target)
+    else:
+        result = end(store, gen, target)
+    if result == q.UNKNOWN:
+        raw = wait_for(store, [f"{P}dec/{gen}"], timeout_s, "the vote's outcome")[0]
+        result = q.COMMIT if q.committed(int(raw), target) else q.ABORT
+    return result == q.COMMIT, voted
+
+
+def end(store, gen: int, target: int = 0) -> str:
+    """Stop generation ``gen`` at its current step (add BIG); the first to do so records how
+    many votes came before it. Returns what that says of the step with ``target``."""
+    value = store.add(f"{P}v/{gen}", q.BIG)
+    k = q.first_big(value)
+    if k is None:
+        return q.UNKNOWN
+    store.set(f"{P}dec/{gen}", str(k).encode())
+    return q.COMMIT if target and q.committed(k, target) else q.ABORT
+
+
+def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: float, me: int,
+         alive: int | None = None) -> None:
+    """Wait for the previous members (those not named lost) to register, then write the plan.
+    ``alive``: the previous generation ended because its last vote timed out on the leader, and
+    that many members had voted: once that many have registered, the rest (silent for the whole
+    vote timeout after their all-reduce completed) are not waited for. A live one left out
+    rejoins (without its gradient of that step)."""
+    keys = [f"{P}reg/{gen}/{r}" for r in range(replicas)]
+    deadline = time.monotonic() + within_s
+    while True:
+        regs = {r: q.Registration.unpack(msgpack.unpackb(v)) for r, v in enumerate(store.mget(keys)) if v is not None}
+        missing = q.awaited(previous, regs)
+        enough = alive is not None and len(set(previous) & set(regs)) >= max(alive, 1)
+        if not missing or enough or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if missing:
+        log.warning("replica %d (leader): generation %d forms without %s (not registered within %gs)",
+                    me, gen, sorted(missing), within_s)
+    plan = q.plan(gen, regs)
+    store.set(f"{P}mem/{gen}", msgpack.packb(plan.pack()))
+    store.set(P + "cur", str(gen).encode())

@@ -1,0 +1,83 @@
+"""replica_overlap.Overlap without sockets: a stand-in backend whose all-reduce sums 3 identical
+replicas (x3) checks that the buckets started from the gradient hooks cover every parameter once,
+that ``p.grad`` keeps the replica's own gradient (a redo needs it), that the views map each
+parameter to its gradient's place, and that a failure inside a hook is reported by ``finish``,
+not raised into backward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from commrt.runtime.errors import PeerLost
+from commrt.train import replica_overlap
+from commrt.train.replica_overlap import Overlap
+
+
+class Done:
+    def wait(self, timeout=None):
+        return True
+
+
+class Triple:
+    """Sums 3 replicas holding the same gradient; counts the all-reduces started."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = 0, fail_at
+
+    def all_reduce(self, tensor, op, async_op):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise PeerLost(2, "all_reduce", 7, "process ended")
+        tensor.mul_(3)
+        return Done()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2))
+
+
+def _backward(model: nn.Module) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).pow(2).sum().backward()
+
+
+def test_buckets_start_in_backward_and_leave_the_gradients(monkeypatch):
+    monkeypatch.setattr(replica_overlap, "FIRST_ELEMS", 1000)  # several buckets for a small model
+    monkeypatch.setattr(replica_overlap, "CAP_ELEMS", 40000)
+    model = _model()
+    params = list(model.parameters())
+    ov, backend = Overlap(params, 5.0), Triple()
+    assert len(ov.spans) >= 3
+    ov.arm(backend)
+    _backward(model)
+    assert backend.calls == len(ov.spans), "every bucket's all-reduce starts from a hook, during backward"
+    assert ov.started and ov.finish() is None
+    own = [p.grad.clone() for p in params]
+    for p, view in ov.views():
+        torch.testing.assert_close(view, 3 * p.grad, rtol=0, atol=0)
+    for p, g in zip(params, own):
+        assert torch.equal(p.grad, g), "p.grad must keep this replica's gradient until the step commits"
+    # the plain path fills the same buffer in the same order
+    ov.fill(True)
+    for p, view in ov.views():
+        assert torch.equal(view, p.grad)
+    assert ov.fill(False).abs().sum() == 0
+
+
+def test_a_failure_in_a_hook_is_reported_by_finish(monkeypatch):
+    monkeypatch.setattr(replica_overlap, "FIRST_ELEMS", 1000)
+    monkeypatch.setattr(replica_overlap, "CAP_ELEMS", 40000)
+    model = _model()
+    ov = Overlap(list(model.parameters()), 5.0)
+    ov.arm(Triple(fail_at=1))
+    _backward(model)  # does not raise
+    err = ov.finish()
+    assert isinstance(err, PeerLost) and err.rank == 2
+
+
+def test_disarmed_hooks_do_nothing():
+    model = _model()
+    ov, backend = Overlap(list(model.parameters()), 5.0), Triple()
+    _backward(model)
+    assert backend.calls == 0 and not ov.started

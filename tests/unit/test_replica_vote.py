@@ -1,0 +1,76 @@
+"""replica_vote.py against an in-memory store: a vote whose wait times out reports how many had
+voted, and the leader then stops waiting once that many previous members registered instead of
+waiting its whole deadline for the silent one (an overlapped all-reduce can complete before a
+replica dies, so no collective names it lost)."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+
+from commrt.runtime.store_core import OK, TIMEOUT
+from commrt.train import replica_quorum as q
+from commrt.train import replica_vote as rv
+
+
+class Store:
+    def __init__(self):
+        self.kv: dict[str, object] = {}
+
+    def add(self, key, amount):
+        self.kv[key] = self.kv.get(key, 0) + amount
+        return self.kv[key]
+
+    def set(self, key, value):
+        self.kv[key] = value
+
+    def mget(self, keys):
+        return [self.kv.get(k) for k in keys]
+
+    def wait_count(self, key, target, abort_key, timeout_s):
+        value = self.kv.get(key, 0)
+        return [OK, value] if value >= target else [TIMEOUT, value]
+
+    def wait(self, keys, abort_key, timeout_s):
+        values = self.mget(keys)
+        return [OK, values] if None not in values else [TIMEOUT, [k for k, v in zip(keys, values) if v is None]]
+
+
+def test_a_vote_that_times_out_aborts_and_counts_the_voters():
+    store = Store()
+    store.kv[f"{rv.P}v/4"] = 3 * 5 + 1  # 3 members, 5 steps committed, one vote of step 5 in
+    ok, voted = rv.vote(store, 4, 3 * 6, 3, True, 0.01, 1.0)  # ours: the second
+    assert not ok and voted == 2
+    assert int(store.kv[f"{rv.P}dec/4"]) == 3 * 5 + 2, "the ender records the votes before it"
+    ok, voted = rv.vote(store, 5, 3, 3, True, 0.01, 1.0)
+    assert not ok and voted == 1
+
+
+def test_a_committed_vote_reports_no_count():
+    store = Store()
+    store.kv[f"{rv.P}v/0"] = 2
+    assert rv.vote(store, 0, 3, 3, True, 0.01, 1.0) == (True, None)
+
+
+def _register(store, gen, r):
+    store.set(f"{rv.P}reg/{gen}/{r}", msgpack.packb(q.Registration(r, 7, True).pack()))
+
+
+def test_the_leader_waits_only_for_as_many_as_voted():
+    store = Store()
+    _register(store, 2, 0)
+    _register(store, 2, 1)  # replica 2 never registers (dead, not named by any collective)
+    t0 = time.monotonic()
+    rv.lead(store, 2, 3, (0, 1, 2), 5.0, 0, alive=2)
+    assert time.monotonic() - t0 < 1.0
+    plan = q.Plan.unpack(msgpack.unpackb(store.kv[f"{rv.P}mem/2"]))
+    assert plan.members == (0, 1) and plan.step == 7
+
+
+def test_without_the_count_the_leader_waits_its_deadline():
+    store = Store()
+    _register(store, 2, 0)
+    _register(store, 2, 1)
+    t0 = time.monotonic()
+    rv.lead(store, 2, 3, (0, 1, 2), 0.3, 0)
+    assert time.monotonic() - t0 >= 0.3
