@@ -29,7 +29,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def flat_view(obj, what: str = "tensor") -> tuple:
+def flat_view(obj, what: str = "tensor") -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""
     t = dtypes.as_buffer(obj)

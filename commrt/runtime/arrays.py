@@ -88,8 +88,6 @@ def as_numpy(x) -> np.ndarray | None:
         return None
 
 
-def is_numpy_dtype(dtype) -> bool:
-    return isinstance(dtype, np.dtype)
 
 
 def frombuffer(data, dtype):
@@ -100,12 +98,6 @@ def frombuffer(data, dtype):
     return sys.modules["torch"].frombuffer(data, dtype=dtype)
 
 
-def view_as(raw: np.ndarray, dtype):
-    """A uint8 numpy array's memory viewed as ``dtype``: numpy's, or a tensor for torch's."""
-    if isinstance(dtype, np.dtype):
-        return raw.view(dtype)
-    torch = sys.modules["torch"]
-    return torch.from_numpy(raw).view(dtype)
 
 
 def assign(dst, src) -> None:
@@ -129,12 +121,6 @@ def swap_blocks_into(out, x, a: int, b: int, s: int) -> None:
         out.reshape(b, a, s)[...] = x.reshape(a, b, s).transpose(1, 0, 2)
     else:
         out.view(b, a, s).copy_(x.view(a, b, s).transpose(0, 1))
-
-
-def is_floating(x) -> bool:
-    if isinstance(x, np.ndarray):
-        return x.dtype.kind == "f"
-    return x.is_floating_point()
 
 
 def is_tensor(x) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from commrt.collectives import ops
-from commrt.runtime.arrays import as_bytes, empty_of, frombuffer, numel
+from commrt.runtime.arrays import as_bytes, empty_of, frombuffer, numel as numel_of
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.scheduled import spans, step_pieces
 from commrt.collectives.schedules import messages_sent, schedule
@@ -29,7 +29,7 @@ class FakeCtx:
         return choose(collective, nbytes, self.size, self.table)
 
     def send(self, dst, data=None):
-        payload = b"" if data is None or not numel(data) else as_bytes(data).tobytes()  # array or tensor
+        payload = b"" if data is None or not numel_of(data) else as_bytes(data).tobytes()  # array or tensor
         self.wires[self.rank, dst].put(payload)
         self.sent += 1
         self.bytes_to[dst] = self.bytes_to.get(dst, 0) + len(payload)

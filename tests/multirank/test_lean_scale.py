@@ -1,0 +1,63 @@
+"""Numpy-only ranks at scale on this host (issue 32 items 2, 3, 5): rendezvous, barrier, 4 KiB
+and 1 MiB all_reduce equal to the single-process reference (checked in every rank), the float
+sum bit-identical on every rank, log2 n messages per small all_reduce (comm_stats), torch never
+loaded; at 256 ranks also a SIGKILLed rank named by every survivor within the heartbeat bound,
+and every other rank exiting cleanly."""
+import math
+import os
+import re
+
+import pytest
+
+from tests.multirank.lean import launch, mem_available_kib, summary
+
+HEARTBEAT_S = 1.0
+RANK_BUDGET_KIB = 60 << 10  # issue 32.2: a numpy-only rank costs at most 60 MiB
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _check(rows: dict, nproc: int) -> dict:
+    assert sorted(rows) == list(range(nproc)), sorted(rows)
+    assert len({r["digest"] for r in rows.values()}) == 1, "float sums differ between ranks"
+    assert all(r["torch"] == 0 for r in rows.values()), "a numpy-only rank imported torch"
+    # recursive doubling: log2 n messages per rank (a non-power of two adds the fold's)
+    assert all(r["msgs"] == math.log2(nproc) for r in rows.values()), sorted({r["msgs"] for r in rows.values()})
+    return summary(rows)
+
+
+def test_four_numpy_ranks_never_load_torch():
+    _, out, rows = launch(4, "scale", "5", timeout_s=120)
+    s = _check(rows, 4)
+    assert s["rss_kib"][1] <= RANK_BUDGET_KIB, out[-3000:]
+    print(s)
+
+
+@pytest.mark.slow
+def test_two_hundred_fifty_six_numpy_ranks():
+    nproc, victim = 256, 129
+    need = nproc * RANK_BUDGET_KIB * 5 // 4  # the budget, plus a quarter for the kernel's socket buffers
+    if mem_available_kib() < need:
+        pytest.skip(f"{nproc} ranks need ~{need >> 20} GiB free; {mem_available_kib() >> 20} GiB available")
+    env = {"COMMRT_COMM_HEARTBEAT_S": str(HEARTBEAT_S)}
+    result, out, rows = launch(nproc, "kill", str(victim), "10", timeout_s=900, env=env,
+                               stop_on_failure=False, expect_fail=True)
+    s = _check(rows, nproc)
+    caught = {int(r): (int(lost), float(t)) for r, lost, t in
+              re.findall(r"CAUGHT rank (\d+) PeerLost rank (\d+) after ([\d.]+)s", out)}
+    assert sorted(caught) == [r for r in range(nproc) if r != victim], out[-4000:]
+    assert {lost for lost, _ in caught.values()} == {victim}, out[-4000:]
+    slowest = max(t for _, t in caught.values())
+    # the victim's partners see its connection drop at once, or miss 3 heartbeats; the rest
+    # hear of it from them (an ABORT naming it): well within 3 heartbeat intervals and the
+    # slack of 255 processes sharing this host's cores, far from the 180 s op timeout
+    assert slowest < 3 * HEARTBEAT_S + 5, slowest
+    assert not [pid for pid in result.pids if _alive(pid)], "processes left running"
+    assert s["rss_kib"][1] <= RANK_BUDGET_KIB, s
+    print(f"256 ranks: {s}; PeerLost named on every survivor, slowest after {slowest:.2f}s")
