@@ -34,9 +34,9 @@ from commrt.transport import Transport
 log = logging.getLogger(__name__)
 
 ADDR_BYTES = 256  # room for one rank's msgpack'd addresses in the new_group exchange
-# what a visible GPU shows in /dev (NVIDIA, AMD's ROCm, WSL): without one, torch.cuda cannot
-# find a device either, so "auto" picks zmq without importing torch
-GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+# what a GPU's driver shows (NVIDIA's, before its device files exist too; AMD's ROCm; WSL):
+# without any, torch.cuda cannot find a device either, so "auto" picks zmq without importing torch
+GPU_DEVICES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     if requested != "auto":
         return requested, "requested in config"
     if "torch" not in sys.modules and not any(os.path.exists(d) for d in GPU_DEVICES):
-        return "zmq", "CUDA is not available (no GPU device in /dev)"
+        return "zmq", "CUDA is not available (no GPU driver or device)"
     import torch  # lazy: only a host with a GPU asks torch about it
     if not torch.cuda.is_available():
         return "zmq", "CUDA is not available"

@@ -31,10 +31,10 @@ def launch(nproc: int, mode: str, *args: str, timeout_s: float, env: dict | None
     return result, out, parse(out)
 
 
-def summary(rows: dict[int, dict]) -> dict[str, tuple[float, float]]:
-    """field -> (median, max) over the ranks."""
-    return {f: (statistics.median(r[f] for r in rows.values()), max(r[f] for r in rows.values()))
-            for f in FIELDS}
+def summary(rows: dict[int, dict]) -> dict[str, tuple[float, float, float]]:
+    """field -> (median, max, min) over the ranks."""
+    return {f: (statistics.median(r[f] for r in rows.values()), max(r[f] for r in rows.values()),
+                min(r[f] for r in rows.values())) for f in FIELDS}
 
 
 def mem_available_kib() -> int:

@@ -33,14 +33,17 @@ def row(n: int, mode: str) -> str:
     wall = time.perf_counter() - start
     s = summary(rows)
     cells = [f"{fmt.format(s[key][0] * scale)} / {fmt.format(s[key][1] * scale)}" for key, _, scale, fmt in COLUMNS]
-    return f"| {n} | {mode} | {wall:.0f} | " + " | ".join(cells) + " |"
+    # init's minimum: the last rank to start waits for nobody, so it shows rendezvous alone
+    # rank 0 also serves the bootstrap store: one connection per rank
+    return (f"| {n} | {mode} | {wall:.0f} | {s['init_s'][2]:.2f} | {rows[0]['fds']:.0f} | " + " | ".join(cells)
+            + " |")
 
 
 def main(argv: list[str]) -> None:
     mode = "tensor" if "--tensor" in argv else "scale"
     sizes = [int(a) for a in argv if not a.startswith("--")] or [16, 64, 128, 256]
-    print("| ranks | buffers | launch s | " + " | ".join(f"{title} (median / max)" for _, title, _, _ in COLUMNS) + " |")
-    print("|" + "---|" * (len(COLUMNS) + 3))
+    print("| ranks | buffers | launch s | init s (min) | rank 0 files | " + " | ".join(f"{title} (median / max)" for _, title, _, _ in COLUMNS) + " |")
+    print("|" + "---|" * (len(COLUMNS) + 5))
     for n in sizes:
         if mem_available_kib() < n * (80 << 10):
             print(f"| {n} | skipped: {mem_available_kib() >> 10} MiB available |")
