@@ -203,7 +203,10 @@ class ZmqBackend:
         if isinstance(exc, MismatchReport):
             exc = restate_report(exc, ctx)
         elif isinstance(exc, PeerLost):
-            self._coll.tell_peers(ctx.seq, lost=exc.rank)
+            # seen here: every peer hears at once; heard from a peer: passed on over the
+            # connections this rank has (the schedules' graph spans the group in log2 n hops),
+            # not to all n, which made every rank dial every other after one death
+            self._coll.tell_peers(ctx.seq, lost=exc.rank, connected_only=exc.reported_by is not None)
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
             self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
         self._broken = exc

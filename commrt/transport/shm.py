@@ -206,7 +206,7 @@ class Channel:
             if h.kind != ABORT:
                 continue  # nothing else travels on a shared-memory group's collective socket
             if h.nbytes == 0:
-                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
+                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
             try:
                 mine, theirs = decode_report(msg.payload.buffer)
             except ProtocolError:

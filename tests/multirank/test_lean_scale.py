@@ -13,6 +13,9 @@ from tests.multirank.lean import launch, mem_available_kib, summary
 
 HEARTBEAT_S = 1.0
 RANK_BUDGET_KIB = 60 << 10  # issue 32.2: a numpy-only rank costs at most 60 MiB
+# rank 0 also serves the bootstrap store: one connection per rank (~80 KiB each measured at
+# 128 and 256 ranks), the one per-rank cost that grows linearly in the world size
+STORE_KIB_PER_RANK = 96
 
 
 def _alive(pid: int) -> bool:
@@ -40,6 +43,7 @@ def test_four_numpy_ranks_never_load_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_two_hundred_fifty_six_numpy_ranks():
     nproc, victim = 256, 129
     need = nproc * RANK_BUDGET_KIB * 5 // 4  # the budget, plus a quarter for the kernel's socket buffers
@@ -49,15 +53,19 @@ def test_two_hundred_fifty_six_numpy_ranks():
     result, out, rows = launch(nproc, "kill", str(victim), "10", timeout_s=900, env=env,
                                stop_on_failure=False, expect_fail=True)
     s = _check(rows, nproc)
+    print(f"256 ranks (median, max, min): {s}")
     caught = {int(r): (int(lost), float(t)) for r, lost, t in
               re.findall(r"CAUGHT rank (\d+) PeerLost rank (\d+) after ([\d.]+)s", out)}
     assert sorted(caught) == [r for r in range(nproc) if r != victim], out[-4000:]
     assert {lost for lost, _ in caught.values()} == {victim}, out[-4000:]
     slowest = max(t for _, t in caught.values())
-    # the victim's partners see its connection drop at once, or miss 3 heartbeats; the rest
-    # hear of it from them (an ABORT naming it): well within 3 heartbeat intervals and the
-    # slack of 255 processes sharing this host's cores, far from the 180 s op timeout
+    # the ranks that wait on the victim see its connection drop (one heartbeat interval of
+    # grace) or miss 3 heartbeats, and tell every peer; a rank told passes it on only over the
+    # connections it has. 3 intervals, plus slack for 255 processes on this host's few cores,
+    # far from the 180 s op timeout. (When every told rank dialled all others to pass it on,
+    # the slowest survivor took 16.4 s here and this failed.)
     assert slowest < 3 * HEARTBEAT_S + 5, slowest
     assert not [pid for pid in result.pids if _alive(pid)], "processes left running"
-    assert s["rss_kib"][1] <= RANK_BUDGET_KIB, s
-    print(f"256 ranks: {s}; PeerLost named on every survivor, slowest after {slowest:.2f}s")
+    assert max(r["rss_kib"] for k, r in rows.items() if k != 0) <= RANK_BUDGET_KIB, s
+    assert rows[0]["rss_kib"] <= RANK_BUDGET_KIB + nproc * STORE_KIB_PER_RANK, rows[0]
+    print(f"256 ranks: {s}; rank 0 {rows[0]}; PeerLost named on every survivor, slowest after {slowest:.2f}s")
