@@ -43,6 +43,8 @@ def parse(argv):
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--split", choices=["params", "layers", "time"], default="params",
+                   help="cut the model into stages evening parameters, layers, or measured time")
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--timeline", action="store_true", help="print each rank's last step and its bubble")
     p.add_argument("--bench", action="store_true", help="single-process vs pipelined samples/s")

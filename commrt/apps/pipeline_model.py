@@ -54,7 +54,14 @@ def build(args, schedule: str, pp_group=None, dp_group=None, num_batches: int = 
     rank = commrt.get_rank(pp_group) if pp_group is not None else commrt.get_rank()
     per_rank = 2 if schedule == "interleaved" else 1
     n = ranks * per_rank
-    parts = split(make_model(args.vocab, args.dim, args.blocks), n, by="params")
+    model, how = make_model(args.vocab, args.dim, args.blocks), getattr(args, "split", "params")
+    if how == "time":  # one micro-batch of the first batch, the loss on the last layer
+        x, y = batch(0, args.rows, args.seq, args.vocab)
+        rows = max(1, args.rows // args.microbatches)
+        parts = split(model, n, by="time", sample=x[:rows], loss_fn=nn.functional.cross_entropy,
+                      target=y[:rows * args.seq])
+    else:
+        parts = split(model, n, by=how)
     stages = [PipelineStage(wrap_replicas(parts[s], args, dp_group), s, n, pp_group) for s in range(rank, n, ranks)]
     loss_fn = nn.functional.cross_entropy
     if schedule == "pipedream":

@@ -40,6 +40,9 @@ class Rule(NamedTuple):
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_TABLE: tuple[Rule, ...] = (
+    # two ranks: Rabenseifner is the ring (two half-buffer exchanges), doubling one whole-buffer
+    # exchange, which won to 512 KiB over loopback (1 MiB: the halves' overlap wins; PERFORMANCE.md)
+    Rule("all_reduce", "recursive_doubling", max_bytes=1 * MiB, max_world=2),
     Rule("all_reduce", "recursive_doubling", max_bytes=16 * KiB),
     Rule("all_reduce", "rabenseifner", max_bytes=32 * MiB),
     Rule("all_reduce", "ring"),

@@ -36,6 +36,7 @@ class Observer:
         self.rings: dict[int, flight.GroupRing] = {}
         self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock
         self._closed = False
+        self._spans = False  # a training engine's step spans were traced
         self._last_dump: tuple[str, float] = ("", 0.0)
         self._old_handler = None
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) in (
@@ -94,6 +95,19 @@ class Observer:
         self.events.append(trace.complete_event(rec.op, self.rank, rec.ring.gid, (begun + self.wall0) * 1e6,
                                                 (rec.ended - begun) * 1e6, args))
 
+    def span(self, name: str, start: float, seconds: float) -> None:
+        """A training engine's step span (train/breakdown.py: forward, backward, optimizer,
+        comm_waited, bookkeeping; ``start`` on perf_counter) on the rank's "train step" track."""
+        if self.events is None:
+            return
+        if len(self.events) >= MAX_TRACE_EVENTS:
+            self.dropped += 1
+            return
+        event = trace.complete_event(name, self.rank, trace.TRAIN_TID, (start + self.wall0) * 1e6, seconds * 1e6, {})
+        event["cat"] = "train"
+        self.events.append(event)
+        self._spans = True
+
     # -- dumps, the summary, the end -----------------------------------------------------------
     def dump(self, reason: str) -> str | None:
         now = time.monotonic()
@@ -128,6 +142,8 @@ class Observer:
             signal.signal(signal.SIGUSR1, self._old_handler)
         if self.events is not None:
             groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
+            if self._spans:
+                groups[trace.TRAIN_TID] = "train step (forward, backward, optimizer, comm_waited, bookkeeping)"
             try:
                 trace.write(self.trace_path, trace.track_names(self.rank, groups) + self.events)
             except OSError as exc:

@@ -15,6 +15,9 @@ REQUIRED = ("name", "ph", "ts", "pid", "tid")
 _SENTINEL = 987654321  # stands for the rank while a template is turned into a pattern
 
 
+TRAIN_TID = 1 << 20  # the track of a training engine's step spans, apart from the groups' (their ids)
+
+
 def rank_path(template: str, rank: int) -> str:
     """``{rank}`` replaced, or ``.rank<N>`` before the extension: one file per rank."""
     if "{rank}" in template:

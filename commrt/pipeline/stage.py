@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from commrt import distributed as dist
+from commrt.pipeline import balance
 from commrt.runtime.errors import ConfigError
 
 
@@ -22,9 +23,12 @@ def split_points(sizes: list[int], num_stages: int) -> list[int]:
     return cuts + [n]
 
 
-def split(model: nn.Sequential, num_stages: int, by: str = "layers") -> list[nn.Sequential]:
+def split(model: nn.Sequential, num_stages: int, by: str = "layers", sample=None, loss_fn=None,
+          target=None) -> list[nn.Sequential]:
     """``model`` cut into ``num_stages`` contiguous ``nn.Sequential`` stages (sharing its modules):
-    ``by="layers"`` evens the number of layers, ``by="params"`` the number of parameters."""
+    ``by="layers"`` evens the number of layers, ``by="params"`` the number of parameters,
+    ``by="time"`` the forward + backward time measured on ``sample`` (one micro-batch; the last
+    layer with ``loss_fn(output, target)`` when given), agreed over the world (balance.py)."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"split needs an nn.Sequential, got {type(model).__name__}")
     if not 1 <= num_stages <= len(model):
@@ -33,8 +37,12 @@ def split(model: nn.Sequential, num_stages: int, by: str = "layers") -> list[nn.
         sizes = [1] * len(model)
     elif by == "params":
         sizes = [1 + sum(p.numel() for p in m.parameters()) for m in model]  # +1: no empty stage wins
+    elif by == "time":
+        if sample is None:
+            raise ConfigError("split(by='time') needs a sample micro-batch to time the layers on")
+        sizes = balance.agreed(balance.layer_times(model, sample, loss_fn, target))
     else:
-        raise ConfigError(f"unknown split {by!r}; valid: ['layers', 'params']")
+        raise ConfigError(f"unknown split {by!r}; valid: ['layers', 'params', 'time']")
     cuts = split_points(sizes, num_stages)
     return [model[a:b] for a, b in zip(cuts, cuts[1:])]
 

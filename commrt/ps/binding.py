@@ -54,12 +54,16 @@ class Binding:
 
     def _answer_init(self, p: Parked) -> P.Routed:
         w, why = p.req.worker, self._differs(*p.init)
-        if why is None:
-            self._join(w)
-        else:  # a refused init changes nothing: worker w's accepted one (if any) stays (issue 30.7)
+        # a refused init changes nothing: worker w's accepted one (if any) stays (issue 30.7)
+        if why is not None:
             return self._rejected(p.ident, p.req, f"worker {w} describes different parameters than the "
                                   f"ones this server holds: {why}")
-        return P.routed(p.ident, P.OK, p.req.req_id, [self.state.version, self.state.clocks[w]])
+        unwelcome = self._unwelcome(w)
+        if unwelcome is not None:
+            return self._rejected(p.ident, p.req, unwelcome)
+        self._join(w)  # bound to the description; membership changes only by JOIN (ps/membership.py)
+        return P.routed(p.ident, P.OK, p.req.req_id,
+                        [self.state.version, self.state.clocks[w], *self._membership(w)])
 
     def _differs(self, segs: list[SegInfo], shapes: dict) -> str | None:
         """What differs from the seed's description (None: nothing)."""

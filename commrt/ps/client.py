@@ -23,6 +23,7 @@ from commrt.transport.memory import keep_freed_memory
 from commrt.runtime.work import Executor, Work
 from commrt.ps import protocol as P
 from commrt.ps.exchange import Exchange
+from commrt.ps.membership import starting_step
 from commrt.ps.partition import Segment, TensorSpec, partition
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class PSClient(Exchange):
     # -- public API -------------------------------------------------------------------------
     def init(self, params: Tensors) -> None:
         """Register the parameters. Worker 0 seeds the servers with its values; the others wait
-        until it has, then should ``pull`` them. Restarted workers learn their step here. If the
-        servers refuse the description, push and pull are refused until an init succeeds."""
+        until it has, then should ``pull`` them. Restarted workers learn their step here, and a
+        worker that joins a running async/SSP job is admitted at the running step (``step``;
+        ps/membership.py). If the servers refuse the description, push and pull are refused
+        until an init succeeds."""
         self._exec.run("ps.init", lambda: self._init(params), self.cfg.ps.timeout_s * 10)
 
     def push(self, grads: Tensors) -> None:
@@ -125,14 +128,29 @@ class PSClient(Exchange):
             reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
         self.segments, self._init_error = [], None
         try:
-            replies = self._exchange(P.INIT, self.step, reqs)
+            step = self._join(self._exchange(P.INIT, self.step, reqs))
         except CommError as exc:
             self._init_error = f"{type(exc).__name__}: {exc}"
             raise
-        self.segments, self._local = segments, local
+        self.segments, self._local, self.step = segments, local, step
         self._shapes = {name: tuple(dims) for name, dims in shapes}
         self._dtypes = {s.name: s.dtype for s in specs}
-        self.step = min(r.body[1] for r, _ in replies.values())
+
+    def _join(self, replies: dict) -> int:
+        """The step this worker starts at, from the init replies [version, clock, member, start]
+        (the two rounds of ps/membership.py): a member everywhere resumes at its lowest clock;
+        otherwise every server admits it at the highest start any of them named."""
+        join, start = starting_step([r.body for r, _ in replies.values()])
+        if not join:
+            return start
+        joined = self._exchange(P.JOIN, start, {k: ([], []) for k in range(len(self._socks))})
+        clocks = {k: r.body[1] for k, (r, _) in joined.items()}
+        if set(clocks.values()) != {start}:
+            raise ProtocolError(f"worker {self.worker}: ps.join at step {start} was admitted at steps {clocks} "
+                                "(server: step)")
+        log.info("worker %d joins the running job at step %d (version %s)", self.worker, start,
+                 [r.body[0] for r, _ in joined.values()])
+        return start
 
     def _selected(self, tensors: Tensors, what: str) -> dict[int, list[tuple[int, int]]]:
         """Per server: (local id, global index) of every segment of the named tensors."""

@@ -14,6 +14,9 @@ Binding (``binding``): the seed's init fixes the description (segments, dtypes, 
 every other init is compared with it; only workers whose init matched may push or pull.
 A durable write that fails (a full disk) stops the shard: every waiting worker, and every later
 request, gets a FAILED reply naming the cause (issue 13.14).
+
+Membership (``membership``): who the shard counts, and what happens to a worker it waited for
+too long (``tick``: the worker-loss policy).
 """
 from __future__ import annotations
 
@@ -32,12 +35,12 @@ from commrt.ps import protocol as P
 from commrt.ps.durable import NUMPY_DTYPES
 from commrt.ps.parked import Parked, Waiting
 from commrt.ps.binding import Binding
+from commrt.ps.membership import Membership
 from commrt.ps.recovery import Durability, StorageFailed
-from commrt.ps.state import ShardState
+from commrt.ps.state import MAX_AHEAD, ShardState
 
 log = logging.getLogger(__name__)
 _limited = RateLimited(log)  # a worker retrying a refused request in a loop must not flood the log
-MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
 # upper bounds (seconds) of the apply-latency histogram's buckets, as Prometheus' defaults span
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -48,7 +51,7 @@ Reply = P.Routed
 _reply = P.routed
 
 
-class ServerCore(Durability, Binding):
+class ServerCore(Durability, Binding, Membership):
     def __init__(self, cfg: PsConfig, index: int, state: ShardState):
         self.cfg, self.index, self.state = cfg, index, state
         self.waiting = Waiting()
@@ -63,6 +66,8 @@ class ServerCore(Durability, Binding):
         self._snapshot: dict[int, bytes] = {}
         self._snapshot_version = -1
         Durability.__init__(self, cfg, index)
+        if not state.initialized:  # fresh (a resumed shard reads its members from the checkpoint)
+            state.late.update(range(cfg.initial_workers or state.workers, state.workers))
 
     # -- entry points -----------------------------------------------------------------------
     def handle(self, ident: bytes, frames: list, now: float, peer: str | None = None) -> list[Reply]:
@@ -88,38 +93,6 @@ class ServerCore(Durability, Binding):
             return out + self._progress(now)
         except StorageFailed as exc:
             return self._fail(str(exc), ident, req)
-
-    def tick(self, now: float) -> list[Reply]:
-        """Apply the worker-loss policy to anything parked for longer than worker_timeout_s."""
-        stuck = self.waiting.older_than(now - self.cfg.worker_timeout_s)
-        if not stuck or self.failure is not None:
-            return []
-        try:
-            return self._on_stuck(stuck, now)
-        except StorageFailed as exc:
-            return self._fail(str(exc))
-
-    def _on_stuck(self, stuck: list[Parked], now: float) -> list[Reply]:
-        missing = self._laggards(stuck)
-        if self.cfg.on_worker_loss == "continue" and missing and self.state.initialized:
-            log.warning("server %d: dropping worker(s) %s (silent for %gs); continuing without them",
-                        self.index, missing, self.cfg.worker_timeout_s)
-            self.state.dropped.update(missing)
-            self._log({"k": "d", "w": missing}, [])
-            out = [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
-                   if p.req.worker in self.state.dropped]
-            return out + self._progress(now)
-        if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
-            # the step cannot complete now: answer all of its pushes at once, naming the same workers
-            # (a push answered a tick before another would be named as missing by the later one)
-            stuck += [p for (_, step), p in self.pushes.items() if step == self.state.version and p not in stuck]
-        out = []
-        for p in stuck:
-            msg = (f"server {self.index}: {P.OP_NAMES[p.req.op]} step {p.req.step} of worker "
-                   f"{p.req.worker} waited {self.cfg.worker_timeout_s:g}s for worker(s) {missing}")
-            out.append(_reply(p.ident, P.LOST, p.req.req_id, [msg, missing]))
-            self.waiting.remove(p)
-        return out
 
     def _rejected(self, ident: bytes, req: P.Request, why: str) -> Reply:
         self.counters["rejected"] += 1
@@ -158,11 +131,16 @@ class ServerCore(Durability, Binding):
             return self._init(ident, req, payload, now)
         if not self.state.initialized:
             raise ProtocolError("parameters are not initialised yet (call init first)")
-        if w in self.state.dropped:
-            raise ProtocolError(f"worker {w} was dropped after it went silent")
         if w not in self.state.joined:
             raise ProtocolError(f"worker {w} has no accepted init on this server (it failed or never "
                                 "happened): call init with the parameters every worker registers")
+        if req.op == P.JOIN:
+            return [self._admit(ident, req)]
+        if w in self.state.dropped:
+            raise ProtocolError(f"worker {w} was dropped after it went silent (its init takes it back "
+                                "in async and ssp mode)")
+        if w in self.state.late:
+            raise ProtocolError(f"worker {w} is a late joiner not admitted yet: init admits it")
         if req.op == P.PULL:
             return self._pull(ident, req, payload, now)
         return self._push(ident, req, payload, now)
@@ -309,23 +287,13 @@ class ServerCore(Durability, Binding):
         h["sum"] += seconds
         h["count"] += 1
 
-    def _laggards(self, stuck: list[Parked]) -> list[int]:
-        """The workers the stuck requests are waiting for."""
-        if any(p.req.op == P.INIT for p in stuck):
-            return [0]  # the seeding worker
-        if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
-            return [w for w in self.state.active() if (w, self.state.version) not in self.pushes]
-        bound = self.cfg.staleness if self.cfg.mode == "ssp" else 0
-        need = max((p.req.step if p.grads is not None else p.clock) - bound for p in stuck)
-        return [w for w in self.state.active() if self.state.clocks[w] < need]
-
     def stats(self) -> dict:
         st = self.state
         top = max(st.clocks) if st.clocks else 0
         return {**self.counters, "server": self.index, "mode": self.cfg.mode, "version": st.version,
                 "segments": len(st.segs), "param_bytes": sum(s.nbytes for s in st.segs),
                 "clocks": list(st.clocks), "lag": [top - c for c in st.clocks],
-                "dropped": sorted(st.dropped), "joined": sorted(st.joined),
+                "dropped": sorted(st.dropped), "late": sorted(st.late), "joined": sorted(st.joined),
                 "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
                 "parked": self.waiting.counts(),
                 "apply_latency": {**self.apply_latency, "counts": list(self.apply_latency["counts"])}}

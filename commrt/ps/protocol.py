@@ -5,7 +5,9 @@
 
 ``body`` is a short list whose shape depends on the op (checked here, field by field). An init
 describes the parameters: ``[seed, [[name, start, stop, dtype], ...], [[name, [dims...]], ...]]``
-(its segments on this server, then every tensor's full shape), which the server binds pushes to.
+(its segments on this server, then every tensor's full shape), which the server binds pushes to;
+it is answered ``[version, clock, member, start]`` (ps/membership.py). A JOIN (empty body; its
+step: where the worker starts) admits a late or dropped worker.
 Headers
 are decoded with hard limits and no extension types; payload frames are never deserialised,
 only reinterpreted as a whitelisted dtype after their byte count was checked.
@@ -19,7 +21,7 @@ import msgpack
 from commrt.runtime.dtypes import NAMES as DTYPE_NAMES
 from commrt.runtime.errors import ProtocolError
 
-VERSION = 2  # 2: init carries full shapes; FAILED replies
+VERSION = 3  # 2: init carries full shapes; FAILED replies. 3: JOIN; init replies say membership
 MAX_HEADER_BYTES = 4 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 1024
@@ -27,9 +29,9 @@ MAX_DIMS = 64
 _INT_MAX = 1 << 62
 
 # ops
-INIT, PUSH, PULL, PUSHPULL, PING, STATS = 1, 2, 3, 4, 5, 6
+INIT, PUSH, PULL, PUSHPULL, PING, STATS, JOIN = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSHPULL: "push_pull", PING: "ping",
-            STATS: "stats"}
+            STATS: "stats", JOIN: "join"}
 # reply statuses (FAILED: the server hit an error it cannot serve past, e.g. a full disk, and stops)
 OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE, FAILED = 0, 1, 2, 3, 4, 5, 6
 STATUSES = (OK, ERROR, PENDING, UNKNOWN, LOST, DUPLICATE, FAILED)

@@ -68,6 +68,8 @@ class Durability:
             kind = meta.get("k")
             if kind == "d":
                 self.state.dropped.update(meta["w"])
+            elif kind == "a":  # a late or dropped worker admitted at a step (ps/membership.py)
+                self.state.admit(meta["w"], meta["c"])
             elif kind == "j":
                 (self.state.joined.add if meta["on"] else self.state.joined.discard)(meta["w"])
             elif kind == "u" and meta["v"] > self.state.version:

@@ -16,6 +16,7 @@ from commrt.runtime.dtypes import BY_NAME, NAMES
 from commrt.ps.durable import load_checkpoint, save_checkpoint
 
 RECENT = 64  # per-worker applied steps remembered for de-duplicating re-sent pushes
+MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
 FLOAT_CODES = (1, 2)  # float32, float64: the server keeps full-precision master values
 
 
@@ -45,7 +46,8 @@ class ShardState:
         self.version = 0
         self.clocks = [0] * workers
         self.recent = [collections.deque(maxlen=RECENT) for _ in range(workers)]
-        self.dropped: set[int] = set()
+        self.dropped: set[int] = set()  # members dropped after they went silent
+        self.late: set[int] = set()  # late joiners ([ps] initial_workers) not admitted yet
         self.joined: set[int] = set()  # workers whose init matched the seed: only they may push/pull
         self.staleness: collections.Counter = collections.Counter()
 
@@ -54,7 +56,15 @@ class ShardState:
         return bool(self.segs)
 
     def active(self) -> list[int]:
-        return [w for w in range(self.workers) if w not in self.dropped]
+        """The members: the workers this shard counts (sync steps, the SSP bound, laggards)."""
+        return [w for w in range(self.workers) if w not in self.dropped and w not in self.late]
+
+    def admit(self, worker: int, clock: int) -> None:
+        """Make ``worker`` a member from step ``clock`` on (never below its own clock: the
+        steps it already pushed here stay applied once)."""
+        self.dropped.discard(worker)
+        self.late.discard(worker)
+        self.clocks[worker] = max(self.clocks[worker], clock)
 
     def min_clock(self) -> int:
         live = [self.clocks[w] for w in self.active()]
@@ -102,7 +112,7 @@ class ShardState:
         codes = [s.dtype for s in self.segs] + [s.dtype for s in self.segs for _ in names]
         meta = {"segs": [list(s) for s in self.segs], "steps": self.steps, "version": self.version,
                 "clocks": self.clocks, "recent": [list(r) for r in self.recent],
-                "dropped": sorted(self.dropped), "joined": sorted(self.joined), "optimizer": self.spec.kind,
+                "dropped": sorted(self.dropped), "late": sorted(self.late), "joined": sorted(self.joined), "optimizer": self.spec.kind,
                 "shapes": None if self.shapes is None else [[k, list(v)] for k, v in self.shapes.items()],
                 "staleness": {str(k): v for k, v in self.staleness.items()}}
         save_checkpoint(path, meta, arrays, codes)
@@ -126,6 +136,7 @@ class ShardState:
         for w, steps in enumerate(meta["recent"]):
             self.recent[w].extend(steps)
         self.dropped = set(meta["dropped"])
+        self.late = set(meta.get("late", []))  # a checkpoint from before late joiners: none
         # a checkpoint from before inits were checked: every worker was admitted then
         self.joined = set(meta.get("joined", range(self.workers)))
         self.staleness = collections.Counter({int(k): v for k, v in meta["staleness"].items()})

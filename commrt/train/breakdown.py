@@ -16,7 +16,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
+from commrt import distributed
+
 PHASES = ("forward", "backward", "optimizer")
+
+
+def trace_sink():
+    """Where a StepClock sends its spans: the runtime's Perfetto trace when ``[log] trace_file``
+    is set (obs/observer.py), else nowhere."""
+    obs = distributed._observer
+    return obs.span if obs is not None and obs.events is not None else None
 
 
 @dataclass
@@ -44,7 +53,9 @@ class StepBreakdown:
 class StepClock:
     """The spans of the step in progress; ``finish_step`` hands out the breakdown."""
 
-    def __init__(self):
+    def __init__(self, sink=None):
+        """``sink(name, start, seconds)``: each span as it closes (the Perfetto trace's track)."""
+        self.sink = sink
         self._stack: list[list] = []  # [name, start, time of nested spans]
         self.current = StepBreakdown()
         self.last: StepBreakdown | None = None
@@ -57,6 +68,8 @@ class StepClock:
         name, start, nested = self._stack.pop()
         took = time.perf_counter() - start
         self.current.add(name, took - nested)
+        if self.sink is not None:
+            self.sink(name, start, took)
         if self._stack:
             self._stack[-1][2] += took
         else:

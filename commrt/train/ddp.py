@@ -24,7 +24,7 @@ from torch import nn
 from commrt import distributed as dist
 from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.train.breakdown import StepBreakdown, StepClock
+from commrt.train.breakdown import StepBreakdown, StepClock, trace_sink
 from commrt.train.layout import buckets
 
 FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket: its all-reduce starts early in backward
@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
         self.reduced_during_backward = 0  # buckets whose all-reduce a gradient hook started (overlap)
         # world size 1, exact dtype, no codec: the average over one rank is the gradient itself
         self._alone = dist.get_world_size(group) == 1 and comm_quant is None and comm_dtype in (None, torch.float32)
-        self.clock = StepClock()  # forward, then backward up to the end of the reduction
+        self.clock = StepClock(trace_sink())  # forward, then backward up to the end of the reduction
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 

@@ -50,7 +50,7 @@ from commrt.collectives.reduce_ops import ReduceOp
 from commrt.optim import rules as optim
 from commrt.train import zero_step
 from commrt.train.zero_step import all_finite
-from commrt.train.breakdown import StepClock
+from commrt.train.breakdown import StepClock, trace_sink
 from commrt.train.followups import Followup, run_all, run_ready
 from commrt.train.groups import ShardGroups
 from commrt.train.layout import Unit, make_unit
@@ -88,7 +88,7 @@ class Zero(Gathering):
         # with replicas, one copy of each shard counts towards the global gradient norm
         self.counts_norm = self.rgroup is None or dist.get_rank(self.rgroup) == 0
         self.works: list[Followup] = []
-        self.clock = StepClock()  # the engine's phases and these hooks' spans: step_breakdown()
+        self.clock = StepClock(trace_sink())  # the engine's phases and these hooks' spans: step_breakdown()
         # ZeRO++: quantized compositions run on this thread, beside compute (see the module doc)
         self.stream = CommStream() if s.overlap and (s.qwz or s.qgz) else None
         if self.stream is not None:  # its thread ends with the engine

@@ -6,7 +6,9 @@ cores (progress.py). When the receiver is already waiting for a message, that is
 the sender writes the whole message (wire header and payload) into a mailbox in the shared
 memory of the pair's ring (shm_p2p.py: the same sealed, nameless segment, behind the data ring),
 and the waiting receiver, which spins on the mailbox for a few hundred microseconds before it
-blocks on its socket, reads it from there. MPI's shared-memory "eager" protocol, in small.
+blocks on its socket, reads it from there. A payload of 32 KiB or more still goes into the data
+ring; its descriptor then takes the mailbox instead of the socket. MPI's shared-memory "eager"
+protocol, in small.
 
 When it is used (``Outbox.try_put``), so that nothing is reordered and nothing is stranded:
 
@@ -35,7 +37,7 @@ import threading
 
 from commrt.runtime.errors import ProtocolError
 from commrt.transport.messages import Message
-from commrt.transport.wire import MAX_HEADER_BYTES, P2P, decode_header, encode_header
+from commrt.transport.wire import MAX_HEADER_BYTES, P2P, P2P_SHM_ROOT, decode_header, encode_header
 
 MAILBOX_BYTES = 256 << 10  # per ordered pair, after the data ring in the ring's segment
 MAX_PAYLOAD = 32 << 10  # larger payloads take the data ring (a descriptor) or the socket
@@ -71,11 +73,15 @@ class Outbox:
         self.head = 0
         self.sock_sent = 0  # P2P messages sent to this receiver over the socket
 
+    def open(self) -> bool:
+        """The receiver spins, and has read every socket message we sent it (rules 1-2)."""
+        return bool(self._ctl[W_SPIN]) and self._ctl[W_SOCK_READ] == self.sock_sent
+
     def try_put(self, header, payload) -> bool | None:
         """Write one message: None when it must take the socket (rules 1-2 of the module's
         docstring, or no room), True when it is in the mailbox, False when it is in the mailbox
         but the receiver stopped spinning meanwhile: the caller rings the doorbell."""
-        if not self._ctl[W_SPIN] or self._ctl[W_SOCK_READ] != self.sock_sent:
+        if not self.open():
             return None
         raw = encode_header(header)
         n = len(payload)
@@ -141,7 +147,7 @@ class Inbox:
                 raise ProtocolError(f"rank index {self.src} wrote a malformed mailbox record ({size}, {hlen})")
             a = at + _REC.size
             h = decode_header(self._box[a:a + hlen])
-            if h.kind != P2P or h.src != self.src or h.root != 0 or h.nbytes > size - _REC.size - hlen:
+            if h.kind != P2P or h.src != self.src or h.root not in (0, P2P_SHM_ROOT) or h.nbytes > size - _REC.size - hlen:
                 raise ProtocolError(f"rank index {self.src} wrote a mailbox record that is not its P2P message: {h}")
             out.append(Message(h, Payload(bytes(self._box[a + hlen:a + hlen + h.nbytes]))))
             tail += size

@@ -80,8 +80,14 @@ class Sender:
                 if now - op.since < shm_p2p.FULL_WAIT_S:
                     return False  # retried within BUSY_POLL_MS: the receiver is usually copying out
                 place = None  # it is not taking it: inline, as the socket would have it
-            if place is None and self.rings is not None:
-                put = self.rings.put(op.dst, header, payload)  # a waiting receiver: its mailbox
+            body = payload
+            if place is not None:  # the payload goes into our ring to dst; a descriptor says where
+                body = shm_p2p.descriptor(*place)
+                header = header._replace(nbytes=len(body), root=shm_p2p.SHM_ROOT)
+            if self.rings is not None and self.rings.mail_open(op.dst):  # a waiting receiver: its mailbox
+                if place is not None:
+                    self.rings.write(op.dst, place[0], payload)  # before the descriptor is published
+                put = self.rings.put(op.dst, header, body)
                 if put is not None:
                     if put is False:
                         self._doorbell(sock, op.dst)
@@ -89,9 +95,7 @@ class Sender:
                     op.sent += 1
                     op.since = now
                     continue
-            if place is not None:  # the payload goes into our ring to dst; the socket says where
-                desc = shm_p2p.descriptor(*place)
-                header = header._replace(nbytes=len(desc), root=shm_p2p.SHM_ROOT)
+                place = None if place is None else (place[0], -1, "")  # written already
             try:
                 sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
             except zmq.Again:
@@ -100,8 +104,9 @@ class Sender:
                     return True
                 return False
             if place is not None:
-                self.rings.write(op.dst, place[0], payload)
-                sock.send(desc, copy=True)
+                if place[1] >= 0:
+                    self.rings.write(op.dst, place[0], payload)
+                sock.send(body, copy=True)
             elif len(payload) >= ZERO_COPY_MIN_BYTES:
                 op.trackers.append(sock.send(payload, copy=False, track=True))
             else:

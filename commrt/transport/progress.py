@@ -31,6 +31,7 @@ import zmq
 
 from commrt.runtime.work import Work
 from commrt.runtime.errors import ProtocolError
+from commrt.transport import shm_p2p
 from commrt.transport.mailbox import barrier
 
 ENGINE = "engine"
@@ -195,6 +196,10 @@ class CallerProgress:
             self._fail_all(lambda op: error, peer=inbox.src)
             return
         for msg in msgs:
+            if msg.header.root == shm_p2p.SHM_ROOT:  # a descriptor: the payload lies in its ring
+                msg = self._from_ring(msg)
+                if msg is None:
+                    continue
             self._deliver(msg)
 
     def test(self) -> None:

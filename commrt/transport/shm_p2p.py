@@ -194,6 +194,10 @@ class Rings:
         self.mailed += put is not None
         return put
 
+    def mail_open(self, dst: int) -> bool:
+        """Whether ``dst``'s mailbox may take a message now (mailbox.py rules 1-2; room aside)."""
+        return dst in self.peers and self._out[dst].outbox.open()
+
     def sent_on_socket(self, dst: int) -> None:
         """A P2P message to ``dst`` went over the socket (mailbox rule 2 counts them)."""
         if dst in self._out:

@@ -1,5 +1,6 @@
 """Cutting an nn.Sequential into stages (no processes)."""
 import pytest
+import torch
 from torch import nn
 
 from commrt.runtime.errors import ConfigError
@@ -30,7 +31,31 @@ def test_every_stage_gets_a_layer_even_when_one_layer_dominates():
 def test_bad_requests_are_config_errors():
     with pytest.raises(ConfigError, match="cannot split 2 layers into 3"):
         split(nn.Sequential(nn.Tanh(), nn.Tanh()), 3)
-    with pytest.raises(ConfigError, match="valid: \\['layers', 'params'\\]"):
+    with pytest.raises(ConfigError, match="valid: \\['layers', 'params', 'time'\\]"):
         split(nn.Sequential(nn.Tanh()), 1, by="flops")
     with pytest.raises(ConfigError, match="nn.Sequential"):
         split(nn.Linear(1, 1), 1)
+
+
+class _Heavy(nn.Module):
+    """No parameters, most of the time: a parameter count cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        for _ in range(60):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_a_time_split_follows_measured_cost_not_parameters():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Heavy(), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    sample = torch.randn(256, 64)
+    assert [len(p) for p in split(model, 2, by="params")] == [2, 2]
+    assert [len(p) for p in split(model, 2, by="time", sample=sample)] == [1, 3]
+    assert all(p.grad is None for p in model.parameters())  # timing leaves no gradients behind
+    with pytest.raises(ConfigError, match="needs a sample"):
+        split(model, 2, by="time")

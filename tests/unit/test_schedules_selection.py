@@ -20,6 +20,10 @@ def test_defaults_go_from_latency_to_bandwidth_algorithms():
     assert sel.choose("all_reduce", 64 << 20, 1024) == "ring"
     assert sel.choose("broadcast", 4096, 64) == "binomial"
     assert sel.choose("all_gather", 4096, 64) == "bruck"
+    # two ranks: one whole-buffer exchange beats two halves up to 1 MiB (measured, loopback)
+    assert [sel.choose("all_reduce", n, 2) for n in (4096, 512 << 10, 1 << 20)] == \
+        ["recursive_doubling", "recursive_doubling", "rabenseifner"]
+    assert sel.choose("all_reduce", 512 << 10, 3) == "rabenseifner"
 
 
 def test_overrides_pin_an_algorithm_for_a_range():

@@ -18,6 +18,9 @@ class PsConfig:
     In the environment: a comma-separated list."""
     workers: int = 0
     """How many workers push to the servers (the servers wait for all of them in sync mode)."""
+    initial_workers: int = 0
+    """async/ssp: how many workers (ids 0 to N-1) start with the job; the others join later, at
+    the running step, and nobody waits for them until they do (0: all start with the job)."""
     mode: str = "sync"
     """sync: apply step t once every worker pushed it; async: apply each push as it arrives;
     ssp: like async, but no worker may run more than ``staleness`` steps ahead of the slowest."""
@@ -75,12 +78,18 @@ class PsConfig:
             check_positive("ps", name, getattr(self, name))
         for name in ("timeout_s", "retry_s", "worker_timeout_s"):
             check_seconds("ps", name, getattr(self, name), MAX_TIMEOUT_S)
-        for name in ("workers", "staleness", "momentum", "weight_decay", "eps"):
+        for name in ("workers", "initial_workers", "staleness", "momentum", "weight_decay", "eps"):
             if getattr(self, name) < 0:
                 raise invalid("ps", name, getattr(self, name), "must be >= 0")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise invalid("ps", name, getattr(self, name), "must be in [0, 1)")
+        if self.workers and self.initial_workers > self.workers:
+            raise invalid("ps", "initial_workers", self.initial_workers, f"must be <= workers ({self.workers})")
+        if self.mode == "sync" and 0 < self.initial_workers < self.workers:
+            raise invalid("ps", "initial_workers", self.initial_workers,
+                          "a sync job admits no worker after it began (every step averages the same workers): "
+                          "use mode async or ssp")
         if not 0 <= self.metrics_port <= 65535:
             raise invalid("ps", "metrics_port", self.metrics_port, "valid: 0 (off) to 65535")
         for addr in self.servers:
