@@ -126,3 +126,53 @@ def test_overlap_of_numpy_views_by_address():
     assert byte_span(rev) == byte_span(base)
     assert overlaps(rev[:3], base[17:]) and not overlaps(rev[:3], base[:17])
     assert overlaps(np.frombuffer(base, np.uint8)[8:12], base[2:3])  # another array, same bytes
+
+
+def test_a_lost_rank_heard_from_a_peer_is_passed_on_over_existing_connections_only():
+    """Issue 32.5: a rank that sees a peer die tells every peer; a rank told passes the notice on
+    only to the peers it has a connection to (at 256 ranks, every told rank dialling all others
+    made 65,000 connections after one death and the last survivor heard of it after 16 s).
+    Real endpoints of 4 ranks in one process: rank 3 is the lost one."""
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import PeerLost
+    from commrt.transport import Endpoint, Transport
+    from commrt.transport.wire import COLL, Coll, Header
+
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    names = [f"rank{r}" for r in range(4)]
+    sides = [Transport(cfg, n) for n in names]
+    eps = [Endpoint(sides[r], 0, r, names, "127.0.0.1", "", 1 << 20, 3.0, 10.0) for r in range(4)]
+    try:
+        table = {r: ep.address for r, ep in enumerate(eps)}
+        for ep in eps:
+            ep.connect(table)
+        eps[0].send(1, Header(COLL, 0, 1, 0, int(Coll.BARRIER), 6, 0, 0, 0), b"", op="barrier")
+        eps[1].recv(0, op="barrier", seq=1, timeout_s=10.0)  # rank 0 now has a connection to 1 only
+        eps[0].tell_peers(2, lost=3, connected_only=True)  # heard, so passed on
+        assert sorted(eps[0]._out) == [1], "a relayed notice dialled new peers"
+        with pytest.raises(PeerLost) as lost:
+            eps[1].recv(2, op="all_reduce", seq=2, timeout_s=10.0)
+        assert (lost.value.rank, lost.value.reported_by) == (3, 0)
+        eps[0].tell_peers(2, lost=3)  # seen first-hand: every peer but the lost one
+        assert sorted(eps[0]._out) == [1, 2]
+        with pytest.raises(PeerLost) as lost:
+            eps[2].recv(1, op="all_reduce", seq=2, timeout_s=10.0)
+        assert (lost.value.rank, lost.value.reported_by) == (3, 0)
+    finally:
+        for ep in eps:
+            ep.close()
+        for side in sides:
+            side.close()
+
+
+def test_a_backend_passes_on_what_it_heard_only_over_its_connections():
+    from types import SimpleNamespace
+
+    from commrt.backends.zmq_backend import ZmqBackend
+    from commrt.runtime.errors import PeerLost
+    calls = []
+    stub = SimpleNamespace(_coll=SimpleNamespace(tell_peers=lambda seq, **kw: calls.append(kw)), _broken=None)
+    ctx = SimpleNamespace(seq=5)
+    ZmqBackend._give_up(stub, PeerLost(3, "all_reduce", 5, "connection lost 1.0s ago"), ctx)
+    ZmqBackend._give_up(stub, PeerLost(3, "all_reduce", 5, "rank 0 reported it lost", reported_by=0), ctx)
+    assert calls == [{"lost": 3, "connected_only": False}, {"lost": 3, "connected_only": True}]
