@@ -42,6 +42,12 @@ def test_four_numpy_ranks_never_load_torch():
     print(s)
 
 
+@pytest.mark.parametrize("intra", ["shm", "tcp"])
+def test_every_call_on_numpy_arrays_over_both_paths(intra):
+    _, out, _ = launch(3, "api", timeout_s=120, env={"COMMRT_COMM_INTRA_NODE": intra})
+    assert out.count("API ok") == 3, out[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_two_hundred_fifty_six_numpy_ranks():

@@ -7,6 +7,8 @@ all_reduce checked exactly against the single-process reference, messages per sm
                                    survivor must name it (PeerLost) in its next all_reduce
     lean_rank tensor [ITERS]       the scale run on torch tensors over the same memory (the
                                    torch rank's cost, for comparison)
+    lean_rank api                  every public collective and point-to-point on numpy arrays,
+                                   checked against the reference; prints API ok
 
 Timings are this rank's wall time per op over ITERS back-to-back ops after a barrier;
 ``init_s`` is init_process_group's duration (rendezvous, connections, the world barrier),
@@ -107,9 +109,47 @@ def kill(victim: int, iters: int) -> None:
               flush=True)
 
 
+def api() -> None:
+    """Each call on numpy arrays (in place, a non-contiguous one too), over whichever path the
+    environment picks (shared memory or TCP), against what one process computes."""
+    commrt.init_process_group()
+    n, nxt, prev = WORLD, (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    parts = [part(r, 300, 1) for r in range(n)]
+    total = reference(300, 1)
+    x = parts[RANK].copy()
+    commrt.all_reduce(x)
+    assert np.array_equal(x, total), "all_reduce"
+    grid = np.zeros((n, 600), np.float32)
+    grid[:, ::2] = parts[RANK]  # a strided view: flattened, reduced, written back
+    commrt.all_reduce(grid[:, ::2], op=commrt.ReduceOp.MAX)
+    assert np.array_equal(grid[:, ::2], np.broadcast_to(np.max(parts, 0), (n, 300))) and not grid[:, 1::2].any()
+    b = parts[RANK].copy()
+    commrt.broadcast(b, n - 1)
+    assert np.array_equal(b, parts[n - 1]), "broadcast"
+    gathered = np.zeros(300 * n, np.float32)
+    commrt.all_gather_into_tensor(gathered, parts[RANK])
+    assert np.array_equal(gathered, np.concatenate(parts)), "all_gather"
+    mine = np.zeros(100, np.float32)  # every block of the input is this rank's first 100 values
+    commrt.reduce_scatter_tensor(mine, np.tile(parts[RANK][:100], n))
+    assert np.array_equal(mine, total[:100]), "reduce_scatter"
+    swapped = np.zeros(n, np.int64)
+    commrt.all_to_all_single(swapped, np.arange(n, dtype=np.int64) + 10 * RANK)
+    assert np.array_equal(swapped, np.arange(n) * 10 + RANK), "all_to_all"
+    got = np.zeros(70000, np.float32)  # above the rings' threshold: shared memory between local ranks
+    work = commrt.isend(part(RANK, 70000, 2), nxt)
+    commrt.recv(got, prev)
+    work.wait()
+    assert np.array_equal(got, part(prev, 70000, 2)), "send/recv"
+    commrt.barrier()
+    assert "torch" not in sys.modules, "torch was imported"
+    print(f"API ok rank {RANK}", flush=True)
+
+
 if __name__ == "__main__":
     mode, rest = sys.argv[1], [int(a) for a in sys.argv[2:]]
-    if mode == "kill":
+    if mode == "api":
+        api()
+    elif mode == "kill":
         kill(rest[0], *(rest[1:] or [20]))
     elif mode == "tensor":
         import torch  # the comparison: the same ops on tensors over the same memory
