@@ -203,9 +203,7 @@ class ZmqBackend:
         if isinstance(exc, MismatchReport):
             exc = restate_report(exc, ctx)
         elif isinstance(exc, PeerLost):
-            # seen here: every peer hears at once; heard from a peer: passed on over the
-            # connections this rank has (the schedules' graph spans the group in log2 n hops),
-            # not to all n, which made every rank dial every other after one death
+            # seen here: to every peer; heard: over this rank's connections only (issue 32.5)
             self._coll.tell_peers(ctx.seq, lost=exc.rank, connected_only=exc.reported_by is not None)
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
             self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
@@ -215,9 +213,8 @@ class ZmqBackend:
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t = dtypes.as_buffer(tensor)
-        if not isinstance(t, np.ndarray) and t.is_cuda:
-            # pieces staged through pinned memory, copies overlapping the network (torch's CUDA: lazy)
-            from commrt.backends.staging import Staged
+        if not isinstance(t, np.ndarray) and t.is_cuda:  # staged through pinned memory in pieces
+            from commrt.backends.staging import Staged  # lazy: torch's CUDA
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
             return self._collective(Coll.ALL_REDUCE, t.dtype, numel(t),
                                     lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
