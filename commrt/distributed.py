@@ -2,6 +2,8 @@
 
 ``src``/``dst`` arguments are global ranks (as in torch); ``group=None`` means the world.
 Collectives on a process that is not a member of ``group`` return None, as torch's do.
+Buffers are torch tensors or numpy arrays, updated in place; a process that passes only numpy
+arrays never imports torch (issue 32.2).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from commrt.collectives.reduce_ops import ReduceOp, as_op
 from commrt.obs import stats
 from commrt.obs.observer import Observer
 from commrt.runtime import bootstrap, dtypes, rendezvous, world
+from commrt.runtime.arrays import nbytes
 from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError
 from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
@@ -161,7 +164,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     g = _group(group)
     if g is None:
         return None
-    out, inp = dtypes.as_tensor(output), dtypes.as_tensor(input)
+    out, inp = dtypes.as_buffer(output), dtypes.as_buffer(input)
     return _call(_begin(g, "all_to_all_single", inp, async_op), g.backend.all_to_all_single,
                  out, inp, output_split_sizes, input_split_sizes, async_op)
 
@@ -238,8 +241,8 @@ def _begin(g: ProcessGroup, op: str, tensor, async_op: bool, peer: int = -1):
         return None
     if tensor is None:
         return obs.begin(g, op, 0, None, peer, async_op, peer >= 0)
-    t = dtypes.as_tensor(tensor)
-    return obs.begin(g, op, t.numel() * t.element_size(), t.dtype, peer, async_op, peer >= 0)
+    t = dtypes.as_buffer(tensor)
+    return obs.begin(g, op, nbytes(t), t.dtype, peer, async_op, peer >= 0)
 
 
 def _call(rec, fn, *args):

@@ -1,9 +1,11 @@
-"""The interface every backend implements for one process group, and tensor preparation."""
+"""The interface every backend implements for one process group, and buffer preparation
+(numpy arrays stay numpy, tensors stay tensors: runtime/arrays.py)."""
 from __future__ import annotations
 
+import sys
 from typing import Callable, Protocol
 
-import torch
+import numpy as np
 
 from commrt.runtime import dtypes
 from commrt.collectives.reduce_ops import ReduceOp
@@ -27,11 +29,16 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], None] | None]:
+def flat_view(obj, what: str = "tensor") -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""
-    t = dtypes.as_tensor(obj)
+    t = dtypes.as_buffer(obj)
     dtypes.code_of(t.dtype)
+    if isinstance(t, np.ndarray):
+        if t.flags.c_contiguous:
+            return (t if t.ndim == 1 else t.reshape(-1)), None
+        flat = np.ascontiguousarray(t).reshape(-1)
+        return flat, lambda: np.copyto(t, flat.reshape(t.shape))
     if t.is_cpu and t.is_contiguous():  # the common case first: no torch.device object per call
         return (t if t.dim() == 1 else t.reshape(-1)), None
     if t.device.type == "cuda":
@@ -45,7 +52,16 @@ def flat_view(obj, what: str = "tensor") -> tuple[torch.Tensor, Callable[[], Non
     return flat, lambda: t.copy_(flat.view(t.shape))
 
 
-def check_same_dtype(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+def same_kind(a, b) -> tuple:
+    """(a, b) as one kind of buffer: a numpy array beside a tensor becomes a tensor over the
+    same memory (torch is loaded: a tensor exists), so the pair runs as tensors as it always did."""
+    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
+        from_numpy = sys.modules["torch"].from_numpy
+        return (from_numpy(a) if isinstance(a, np.ndarray) else a), (from_numpy(b) if isinstance(b, np.ndarray) else b)
+    return a, b
+
+
+def check_same_dtype(a, b, op: str) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
 

@@ -7,9 +7,10 @@ import sys
 import zlib
 from typing import Callable
 
-import torch
+import numpy as np
 
 from commrt.runtime import dtypes
+from commrt.runtime.arrays import UINT8, numel
 from commrt.collectives import ops, shm_ops
 from commrt.collectives.aliasing import Aliased
 from commrt.collectives.context import Coll, Journal, OpContext
@@ -26,8 +27,7 @@ from commrt.transport.endpoint import MismatchReport, encode_report
 from commrt.transport.memory import keep_freed_memory
 from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
-from commrt.backends.base import check_same_dtype, flat_view, split_bounds
-from commrt.backends.staging import Staged
+from commrt.backends.base import check_same_dtype, flat_view, same_kind, split_bounds
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.backends.zmq_shm import make_segment, open_channel
 
@@ -114,7 +114,7 @@ class ZmqBackend:
         self._shm = channel
 
     # -- running an operation ----------------------------------------------------------------
-    def _collective(self, coll: Coll, dtype: torch.dtype, count: int,
+    def _collective(self, coll: Coll, dtype, count: int,
                     body: Callable[[OpContext], None], async_op: bool,
                     writeback: Callable[[], None] | None = None, nbytes: int | None = None, *,
                     reduce: int = 0, root: int = 0) -> Work | None:
@@ -203,7 +203,8 @@ class ZmqBackend:
         if isinstance(exc, MismatchReport):
             exc = restate_report(exc, ctx)
         elif isinstance(exc, PeerLost):
-            self._coll.tell_peers(ctx.seq, lost=exc.rank)
+            # seen here: to every peer; heard: over this rank's connections only (issue 32.5)
+            self._coll.tell_peers(ctx.seq, lost=exc.rank, connected_only=exc.reported_by is not None)
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
             self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
         self._broken = exc
@@ -211,62 +212,64 @@ class ZmqBackend:
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
-        t = dtypes.as_tensor(tensor)
-        if t.is_cuda:  # pieces staged through pinned memory, copies overlapping the network
+        t = dtypes.as_buffer(tensor)
+        if not isinstance(t, np.ndarray) and t.is_cuda:  # staged through pinned memory in pieces
+            from commrt.backends.staging import Staged  # lazy: torch's CUDA
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
-            return self._collective(Coll.ALL_REDUCE, t.dtype, t.numel(),
+            return self._collective(Coll.ALL_REDUCE, t.dtype, numel(t),
                                     lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
                                     async_op, reduce=op)
         flat, wb = flat_view(tensor)
-        return self._collective(Coll.ALL_REDUCE, flat.dtype, flat.numel(),
+        return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
     def _whole_and_part(self, output, input, name: str, whole: str):
         """(out, write-back, inp), flat, of an op whose ``whole`` ("input" or "output") holds
         world-size parts the size of the other."""
-        out, wb = flat_view(output, "output")
-        inp, _ = flat_view(input, "input")
+        out, inp = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input))
+        out, wb = flat_view(out, "output")
+        inp, _ = flat_view(inp, "input")
         check_same_dtype(out, inp, name)
         big, small, part = (inp, out, "output") if whole == "input" else (out, inp, "input")
-        if big.numel() != small.numel() * self.size:
-            raise ValueError(f"{name}: {whole} has {big.numel()} elements, expected "
-                             f"{part} ({small.numel()}) x world size ({self.size})")
+        if numel(big) != numel(small) * self.size:
+            raise ValueError(f"{name}: {whole} has {numel(big)} elements, expected "
+                             f"{part} ({numel(small)}) x world size ({self.size})")
         return out, wb, inp
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
-        return self._collective(Coll.REDUCE_SCATTER, out.dtype, inp.numel(),
+        return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
                                 lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
-        return self._collective(Coll.ALL_GATHER, out.dtype, out.numel(),
+        return self._collective(Coll.ALL_GATHER, out.dtype, numel(out),
                                 lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
     def broadcast(self, tensor, src, async_op=False):
         flat, wb = flat_view(tensor)
-        return self._collective(Coll.BROADCAST, flat.dtype, flat.numel(),
+        return self._collective(Coll.BROADCAST, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         flat, wb = flat_view(tensor)
-        return self._collective(Coll.REDUCE, flat.dtype, flat.numel(),
+        return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        o, i = dtypes.as_tensor(output), dtypes.as_tensor(input)
+        o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input))
         out, wb = flat_view(o, "output")
         inp, _ = flat_view(i, "input")
         check_same_dtype(out, inp, "all_to_all_single")
-        out_b = split_bounds(out.numel(), o.shape[0] if o.dim() else 1, output_split_sizes, self.size, "output")
-        in_b = split_bounds(inp.numel(), i.shape[0] if i.dim() else 1, input_split_sizes, self.size, "input")
+        out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
+        in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")
         return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
                                 lambda ctx: self._ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
-                                nbytes=max(inp.numel(), out.numel()) * out.element_size())
+                                nbytes=max(numel(inp), numel(out)) * out.dtype.itemsize)
 
     def barrier(self, async_op=False):
-        return self._collective(Coll.BARRIER, torch.uint8, 0, lambda ctx: self._ops.barrier(ctx), async_op)
+        return self._collective(Coll.BARRIER, UINT8, 0, lambda ctx: self._ops.barrier(ctx), async_op)
 
     # -- point to point (zmq_p2p.py) --------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:

@@ -7,9 +7,9 @@ import collections
 import threading
 
 import numpy as np
-import torch
 
 from commrt.runtime import dtypes
+from commrt.runtime.arrays import as_bytes, numel
 from commrt.runtime.work import Work
 from commrt.transport.p2p import ANY_SOURCE, P2PEngine, Recv, Send
 from commrt.transport.wire import P2P, Header
@@ -31,8 +31,8 @@ class PointToPoint:
             seq = self._next("send", dst, tag)
             frames = []
             for step, piece in enumerate(steps):
-                payload = piece.view(torch.uint8).numpy() if piece.numel() else b""
-                frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, flat.numel(), step,
+                payload = as_bytes(piece) if numel(piece) else b""
+                frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, numel(flat), step,
                                       len(payload)), payload))
             return self._engine.post(Send(dst, tag, seq, frames, self._engine.work("send")))
 
@@ -42,8 +42,8 @@ class PointToPoint:
         flat, wb, code, steps = self._plan(tensor, "recv", src, tag)
         with self._lock:
             seq = self._next("recv", src, tag)
-            pieces = [piece.view(torch.uint8).numpy() for piece in steps]  # landed by one memcpy each
-            return self._engine.post(Recv(src, tag, seq, code, flat.numel(), pieces, _land, wb,
+            pieces = [as_bytes(piece) for piece in steps]  # landed by one memcpy each
+            return self._engine.post(Recv(src, tag, seq, code, numel(flat), pieces, _land, wb,
                                             self._engine.work("recv")))
 
     def _plan(self, tensor, direction: str, peer: int, tag: int):
@@ -53,8 +53,8 @@ class PointToPoint:
         if tag < 0:
             raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
         flat, wb = flat_view(tensor)
-        pe = max(1, self._chunk_bytes // flat.element_size())
-        n = flat.numel()
+        pe = max(1, self._chunk_bytes // flat.dtype.itemsize)
+        n = numel(flat)
         # one piece (every pipeline message, most sends) without slicing: ~1 us a transfer
         steps = [flat] if n <= pe else [flat[a:a + pe] for a in range(0, n, pe)]
         return flat, wb, dtypes.code_of(flat.dtype), steps

@@ -11,51 +11,50 @@ then assume an output disjoint from its input or in the in-place form.
 """
 from __future__ import annotations
 
-import torch
-
+from commrt.runtime.arrays import address, clone, empty_like, numel
 from commrt.runtime.dtypes import overlaps
 from commrt.collectives.contract import Algorithms
 from commrt.collectives.reduce_ops import ReduceOp, copy_
 
 
-def reduce_scatter_in_place(out: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
+def reduce_scatter_in_place(out, inp, rank: int) -> bool:
     """Whether ``out`` is ``inp``'s own slice for ``rank`` (NCCL's in-place form)."""
-    m = out.numel()
-    return m > 0 and out.data_ptr() == inp[rank * m:].data_ptr()
+    m = numel(out)
+    return m > 0 and address(out) == address(inp[rank * m:])
 
 
-def all_gather_in_place(out: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
+def all_gather_in_place(out, inp, rank: int) -> bool:
     """Whether ``inp`` is ``out``'s own slice for ``rank`` (NCCL's in-place form)."""
-    m = inp.numel()
-    return m > 0 and out[rank * m:].data_ptr() == inp.data_ptr()
+    m = numel(inp)
+    return m > 0 and address(out[rank * m:]) == address(inp)
 
 
-def reduce_scatter_needs_temporary(out: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
+def reduce_scatter_needs_temporary(out, inp, rank: int) -> bool:
     """An overlap other than the in-place form: a write to ``out`` could clobber input that a
     later step still reads, so the result goes to a temporary first."""
-    return out.numel() > 0 and overlaps(out, inp) and not reduce_scatter_in_place(out, inp, rank)
+    return numel(out) > 0 and overlaps(out, inp) and not reduce_scatter_in_place(out, inp, rank)
 
 
-def all_gather_source(out: torch.Tensor, inp: torch.Tensor, rank: int) -> torch.Tensor:
+def all_gather_source(out, inp, rank: int):
     """The input to gather from: ``inp`` itself, or a copy when received blocks could clobber it."""
-    if inp.numel() and overlaps(out, inp) and not all_gather_in_place(out, inp, rank):
-        return inp.clone()
+    if numel(inp) and overlaps(out, inp) and not all_gather_in_place(out, inp, rank):
+        return clone(inp)
     return inp
 
 
-def all_to_all_source(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def all_to_all_source(out, inp):
     """The input to send from: a copy when it shares memory with ``out`` (received blocks
     would overwrite blocks not sent yet)."""
-    return inp.clone() if out.numel() and overlaps(out, inp) else inp
+    return clone(inp) if numel(out) and overlaps(out, inp) else inp
 
 
-def own_part(own: torch.Tensor, out: torch.Tensor, position: int) -> torch.Tensor:
+def own_part(own, out, position: int):
     """This rank's part of a rank-ordered reduction into ``out`` (reduce_ops.reduce_in_order_):
     it may be ``out`` itself only as the first or second part, read before ``out`` is written;
     at any later position, or overlapping otherwise, it is copied first."""
-    same = own.data_ptr() == out.data_ptr() and own.numel() == out.numel()
+    same = address(own) == address(out) and numel(own) == numel(out)
     if (position > 1 or not same) and overlaps(own, out):
-        return own.clone()
+        return clone(own)
     return own
 
 
@@ -66,28 +65,28 @@ class Aliased:
         self.algorithms = algorithms
 
     # in place by nature: nothing to decide (looked up per call, so a test may patch the module)
-    def all_reduce(self, ctx, flat: torch.Tensor, op: ReduceOp) -> None:
+    def all_reduce(self, ctx, flat, op: ReduceOp) -> None:
         self.algorithms.all_reduce(ctx, flat, op)
 
-    def broadcast(self, ctx, flat: torch.Tensor, src: int) -> None:
+    def broadcast(self, ctx, flat, src: int) -> None:
         self.algorithms.broadcast(ctx, flat, src)
 
-    def reduce(self, ctx, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+    def reduce(self, ctx, flat, dst: int, op: ReduceOp) -> None:
         self.algorithms.reduce(ctx, flat, dst, op)
 
     def barrier(self, ctx) -> None:
         self.algorithms.barrier(ctx)
 
-    def reduce_scatter(self, ctx, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, ctx, out, inp, op: ReduceOp) -> None:
         if reduce_scatter_needs_temporary(out, inp, ctx.rank):
-            tmp = torch.empty_like(out)
+            tmp = empty_like(out)
             self.algorithms.reduce_scatter(ctx, tmp, inp, op)
             copy_(out, tmp)
         else:
             self.algorithms.reduce_scatter(ctx, out, inp, op)
 
-    def all_gather(self, ctx, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, ctx, out, inp) -> None:
         self.algorithms.all_gather(ctx, out, all_gather_source(out, inp, ctx.rank))
 
-    def all_to_all(self, ctx, out: torch.Tensor, inp: torch.Tensor, out_bounds, in_bounds) -> None:
+    def all_to_all(self, ctx, out, inp, out_bounds, in_bounds) -> None:
         self.algorithms.all_to_all(ctx, out, all_to_all_source(out, inp), out_bounds, in_bounds)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from commrt.runtime.arrays import as_bytes, empty_of, frombuffer, numel as numel_of
 from commrt.runtime.errors import CollectiveMismatch
 from commrt.transport import Endpoint
 from commrt.transport.wire import Coll, Header
@@ -34,9 +33,9 @@ class Journal:
         return ctx if ctx is not None and ctx.seq == seq else None
 
 
-def _as_bytes(t: torch.Tensor):
-    """Zero-copy uint8 numpy view of a contiguous 1-D tensor (works for bfloat16 too)."""
-    return t.view(torch.uint8).numpy() if t.numel() else b""
+def _as_bytes(t):
+    """Zero-copy uint8 numpy view of a flat array or tensor (a bfloat16 tensor's too)."""
+    return as_bytes(t) if numel_of(t) else b""
 
 
 @dataclass
@@ -71,20 +70,19 @@ class OpContext(OpShape):
         """The schedule the table names for ``collective`` moving ``nbytes`` on this group."""
         return choose(collective, nbytes, self.size, self.table)
 
-    def send(self, dst: int, data: torch.Tensor | None = None) -> None:
+    def send(self, dst: int, data=None) -> None:
         payload = b"" if data is None else _as_bytes(data)
         step = self._sent[dst]
         self._sent[dst] = step + 1
         self.ep.send(dst, self.header(len(payload), step), payload, op=self.name)
 
-    def recv(self, src: int, numel: int = 0) -> torch.Tensor:
-        """Next piece from ``src``, as a tensor view of the received frame (read it only).
-        No copy and no warning: pyzmq frames export a writable buffer, so torch.frombuffer
-        has nothing to warn about (tests/unit/test_no_side_effects.py keeps it so)."""
+    def recv(self, src: int, numel: int = 0):
+        """Next piece from ``src``, as a view of the received frame of the op's buffer type
+        (numpy array or tensor; read it only). No copy and no warning: pyzmq frames export a
+        writable buffer, so torch.frombuffer has nothing to warn about
+        (tests/unit/test_no_side_effects.py keeps it so)."""
         payload = self.recv_buffer(src, numel)
-        if numel == 0:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.frombuffer(payload, dtype=self.dtype)
+        return frombuffer(payload, self.dtype) if numel else empty_of(0, self.dtype)
 
     def recv_buffer(self, src: int, numel: int) -> memoryview:
         """Next piece from ``src``, checked against this op, as the received frame's bytes."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from commrt.runtime import dtypes
 from commrt.runtime.errors import CollectiveMismatch
 from commrt.transport.messages import MismatchReport
@@ -39,20 +37,20 @@ class StepContext(Protocol):
 
 
 class Algorithms(Protocol):
-    """The collectives over one kind of context; each tensor is flat (1-D, contiguous), and
+    """The collectives over one kind of context; each buffer (numpy array or tensor) is flat, and
     outputs are disjoint from inputs or in NCCL's in-place form (aliasing.py sees to it)."""
 
-    def all_reduce(self, ctx: Any, flat: torch.Tensor, op: ReduceOp) -> None: ...
+    def all_reduce(self, ctx: Any, flat, op: ReduceOp) -> None: ...
 
-    def reduce_scatter(self, ctx: Any, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None: ...
+    def reduce_scatter(self, ctx: Any, out, inp, op: ReduceOp) -> None: ...
 
-    def all_gather(self, ctx: Any, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+    def all_gather(self, ctx: Any, out, inp) -> None: ...
 
-    def broadcast(self, ctx: Any, flat: torch.Tensor, src: int) -> None: ...
+    def broadcast(self, ctx: Any, flat, src: int) -> None: ...
 
-    def reduce(self, ctx: Any, flat: torch.Tensor, dst: int, op: ReduceOp) -> None: ...
+    def reduce(self, ctx: Any, flat, dst: int, op: ReduceOp) -> None: ...
 
-    def all_to_all(self, ctx: Any, out: torch.Tensor, inp: torch.Tensor,
+    def all_to_all(self, ctx: Any, out, inp,
                    out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None: ...
 
     def barrier(self, ctx: Any) -> None: ...
@@ -69,7 +67,7 @@ class OpShape:
     size: int
     seq: int
     coll: Coll
-    dtype: torch.dtype
+    dtype: Any  # the buffers' dtype: numpy's or torch's (runtime/arrays.py)
     count: int
 
     def _derive(self) -> None:

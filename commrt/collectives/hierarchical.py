@@ -20,20 +20,19 @@ flat path does). ``intra``/``inter`` are process groups (anything with ``backend
 """
 from __future__ import annotations
 
-import torch
-
 from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
+from commrt.runtime.arrays import assign, empty, numel, swap_blocks, swap_blocks_into, zeros
 
 
 def _sum_op(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
-def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp, segments: int = 1) -> None:
+def all_reduce(intra, inter, flat, op: ReduceOp, segments: int = 1) -> None:
     """In place on a contiguous 1-D ``flat``, cut into ``segments`` pipelined pieces: the node's
     reduce-scatter of piece i+1 runs while piece i crosses the nodes (the groups have their own
     executors), so the slow link is not left idle during the node-local steps."""
-    m, n = intra.size(), flat.numel()
+    m, n = intra.size(), numel(flat)
     if n == 0:
         return
     per = -(-n // max(1, segments) // m) * m  # a multiple of M: no padding but in the last piece
@@ -63,39 +62,38 @@ def all_reduce(intra, inter, flat: torch.Tensor, op: ReduceOp, segments: int = 1
 class _Piece:
     """One pipelined piece of an all_reduce: its (padded) data and this rank's 1/M shard."""
 
-    def __init__(self, data: torch.Tensor, m: int):
-        self.data, part = data, -(-data.numel() // m)
-        self.padded = data if part * m == data.numel() else torch.zeros(part * m, dtype=data.dtype,
-                                                                         device=data.device)
+    def __init__(self, data, m: int):
+        self.data, part = data, -(-numel(data) // m)
+        self.padded = data if part * m == numel(data) else zeros(part * m, data)
         if self.padded is not data:  # the tail pads the last local rank's part; its values are dropped
-            self.padded[:data.numel()].copy_(data)
-        self.shard = torch.empty(part, dtype=data.dtype, device=data.device)
+            assign(self.padded[:numel(data)], data)
+        self.shard = empty(part, data)
         self.rs = self.ar = self.ag = None
 
     def finish(self) -> None:
         if self.padded is not self.data:
-            self.data.copy_(self.padded[:self.data.numel()])
+            assign(self.data, self.padded[:numel(self.data)])
 
 
-def reduce_scatter(intra, inter, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+def reduce_scatter(intra, inter, out, inp, op: ReduceOp) -> None:
     """``inp`` holds K*M chunks of ``out.numel()``; this rank gets the reduction of its chunk."""
-    m, k, s = intra.size(), inter.size(), out.numel()
-    by_local = inp.view(k, m, s).transpose(0, 1).contiguous()  # [M, K, s]: local rank l's K chunks together
-    node_sums = torch.empty(k * s, dtype=out.dtype, device=out.device)
-    intra.backend.reduce_scatter_tensor(node_sums, by_local.view(-1), _sum_op(op), False)
+    m, k, s = intra.size(), inter.size(), numel(out)
+    by_local = swap_blocks(inp, k, m, s)  # [M, K, s]: local rank l's K chunks together
+    node_sums = empty(k * s, out)
+    intra.backend.reduce_scatter_tensor(node_sums, by_local, _sum_op(op), False)
     inter.backend.reduce_scatter_tensor(out, node_sums, _sum_op(op), False)
     if op == ReduceOp.AVG:
         finish_avg_(out, m * k)
 
 
-def all_gather(intra, inter, out: torch.Tensor, inp: torch.Tensor) -> None:
+def all_gather(intra, inter, out, inp) -> None:
     """``out`` gets every rank's ``inp`` in global rank order."""
-    m, k, s = intra.size(), inter.size(), inp.numel()
-    same_local = torch.empty(k * s, dtype=inp.dtype, device=inp.device)
+    m, k, s = intra.size(), inter.size(), numel(inp)
+    same_local = empty(k * s, inp)
     inter.backend.all_gather_into_tensor(same_local, inp, False)  # chunks (0, l) .. (K-1, l)
-    by_local = torch.empty(m * k * s, dtype=inp.dtype, device=inp.device)
+    by_local = empty(m * k * s, inp)
     intra.backend.all_gather_into_tensor(by_local, same_local, False)  # [M, K, s]
-    out.view(k, m, s).copy_(by_local.view(m, k, s).transpose(0, 1))
+    swap_blocks_into(out, by_local, m, k, s)
 
 
 def drain(works: list) -> None:

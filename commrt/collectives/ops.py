@@ -21,21 +21,22 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
+import numpy as np
 
 from commrt.collectives.algorithms import (chain_order, chunk_bounds, pieces, ring_all_gather_steps,
     ring_neighbours, ring_reduce_scatter_steps)
 from commrt.collectives.aliasing import own_part
+from commrt.runtime.arrays import address, empty_like, numel as numel_of
 from commrt.collectives.context import OpContext
 from commrt.collectives.scheduled import Side, run
 from commrt.collectives.schedules import ALGORITHMS, REDUCE, Step
 from commrt.collectives.reduce_ops import (ReduceOp, combine_, combine_into, copy_, finish_avg_,
     reduce_in_order_)
 
-Forward = Callable[[int, int, int, torch.Tensor], torch.Tensor]
+Forward = Callable  # (k, a, b, incoming piece) -> what to forward
 
 
-def _ring(ctx: OpContext, steps, chunks, first: torch.Tensor, handle: Forward) -> None:
+def _ring(ctx: OpContext, steps, chunks, first, handle: Forward) -> None:
     """Run ring ``steps`` (send chunk, recv chunk) piece by piece.
 
     ``first`` is the buffer the step-0 chunk is sent from; ``handle(k, a, b, incoming)``
@@ -61,22 +62,22 @@ def _steps(collective: str, algorithm: str, rank: int, n: int, root: int) -> tup
     return tuple(build(rank, n, root, 1)), parts(n, 1)
 
 
-def _scheduled(ctx: OpContext, collective: str, algorithm: str, buf: torch.Tensor,
+def _scheduled(ctx: OpContext, collective: str, algorithm: str, buf,
                op: ReduceOp | None = None, root: int = 0) -> None:
     """Run a schedule over one buffer cut into the schedule's chunks (scheduled.run)."""
     steps, parts = _steps(collective, algorithm, ctx.rank, ctx.size, root)
-    run(ctx, list(steps), Side(buf, chunk_bounds(buf.numel(), parts)), op=op)
+    run(ctx, list(steps), Side(buf, chunk_bounds(numel_of(buf), parts)), op=op)
 
 
-def _reduce_own_in_order(ctx: OpContext, out: torch.Tensor, own: torch.Tensor, got: dict, op: ReduceOp) -> None:
+def _reduce_own_in_order(ctx: OpContext, out, own, got: dict, op: ReduceOp) -> None:
     """out = the rank-ordered reduction of ``got`` (peer -> frame) and ``own`` (this rank's
     part; it may be ``out`` itself: aliasing.own_part)."""
     own = own_part(own, out, ctx.rank)
     reduce_in_order_(out, [got[p] if p != ctx.rank else own for p in range(ctx.size)], op)
 
 
-def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
-    n, numel = ctx.size, flat.numel()
+def all_reduce(ctx: OpContext, flat, op: ReduceOp) -> None:
+    n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
         algorithm = ctx.algorithm("all_reduce", numel * ctx.itemsize)
         if algorithm == "ring":
@@ -88,9 +89,9 @@ def all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
         finish_avg_(flat, n)
 
 
-def _ring_all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
+def _ring_all_reduce(ctx: OpContext, flat, op: ReduceOp) -> None:
     n = ctx.size
-    chunks = chunk_bounds(flat.numel(), n)
+    chunks = chunk_bounds(numel_of(flat), n)
     steps = ring_reduce_scatter_steps(ctx.rank, n) + ring_all_gather_steps(ctx.rank, n)
     reducing = n - 1
 
@@ -103,9 +104,9 @@ def _ring_all_reduce(ctx: OpContext, flat: torch.Tensor, op: ReduceOp) -> None:
     _ring(ctx, steps, chunks, flat, handle)
 
 
-def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
+def reduce_scatter(ctx: OpContext, out, inp, op: ReduceOp) -> None:
     """``out`` (numel m) gets the reduction of chunk ``rank`` of every rank's ``inp`` (n*m)."""
-    n, m = ctx.size, out.numel()
+    n, m = ctx.size, numel_of(out)
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
     if n == 1 or m == 0:
@@ -117,7 +118,7 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
         got = {src: ctx.recv_buffer(src, m) for src in range(n) if src != ctx.rank}
         _reduce_own_in_order(ctx, out, inp[own:own + m], got, op)
     else:
-        scratch = torch.empty_like(inp)  # intermediate sums; inp stays untouched
+        scratch = empty_like(inp)  # intermediate sums; inp stays untouched
         last = n - 2
 
         def handle(k, a, b, incoming):
@@ -130,12 +131,12 @@ def reduce_scatter(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor, op: Red
         finish_avg_(out, n)
 
 
-def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
+def all_gather(ctx: OpContext, out, inp) -> None:
     """``out`` (n*m) gets every rank's ``inp`` (m) in rank order."""
-    n, m = ctx.size, inp.numel()
+    n, m = ctx.size, numel_of(inp)
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     mine = out[chunks[ctx.rank][0]:chunks[ctx.rank][1]]
-    if m and mine.data_ptr() != inp.data_ptr():  # not the in-place form
+    if m and address(mine) != address(inp):  # not the in-place form
         copy_(mine, inp)
     if n > 1 and m:
         algorithm = ctx.algorithm("all_gather", n * m * ctx.itemsize)
@@ -149,8 +150,8 @@ def all_gather(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor) -> None:
     ctx.flush()
 
 
-def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
-    n, numel = ctx.size, flat.numel()
+def broadcast(ctx: OpContext, flat, src: int) -> None:
+    n, numel = ctx.size, numel_of(flat)
     if n == 1 or numel == 0:
         return
     algorithm = ctx.algorithm("broadcast", numel * ctx.itemsize)
@@ -169,9 +170,9 @@ def broadcast(ctx: OpContext, flat: torch.Tensor, src: int) -> None:
     ctx.flush()
 
 
-def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+def reduce(ctx: OpContext, flat, dst: int, op: ReduceOp) -> None:
     """Only ``dst``'s tensor receives the result; the others are left unchanged."""
-    n, numel = ctx.size, flat.numel()
+    n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
         algorithm = ctx.algorithm("reduce", numel * ctx.itemsize)
         if algorithm == "ring":
@@ -181,7 +182,7 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
             reduces = any(s.action == REDUCE for s in steps)
             buf = flat
             if ctx.rank != dst and reduces:  # an inner node sums into scratch: its tensor stays as it was
-                buf = torch.empty_like(flat)
+                buf = empty_like(flat)
                 copy_(buf, flat)
             _scheduled(ctx, "reduce", algorithm, buf, op, root=dst)
             ctx.flush()  # buf may still be read by ZeroMQ: flush while it is alive
@@ -190,11 +191,11 @@ def reduce(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
         finish_avg_(flat, n)
 
 
-def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+def _ring_reduce_to(ctx: OpContext, flat, dst: int, op: ReduceOp) -> None:
     """Ring reduce-scatter into scratch, then every rank sends its reduced chunk to ``dst``."""
     n = ctx.size
-    chunks = chunk_bounds(flat.numel(), n)
-    scratch = torch.empty_like(flat)
+    chunks = chunk_bounds(numel_of(flat), n)
+    scratch = empty_like(flat)
 
     def handle(k, a, b, incoming):
         combine_into(scratch[a:b], flat[a:b], incoming, op)
@@ -210,7 +211,7 @@ def _ring_reduce_to(ctx: OpContext, flat: torch.Tensor, dst: int, op: ReduceOp) 
             copy_(flat[a:b], scratch[a:b] if src == dst else ctx.recv(src, b - a))
 
 
-def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
+def all_to_all(ctx: OpContext, out, inp,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
     """Block ``in_bounds[j]`` of ``inp`` goes to rank j, landing in its ``out_bounds[rank]``.
     ``out`` and ``inp`` are disjoint (aliasing.all_to_all_source). Pairwise exchange: sends
@@ -224,7 +225,7 @@ def all_to_all(ctx: OpContext, out: torch.Tensor, inp: torch.Tensor,
     ctx.flush()
 
 
-_NOTHING = torch.empty(0, dtype=torch.uint8)
+_NOTHING = np.empty(0, np.uint8)
 
 
 def barrier(ctx: OpContext) -> None:

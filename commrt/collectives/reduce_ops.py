@@ -5,13 +5,18 @@ with OpenMP, and with several ranks per host the spinning thread pools starve ea
 (measured: a 512 KiB all_reduce went from 0.6 ms to 14 ms at n=2 on 2 cores). numpy is
 single-threaded and releases the GIL, so ZeroMQ's I/O thread keeps moving bytes meanwhile.
 numpy has no bfloat16, so bfloat16 uses torch in blocks below the parallel grain size.
+Buffers are numpy arrays or torch tensors (runtime/arrays.py); torch is never imported here:
+a tensor's presence means it is loaded (a numpy-only rank runs without it, issue 32.2).
 """
 from __future__ import annotations
 
 import enum
+import sys
 
 import numpy as np
-import torch
+
+from commrt.runtime.arrays import as_bytes, numel
+from commrt.runtime.dtypes import NUMPY, dtype_name
 
 _GRAIN = 16384  # elements per torch call for bfloat16: below at::internal::GRAIN_SIZE
 
@@ -27,8 +32,17 @@ class ReduceOp(enum.IntEnum):
 
 _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-_TORCH = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-          ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}
+_TORCH = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.PRODUCT: "mul", ReduceOp.MIN: "minimum",
+          ReduceOp.MAX: "maximum"}
+
+
+def _bf16(t) -> bool:
+    """A bfloat16 tensor: no numpy type, so torch does its arithmetic."""
+    return not isinstance(t, np.ndarray) and t.dtype == sys.modules["torch"].bfloat16
+
+
+def _np(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.numpy()
 
 
 def parse_op(name) -> ReduceOp:
@@ -48,34 +62,37 @@ def as_op(op) -> ReduceOp:
     return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
 
 
-def combine_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: ReduceOp) -> None:
+def combine_into(out, a, b, op: ReduceOp) -> None:
     """out = a (op) b, element-wise; ``out`` may be ``a``. AVG accumulates as SUM."""
-    if out.dtype == torch.bfloat16:
-        fn = _TORCH[op]
+    if isinstance(out, np.ndarray):
+        _UFUNC[op](_np(a), _np(b), out=out)
+    elif _bf16(out):
+        fn = getattr(sys.modules["torch"], _TORCH[op])
         for s in range(0, out.numel(), _GRAIN):
             fn(a[s:s + _GRAIN], b[s:s + _GRAIN], out=out[s:s + _GRAIN])
     else:
-        _UFUNC[op](a.numpy(), b.numpy(), out=out.numpy())
+        _UFUNC[op](_np(a), _np(b), out=out.numpy())
 
 
-def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+def combine_(acc, other, op: ReduceOp) -> None:
     """acc = acc (op) other, in place."""
     combine_into(acc, acc, other, op)
 
 
-def reduce_in_order_(out: torch.Tensor, parts: list, op: ReduceOp) -> None:
+def reduce_in_order_(out, parts: list, op: ReduceOp) -> None:
     """out = parts[0] (op) parts[1] (op) ... left to right, so that every rank, running this on
     the same parts, gets bit-identical results. A part is a tensor or a received frame's bytes
     (same dtype as ``out``); ``out`` may be parts[0] or parts[1] but no later part. AVG sums."""
-    if out.dtype == torch.bfloat16:  # no numpy type: torch, in blocks (see combine_into)
+    if _bf16(out):  # no numpy type: torch, in blocks (see combine_into)
+        torch = sys.modules["torch"]
         ts = [p if isinstance(p, torch.Tensor) else torch.frombuffer(p, dtype=out.dtype) for p in parts]
         combine_into(out, ts[0], ts[1], op)
         for t in ts[2:]:
             combine_(out, t, op)
         return
-    o = out.numpy()
-    reduce_arrays_(o, [p.numpy() if isinstance(p, torch.Tensor) else np.frombuffer(p, dtype=o.dtype)
-                       for p in parts], op)
+    o = _np(out)
+    reduce_arrays_(o, [p if isinstance(p, np.ndarray) else np.frombuffer(p, dtype=o.dtype)
+                       if isinstance(p, (bytes, bytearray, memoryview)) else p.numpy() for p in parts], op)
 
 
 def reduce_arrays_(out: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> None:
@@ -86,31 +103,23 @@ def reduce_arrays_(out: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> No
         fn(out, a, out=out)
 
 
-_NUMPY: dict = {}
+def numpy_dtype(dtype) -> np.dtype | None:
+    """numpy's type for a torch or numpy dtype, or None where numpy has none (bfloat16)."""
+    return dtype if isinstance(dtype, np.dtype) else NUMPY.get(dtype_name(dtype))
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """numpy's type for a torch dtype (cached), or None where numpy has none (bfloat16)."""
-    try:
-        return _NUMPY[dtype]
-    except KeyError:
-        pass
-    try:
-        got = torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:
-        got = None
-    _NUMPY[dtype] = got
-    return got
+def copy_(dst, src) -> None:
+    """dst[:] = src for flat buffers of one dtype (a byte copy, single-threaded)."""
+    if numel(dst):
+        np.copyto(as_bytes(dst), as_bytes(src))
 
 
-def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src for flat tensors of one dtype (a byte copy, single-threaded)."""
-    if dst.numel():
-        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-
-
-def finish_avg_(t: torch.Tensor, world_size: int) -> None:
+def finish_avg_(t, world_size: int) -> None:
     """Divide a SUM by the world size. Integer AVG floors, like ``sum // n`` (documented)."""
+    if isinstance(t, np.ndarray):
+        (np.divide if t.dtype.kind == "f" else np.floor_divide)(t, world_size, out=t)
+        return
+    torch = sys.modules["torch"]
     if t.device.type != "cpu":  # CUDA (the NCCL adapter): on the device, in stream order
         if t.is_floating_point():
             t.div_(world_size)

@@ -17,8 +17,8 @@ from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
+from commrt.runtime.arrays import address, as_numpy, numel as numel_of
 from commrt.runtime.errors import CollectiveMismatch, ProtocolError
 from commrt.transport.shm import HDR_WORDS, Channel
 from commrt.transport.wire import COLL, Header
@@ -52,6 +52,7 @@ class ShmContext(OpShape):
         self.chan: Channel = self.link
         self.slot_elems = self.chan.slot_bytes // self.itemsize
         self.np_dtype = numpy_dtype(self.dtype)
+        self._raw = isinstance(self.dtype, np.dtype)  # a numpy op: views of the slots are numpy's
         self._words = (self.seq, self._op, self._code, self.count, self.reduce, self.root)
         self._header = array("q", (0, *self._words, 0))
         self._slot = 0
@@ -103,10 +104,11 @@ class ShmContext(OpShape):
             if p != self.rank:
                 self.chan.count(p, self._words[1], numel * self.itemsize)
 
-    def view(self, p: int, slot: int, start: int, numel: int) -> torch.Tensor:
-        """Elements [start, start + numel) of rank p's slot, as this op's dtype."""
+    def view(self, p: int, slot: int, start: int, numel: int):
+        """Elements [start, start + numel) of rank p's slot, as this op's dtype: a numpy array
+        for a numpy op, a tensor for a tensor op (numpy's and torch's ``view`` read alike)."""
         a = slot * self.chan.slot_bytes + start * self.itemsize
-        return self.chan.data[p][a:a + numel * self.itemsize].view(self.dtype)
+        return (self.chan.raw if self._raw else self.chan.data)[p][a:a + numel * self.itemsize].view(self.dtype)
 
 
 def _rounds(total: int, per: int):
@@ -114,12 +116,12 @@ def _rounds(total: int, per: int):
         yield a, min(a + per, total)
 
 
-def all_reduce(ctx: ShmContext, flat: torch.Tensor, op: ReduceOp) -> None:
-    n, numel = ctx.size, flat.numel()
+def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
+    n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
         small = numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes)
         if small and ctx.np_dtype is not None:
-            _all_reduce_one_step(ctx, flat.numpy(), op)
+            _all_reduce_one_step(ctx, as_numpy(flat), op)
         elif small:
             slot = ctx.begin()
             copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
@@ -147,11 +149,11 @@ def _all_reduce_one_step(ctx: ShmContext, out: np.ndarray, op: ReduceOp) -> None
     reduce_arrays_(out, parts, op)
 
 
-def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None:
+def _all_reduce_round(ctx: ShmContext, part, op: ReduceOp) -> None:
     """Each rank publishes the slices its peers reduce (its own it reads in place), reduces
     its slice into its next slot, then copies every rank's reduced slice out."""
     n, me = ctx.size, ctx.rank
-    bounds = chunk_bounds(part.numel(), n)
+    bounds = chunk_bounds(numel_of(part), n)
     slot = ctx.begin()
     for p, (lo, hi) in enumerate(bounds):
         if p != me:
@@ -167,8 +169,8 @@ def _all_reduce_round(ctx: ShmContext, part: torch.Tensor, op: ReduceOp) -> None
         copy_(part[lo:hi], ctx.view(p, result, lo, hi - lo))
 
 
-def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
-    n, m, me = ctx.size, out.numel(), ctx.rank
+def reduce_scatter(ctx: ShmContext, out, inp, op: ReduceOp) -> None:
+    n, m, me = ctx.size, numel_of(out), ctx.rank
     if n == 1 or m == 0:
         copy_(out, inp)
     else:
@@ -187,10 +189,10 @@ def reduce_scatter(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor, op: Re
         finish_avg_(out, n)
 
 
-def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
-    n, m, me = ctx.size, inp.numel(), ctx.rank
+def all_gather(ctx: ShmContext, out, inp) -> None:
+    n, m, me = ctx.size, numel_of(inp), ctx.rank
     mine = out[me * m:(me + 1) * m]
-    in_place = m and mine.data_ptr() == inp.data_ptr()
+    in_place = m and address(mine) == address(inp)
     if n == 1 or m == 0:
         copy_(mine, inp)
         return
@@ -206,10 +208,10 @@ def all_gather(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor) -> None:
         copy_(mine, inp)
 
 
-def broadcast(ctx: ShmContext, flat: torch.Tensor, src: int) -> None:
+def broadcast(ctx: ShmContext, flat, src: int) -> None:
     if ctx.size == 1:
         return
-    for a, b in _rounds(flat.numel(), ctx.slot_elems) if flat.numel() else [(0, 0)]:
+    for a, b in _rounds(numel_of(flat), ctx.slot_elems) if numel_of(flat) else [(0, 0)]:
         slot = ctx.begin()
         if ctx.rank == src:
             copy_(ctx.view(src, slot, 0, b - a), flat[a:b])
@@ -221,10 +223,10 @@ def broadcast(ctx: ShmContext, flat: torch.Tensor, src: int) -> None:
             copy_(flat[a:b], ctx.view(src, slot, 0, b - a))
 
 
-def reduce(ctx: ShmContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+def reduce(ctx: ShmContext, flat, dst: int, op: ReduceOp) -> None:
     n, me = ctx.size, ctx.rank
     if n > 1:
-        for a, b in _rounds(flat.numel(), ctx.slot_elems) if flat.numel() else [(0, 0)]:
+        for a, b in _rounds(numel_of(flat), ctx.slot_elems) if numel_of(flat) else [(0, 0)]:
             slot = ctx.begin()
             if me != dst:
                 copy_(ctx.view(me, slot, 0, b - a), flat[a:b])
@@ -238,7 +240,7 @@ def reduce(ctx: ShmContext, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
         finish_avg_(flat, n)
 
 
-def all_to_all(ctx: ShmContext, out: torch.Tensor, inp: torch.Tensor,
+def all_to_all(ctx: ShmContext, out, inp,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
     """Blocks move in rounds of ``w`` elements per destination; the number of rounds comes
     from the longest block any rank sends (each rank's ``aux`` of the first step)."""

@@ -2,10 +2,12 @@
 
 The transport counts bytes per peer and per (message kind, op); the topology says which peers
 share this rank's node. Other layers add their own keys with ``register`` (e.g. the quantized
-collectives' savings), so one call shows everything.
+collectives' savings), so one call shows everything. ``resources`` is what the rank costs the
+host (issue 32.2): memory, open files and threads, read from /proc when asked.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from commrt.runtime import world
@@ -17,7 +19,7 @@ _SECTIONS: dict[str, Callable[[], Any]] = {}
 
 def register(key: str, fn: Callable[[], Any]) -> None:
     """Make ``comm_stats()[key]`` the value of ``fn()`` (called at each comm_stats())."""
-    if key in ("intra_node_bytes", "inter_node_bytes", "by_op"):
+    if key in ("intra_node_bytes", "inter_node_bytes", "by_op", "resources"):
         raise ValueError(f"comm_stats key {key!r} is built in")
     _SECTIONS[key] = fn
 
@@ -44,16 +46,33 @@ def split_by_node(sent: dict[tuple, int], same_node: list[bool], msgs: dict[tupl
     return total
 
 
+def resources() -> dict:
+    """This process's RSS and its peak (VmRSS, VmHWM, in KiB), open file descriptors and
+    threads, from /proc/self (Linux); fields /proc does not give are left out."""
+    out: dict = {}
+    try:
+        with open("/proc/self/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        out.update(rss_kib=int(fields["VmRSS"].split()[0]), peak_rss_kib=int(fields["VmHWM"].split()[0]),
+                   threads=int(fields["Threads"]))
+        out["open_files"] = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
+    except (OSError, KeyError, ValueError):  # not Linux, or a kernel without these fields
+        pass
+    return out
+
+
 def comm_stats() -> dict:
     """``intra_node_bytes`` / ``inter_node_bytes``: bytes this rank's collectives and
     point-to-point transfers sent to ranks on its own node / on other nodes, since init;
     ``by_op``: the same per op kind as it went on the wire (a hierarchical all_reduce shows as
     its reduce_scatter, all_reduce and all_gather steps), each with ``messages``: how many
-    messages it sent (a message is one header and its payload piece); plus every registered key."""
+    messages it sent (a message is one header and its payload piece); ``resources``: this rank's
+    RSS, peak RSS (KiB), open files and threads now; plus every registered key."""
     rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
     out = split_by_node(counters.sent_by_op(), same, counters.sent_by_op(messages=True))
+    out["resources"] = resources()
     for key, fn in _SECTIONS.items():
         out[key] = fn()
     return out

@@ -5,6 +5,9 @@ addresses in a hello (with protocol version and config digest), connects to ever
 barrier proves the data plane works before init returns. gloo/nccl: the same hello exchange
 validates the job, then a torch TCPStore (its port handed out through our store) bootstraps
 torch.distributed, so one init serves both.
+
+torch, its store and the gloo/nccl adapter are imported where a gloo/nccl world (or torchrun's
+agent store) needs them: a zmq rank that moves numpy buffers never loads torch (issue 32.2).
 """
 from __future__ import annotations
 
@@ -12,14 +15,14 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 
 import msgpack
-import torch
+import numpy as np
 
-from commrt.runtime import devices, rendezvous, torch_init
+from commrt.runtime import devices, rendezvous
 from commrt.transport import security
 from commrt.topology import nodes as topology
-from commrt.integrations.torch_backend import TorchBackend
 from commrt.backends.zmq_backend import ZmqBackend
 from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError, ConfigError
@@ -31,6 +34,9 @@ from commrt.transport import Transport
 log = logging.getLogger(__name__)
 
 ADDR_BYTES = 256  # room for one rank's msgpack'd addresses in the new_group exchange
+# what a GPU's driver shows (NVIDIA's, before its device files exist too; AMD's ROCm; WSL):
+# without any, torch.cuda cannot find a device either, so "auto" picks zmq without importing torch
+GPU_DEVICES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
 @dataclasses.dataclass
@@ -55,6 +61,9 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
     """(backend, why). ``auto`` takes NCCL only if every local rank can have its own GPU."""
     if requested != "auto":
         return requested, "requested in config"
+    if "torch" not in sys.modules and not any(os.path.exists(d) for d in GPU_DEVICES):
+        return "zmq", "CUDA is not available (no GPU driver or device)"
+    import torch  # lazy: only a host with a GPU asks torch about it
     if not torch.cuda.is_available():
         return "zmq", "CUDA is not available"
     if not torch.distributed.is_nccl_available():
@@ -68,6 +77,7 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
 def open_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float):
     """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
+        import torch.distributed  # lazy: torchrun's world runs torch anyway
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
         return TorchStore(tstore), None
@@ -145,6 +155,8 @@ def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: f
     """NCCL through torch, bootstrapped by our store. Every rank reports how its attempt went;
     if any failed, ``auto`` falls back to zmq on every rank (with a warning naming the cause),
     an explicit ``nccl`` is an error naming the ranks and causes."""
+    import torch
+    from commrt.runtime import torch_init  # lazy, as torch: a zmq world never needs them
     tstore = None  # held until every rank has reported: others may still be connecting to it
     try:
         tstore = torch_init.torch_store(store, spec, timeout_s, namespace)
@@ -185,7 +197,10 @@ def _refuse_or_fall_back(cfg: Config, spec: rendezvous.RendezvousSpec, causes: s
 
 
 def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: float,
-                namespace: str, cfg: Config, tstore=None) -> TorchBackend:
+                namespace: str, cfg: Config, tstore=None):
+    import torch
+    from commrt.runtime import torch_init  # lazy, as torch: a zmq world never needs them
+    from commrt.integrations.torch_backend import TorchBackend
     td = datetime.timedelta(seconds=timeout_s)
     tstore = tstore or torch_init.torch_store(store, spec, timeout_s, namespace)
     if name == "nccl":  # devices.problems has made sure there is one GPU for each rank
@@ -206,7 +221,10 @@ def new_group(rt: Runtime, ranks: list[int]):
     gid = rt.next_group_id
     rt.next_group_id += 1
     me = world.rank
-    if isinstance(world.backend, TorchBackend):
+    if _is_torch_backend(world.backend):
+        import torch
+        from commrt.runtime import torch_init
+        from commrt.integrations.torch_backend import TorchBackend
         with torch_init.gloo_interface(rt.config):
             pg = torch.distributed.new_group(list(members))
         if me not in members:
@@ -214,27 +232,33 @@ def new_group(rt: Runtime, ranks: list[int]):
         backend = TorchBackend(world.backend.name, pg, list(members), members.index(me))
     else:
         backend = None
-        mine = torch.zeros(ADDR_BYTES, dtype=torch.uint8)
+        mine = np.zeros(ADDR_BYTES, np.uint8)
         if me in members:
             backend = ZmqBackend(rt.transport, rt.config, members.index(me), len(members), gid,
                                  list(members))
             packed = msgpack.packb(backend.addresses)
-            mine[:len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-        table = torch.empty(ADDR_BYTES * world.size(), dtype=torch.uint8)
+            mine[:len(packed)] = np.frombuffer(packed, np.uint8)
+        table = np.empty(ADDR_BYTES * world.size(), np.uint8)
         world.backend.all_gather_into_tensor(table, mine)
         if backend is None:
             return NON_GROUP_MEMBER
-        rows = table.view(world.size(), ADDR_BYTES)
+        rows = table.reshape(world.size(), ADDR_BYTES)
         backend.connect([_unpack_addr(rows[r]) for r in members])
     group = ProcessGroup(members, members.index(me), backend, gid)
     rt.groups.append(group)
     return group
 
 
-def _unpack_addr(row: torch.Tensor) -> list[str]:
+def _unpack_addr(row: np.ndarray) -> list[str]:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=ADDR_BYTES)
-    unpacker.feed(bytes(row.numpy()))
+    unpacker.feed(row.tobytes())
     return next(unpacker)
+
+
+def _is_torch_backend(backend) -> bool:
+    """A gloo/nccl world (integrations/torch_backend.py): one exists only once that module is loaded."""
+    mod = sys.modules.get("commrt.integrations.torch_backend")
+    return mod is not None and isinstance(backend, mod.TorchBackend)
 
 
 def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
@@ -255,8 +279,8 @@ def shutdown(rt: Runtime, keep_store: bool = False) -> None:
     stopped = [g.backend.close() is not False for g in rt.groups + [rt.world]]
     for extra in rt.extras.values():  # after the groups: their close cancels what runs on them
         extra.close()
-    if isinstance(rt.world.backend, TorchBackend) and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if _is_torch_backend(rt.world.backend) and sys.modules["torch"].distributed.is_initialized():
+        sys.modules["torch"].distributed.destroy_process_group()
         _leave_together(rt)
     if rt.owns_store and not keep_store:
         rt.store.close()

@@ -9,13 +9,12 @@ verdict at once, before any NCCL state exists.
 """
 from __future__ import annotations
 
-import torch
-
 from commrt.topology.nodes import Topology
 
 
 def describe(local_rank: int) -> dict:
     """This rank's GPU for NCCL: ``{"device": "cuda:i", "uuid": ...}`` or ``{"cause": why not}``."""
+    import torch  # lazy: asked only of an NCCL world
     if not torch.cuda.is_available():
         return {"cause": "CUDA is not available on this host"}
     count = torch.cuda.device_count()

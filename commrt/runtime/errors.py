@@ -21,8 +21,11 @@ class ProtocolError(CommError):
 class PeerLost(CommError):
     """A peer died, went silent or closed its connection while an operation needed it."""
 
-    def __init__(self, rank: int, op: str, seq: int, reason: str, role: str = "peer rank"):
+    def __init__(self, rank: int, op: str, seq: int, reason: str, role: str = "peer rank",
+                 reported_by: int | None = None):
+        """``reported_by``: the rank whose notice told us (None: this rank saw it itself)."""
         self.rank, self.op, self.seq, self.reason, self.role = rank, op, seq, reason, role
+        self.reported_by = reported_by
         who = role if rank < 0 else f"{role} {rank}"  # rank -1: a receive from any source
         super().__init__(f"lost {who} during {op} (seq {seq}): {reason}")
 

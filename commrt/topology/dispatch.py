@@ -10,11 +10,12 @@ import logging
 import math
 import time
 
-import torch
+import numpy as np
 
 from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import world
+from commrt.runtime.arrays import flat_plain, is_contiguous, nbytes, numel
 from commrt.runtime.errors import ConfigError
 from commrt.runtime.group import ProcessGroup
 from commrt.runtime.work import Work
@@ -80,12 +81,12 @@ def auto_choice(rt) -> AutoChoice:
 
 def _probe(rt) -> AutoChoice:
     levels, flat = levels_of(rt), rt.world.backend
-    buf = torch.zeros(AUTO_PROBE_BYTES // 4)
+    buf = np.zeros(AUTO_PROBE_BYTES // 4, np.float32)
     segments = segments_for(AUTO_PROBE_BYTES, rt.config.comm.chunk_bytes)
     paths = (lambda: flat.all_reduce(buf, ReduceOp.SUM),
              lambda: levels.executor.run("all_reduce", lambda: hierarchical.all_reduce(
                  levels.intra, levels.inter, buf, ReduceOp.SUM, segments), rt.config.comm.timeout_s))
-    best = torch.full((2,), math.inf, dtype=torch.float64)
+    best = np.full(2, math.inf, np.float64)
     for r in range(AUTO_PROBE_ROUNDS + 1):  # alternating, the first round a warm-up (pages, connections)
         for i, path in enumerate(paths):
             start = time.perf_counter()
@@ -124,8 +125,8 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
     """``group.backend.all_reduce``, or the two-level composition on the world spanning nodes."""
     if not route(group, "all_reduce", tensor):
         return group.backend.all_reduce(tensor, op, async_op)
-    flat = _plain(tensor).view(-1)  # route() admits contiguous tensors only
-    segments = segments_for(flat.numel() * flat.element_size(), world.current().config.comm.chunk_bytes)
+    flat = flat_plain(tensor)  # route() admits contiguous buffers only
+    segments = segments_for(nbytes(flat), world.current().config.comm.chunk_bytes)
     return _submit("all_reduce", lambda lv: hierarchical.all_reduce(lv.intra, lv.inter, flat, op, segments),
                    async_op)
 
@@ -133,7 +134,7 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
 def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "reduce_scatter", output, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
-    out, inp = _plain(output).view(-1), _plain(input).view(-1)
+    out, inp = flat_plain(output), flat_plain(input)
     return _submit("reduce_scatter_tensor", lambda lv: hierarchical.reduce_scatter(lv.intra, lv.inter, out, inp, op),
                    async_op)
 
@@ -141,7 +142,7 @@ def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, asyn
 def all_gather_into_tensor(output, input, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "all_gather", output, input):
         return group.backend.all_gather_into_tensor(output, input, async_op)
-    out, inp = _plain(output).view(-1), _plain(input).view(-1)
+    out, inp = flat_plain(output), flat_plain(input)
     return _submit("all_gather_into_tensor", lambda lv: hierarchical.all_gather(lv.intra, lv.inter, out, inp),
                    async_op)
 
@@ -152,14 +153,6 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return group.backend.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The same memory outside autograd: the compositions write into their tensors in place and
-    read them as numpy, which a tensor that requires grad refuses (issue 30.5: an all_reduce of
-    an ``nn.Parameter`` failed on two levels, after leaving a partial SUM behind). The one-level
-    backends detach the same way (``dtypes.as_tensor``)."""
-    return t.detach() if t.requires_grad else t
-
-
 def route(group, kind: str, *tensors) -> bool:
     """Whether ``kind`` on ``group`` with these tensors takes the two-level path: the world
     group spanning nodes (see ``wants_hierarchical``) and well-formed contiguous tensors of one
@@ -167,15 +160,15 @@ def route(group, kind: str, *tensors) -> bool:
     rt = world.current()
     if rt.topology is None or rt.topology.num_nodes < 2 or group is not rt.world:
         return False  # the common case, decided in three attribute reads
-    if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors) \
+    if not all(is_contiguous(t) for t in tensors) \
             or len({t.dtype for t in tensors}) != 1:
         return False
     n = rt.world.size()
-    if kind == "reduce_scatter" and tensors[1].numel() != tensors[0].numel() * n:
+    if kind == "reduce_scatter" and numel(tensors[1]) != numel(tensors[0]) * n:
         return False
-    if kind == "all_gather" and tensors[0].numel() != tensors[1].numel() * n:
+    if kind == "all_gather" and numel(tensors[0]) != numel(tensors[1]) * n:
         return False
-    return wants_hierarchical(group, max(t.numel() for t in tensors) * tensors[0].element_size())
+    return wants_hierarchical(group, max(nbytes(t) for t in tensors))
 
 
 class TwoLevelBackend:
@@ -194,12 +187,12 @@ class TwoLevelBackend:
         return getattr(self._world, name)
 
     def all_reduce(self, tensor, op, async_op=False):
-        flat = tensor.view(-1)
+        flat = flat_plain(tensor)
         hierarchical.all_reduce(self._levels.intra, self._levels.inter, flat, op,
-                                segments_for(flat.numel() * flat.element_size(), self._chunk))
+                                segments_for(nbytes(flat), self._chunk))
 
     def reduce_scatter_tensor(self, output, input, op, async_op=False):
-        hierarchical.reduce_scatter(self._levels.intra, self._levels.inter, output.view(-1), input.view(-1), op)
+        hierarchical.reduce_scatter(self._levels.intra, self._levels.inter, flat_plain(output), flat_plain(input), op)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
-        hierarchical.all_gather(self._levels.intra, self._levels.inter, output.view(-1), input.view(-1))
+        hierarchical.all_gather(self._levels.intra, self._levels.inter, flat_plain(output), flat_plain(input))

@@ -226,7 +226,7 @@ class Endpoint:
         """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report)."""
         h = msg.header
         if h.nbytes == 0:  # so do we, naming the same rank
-            raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
+            raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
         try:
             mine, theirs = decode_report(msg.payload.buffer)
         except ProtocolError as exc:
@@ -235,12 +235,15 @@ class Endpoint:
             return
         raise MismatchReport(h.src, mine, theirs)
 
-    def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"") -> None:
+    def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"",
+                   connected_only: bool = False) -> None:
         """Best effort, never blocking: tell every other peer that we give up, naming the rank
         we lost (``lost``) or carrying a mismatch ``report``, so ranks waiting elsewhere fail
-        at once with the same cause instead of timing out on us when we leave."""
+        at once with the same cause instead of timing out on us when we leave.
+        ``connected_only``: only the peers we already have a connection to (a notice passed on:
+        relayed to every peer by every rank, it dialled n^2 connections; issue 32.5)."""
         h = encode_header(Header(ABORT, self.group, seq, self.rank, lost or 0, 0, 0, 0, len(report)))
-        for peer in self.peer_addresses:
+        for peer in list(self._out) if connected_only else self.peer_addresses:
             if peer in (self.rank, lost):
                 continue
             try:

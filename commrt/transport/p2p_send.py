@@ -17,7 +17,7 @@ from commrt.transport.endpoint import ZERO_COPY_MIN_BYTES, Endpoint
 from commrt.runtime import dtypes
 from commrt.transport.wire import P2P, P2P_DOORBELL, Header, encode_header
 
-UINT8 = dtypes.code_of(dtypes.BY_NAME["uint8"])  # a doorbell's dtype (it carries no bytes)
+UINT8 = dtypes.CODES["uint8"]  # a doorbell's dtype (it carries no bytes)
 
 
 @dataclass

@@ -21,8 +21,9 @@ import mmap
 import os
 import time
 
+import sys
+
 import numpy as np
-import torch
 import zmq
 
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
@@ -85,8 +86,8 @@ class Channel:
         self.rings: dict = {}  # peer -> the point-to-point rings handed over with the segments
         self._grace_s = grace_s
         self.ctl = [memoryview(m)[:CTL_BYTES].cast("q") for m in maps]
-        self.data = [torch.frombuffer(m, dtype=torch.uint8, offset=CTL_BYTES) for m in maps]
-        self._arrays = [np.frombuffer(m, dtype=np.uint8, offset=CTL_BYTES) for m in maps]
+        self.raw = [np.frombuffer(m, dtype=np.uint8, offset=CTL_BYTES) for m in maps]  # data, as bytes
+        self._data: list | None = None  # the same as torch tensors, made when a tensor op needs them
         self._slots: dict = {}  # numpy dtype -> per rank, its two slots as arrays of that dtype
         self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
@@ -112,6 +113,15 @@ class Channel:
         self.ctl[self.rank][base:base + HDR_WORDS] = header  # one copy, not a store per word
         return slot
 
+    @property
+    def data(self) -> list:
+        """The data regions as torch uint8 tensors, for tensor ops (bfloat16 views): made on first
+        use, so a rank that moves only numpy buffers never needs torch (issue 32.2)."""
+        if self._data is None:
+            torch = sys.modules["torch"]  # loaded: a tensor op asked
+            self._data = [torch.from_numpy(a) for a in self.raw]
+        return self._data
+
     def slots(self, dtype: np.dtype) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank, its two data slots as numpy arrays of ``dtype`` (made once per dtype):
         slicing these costs a fraction of a torch view, which matters for small payloads."""
@@ -120,7 +130,7 @@ class Channel:
             n = self.slot_bytes // dtype.itemsize
             views = self._slots[dtype] = [
                 (a[:self.slot_bytes].view(dtype)[:n], a[self.slot_bytes:2 * self.slot_bytes].view(dtype)[:n])
-                for a in self._arrays]
+                for a in self.raw]
         return views
 
     def parts(self, dtype: np.dtype, numel: int, slot: int) -> list[np.ndarray]:
@@ -196,7 +206,7 @@ class Channel:
             if h.kind != ABORT:
                 continue  # nothing else travels on a shared-memory group's collective socket
             if h.nbytes == 0:
-                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost")
+                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
             try:
                 mine, theirs = decode_report(msg.payload.buffer)
             except ProtocolError:
@@ -207,8 +217,8 @@ class Channel:
         """Unmap every segment (the memory goes once no peer maps it either)."""
         for v in self.ctl:
             v.release()
-        self.ctl, self.data, self._peers, self._peer_ctl = [], [], [], []
-        self._arrays, self._slots, self._parts = [], {}, {}
+        self.ctl, self._data, self.raw, self._peers, self._peer_ctl = [], None, [], [], []
+        self._slots, self._parts = {}, {}
         for m in self._maps:
             try:
                 m.close()

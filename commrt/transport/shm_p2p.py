@@ -28,8 +28,6 @@ import mmap
 import secrets
 import struct
 
-import torch
-
 from commrt.runtime.errors import ProtocolError
 from commrt.transport.wire import P2P_SHM_ROOT as SHM_ROOT
 from commrt.transport import shm
@@ -178,7 +176,7 @@ class Rings:
         yet), or None (inline: not a ring peer, small, larger than the ring could ever hold,
         or no segment could be made). A piece that can never fit must not wait for room as
         FULL does: it goes inline at once (issue 30.4)."""
-        n = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel() * payload.element_size()
+        n = payload.nbytes if hasattr(payload, "nbytes") else len(payload)  # an array, a tensor, bytes
         if dst not in self.peers or not MIN_BYTES <= n <= RING_BYTES:
             return None
         if not self._ready(dst):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from commrt.collectives import ops
+from commrt.runtime.arrays import as_bytes, empty_of, frombuffer, numel as numel_of
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.scheduled import spans, step_pieces
 from commrt.collectives.schedules import messages_sent, schedule
@@ -28,7 +29,7 @@ class FakeCtx:
         return choose(collective, nbytes, self.size, self.table)
 
     def send(self, dst, data=None):
-        payload = b"" if data is None or not data.numel() else data.view(torch.uint8).numpy().tobytes()
+        payload = b"" if data is None or not numel_of(data) else as_bytes(data).tobytes()  # array or tensor
         self.wires[self.rank, dst].put(payload)
         self.sent += 1
         self.bytes_to[dst] = self.bytes_to.get(dst, 0) + len(payload)
@@ -40,7 +41,7 @@ class FakeCtx:
 
     def recv(self, src, numel=0):
         buf = self.recv_buffer(src, numel)
-        return torch.frombuffer(buf, dtype=self.dtype) if numel else torch.empty(0, dtype=self.dtype)
+        return frombuffer(buf, self.dtype) if numel else empty_of(0, self.dtype)  # as OpContext.recv
 
     def flush(self):
         pass

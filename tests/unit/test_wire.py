@@ -25,7 +25,9 @@ def test_round_trip():
 
 def test_tables_agree_with_the_layers_above():
     """The wire's dtype/collective/reduce codes are the ones commrt.runtime.dtypes and ReduceOp use."""
-    assert {c: torch.empty(0, dtype=t).element_size() for c, (_, t) in dtypes._TABLE.items()} == ITEMSIZE
+    assert {c: torch.empty(0, dtype=dtypes.BY_NAME[n]).element_size() for c, n in dtypes.NAMES.items()} == ITEMSIZE
+    assert {c: dtypes.NUMPY[n].itemsize for c, n in dtypes.NAMES.items() if n in dtypes.NUMPY} == {
+        c: s for c, s in ITEMSIZE.items() if dtypes.NAMES[c] != "bfloat16"}
     assert sorted(int(op) for op in ReduceOp) == list(REDUCE_CODES)
 
 
