@@ -159,9 +159,10 @@ class ReplicaFT:
             previous, end, gen = plan.members, None, gen + 1
 
     def _note(self, previous: tuple[int, ...], plan: q.Plan) -> None:
-        if plan.gen > 0:
-            self.counts.drops += len(set(previous) - set(plan.members))
-            self.counts.rejoins += len(set(plan.members) - set(previous))
+        if plan.gen > 0:  # a member back without its state (restarted before the survivors
+            # re-formed: on a loaded host, within the same membership) was dropped and rejoined too
+            self.counts.drops += len(set(previous) - set(plan.members)) + len(set(previous) & set(plan.fresh))
+            self.counts.rejoins += len(set(plan.members) - set(previous)) + len(set(previous) & set(plan.fresh))
         self.counts.generations += 1
         log.info("replica %d: generation %d: replicas %s at step %d (contributors %s, state from %d to %s)",
                  self.replica, plan.gen, list(plan.members), plan.step, list(plan.contributors), plan.source,

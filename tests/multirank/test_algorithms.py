@@ -17,9 +17,11 @@ PINS = {
 }
 
 
-@pytest.mark.parametrize("pin", ["latency", "rabenseifner", pytest.param("ring", marks=pytest.mark.slow)])  # the
-# ring: the table's choice for large sizes, which test_matrix runs unpinned
-@pytest.mark.parametrize("world_size", [3, *(pytest.param(n, marks=pytest.mark.slow) for n in (1, 2, 4, 5))])  # 3: the fold
+@pytest.mark.slow  # 25-35 s each under load: the default run has test_matrix at 2-4 ranks over the
+# table (doubling, Rabenseifner and the ring by size) and tests/unit/test_scheduled.py with each
+# algorithm pinned at 1-8 ranks on threads; these pin each one over real processes
+@pytest.mark.parametrize("pin", list(PINS))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])  # 3: the fold
 def test_matrix_with_each_algorithm_pinned(pin, world_size):
     """4 and 5 ranks (fold and power of two beyond the unit tests' threads) take 55-105 s each on
     2 cores: slow. Measured 15 runs in 13 min (2026-11-26)."""
