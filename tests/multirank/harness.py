@@ -1,6 +1,7 @@
 """Spawn real ranks on loopback (through our launcher) and surface the failing rank's output."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -38,3 +39,27 @@ def default_signals() -> None:
     import signal
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` (one the test started) still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def emulated_cluster(nnodes: int):
+    """``nnodes`` network namespaces at 1 Gbit (commrt/emulate.py), removed on every exit path;
+    the test skips where they cannot be made (not root, no ``ip``)."""
+    from commrt import emulate  # the emulated tests only
+    from commrt.runtime.errors import ConfigError
+    try:
+        emulate.check_usable(emulate.parse_shape("1gbit"))
+    except ConfigError as exc:
+        import pytest
+        pytest.skip(str(exc))
+    with emulate.cluster(nnodes, emulate.parse_shape("1gbit")) as net:
+        yield net

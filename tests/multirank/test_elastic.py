@@ -10,7 +10,6 @@ The short version runs 2 nodes on loopback; the emulated one 3 nodes, each in a 
 (emulate.py), killing node 2 — or cutting its link (``ip link set down``)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,9 +21,8 @@ import time
 import pytest
 
 from commrt import emulate
-from commrt.runtime.errors import ConfigError
 from commrt.transport.security import new_secret
-from tests.multirank.harness import ROOT, default_signals
+from tests.multirank.harness import ROOT, default_signals, emulated_cluster
 from tests.multirank.programs.elastic_job import reference
 
 STEPS, PAUSE_S = 60, 0.4
@@ -149,14 +147,14 @@ def test_two_nodes_on_loopback_lose_one_and_regain_it(job_factory):
 
 @pytest.mark.slow
 def test_three_emulated_nodes_lose_one_and_regain_it(job_factory):
-    with _cluster(3) as net:
+    with emulated_cluster(3) as net:
         job = job_factory("2:3", 3, emulate.node_address(0), net=net)
         lose_and_regain(job, victim=2, full=3)
 
 
 @pytest.mark.slow
 def test_three_emulated_nodes_one_link_down_and_up(job_factory):
-    with _cluster(3) as net:
+    with emulated_cluster(3) as net:
         job = job_factory("2:3", 3, emulate.node_address(0), net=net)
         lose_and_regain(job, victim=2, full=3, how="link")
 
@@ -166,16 +164,6 @@ def _wrap(net):
         return ["ip", "netns", "exec", net.namespaces[node]], {"COMMRT_CLUSTER_BIND_HOST": emulate.node_address(node),
                                                                "COMMRT_SECURITY_ALLOW_INSECURE": "1"}
     return wrap
-
-
-@contextlib.contextmanager
-def _cluster(nnodes: int):
-    try:
-        emulate.check_usable(emulate.parse_shape("1gbit"))
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    with emulate.cluster(nnodes, emulate.parse_shape("1gbit")) as net:
-        yield net
 
 
 def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(tmp_path):

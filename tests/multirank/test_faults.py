@@ -3,24 +3,15 @@ left behind. The op timeout is generous (a slow shared machine must not turn a l
 false PeerLost, at init or in the collective), so a survivor that names the victim before it
 could have timed out found it through the dropped connection or the missed heartbeats (0.3 s
 each): the liveness the README promises, not the timeout."""
-import os
 import re
 
 import pytest
 
-from tests.multirank.harness import run_ranks
+from tests.multirank.harness import run_ranks, alive
 
 TIMEOUT_S, HEARTBEAT_S = 30.0, 0.3
 ENV = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": str(TIMEOUT_S),
        "COMMRT_COMM_HEARTBEAT_S": str(HEARTBEAT_S)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 MODES = ["exit0", "exit1", "abort", "sigkill", "sigterm", "sigstop"]
@@ -43,4 +34,4 @@ def test_survivors_name_the_lost_rank(mode, nproc, intra):
         seq = 3 + (intra == "shm")
         assert f"lost peer rank 1 during all_reduce (seq {seq})" in message, out
         assert float(seconds) < TIMEOUT_S, out  # noticed through liveness, not the op timeout
-    assert not [pid for pid in result.pids if _alive(pid)], "processes left running"
+    assert not [pid for pid in result.pids if alive(pid)], "processes left running"

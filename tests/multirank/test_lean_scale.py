@@ -4,10 +4,11 @@ sum bit-identical on every rank, log2 n messages per small all_reduce (comm_stat
 loaded; at 256 ranks also a SIGKILLed rank named by every survivor within the heartbeat bound,
 and every other rank exiting cleanly."""
 import math
-import os
 import re
 
 import pytest
+
+from tests.multirank.harness import alive
 
 from tests.multirank.lean import launch, mem_available_kib, summary
 
@@ -16,14 +17,6 @@ RANK_BUDGET_KIB = 60 << 10  # issue 32.2: a numpy-only rank costs at most 60 MiB
 # rank 0 also serves the bootstrap store: one connection per rank (~80 KiB each measured at
 # 128 and 256 ranks), the one per-rank cost that grows linearly in the world size
 STORE_KIB_PER_RANK = 96
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _check(rows: dict, nproc: int) -> dict:
@@ -71,7 +64,7 @@ def test_two_hundred_fifty_six_numpy_ranks():
     # far from the 180 s op timeout. (When every told rank dialled all others to pass it on,
     # the slowest survivor took 16.4 s here and this failed.)
     assert slowest < 3 * HEARTBEAT_S + 5, slowest
-    assert not [pid for pid in result.pids if _alive(pid)], "processes left running"
+    assert not [pid for pid in result.pids if alive(pid)], "processes left running"
     assert max(r["rss_kib"] for k, r in rows.items() if k != 0) <= RANK_BUDGET_KIB, s
     assert rows[0]["rss_kib"] <= RANK_BUDGET_KIB + nproc * STORE_KIB_PER_RANK, rows[0]
     print(f"256 ranks: {s}; rank 0 {rows[0]}; PeerLost named on every survivor, slowest after {slowest:.2f}s")
