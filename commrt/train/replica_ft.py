@@ -105,6 +105,7 @@ class ReplicaFT:
         self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
         self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)
         self.rt = None
+        self._outer = world.get()  # the default world before ours (commrt bench's): restored on close
         self.plan: q.Plan | None = None
         self.t = 0  # votes cast in this generation
         self.applied = -1
@@ -290,7 +291,7 @@ class ReplicaFT:
     # -- the end --------------------------------------------------------------------------
     def _close_world(self) -> None:
         if self.rt is not None:
-            world.install(None)
+            world.install(self._outer)
             bootstrap.shutdown(self.rt)
             self.rt = None
 
