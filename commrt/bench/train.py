@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--ranks", type=int, default=2)
     p.add_argument("--stages", default="dp,0,1,2,3",
-                   help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), replica (fault_tolerance "
-                   "= 'replica': each rank a replica, ReplicaFT with torch's AdamW), 0-3 (the engine's ZeRO stages)")
+                   help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), replica "
+                   "(fault_tolerance = 'replica': each rank a replica, ReplicaFT with torch's AdamW), "
+                   "0-3 (the engine's ZeRO stages)")
     p.add_argument("--peers", default="ddp-gloo,ddp-commrt,fsdp-gloo,fsdp-commrt",
                    help="torch's strategies (comma list, '' for none): ddp or fsdp (FSDP2), over gloo or commrt")
     p.add_argument("--dim", type=int, default=384)
