@@ -1,5 +1,6 @@
 """``commrt bench train``: the built-in language model (``commrt.apps.train_lm``'s TinyLM) under
-a plain torch loop, commrt's DataParallel, the commrt engine at each ZeRO stage, and torch's DDP
+a plain torch loop, commrt's DataParallel, replica fault tolerance (``--stages ...,replica``), the
+commrt engine at each ZeRO stage, and torch's DDP
 and FSDP2 over gloo and over the ``commrt`` torch backend (``train_peers``), over the same ranks,
 in one run, alternating round by round:
 
