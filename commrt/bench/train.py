@@ -1,8 +1,7 @@
 """``commrt bench train``: the built-in language model (``commrt.apps.train_lm``'s TinyLM) under
 a plain torch loop, commrt's DataParallel, replica fault tolerance (``--stages ...,replica``), the
-commrt engine at each ZeRO stage, and torch's DDP
-and FSDP2 over gloo and over the ``commrt`` torch backend (``train_peers``), over the same ranks,
-in one run, alternating round by round:
+commrt engine at each ZeRO stage, and torch's DDP and FSDP2 over gloo and over the ``commrt``
+torch backend (``train_peers``), over the same ranks, in one run, alternating round by round:
 
     commrt bench train -n 2 --stages dp,0,1,2,3 --peers ddp-gloo,fsdp-gloo --dim 384 --layers 4 [--json F]
 
