@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -28,6 +29,7 @@ from commrt.train import initialize
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import load_train_config
 from commrt.train.replica_ft import ReplicaFT
+from commrt.train.replica_group import group_size, layout
 from commrt.train.replica_state import make_optimizer
 
 
@@ -99,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--stats-json", help="write this rank's memory report, unit sizes and bytes sent per step "
                    "after the first (by op, inside / across nodes) to PATH.RANK.json (what commrt estimate predicts)")
+    p.add_argument("--out", help="replica mode: write PATH.RANK.json (the replicas each applied step averaged, "
+                   "counts, step times) and PATH.RANK.pt (the final parameters)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
@@ -155,30 +159,52 @@ def main(argv=None) -> int:
 
 
 def train_replicas(args, cfg) -> int:
-    """``[train] fault_tolerance = "replica"``: each rank is a replica that may die and come back
+    """``[train] fault_tolerance = "replica"``: each replica (a rank, or with HYBRID_SHARD / MiCS /
+    hpZ a group of ``group_size`` consecutive ranks, a node) may die and come back
     (commrt/train/replica_ft.py). The store is COMMRT_FT_STORE (host:port, served outside the
-    replicas), else replica 0 serves it at MASTER_ADDR:MASTER_PORT and its death ends the job."""
-    replica, replicas = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    replicas), else rank 0 serves it at MASTER_ADDR:MASTER_PORT and its death ends the job."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shards = group_size(cfg.zero, node)
+    replica, replicas, shard = layout(rank, world, shards, node)
     store = os.environ.get("COMMRT_FT_STORE")
-    log = reporter(__name__, f"replica {replica}")
+    log = reporter(__name__, f"replica {replica}" + (f" rank {shard}" if shards > 1 else ""))
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    ft = ReplicaFT(model, make_optimizer(cfg.optimizer, model.parameters()), replica, replicas,
+    # a group steps an optimizer over each rank's flat slice (replica_group.py): made from it
+    optimizer = (functools.partial(make_optimizer, cfg.optimizer) if shards > 1
+                 else make_optimizer(cfg.optimizer, model.parameters()))
+    ft = ReplicaFT(model, optimizer, replica, replicas,
                    store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                   serve_store=store is None and replica == 0)
-    loss_fn, step = nn.CrossEntropyLoss(), ft.start()
+                   serve_store=store is None and rank == 0, shard=shard, shards=shards)
+    loss_fn, step, times = nn.CrossEntropyLoss(), ft.start(), []
     while step < args.steps:
-        tokens = batch(replica, step, args.batch, args.seq, args.vocab)
+        tokens = batch(rank, step, args.batch, args.seq, args.vocab)
         start = time.perf_counter()
         loss = loss_fn(model(tokens[:, :-1]).reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         step = ft.step()
+        times.append(time.perf_counter() - start)
         if step % args.log_every == 0 or step == 1:
             log.info("step %4d loss %.4f step time %7.1f ms, replicas %s", step, loss.item(),
-                     1000 * (time.perf_counter() - start), ft.stats()["members"])
-    log.info("replica stats: %s", commrt.comm_stats()["replica_ft"])
+                     1000 * times[-1], ft.stats()["members"])
+    stats = commrt.comm_stats()["replica_ft"]
+    steady = sorted(times[len(times) // 3:])
+    log.info("median step %.1f ms; per step (ms): %s", 1000 * steady[len(steady) // 2] if steady else 0.0,
+             ", ".join(f"{k} {1000 * v / max(len(times), 1):.2f}" for k, v in stats["time_s"].items()))
+    log.info("replica stats: %s", stats)
+    if args.out:
+        _write_replica_out(f"{args.out}.{rank}", model, ft, times)
     ft.close()
     return 0
+
+
+def _write_replica_out(path: str, model: nn.Module, ft: ReplicaFT, times: list[float]) -> None:
+    """PATH.json (per applied step, the replicas it averaged; counts; step times) and PATH.pt
+    (the final parameters), for tests and the overhead script."""
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path + ".pt")
+    with open(path + ".json", "w") as fh:
+        json.dump({"history": [[s, list(c)] for s, c in ft.history], "stats": ft.stats(), "times": times}, fh)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``commrt bench train``: the built-in language model (``commrt.apps.train_lm``'s TinyLM) under
-a plain torch loop, commrt's DataParallel, the commrt engine at each ZeRO stage, and torch's DDP
-and FSDP2 over gloo and over the ``commrt`` torch backend (``train_peers``), over the same ranks,
-in one run, alternating round by round:
+a plain torch loop, commrt's DataParallel, replica fault tolerance (``--stages ...,replica``), the
+commrt engine at each ZeRO stage, and torch's DDP and FSDP2 over gloo and over the ``commrt``
+torch backend (``train_peers``), over the same ranks, in one run, alternating round by round:
 
     commrt bench train -n 2 --stages dp,0,1,2,3 --peers ddp-gloo,fsdp-gloo --dim 384 --layers 4 [--json F]
 
@@ -31,6 +31,8 @@ from commrt.bench import train_peers
 from commrt.bench.report import write_json
 from commrt.train import TrainConfig, initialize
 from commrt.train.ddp import DataParallel
+from commrt.train.replica_ft import ReplicaFT
+from commrt.launch import free_port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--ranks", type=int, default=2)
     p.add_argument("--stages", default="dp,0,1,2,3",
-                   help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), 0-3 (the engine's ZeRO stages)")
+                   help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), replica "
+                   "(fault_tolerance = 'replica': each rank a replica, ReplicaFT with torch's AdamW), "
+                   "0-3 (the engine's ZeRO stages)")
     p.add_argument("--peers", default="ddp-gloo,ddp-commrt,fsdp-gloo,fsdp-commrt",
                    help="torch's strategies (comma list, '' for none): ddp or fsdp (FSDP2), over gloo or commrt")
     p.add_argument("--dim", type=int, default=384)
@@ -78,7 +82,8 @@ def strategies(args) -> list[tuple[str, str, object]]:
     """(row name, kind, argument) in the order every round runs them."""
     out = [("plain torch", "plain", None)]
     for s in (s.strip() for s in args.stages.split(",") if s.strip()):
-        out.append(("commrt DataParallel", "dp", None) if s == "dp" else (f"commrt stage {int(s)}", "engine", int(s)))
+        named = {"dp": ("commrt DataParallel", "dp", None), "replica": ("commrt replica FT", "replica", None)}
+        out.append(named[s] if s in named else (f"commrt stage {int(s)}", "engine", int(s)))
     for p in (p.strip() for p in args.peers.split(",") if p.strip()):
         wrapper, _, backend = p.partition("-")
         if wrapper not in train_peers.WRAPPERS or backend not in ("gloo", "commrt"):
@@ -88,7 +93,8 @@ def strategies(args) -> list[tuple[str, str, object]]:
 
 
 def _setup(args, kind: str, arg, groups):
-    """A model under one strategy: (step(tokens), breakdown() or None, where its bytes are counted)."""
+    """A model under one strategy: (step(tokens), breakdown() or None, where its bytes are counted,
+    close() or None: what to shut after the run; it returns extra figures for the row)."""
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
     loss_fn, vocab = nn.CrossEntropyLoss(), args.vocab
@@ -102,7 +108,9 @@ def _setup(args, kind: str, arg, groups):
         def engine_step(tokens):
             engine.backward(loss_of(engine, tokens))
             engine.step()
-        return engine_step, engine.step_breakdown, "engine"
+        return engine_step, engine.step_breakdown, "engine", None
+    if kind == "replica":
+        return _replica(model, loss_of)
     net, where = model, None
     if kind == "dp":
         net, where = DataParallel(model), "engine"
@@ -114,12 +122,35 @@ def _setup(args, kind: str, arg, groups):
         opt.zero_grad(set_to_none=True)
         loss_of(net, tokens).backward()
         opt.step()
-    return step, (net.step_breakdown if kind == "dp" else None), where
+    return step, (net.step_breakdown if kind == "dp" else None), where, None
+
+
+def _replica(model, loss_of):
+    """fault_tolerance = "replica" over the same ranks, each a replica: its store served by rank
+    0 on a fresh port (a real job serves it from the launcher), its generation's world the
+    default while it runs (bytes counted there). The row's extra figures: ReplicaFT's time per
+    step in each phase (copy, all_reduce, vote, apply; ms)."""
+    rank, port = commrt.get_rank(), torch.tensor([free_port() if commrt.get_rank() == 0 else 0])
+    commrt.broadcast(port, 0)
+    ft = ReplicaFT(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rank, commrt.get_world_size(),
+                   f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{int(port)}", serve_store=rank == 0)
+    ft.start()
+    steps = []
+
+    def step(tokens):
+        loss_of(model, tokens).backward()
+        steps.append(ft.step())
+
+    def close():
+        spent = dict(ft.counts.time_s)
+        ft.close()
+        return {k: round(1000 * v / max(len(steps), 1), 3) for k, v in spent.items()}
+    return step, None, "engine", close
 
 
 def _run(args, kind: str, arg, groups) -> dict:
     """One strategy's steps: times (slowest rank), breakdowns, bytes per step, peak memory."""
-    step, breakdown, where = _setup(args, kind, arg, groups)
+    step, breakdown, where, close = _setup(args, kind, arg, groups)
     rank = commrt.get_rank()
     train_peers.reset_peak_memory()
     commrt.barrier()
@@ -138,7 +169,8 @@ def _run(args, kind: str, arg, groups) -> dict:
     merged = _slowest(local + [train_peers.peak_memory_mb()] + (per_step or [0.0, 0.0]))
     n = args.steps
     return {"times": merged[args.warmup:n], "breakdowns": [b for b in parts[args.warmup:] if b is not None],
-            "peak_mb": merged[n], "bytes": None if per_step is None else merged[n + 1:]}
+            "peak_mb": merged[n], "bytes": None if per_step is None else merged[n + 1:],
+            "extra": close() if close is not None else None}
 
 
 def _rank(args) -> int:
@@ -174,8 +206,14 @@ def _rows(args, plan, runs) -> list[dict]:
                      "intra_node_mb_per_step": None if sent is None else round(sent[0] / 2**20, 3),
                      "inter_node_mb_per_step": None if sent is None else round(sent[1] / 2**20, 3),
                      "peak_rss_mb": round(max(r["peak_mb"] for r in rs), 1),
-                     "breakdown_ms": mean_breakdown(parts).as_ms() if parts else None})
+                     "breakdown_ms": mean_breakdown(parts).as_ms() if parts else None,
+                     "phases_ms": _mean_phases([r["extra"] for r in rs if r["extra"]])})
     return rows
+
+
+def _mean_phases(extras: list[dict]) -> dict | None:
+    """Rank 0's mean over the rounds (whole runs, warm-up included)."""
+    return {k: round(sum(e[k] for e in extras) / len(extras), 3) for k in extras[0]} if extras else None
 
 
 def table(rows: list[dict]) -> str:
@@ -188,6 +226,8 @@ def table(rows: list[dict]) -> str:
         text = "" if b is None else (f"fwd {b['forward']:.1f} bwd {b['backward']:.1f} opt {b['optimizer']:.1f} "
                                      f"waited {b['comm_waited']:.1f} hidden {b['comm_hidden']:.1f} "
                                      f"bookkeeping {b['bookkeeping']:.1f}")
+        if r.get("phases_ms"):
+            text = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
         lines.append(f"{r['strategy']:20s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
                      f"{r['efficiency']:10.3f} {mb(r['intra_node_mb_per_step']):>11s} "
                      f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M  {text}")

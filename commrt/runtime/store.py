@@ -138,6 +138,11 @@ class StoreClient:
         """[ok, value] | [abort, message] | [timeout, value]: counter ``key`` reached ``target``."""
         return self._call("wait_count", key, target, abort_key, timeout_s, wait_s=timeout_s)
 
+    def add_wait_count(self, key: str, amount: int, target: int, abort_key: str | None, timeout_s: float) -> list:
+        """Add ``amount`` to counter ``key``, then wait for it to reach ``target``, in one round
+        trip: [ok | abort | timeout, value or message, the value right after this add]."""
+        return self._call("add_wait_count", key, amount, target, abort_key, timeout_s, wait_s=timeout_s)
+
     def close(self) -> None:
         _retired.setdefault(self.where, set()).add(self.incarnation)
         self._rpc.close()
@@ -185,6 +190,10 @@ class TorchStore:
             value = self.add(key, 0)
             return value >= target, value
         return self._poll(probe, abort_key, timeout_s)
+
+    def add_wait_count(self, key: str, amount: int, target: int, abort_key: str | None, timeout_s: float) -> list:
+        added = self.add(key, amount)  # torch's store has no such call: two requests
+        return [*self.wait_count(key, target, abort_key, timeout_s), added]
 
     def close(self) -> None:
         pass

@@ -52,7 +52,8 @@ def _args(body: Any, n: int, method: str) -> list:
 @dataclass(eq=False)
 class _Wait:
     """A parked wait: for every key in ``keys`` (``next`` is the first not yet seen to exist),
-    or for counter ``keys[0]`` to reach ``target``."""
+    or for counter ``keys[0]`` to reach ``target``; ``added``: the counter's value right after
+    the request's own add (``add_wait_count``), sent back with the answer."""
     token: Any  # whatever the server needs to answer (an rpc Call)
     keys: list
     abort_key: str | None
@@ -60,6 +61,7 @@ class _Wait:
     target: int | None = None
     next: int = 0
     done: bool = field(default=False)
+    added: int | None = None
 
 
 class StoreCore:
@@ -112,7 +114,14 @@ class StoreCore:
             w = _Wait(token, [_key(key)], self._abort(abort_key), now + _seconds(timeout),
                       target=_int64(target, "wait_count target"))
             return self._park(w, now)
-        raise ProtocolError(f"unknown store method {method!r:.40}; valid: hello, set, mget, add, wait, wait_count")
+        if method == "add_wait_count":
+            key, amount, target, abort_key, timeout = _args(args, 5, method)
+            w = _Wait(token, [_key(key)], self._abort(abort_key), now + _seconds(timeout),
+                      target=_int64(target, "add_wait_count target"))
+            w.added = self._add(w.keys[0], _int64(amount, "add amount"))  # no parked wait is ours yet
+            return self._park(w, now)
+        raise ProtocolError(f"unknown store method {method!r:.40}; valid: hello, set, mget, add, wait, wait_count, "
+                            "add_wait_count")
 
     @staticmethod
     def _abort(k: Any) -> str | None:
@@ -142,7 +151,7 @@ class StoreCore:
     # -- parked waits -----------------------------------------------------------------------
     def _park(self, w: _Wait, now: float) -> list | None:
         if w.abort_key is not None and w.abort_key in self.data:
-            return [ABORT, self.data[w.abort_key]]
+            return self._with_added(w, [ABORT, self.data[w.abort_key]])
         if self._advance(w):
             return self._done_reply(w)
         if w.deadline <= now:
@@ -167,14 +176,18 @@ class StoreCore:
         self._by_key.setdefault(w.keys[w.next], []).append(w)
         return False
 
+    @staticmethod
+    def _with_added(w: _Wait, reply: list) -> list:
+        return reply if w.added is None else [*reply, w.added]
+
     def _done_reply(self, w: _Wait) -> list:
         if w.target is not None:
-            return [OK, self.data.get(w.keys[0], 0)]
+            return self._with_added(w, [OK, self.data.get(w.keys[0], 0)])
         return [OK, [self.data[k] for k in w.keys]]
 
     def _timeout_reply(self, w: _Wait) -> list:
         if w.target is not None:
-            return [TIMEOUT, self.data.get(w.keys[0], 0)]
+            return self._with_added(w, [TIMEOUT, self.data.get(w.keys[0], 0)])
         return [TIMEOUT, [k for k in w.keys if k not in self.data]]
 
     def _finish(self, w: _Wait, reply: list) -> None:
@@ -189,14 +202,14 @@ class StoreCore:
                 self._finish(w, self._done_reply(w))
         for w in list(self._by_abort.pop(key, ())):
             if not w.done:
-                self._finish(w, [ABORT, self.data[key]])
+                self._finish(w, self._with_added(w, [ABORT, self.data[key]]))
 
     def _counted(self, key: str, value: int) -> None:
         heap = self._by_counter.get(key)
         while heap and heap[0][0] <= value:
             w = heapq.heappop(heap)[2]
             if not w.done:
-                self._finish(w, [OK, value])
+                self._finish(w, self._with_added(w, [OK, value]))
 
     def expire(self, now: float) -> None:
         """Answer every parked wait whose deadline has passed (with what is still missing)."""

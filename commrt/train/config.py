@@ -151,9 +151,15 @@ class TrainConfig:
     """A NaN/inf in any rank's gradients: 'skip' the step on every rank (counted), or 'raise'
     an error naming the ranks. Parameters never receive a non-finite update."""
     fault_tolerance: str = "off"
-    """'replica': a data-parallel replica that dies or times out is dropped at the step it
-    failed in and the others go on; a restarted one rejoins with the live state
-    (``train/replica_ft.py``). Stage 0 only: every replica must hold the whole state."""
+    """'replica': a replica that dies or times out is dropped at the step it failed in and the
+    others go on; a restarted one rejoins with the live state (``train/replica_ft.py``). At
+    stage 0 a replica is a rank holding the whole state. With HYBRID_SHARD /
+    _HYBRID_SHARD_ZERO2 (``shard_group_size``, default the ranks per node), MiCS
+    (``mics_shard_size``) or hpZ (``zero_hpz_partition_size``) a replica is a group of that many
+    ranks (a node) that is dropped and rejoins as a whole; inside it, every rank keeps the whole
+    parameters and the group shards the gradients and the optimizer state (ZeRO-2 inside the
+    group, ``train/replica_group.py``), where the engine's HYBRID_SHARD / MiCS / hpZ without
+    fault tolerance also shard the parameters (ZeRO-3). Stages 1-3 without groups are refused."""
 
     def __post_init__(self) -> None:
         if self.gradient_accumulation_steps < 1:
@@ -195,15 +201,17 @@ def _check_fault_tolerance(c: "TrainConfig") -> None:
         raise ConfigError(f"fault_tolerance = {ft!r} is invalid; valid: {list(FAULT_TOLERANCE)}")
     if ft != "replica":
         return
-    if c.zero.hybrid or c.zero.zero_hpz_partition_size != 1:
-        raise ConfigError("fault_tolerance = 'replica' does not support HYBRID_SHARD, MiCS or hpZ yet in the ZeRO "
-                          "engine (its replica groups are fixed at init); use stage 0 (data parallel), where a "
-                          "replica is a rank, or ReplicaFT(..., shard=, shards=) directly: replica groups that "
-                          "shard gradients and optimizer state inside a node (commrt/train/replica_group.py)")
-    if c.zero.stage != 0:
+    z = c.zero
+    grouped = z.hybrid or z.zero_hpz_partition_size != 1
+    if not grouped and z.stage != 0:
         raise ConfigError(f"fault_tolerance = 'replica' needs zero_optimization.stage 0 (every replica holds the "
-                          f"whole training state); stage {c.zero.stage} shards it across the ranks, so a dead "
-                          "rank's shard would be lost")
+                          f"whole training state) or replica groups (sharding_strategy HYBRID_SHARD or "
+                          f"_HYBRID_SHARD_ZERO2, mics_shard_size, zero_hpz_partition_size); stage {z.stage} shards "
+                          "it across all the ranks, so a dead rank's shard would be lost")
+    if z.zero_quantized_weights or z.zero_quantized_gradients:
+        raise ConfigError("fault_tolerance = 'replica' averages fp32 gradients through its own worlds "
+                          "(train/replica_ft.py), not the engine's: zero_quantized_weights and "
+                          "zero_quantized_gradients are not supported with it")
 
 
 def _only(raw: Mapping, valid: set, where: str) -> None:

@@ -71,7 +71,8 @@ class Counts:
     """Steps whose average was computed again after a failure (none was lost)."""
     generations: int = 0
     time_s: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    """Seconds spent per phase of ``step()`` (the overhead's breakdown, tests/perf/replica_ft_overhead.py)."""
+    """Seconds spent per phase of ``step()`` (the overhead's breakdown, tests/perf/replica_ft_overhead.py);
+    a group's reduce-scatter inside it counts as its "copy"."""
 
 
 class ReplicaFT:
@@ -104,6 +105,7 @@ class ReplicaFT:
         self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
         self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)
         self.rt = None
+        self._outer = world.get()  # the default world before ours (commrt bench's): restored on close
         self.plan: q.Plan | None = None
         self.t = 0  # votes cast in this generation
         self.applied = -1
@@ -227,7 +229,9 @@ class ReplicaFT:
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
+        t0 = time.perf_counter()
         self._group_op(self.grads.prepare)
+        self.counts.time_s["copy"] += time.perf_counter() - t0
         nxt, reg = self._average(self.plan.members, True, overlapped=True)
         if nxt is None:
             nxt = self._enter(self.plan.gen + 1, reg, end=None)
@@ -287,7 +291,7 @@ class ReplicaFT:
     # -- the end --------------------------------------------------------------------------
     def _close_world(self) -> None:
         if self.rt is not None:
-            world.install(None)
+            world.install(self._outer)
             bootstrap.shutdown(self.rt)
             self.rt = None
 

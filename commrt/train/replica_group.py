@@ -22,10 +22,35 @@ import torch
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import bootstrap
 from commrt.runtime.config import Config
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import wait_for
 from commrt.train.replica_vote import P
+
+
+def group_size(zero, local_world_size: int) -> int:
+    """Ranks per replica group for ``[train] fault_tolerance = "replica"`` with the ZeRO config
+    ``zero`` (a ``ZeroConfig``): the engine's shard group without fault tolerance, i.e.
+    ``mics_shard_size``, HYBRID_SHARD's ``shard_group_size`` (0: the ranks per node), hpZ's
+    ``zero_hpz_partition_size`` ("auto": the ranks per node); 1 (a replica is a rank) otherwise."""
+    if zero.mics_shard_size > 0:
+        return zero.mics_shard_size
+    if zero.hybrid:
+        return zero.shard_group_size or local_world_size
+    hpz = zero.zero_hpz_partition_size
+    return local_world_size if hpz == "auto" else hpz
+
+
+def layout(rank: int, world_size: int, shards: int, local_world_size: int) -> tuple[int, int, int]:
+    """(replica, replicas, shard) of global rank ``rank`` in groups of ``shards`` consecutive
+    ranks (the launcher numbers a node's ranks consecutively). A group is part of one node or
+    whole nodes: one holding parts of two nodes would be dropped with either of them."""
+    if shards < 1 or world_size % shards:
+        raise ConfigError(f"rank {rank}: replica groups of {shards} ranks do not divide the world of {world_size}")
+    if local_world_size % shards and shards % local_world_size:
+        raise ConfigError(f"rank {rank}: replica groups of {shards} ranks straddle nodes of {local_world_size} ranks "
+                          "(LOCAL_WORLD_SIZE); give a group size that divides the node size or is a multiple of it")
+    return rank // shards, world_size // shards, rank % shards
 
 
 class GroupBroken(CommError):

@@ -22,14 +22,14 @@ def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: fl
          timeout_s: float) -> tuple[bool, int | None]:
     """Whether the step whose votes end at ``target`` (``voters`` per step) commits, as
     generation ``gen``'s vote counter decides: a completed all-reduce adds 1 and waits for the
-    rest; a failed one (or a vote wait that timed out) ends the generation. Also, when the wait
+    rest (one store request); a failed one (or a vote wait that timed out) ends the generation. Also, when the wait
     timed out, how many had voted: they are alive, the others most likely not (``lead``)."""
     key, result, voted = f"{P}v/{gen}", q.UNKNOWN, None
     if ok:
-        value = store.add(key, 1)
-        result = q.outcome(value, target)
-        if result == q.UNKNOWN and value < q.BIG:  # not every vote is in yet
-            status, value = store.wait_count(key, target, None, vote_timeout_s)
+        # one round trip: the add, and the wait for the rest when it was not the last vote
+        status, value, added = store.add_wait_count(key, 1, target, None, vote_timeout_s)
+        result = q.outcome(added, target)
+        if result == q.UNKNOWN and added < q.BIG:  # not every vote was in at our add
             if status == OK:
                 result = q.outcome(value, target)
             else:

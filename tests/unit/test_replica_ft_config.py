@@ -1,10 +1,12 @@
-"""[train] fault_tolerance: the valid values, and the ZeRO setups replica mode refuses (issue 33.2)."""
+"""[train] fault_tolerance: the valid values, the ZeRO setups replica mode refuses, and the replica
+groups HYBRID_SHARD / MiCS / hpZ map to (issue 33.2)."""
 from __future__ import annotations
 
 import pytest
 
 from commrt.runtime.errors import ConfigError
 from commrt.train.config import TrainConfig
+from commrt.train.replica_group import group_size, layout
 from commrt.train.replica_state import make_optimizer
 from commrt.optim.rules import OptimSpec
 
@@ -21,14 +23,38 @@ def test_unknown_value_names_the_valid_ones():
 
 
 @pytest.mark.parametrize("zero, why", [
-    ({"stage": 1}, "needs zero_optimization.stage 0.*stage 1 shards"),
-    ({"stage": 3}, "needs zero_optimization.stage 0.*stage 3 shards"),
-    ({"sharding_strategy": "HYBRID_SHARD"}, "does not support HYBRID_SHARD"),
-    ({"stage": 3, "zero_hpz_partition_size": 2}, "does not support HYBRID_SHARD, MiCS or hpZ"),
+    ({"stage": 1}, "needs zero_optimization.stage 0 .*or replica groups.*stage 1 shards"),
+    ({"stage": 3}, "needs zero_optimization.stage 0 .*stage 3 shards"),
+    ({"sharding_strategy": "FULL_SHARD"}, "stage 3 shards it across all the ranks"),
+    ({"sharding_strategy": "HYBRID_SHARD", "zero_quantized_gradients": True}, "zero_quantized_gradients are not"),
+    ({"stage": 0, "zero_quantized_gradients": True}, "not supported with it"),
 ])
 def test_sharded_stages_are_refused(zero, why):
     with pytest.raises(ConfigError, match=why):
         TrainConfig.from_dict({"fault_tolerance": "replica", "zero_optimization": zero})
+
+
+@pytest.mark.parametrize("zero, node, size", [
+    ({"sharding_strategy": "NO_SHARD"}, 4, 1),
+    ({"sharding_strategy": "HYBRID_SHARD"}, 4, 4),  # the ranks per node
+    ({"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}, 4, 2),
+    ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, 2, 2),
+    ({"stage": 3, "mics_shard_size": 8}, 4, 8),  # two whole nodes
+    ({"stage": 3, "zero_hpz_partition_size": 2}, 4, 2),
+    ({"stage": 3, "zero_hpz_partition_size": "auto"}, 3, 3),
+])
+def test_replica_groups_are_the_engines_shard_groups(zero, node, size):
+    cfg = TrainConfig.from_dict({"fault_tolerance": "replica", "zero_optimization": zero})
+    assert group_size(cfg.zero, node) == size
+
+
+def test_layout_numbers_groups_by_consecutive_ranks():
+    assert [layout(r, 8, 2, 4) for r in range(8)] == [(r // 2, 4, r % 2) for r in range(8)]
+    assert layout(5, 8, 8, 4) == (0, 1, 5)
+    with pytest.raises(ConfigError, match="do not divide the world of 6"):
+        layout(0, 6, 4, 2)
+    with pytest.raises(ConfigError, match="straddle nodes of 3 ranks"):
+        layout(0, 12, 2, 3)
 
 
 def test_lamb_has_no_torch_optimizer():

@@ -31,6 +31,10 @@ class Store:
         value = self.kv.get(key, 0)
         return [OK, value] if value >= target else [TIMEOUT, value]
 
+    def add_wait_count(self, key, amount, target, abort_key, timeout_s):
+        added = self.add(key, amount)
+        return [*self.wait_count(key, target, abort_key, timeout_s), added]
+
     def wait(self, keys, abort_key, timeout_s):
         values = self.mget(keys)
         return [OK, values] if None not in values else [TIMEOUT, [k for k, v in zip(keys, values) if v is None]]

@@ -31,6 +31,8 @@ def _req(core, method, *args, now=0.0, token="t"):
     ("set", ["k" * 257, b"v"], "key must be"), ("mget", ["k"], "list of keys"), ("mget", [[None]], "key must be"),
     ("wait", [["k"], None, math.nan], "timeout"), ("wait", [["k"], None, -1], "timeout"),
     ("wait_count", ["k", 1, 5, 1.0], "abort key"), ("drop", [], "unknown store method"),
+    ("add_wait_count", ["k", 1, 2, None], "takes 5 arguments"), ("add_wait_count", ["k", 1.5, 2, None, 1.0], "int64"),
+    ("add_wait_count", ["k", 1, 2, None, -1], "timeout"),
 ])
 def test_malformed_requests_are_refused_and_change_nothing(method, args, needle):
     """Issue 12.4 / 13.7: each of these killed the old store's serving thread."""
@@ -83,6 +85,26 @@ def test_parked_waits_are_answered_by_arrivals_aborts_and_deadlines():
     assert _req(core, "wait", ["q"], None, 0.0) == [TIMEOUT, ["q"]]
     _req(core, "set", "q", b"")  # the expired wait sits in q's index: it must stay answered once
     assert core.take_answered() == []
+
+
+def test_add_wait_count_adds_then_waits_in_one_request():
+    """The replica vote's one round trip (issue 33.5): each voter's reply carries the counter
+    right after its own add (who came before it) and the value that answered the wait."""
+    core = StoreCore()
+    assert _req(core, "add_wait_count", "v", 1, 3, None, 5.0, token="a") is None
+    assert _req(core, "add_wait_count", "v", 1, 3, None, 5.0, token="b") is None
+    assert core.take_answered() == []
+    assert _req(core, "add_wait_count", "v", 1, 3, None, 5.0, token="c") == [OK, 3, 3]  # the last: at once
+    assert sorted(core.take_answered()) == [("a", [OK, 3, 1]), ("b", [OK, 3, 2])]
+    assert _req(core, "add_wait_count", "v", 1, 6, None, 1.0, now=1.0, token="d") is None
+    assert _req(core, "add", "v", 1 << 40) == [OK, (1 << 40) + 4]  # a BIG ends it: the wait is answered
+    assert core.take_answered() == [("d", [OK, (1 << 40) + 4, 4])]
+    assert _req(core, "add_wait_count", "w", 1, 2, None, 1.0, now=1.0, token="e") is None
+    core.expire(2.0)
+    assert core.take_answered() == [("e", [TIMEOUT, 1, 1])]
+    assert _req(core, "add_wait_count", "x", 1, 2, "stop", 0.0) == [TIMEOUT, 1, 1]
+    _req(core, "set", "stop", b"why")
+    assert _req(core, "add_wait_count", "x", 1, 9, "stop", 1.0) == [ABORT, b"why", 2]
 
 
 def test_no_entry_count_cap():
