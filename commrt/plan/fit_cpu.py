@@ -11,7 +11,13 @@ with a Nelder-Mead search over their logarithms (every figure stays positive, no
 ``network`` builds the same model for an emulated cluster: nodes of ``per_node`` ranks on one
 host (all ranks share its cores), each node's link shaped to ``nic_bps`` bits/s. The shaper
 counts Ethernet frames, so a TCP stream gets ``WIRE_PAYLOAD`` of the rate: nothing about the
-emulated link is fitted, only the loopback figures carry over.
+emulated link is fitted, only the loopback figures carry over. Its token bucket is emulate.py's
+(``burst``): bytes a link saved up while idle leave at the port's speed.
+
+A benchmark times ops back to back, so a rank starts the next op as soon as its part of the last
+is done and a link's bucket refills only in the gaps: ``predict`` replays ``WARM`` and ``REPEAT``
+ops back to back and takes the time per op of those after the first ``WARM`` (the benchmark's
+warm-up drains the bucket too).
 """
 from __future__ import annotations
 
@@ -23,6 +29,12 @@ from commrt.plan.network import Network
 from commrt.plan.simulate import simulate
 
 WIRE_PAYLOAD = 1448 / 1514  # TCP payload (MSS with timestamps) per 1500-byte-MTU frame on the wire
+WARM, REPEAT = 2, 4  # ops replayed back to back; the time per op is that of the last REPEAT - WARM
+
+
+def burst(nic_bps: float) -> float:
+    """The bucket emulate.py gives tc's tbf: 10 ms of the rate, at least 64 KiB."""
+    return max(64 << 10, int(nic_bps / 8 / 100))
 
 
 class Params(NamedTuple):
@@ -54,12 +66,17 @@ def network(p: Params, world: int, per_node: int = 0, nic_bps: float = 0.0) -> N
     if nic_bps <= 0:
         raise ValueError(f"{world} ranks in nodes of {per_node}: the node link's rate is needed (nic_bps > 0)")
     return Network(world=world, per_node=per_node, intra_latency=p.alpha, intra_bw=p.beta, nic_latency=0.0,
-                   nic_bw=nic_bps / 8 * WIRE_PAYLOAD, ranks_per_host=world, **cpu)
+                   nic_bw=nic_bps / 8 * WIRE_PAYLOAD, nic_burst=burst(nic_bps) * WIRE_PAYLOAD, ranks_per_host=world,
+                   **cpu)
 
 
-def predict(p: Params, case: Case) -> float:
-    return simulate(network(p, case.world, case.per_node, case.nic_bps), case.collective, case.algorithm,
-                    case.nbytes).seconds
+def predict(p: Params, case: Case, back_to_back: bool = True) -> float:
+    """Seconds per op: one op alone, or (``back_to_back``) one of a loop of them."""
+    net = network(p, case.world, case.per_node, case.nic_bps)
+    if not back_to_back:
+        return simulate(net, case.collective, case.algorithm, case.nbytes).seconds
+    warm, loop = (simulate(net, case.collective, case.algorithm, case.nbytes, repeat=k).seconds for k in (WARM, REPEAT))
+    return (loop - warm) / (REPEAT - WARM)
 
 
 def nelder_mead(f: Callable[[np.ndarray], float], x0: Sequence[float], step: float = 1.0,
@@ -99,19 +116,19 @@ def _params(x: np.ndarray, cores: int) -> Params:
     return Params(alpha, 1 / inv_beta, msg, byte, 1 / inv_reduce, cores)
 
 
-def error(p: Params, cases: Sequence[Case], seconds: Sequence[float]) -> float:
+def error(p: Params, cases: Sequence[Case], seconds: Sequence[float], back_to_back: bool = True) -> float:
     """Mean squared log ratio of predicted to measured."""
-    pred = np.array([predict(p, c) for c in cases])
+    pred = np.array([predict(p, c, back_to_back) for c in cases])
     return float(np.mean(np.log(pred / np.asarray(seconds)) ** 2))
 
 
 def fit(cases: Sequence[Case], seconds: Sequence[float], cores: int, start: Params | None = None,
-        rounds: int = 3) -> Params:
+        rounds: int = 3, back_to_back: bool = True) -> Params:
     """The Params (``cores`` given) whose replay is closest to the measured ``seconds``."""
     if len(cases) < 5:
         raise ValueError(f"fitting 5 figures needs >= 5 measured rows, got {len(cases)}")
     s = start or Params(20e-6, 1e9, 20e-6, 0.5e-9, 1e9, cores)
     x = np.log([s.alpha, 1 / s.beta, s.cpu_msg, s.cpu_byte, 1 / s.reduce_bw])
     for _ in range(rounds):  # restarts: a simplex can collapse before it reaches the minimum
-        x = nelder_mead(lambda v: error(_params(v, cores), cases, seconds), x)
+        x = nelder_mead(lambda v: error(_params(v, cores), cases, seconds, back_to_back), x)
     return _params(x, cores)

@@ -51,14 +51,16 @@ class Network:
     """cores per host, shared by its ranks (0: one core per rank, no sharing)"""
     ranks_per_host: int = 0
     """ranks sharing a host's cores (0: a node's; an emulated cluster puts every node on one host)"""
+    nic_burst: float = 0.0
+    """bytes a node link sends at its port's speed after idling (a token bucket, as tc's tbf; 0: none)"""
 
     def __post_init__(self):
         if self.world < 1 or self.per_node < 1 or self.nodes_per_leaf < 1:
             raise ValueError(f"network needs world, per_node, nodes_per_leaf >= 1: {self}")
         if min(self.intra_bw, self.nic_bw, self.oversubscription) <= 0:
             raise ValueError(f"bandwidths and oversubscription must be > 0: {self}")
-        if min(self.cpu_msg, self.cpu_byte, self.reduce_bw, self.cores, self.ranks_per_host) < 0:
-            raise ValueError(f"CPU costs, reduce_bw, cores and ranks_per_host must be >= 0: {self}")
+        if min(self.cpu_msg, self.cpu_byte, self.reduce_bw, self.cores, self.ranks_per_host, self.nic_burst) < 0:
+            raise ValueError(f"CPU costs, reduce_bw, cores, ranks_per_host and nic_burst must be >= 0: {self}")
 
     @property
     def cpu_modelled(self) -> bool:

@@ -90,11 +90,9 @@ def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tupl
             if s.send_to is not None and sent_at[r] is None:
                 size = _range_bytes(prefix, parts, s.send, itemsize)
                 links, lat, bw = net.route(r, s.send_to)
-                start = max(cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0),
-                            max(free[link] for link in links))
-                sent_at[r] = start + size / bw
+                ready = cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
+                sent_at[r] = _transmit(net, free, links, ready, size, bw)
                 for link in links:
-                    free[link] = sent_at[r]
                     load[link] += size
                 chan[r, s.send_to].append(sent_at[r] + lat)
                 messages, sent = messages + 1, sent + size
@@ -122,6 +120,28 @@ def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tupl
     return max(clock, default=0.0), dict(load), messages, sent
 
 
+def _transmit(net: Network, free: dict, links: tuple, ready: float, size: int, bw: float) -> float:
+    """When the last byte of a message ready at ``ready`` has left over ``links`` (first come,
+    first served; ``free``: when each link is next free). A node link with a token bucket
+    (``nic_burst``) keeps a virtual clock that may lag real time by burst / nic_bw: the bytes its
+    idle time saved up go at the port's speed (tbf with no peak rate)."""
+    nic = [link for link in links if link[0] in ("nic_up", "nic_down")]
+    if not net.nic_burst or not nic:
+        start = max(ready, max(free[link] for link in links))
+        for link in links:
+            free[link] = start + size / bw
+        return start + size / bw
+    others = [link for link in links if link not in nic]
+    start = max([ready] + [free[link] for link in others])
+    peak = min(net.intra_bw, net.spine_bw if len(links) > 4 else net.intra_bw)
+    saved = start - net.nic_burst / net.nic_bw  # a link never used has a full bucket
+    virtual = max(max(free.get(link, saved) for link in nic), saved) + size / net.nic_bw
+    done = max(start + size / peak, virtual)
+    for link in links:
+        free[link] = virtual if link in nic else done
+    return done
+
+
 def _recv_cpu(net: Network, step: Step, nbytes: int) -> float:
     """CPU seconds a received message costs: taking it in, and reducing it into the buffer."""
     reduce = nbytes / net.reduce_bw if step.action == REDUCE and net.reduce_bw else 0.0
@@ -147,8 +167,10 @@ def truncated(collective: str, algorithm: str, n: int, k: int, phases: int) -> S
 
 
 def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsize: int = 4,
-             root: int = 0, piece_bytes: int = 4 << 20, max_rank_steps: int = MAX_RANK_STEPS) -> Result:
-    """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``."""
+             root: int = 0, piece_bytes: int = 4 << 20, max_rank_steps: int = MAX_RANK_STEPS,
+             repeat: int = 1) -> Result:
+    """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``; ``repeat``
+    back to back (as a benchmark's loop: a rank starts the next op when it finished its part)."""
     n, numel = net.world, nbytes // itemsize
     pieces = max(1, -(-nbytes // piece_bytes))
     phases = _PHASES.get((collective, algorithm))
@@ -156,8 +178,11 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
         if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
             raise ValueError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
                              f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform")
-        secs, load, msgs, sent = replay(net, schedule(collective, algorithm, n, root, pieces), numel, itemsize)
+        parts, steps = schedule(collective, algorithm, n, root, pieces)
+        secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
+    if repeat != 1:
+        raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
     total_steps = phases * (n - 1) * n
     k = max(2, max_rank_steps // (2 * phases * n))
     first = replay(net, truncated(collective, algorithm, n, k, phases), numel, itemsize)
