@@ -17,7 +17,8 @@ emulated link is fitted, only the loopback figures carry over. Its token bucket 
 A benchmark times ops back to back, so a rank starts the next op as soon as its part of the last
 is done and a link's bucket refills only in the gaps: ``predict`` replays ``WARM`` and ``REPEAT``
 ops back to back and takes the time per op of those after the first ``WARM`` (the benchmark's
-warm-up drains the bucket too).
+warm-up drains the bucket too), or, given a case's ``warmup`` and ``iters``, the benchmark's own
+loop: how full the bucket still is depends on how many ops ran.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class Case(NamedTuple):
     nbytes: int
     per_node: int = 0      # 0: every rank on one node (loopback)
     nic_bps: float = 0.0   # an emulated node link's shaped rate, bits/s
+    warmup: int = 0        # the benchmark's untimed ops, then ``iters`` timed ones (0: WARM, REPEAT)
+    iters: int = 0
 
 
 def network(p: Params, world: int, per_node: int = 0, nic_bps: float = 0.0) -> Network:
@@ -75,8 +78,9 @@ def predict(p: Params, case: Case, back_to_back: bool = True) -> float:
     net = network(p, case.world, case.per_node, case.nic_bps)
     if not back_to_back:
         return simulate(net, case.collective, case.algorithm, case.nbytes).seconds
-    warm, loop = (simulate(net, case.collective, case.algorithm, case.nbytes, repeat=k).seconds for k in (WARM, REPEAT))
-    return (loop - warm) / (REPEAT - WARM)
+    first, last = (case.warmup, case.warmup + case.iters) if case.iters else (WARM, REPEAT)
+    warm, loop = (simulate(net, case.collective, case.algorithm, case.nbytes, repeat=k).seconds for k in (first, last))
+    return (loop - warm) / (last - first)
 
 
 def nelder_mead(f: Callable[[np.ndarray], float], x0: Sequence[float], step: float = 1.0,

@@ -50,6 +50,8 @@ class Row(NamedTuple):
     world: int
     nbytes: int
     seconds: float
+    warmup: int = 0
+    iters: int = 0
 
 
 def measured(paths: list[str]) -> list[Row]:
@@ -62,15 +64,18 @@ def measured(paths: list[str]) -> list[Row]:
             for name in doc["backends"]:
                 algo = name.split("+")[0].partition(":")[2]
                 if algo and "time_us" in row[name]:
-                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6))
+                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6,
+                                    doc.get("warmup", 0), doc.get("iters", 0)))
     return rows
 
 
 def medians(rows: list[Row], per_node: int = 0, nic_bps: float = 0.0) -> dict[fit_cpu.Case, list[float]]:
-    """Each measured case and its repetitions' seconds (several files of one configuration)."""
+    """Each measured case and its repetitions' seconds (several files of one configuration). An
+    emulated row is replayed as its benchmark's loop (its link's token bucket depends on it)."""
     out: dict = defaultdict(list)
     for r in rows:
-        out[fit_cpu.Case(r.collective, r.algorithm, r.world, r.nbytes, per_node, nic_bps)].append(r.seconds)
+        loop = (r.warmup, r.iters) if nic_bps else (0, 0)
+        out[fit_cpu.Case(r.collective, r.algorithm, r.world, r.nbytes, per_node, nic_bps, *loop)].append(r.seconds)
     return dict(out)
 
 
