@@ -9,6 +9,13 @@ node has one NIC, a link each way to its leaf switch (``nic_bw``). Leaves hold
 A message pays the latencies of the levels it crosses once (alpha) and its bytes over the
 slowest link of its path (beta); concurrent messages on one link are serialised, first come
 first served (``simulate.replay``).
+
+The CPU (off by default: every ``cpu_*`` 0 and ``cores`` 0 keep the network-only model): a message
+costs its sender and its receiver ``cpu_msg`` seconds plus ``cpu_byte`` per byte (system calls,
+the copy into and out of the socket, the messaging library's threads), and a reduction
+bytes / ``reduce_bw``. With ``cores`` > 0 that work runs on the ``cores`` of the rank's host
+(``ranks_per_host`` ranks, a node by default), each piece on the core that frees first: ranks
+beyond the cores take turns, as 8 processes on 2 cores do. ``cores`` 0: one core per rank.
 """
 from __future__ import annotations
 
@@ -36,12 +43,36 @@ class Network:
     """a leaf's downlink bandwidth over its uplink bandwidth"""
     reduce_bw: float = 0.0
     """bytes/s a rank reduces (0: reduction costs nothing)"""
+    cpu_msg: float = 0.0
+    """CPU seconds a message costs its sender, and again its receiver"""
+    cpu_byte: float = 0.0
+    """CPU seconds per byte a message costs its sender, and again its receiver"""
+    cores: int = 0
+    """cores per host, shared by its ranks (0: one core per rank, no sharing)"""
+    ranks_per_host: int = 0
+    """ranks sharing a host's cores (0: a node's; an emulated cluster puts every node on one host)"""
+    nic_burst: float = 0.0
+    """bytes a node link sends at its port's speed after idling (a token bucket, as tc's tbf; 0: none)"""
 
     def __post_init__(self):
         if self.world < 1 or self.per_node < 1 or self.nodes_per_leaf < 1:
             raise ValueError(f"network needs world, per_node, nodes_per_leaf >= 1: {self}")
         if min(self.intra_bw, self.nic_bw, self.oversubscription) <= 0:
             raise ValueError(f"bandwidths and oversubscription must be > 0: {self}")
+        if min(self.cpu_msg, self.cpu_byte, self.reduce_bw, self.cores, self.ranks_per_host, self.nic_burst) < 0:
+            raise ValueError(f"CPU costs, reduce_bw, cores, ranks_per_host and nic_burst must be >= 0: {self}")
+
+    @property
+    def cpu_modelled(self) -> bool:
+        return bool(self.cpu_msg or self.cpu_byte or self.cores)
+
+    def host(self, rank: int) -> int:
+        """The host whose cores ``rank`` shares (``cores`` > 0)."""
+        return rank // (self.ranks_per_host or self.per_node)
+
+    def cpu_seconds(self, nbytes: int) -> float:
+        """CPU one side of a message of ``nbytes`` costs."""
+        return self.cpu_msg + nbytes * self.cpu_byte
 
     @property
     def spine_bw(self) -> float:

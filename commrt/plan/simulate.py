@@ -5,7 +5,9 @@ The schedules are the ones the executors run (``collectives/schedules.py``, whic
 step's send leaves when the rank reaches it and takes every link of its path at once for
 bytes / bottleneck bandwidth, after whatever the links already carry (first come, first served,
 in time order); it arrives a path latency later. The step ends when its send has left and its
-receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set.
+receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set. With the
+network's CPU term (``Network.cpu_msg``, ``cpu_byte``, ``cores``) a send first takes its CPU
+time, a receive its own after arrival, on the host's shared cores (``_Cores``).
 
 Long schedules (the ring and pairwise all_to_all take n-1 steps per phase, 537 M rank-steps at
 16,384 ranks) are replayed over their first ``k`` and ``2k`` steps of each phase and the
@@ -51,16 +53,33 @@ def _range_bytes(prefix: list[int], parts: int, rng: tuple[int, int], itemsize: 
     return elems * itemsize
 
 
+class _Cores:
+    """When each host's cores free up (``Network.cores`` > 0): a piece of CPU work starts on the
+    core that frees first, not before it is ready. Without cores every rank has its own."""
+
+    def __init__(self, net: Network):
+        self.net, self.free = net, defaultdict(lambda: [0.0] * net.cores)
+
+    def run(self, rank: int, ready: float, seconds: float) -> float:
+        """When ``seconds`` of ``rank``'s CPU work, ready at ``ready``, is done."""
+        if seconds <= 0 or not self.net.cores:
+            return ready + seconds
+        cores = self.free[self.net.host(rank)]
+        i = min(range(len(cores)), key=cores.__getitem__)
+        cores[i] = max(ready, cores[i]) + seconds
+        return cores[i]
+
+
 def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tuple[float, dict, int, int]:
     """(seconds until the last rank finishes, link -> bytes, messages, bytes sent)."""
     parts, ranks = sched
     prefix = [0]
     for a, b in chunk_bounds(numel, parts):
         prefix.append(prefix[-1] + b - a)
-    free, load = defaultdict(float), defaultdict(float)
+    free, load, cpu = defaultdict(float), defaultdict(float), _Cores(net)
     chan, waiting = defaultdict(deque), {}
     n = len(ranks)
-    pos, clock, sent_at = [0] * n, [0.0] * n, [None] * n
+    pos, clock, sent_at, got = [0] * n, [0.0] * n, [None] * n, [None] * n
     heap = [(0.0, r) for r in range(n)]
     messages = sent = 0
     while heap:
@@ -71,10 +90,9 @@ def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tupl
             if s.send_to is not None and sent_at[r] is None:
                 size = _range_bytes(prefix, parts, s.send, itemsize)
                 links, lat, bw = net.route(r, s.send_to)
-                start = max(t, max(free[link] for link in links))
-                sent_at[r] = start + size / bw
+                ready = cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
+                sent_at[r] = _transmit(net, free, links, ready, size, bw)
                 for link in links:
-                    free[link] = sent_at[r]
                     load[link] += size
                 chan[r, s.send_to].append(sent_at[r] + lat)
                 messages, sent = messages + 1, sent + size
@@ -83,20 +101,51 @@ def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tupl
                     heapq.heappush(heap, (clock[woken], woken))
             done = t if sent_at[r] is None else sent_at[r]
             if s.recv_from is not None:
-                queue = chan[s.recv_from, r]
-                if not queue:
-                    waiting[s.recv_from, r] = r
-                    break
-                done = max(done, queue.popleft())
-                if s.action == REDUCE and net.reduce_bw:
-                    done += _range_bytes(prefix, parts, s.recv, itemsize) / net.reduce_bw
-            clock[r], sent_at[r] = done, None
+                if got[r] is None:
+                    queue = chan[s.recv_from, r]
+                    if not queue:
+                        waiting[s.recv_from, r] = r
+                        break
+                    got[r] = max(done, queue.popleft())
+                    if net.cores and heap and heap[0][0] < got[r]:  # cores shared: take them in time order
+                        heapq.heappush(heap, (got[r], r))
+                        break
+                done = cpu.run(r, got[r], _recv_cpu(net, s, _range_bytes(prefix, parts, s.recv, itemsize)))
+            clock[r], sent_at[r], got[r] = done, None, None
             pos[r] += 1
             if heap and heap[0][0] < done:  # keep sends in time order: let the earlier ranks go first
                 heapq.heappush(heap, (done, r))
                 break
     assert not waiting and all(p == len(st) for p, st in zip(pos, ranks)), "schedule deadlocked"
     return max(clock, default=0.0), dict(load), messages, sent
+
+
+def _transmit(net: Network, free: dict, links: tuple, ready: float, size: int, bw: float) -> float:
+    """When the last byte of a message ready at ``ready`` has left over ``links`` (first come,
+    first served; ``free``: when each link is next free). A node link with a token bucket
+    (``nic_burst``) keeps a virtual clock that may lag real time by burst / nic_bw: the bytes its
+    idle time saved up go at the port's speed (tbf with no peak rate)."""
+    nic = [link for link in links if link[0] in ("nic_up", "nic_down")]
+    if not net.nic_burst or not nic:
+        start = max(ready, max(free[link] for link in links))
+        for link in links:
+            free[link] = start + size / bw
+        return start + size / bw
+    others = [link for link in links if link not in nic]
+    start = max([ready] + [free[link] for link in others])
+    peak = min(net.intra_bw, net.spine_bw if len(links) > 4 else net.intra_bw)
+    saved = start - net.nic_burst / net.nic_bw  # a link never used has a full bucket
+    virtual = max(max(free.get(link, saved) for link in nic), saved) + size / net.nic_bw
+    done = max(start + size / peak, virtual)
+    for link in links:
+        free[link] = virtual if link in nic else done
+    return done
+
+
+def _recv_cpu(net: Network, step: Step, nbytes: int) -> float:
+    """CPU seconds a received message costs: taking it in, and reducing it into the buffer."""
+    reduce = nbytes / net.reduce_bw if step.action == REDUCE and net.reduce_bw else 0.0
+    return (net.cpu_seconds(nbytes) if net.cpu_modelled else 0.0) + reduce
 
 
 def _rotated(step: Step, r: int, n: int) -> Step:
@@ -118,8 +167,10 @@ def truncated(collective: str, algorithm: str, n: int, k: int, phases: int) -> S
 
 
 def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsize: int = 4,
-             root: int = 0, piece_bytes: int = 4 << 20, max_rank_steps: int = MAX_RANK_STEPS) -> Result:
-    """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``."""
+             root: int = 0, piece_bytes: int = 4 << 20, max_rank_steps: int = MAX_RANK_STEPS,
+             repeat: int = 1) -> Result:
+    """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``; ``repeat``
+    back to back (as a benchmark's loop: a rank starts the next op when it finished its part)."""
     n, numel = net.world, nbytes // itemsize
     pieces = max(1, -(-nbytes // piece_bytes))
     phases = _PHASES.get((collective, algorithm))
@@ -127,8 +178,11 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
         if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
             raise ValueError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
                              f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform")
-        secs, load, msgs, sent = replay(net, schedule(collective, algorithm, n, root, pieces), numel, itemsize)
+        parts, steps = schedule(collective, algorithm, n, root, pieces)
+        secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
+    if repeat != 1:
+        raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
     total_steps = phases * (n - 1) * n
     k = max(2, max_rank_steps // (2 * phases * n))
     first = replay(net, truncated(collective, algorithm, n, k, phases), numel, itemsize)

@@ -1,6 +1,7 @@
 """``commrt estimate --simulate``: replay the collective schedules over a modelled cluster and
 print each algorithm's time per size and world, the algorithm the selection table picks, and
-(JSON) the messages, bytes and load per kind of link. Pure: no processes, no torch."""
+(JSON) the messages, bytes and load per kind of link; ``--cpu-msg``, ``--cpu-byte``,
+``--reduce-bw`` and ``--cores`` add the CPU term (plan/network.py). Pure: no processes, no torch."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,10 @@ def add_arguments(ep) -> None:
     g.add_argument("--spine-latency", type=float, default=1e-6, help="seconds added crossing the spine")
     g.add_argument("--nodes-per-leaf", type=int, default=16)
     g.add_argument("--oversubscription", type=float, default=1.0, help="leaf down/up bandwidth ratio")
+    g.add_argument("--cpu-msg", type=float, default=0.0, help="CPU seconds a message costs each side (0: no CPU term)")
+    g.add_argument("--cpu-byte", type=float, default=0.0, help="CPU seconds per byte each side")
+    g.add_argument("--reduce-bw", default="0", help="a rank's reduction speed, e.g. 2.4GB/s (0: free)")
+    g.add_argument("--cores", type=int, default=0, help="cores per node shared by its ranks (0: one per rank)")
 
 
 def _list(text: str, kind, what: str) -> list:
@@ -45,7 +50,9 @@ def results(args, parse_size, parse_bandwidth) -> list[Result]:
         net = Network(world=world, per_node=args.per_node, intra_latency=args.intra_latency,
                       intra_bw=parse_bandwidth(args.intra_bw), nic_latency=args.inter_latency,
                       nic_bw=parse_bandwidth(args.inter_bw), nodes_per_leaf=args.nodes_per_leaf,
-                      spine_latency=args.spine_latency, oversubscription=args.oversubscription)
+                      spine_latency=args.spine_latency, oversubscription=args.oversubscription,
+                      cpu_msg=args.cpu_msg, cpu_byte=args.cpu_byte, cores=args.cores,
+                      reduce_bw=parse_bandwidth(args.reduce_bw) if args.reduce_bw.strip() not in ("", "0") else 0.0)
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             out += [simulate(net, args.collective, a, size) for a in algos]
     return out
@@ -82,7 +89,7 @@ def render(args, parse_size, parse_bandwidth) -> str:
     res = results(args, parse_size, parse_bandwidth)
     if args.json:
         keys = ("per_node", "intra_bw", "inter_bw", "intra_latency", "inter_latency", "spine_latency",
-                "nodes_per_leaf", "oversubscription")
+                "nodes_per_leaf", "oversubscription", "cpu_msg", "cpu_byte", "reduce_bw", "cores")
         return to_json(res, {k: getattr(args, k) for k in keys})
     partial = [r for r in res if r.replayed < 1]
     note = (f"\n# {len(partial)} result(s) replayed in part (ring/pairwise: the first steps of each phase, "

@@ -14,6 +14,12 @@ relative error (each row divided by its measured time) so 4 KiB rows count as mu
 executor (collectives/scheduled.py, ops.py) over in-memory queues instead of sockets, divided by
 the cores this process may use: the floor a CPU-bound host puts under the measured time, which
 the network model does not know about.
+
+``--cores N`` fits the model with its CPU term instead (``plan/fit_cpu.py``: a message's CPU
+each side, the reduction, N cores shared by the ranks) to every row of the given files, the
+median of the repetitions of each row; ``--check`` files are then predicted, not fitted (another
+run), and ``--emulated`` files (``commrt launch --nnodes N -n G --emulate-network RATE``: give
+``--per-node G --mbit RATE``) with the same figures and the node links at the shaped rate.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ import argparse
 import json
 import os
 import queue
+import statistics
 import threading
 import time
+from collections import defaultdict
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +39,7 @@ import torch
 from commrt.collectives import ops
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.selection import choose, table_from
+from commrt.plan import fit_cpu
 from commrt.plan.network import Network
 from commrt.plan.simulate import simulate
 
@@ -41,6 +50,8 @@ class Row(NamedTuple):
     world: int
     nbytes: int
     seconds: float
+    warmup: int = 0
+    iters: int = 0
 
 
 def measured(paths: list[str]) -> list[Row]:
@@ -53,8 +64,65 @@ def measured(paths: list[str]) -> list[Row]:
             for name in doc["backends"]:
                 algo = name.split("+")[0].partition(":")[2]
                 if algo and "time_us" in row[name]:
-                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6))
+                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6,
+                                    doc.get("warmup", 0), doc.get("iters", 0)))
     return rows
+
+
+def medians(rows: list[Row], per_node: int = 0, nic_bps: float = 0.0) -> dict[fit_cpu.Case, list[float]]:
+    """Each measured case and its repetitions' seconds (several files of one configuration). An
+    emulated row is replayed as its benchmark's loop (its link's token bucket depends on it)."""
+    out: dict = defaultdict(list)
+    for r in rows:
+        loop = (r.warmup, r.iters) if nic_bps else (0, 0)
+        out[fit_cpu.Case(r.collective, r.algorithm, r.world, r.nbytes, per_node, nic_bps, *loop)].append(r.seconds)
+    return dict(out)
+
+
+def compare_cpu(groups: dict, p: fit_cpu.Params, label: str) -> list[dict]:
+    out = []
+    for case in sorted(groups):
+        reps = groups[case]
+        med, pred = statistics.median(reps), fit_cpu.predict(p, case)
+        out.append({"set": label, "collective": case.collective, "algorithm": case.algorithm, "ranks": case.world,
+                    "per_node": case.per_node or case.world, "bytes": case.nbytes, "measured_us": med * 1e6,
+                    "spread_us": [min(reps) * 1e6, max(reps) * 1e6], "repetitions": len(reps),
+                    "predicted_us": pred * 1e6, "error": pred / med - 1})
+    return out
+
+
+def markdown_cpu(entries: list[dict], p: fit_cpu.Params) -> str:
+    lines = [f"Fitted on the 'fit' rows: {p.describe()}", "",
+             "| set | algorithm | ranks | bytes | measured us (median; min-max) | predicted us | error |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        ranks = f"{e['ranks'] // e['per_node']}x{e['per_node']}" if e["per_node"] < e["ranks"] else str(e["ranks"])
+        flag = " **" if abs(e["error"]) > 0.15 else ""
+        lo, hi = e["spread_us"]
+        lines.append(f"| {e['set']} | {e['algorithm']} | {ranks} | {e['bytes']} | {e['measured_us']:.0f} ({lo:.0f}-{hi:.0f}) "
+                     f"| {e['predicted_us']:.0f} | {e['error'] * 100:+.0f}%{flag} |")
+    lines.append("")
+    for label in dict.fromkeys(e["set"] for e in entries):
+        mine = [e for e in entries if e["set"] == label]
+        within = sum(abs(e["error"]) <= 0.15 for e in mine)
+        med = statistics.median(abs(e["error"]) for e in mine) * 100
+        lines.append(f"{label}: {within} of {len(mine)} rows within 15% (median |error| {med:.0f}%; ** marks the others)")
+    return "\n".join(lines)
+
+
+def run_cpu(args) -> tuple[list[dict], fit_cpu.Params]:
+    """``--cores``: fit the CPU model on the positional files, predict the --check and --emulated ones."""
+    fit_rows = medians(measured(args.json))
+    cases = sorted(fit_rows)
+    p = fit_cpu.fit(cases, [statistics.median(fit_rows[c]) for c in cases], cores=args.cores)
+    entries = compare_cpu(fit_rows, p, "fit")
+    if args.check:
+        entries += compare_cpu(medians(measured(args.check)), p, "check")
+    if args.emulated:
+        if not args.per_node or not args.mbit:
+            raise SystemExit("simulate_fit: --emulated needs --per-node G and --mbit RATE (the launch's -n and link)")
+        entries += compare_cpu(medians(measured(args.emulated), args.per_node, args.mbit * 1e6), p, "emulated")
+    return entries, p
 
 
 def _net(world: int, alpha: float, beta: float) -> Network:
@@ -151,7 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", nargs="+", help="commrt bench --algo ... --json files")
     ap.add_argument("--cpu", action="store_true", help="add the compute-only floor per row")
     ap.add_argument("--out", help="also write the comparison as JSON here")
+    ap.add_argument("--cores", type=int, default=0, help="fit the model with its CPU term, N cores shared by the ranks")
+    ap.add_argument("--check", nargs="*", default=[], help="with --cores: loopback files predicted, not fitted")
+    ap.add_argument("--emulated", nargs="*", default=[], help="with --cores: emulated-cluster files predicted")
+    ap.add_argument("--per-node", type=int, default=0, help="ranks per node of the --emulated runs")
+    ap.add_argument("--mbit", type=float, default=0.0, help="the --emulated runs' link rate, Mbit/s")
     args = ap.parse_args(argv)
+    if args.cores:
+        entries, p = run_cpu(args)
+        print(markdown_cpu(entries, p))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"params": p._asdict(), "rows": entries}, fh, indent=1)
+        return 0
     rows = sorted(measured(args.json), key=lambda r: (r.collective, r.algorithm, r.world, r.nbytes))
     alpha, beta = fit(rows)
     entries = compare(rows, alpha, beta, args.cpu)

@@ -35,3 +35,13 @@ def test_unknown_algorithm_and_missing_params():
     args.simulate = False
     with pytest.raises(ConfigError, match="needs --params"):
         command.render(args)
+
+
+def test_the_cpu_term_from_the_command_line():
+    base = ["--json", "--worlds", "2", "--per-node", "2", "--sizes", "4K", "--algorithms", "recursive_doubling",
+            "--intra-latency", "0", "--intra-bw", "1000000GB/s"]
+    (off,) = json.loads(command.render(_args(*base)).text)["results"]
+    (own,) = json.loads(command.render(_args(*base, "--cpu-msg", "1e-3")).text)["results"]
+    (shared,) = json.loads(command.render(_args(*base, "--cpu-msg", "1e-3", "--cores", "1")).text)["results"]
+    assert off["seconds"] < 1e-6  # the default stays without CPU
+    assert own["seconds"] == pytest.approx(2e-3) and shared["seconds"] == pytest.approx(4e-3)

@@ -39,3 +39,31 @@ def test_a_miss_is_flagged_and_bench_json_is_read(tmp_path):
 
 def test_cpu_floor_runs_the_real_executor():
     assert sf.cpu_floor(sf.Row("all_reduce", "recursive_doubling", 4, 4096, 0.0), iters=2) > 0
+
+
+def _bench_json(path, params, world, per_node=0, mbit=0.0, scale=1.0):
+    from commrt.plan import fit_cpu
+    algos = ("recursive_doubling", "ring", "rabenseifner")
+    rows = [{f"zmq:{a}": {"size": s, "time_us": 1e6 * scale * fit_cpu.predict(
+        params, fit_cpu.Case("all_reduce", a, world, s, per_node, mbit * 1e6))} for a in algos} for s in (4096, 1 << 20)]
+    path.write_text(json.dumps({"collective": "all_reduce", "nproc": world, "rows": rows,
+                                "backends": [f"zmq:{a}" for a in algos]}))
+    return str(path)
+
+
+def test_the_cpu_model_is_fitted_on_one_run_and_checks_the_others(tmp_path, capsys, monkeypatch):
+    from commrt.plan import fit_cpu
+    monkeypatch.setattr(fit_cpu, "WARM", 0)  # one op per replay, not a loop: 5x faster, the same path
+    monkeypatch.setattr(fit_cpu, "REPEAT", 1)
+    true = fit_cpu.Params(5e-6, 2e9, 40e-6, 0.3e-9, 3e9, 2)
+    fit_files = [_bench_json(tmp_path / f"a{n}_{k}.json", true, n, scale=s)
+                 for n in (2, 8) for k, s in enumerate((0.5, 1.0, 1.1))]  # the median of three is the model
+    check = [_bench_json(tmp_path / "b4.json", true, 4)]
+    emu = [_bench_json(tmp_path / "e.json", true, 8, per_node=2, mbit=100, scale=2.0)]  # twice the model
+    assert sf.main([*fit_files, "--cores", "2", "--check", *check, "--emulated", *emu,
+                    "--per-node", "2", "--mbit", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "fit: 12 of 12 rows within 15%" in out and "check: 6 of 6 rows within 15%" in out
+    assert "emulated: 0 of 6 rows within 15%" in out and "| emulated | ring | 4x2 | 4096 |" in out
+    with pytest.raises(SystemExit, match="--per-node"):
+        sf.main([*fit_files, "--cores", "2", "--emulated", *emu])
