@@ -122,8 +122,9 @@ def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> No
         compute = statistics.fmean(seconds["single"]) / float(per_rank[1, i].sum())
         main_cpu = float(per_rank[2, i].sum())
         others = (float(per_rank[3, i].sum()) - main_cpu) / main_cpu
+        bubble = " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist())
         log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %-8.2f %-8.2f %-14s %s", kind,
-                 samples / statistics.median(seconds[kind]), ratio, " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist()),
+                 samples / statistics.median(seconds[kind]), ratio, bubble,
                  theory, compute, cpu["single"][0] / main_cpu, f"{100 * others:.1f}%",
                  " ".join(f"{1e6 * o:.0f}" for o in per_rank[4, i].tolist()))
     pd = runs["pipedream"][1]
