@@ -32,20 +32,25 @@ def _single(model, opt, data) -> None:
         opt.step()
 
 
-def _pipelined(kind: str, run, data, first: bool, last: bool) -> list[tuple[float, float]]:
-    """Train ``data`` with one schedule; (bubble, seconds computing) of each step on this rank."""
+def _pipelined(kind: str, run, data, first: bool, last: bool) -> list[tuple[float, float, float]]:
+    """Train ``data`` with one schedule; (bubble, seconds computing, seconds of the runtime's own
+    work: Timeline.own) of each step on this rank."""
     _, sched, opt = run
     if kind == "pipedream":
         x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
         sched.step(*((x,) if first else ()), target=y if last else None)
-        return [(sched.timeline.bubble(), sched.timeline.busy())]
+        return [_measures(sched.timeline)]
     bubbles = []
     for x, y in data:
         opt.zero_grad()
         sched.step(*((x,) if first else ()), target=y if last else None)
         opt.step()
-        bubbles.append((sched.timeline.bubble(), sched.timeline.busy()))
+        bubbles.append(_measures(sched.timeline))
     return bubbles
+
+
+def _measures(tl) -> tuple[float, float, float]:
+    return tl.bubble(), tl.busy(), tl.own()
 
 
 def run(args, log) -> None:
@@ -84,12 +89,15 @@ def run(args, log) -> None:
 
 
 def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> None:
-    # every rank's mean bubble, its seconds computing, its main thread's and all its threads' CPU
-    per_rank = torch.zeros(4, len(KINDS), world, dtype=torch.float64)
+    # every rank's mean bubble, its seconds computing, its main thread's and all its threads' CPU,
+    # and the runtime's own seconds per micro-batch and stage
+    per_rank = torch.zeros(5, len(KINDS), world, dtype=torch.float64)
     for i, kind in enumerate(KINDS):
-        per_rank[0, i, rank] = statistics.fmean(b for b, _ in bubbles[kind])
-        per_rank[1, i, rank] = sum(t for _, t in bubbles[kind]) / args.rounds
-        per_rank[2:, i, rank] = torch.tensor(cpu[kind], dtype=torch.float64)
+        n = runs[kind][0] // world * args.microbatches * (args.steps if kind == "pipedream" else 1)
+        per_rank[0, i, rank] = statistics.fmean(b for b, _, _ in bubbles[kind])
+        per_rank[1, i, rank] = sum(t for _, t, _ in bubbles[kind]) / args.rounds
+        per_rank[2:4, i, rank] = torch.tensor(cpu[kind], dtype=torch.float64)
+        per_rank[4, i, rank] = statistics.fmean(o for _, _, o in bubbles[kind]) / n
     commrt.all_reduce(per_rank)
     if rank != 0:
         return
@@ -98,8 +106,8 @@ def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> No
     log.info("model: %d blocks of %d, %d rows x %d tokens per batch, %d micro-batches, %d ranks, "
              "%d rounds of %d batches", args.blocks, args.dim, args.rows, args.seq, args.microbatches,
              world, args.rounds, args.steps)
-    log.info("%-12s %10s %8s  %-16s %6s  %-8s %-8s %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank",
-             "theory", "compute", "cpu", "other threads")
+    log.info("%-12s %10s %8s  %-16s %6s  %-8s %-8s %-14s %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank",
+             "theory", "compute", "cpu", "other threads", "own us/mb per rank")
     log.info("%-12s %10.1f %8s", "single", single, "1.00x")  # compute, cpu: the ratio of the single
     # process's seconds to the pipeline's summed over its ranks
     for i, kind in enumerate(KINDS):
@@ -114,9 +122,11 @@ def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> No
         compute = statistics.fmean(seconds["single"]) / float(per_rank[1, i].sum())
         main_cpu = float(per_rank[2, i].sum())
         others = (float(per_rank[3, i].sum()) - main_cpu) / main_cpu
-        log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %-8.2f %-8.2f %.1f%%", kind, samples / statistics.median(seconds[kind]),
-                 ratio, " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist()), theory, compute,
-                 cpu["single"][0] / main_cpu, 100 * others)
+        bubble = " ".join(f"{b:.3f}" for b in per_rank[0, i].tolist())
+        log.info("%-12s %10.1f %7.2fx  %-16s %6.3f  %-8.2f %-8.2f %-14s %s", kind,
+                 samples / statistics.median(seconds[kind]), ratio, bubble,
+                 theory, compute, cpu["single"][0] / main_cpu, f"{100 * others:.1f}%",
+                 " ".join(f"{1e6 * o:.0f}" for o in per_rank[4, i].tolist()))
     pd = runs["pipedream"][1]
     ratio = statistics.median(b / a for a, b in zip(seconds["pipedream"], seconds["1f1b"]))
     log.info("pipedream vs 1f1b: %.2fx; its cost: every batch's gradient is computed on weights %d "

@@ -1,8 +1,9 @@
 """Schedules that run training steps over ``PipelineStage`` objects, torch.distributed.pipelining
 style: ``schedule.step(x, target=y, losses=out)`` on the first and last stages, ``schedule.step()``
 in between. The actions are pure data (schedules.py), validated on construction (validate.py);
-this module only executes them in order. Each step's receives are posted ahead (``p2p.Inbox``) so
-payloads land while the rank computes, and each action's time goes to ``self.timeline``.
+this module only executes them in order. Each step's receives are posted at its start
+(channels.py: from the second step on, one message per tensor list of a known size) so payloads
+land while the rank computes, and each action's time goes to ``self.timeline``.
 
 Loss: each micro-batch's loss is scaled by its share of the batch's rows, so for a mean-reduced
 loss the accumulated gradients equal the full batch's. Gradients accumulate in ``.grad`` like one
@@ -20,7 +21,7 @@ from commrt import distributed as dist
 from commrt.runtime.errors import CommError, ConfigError, PeerLost, ProtocolError
 from commrt.pipeline import data_parallel
 from commrt.pipeline import schedules as S
-from commrt.pipeline.p2p import Inbox, isend_tensors
+from commrt.pipeline.channels import Channels
 from commrt.pipeline.timeline import WAIT, Timeline
 from commrt.pipeline.stage import PipelineStage
 from commrt.pipeline.validate import validate
@@ -71,6 +72,9 @@ class PipelineSchedule:
                            for a in self.rank_actions if a.kind in (S.RECV_F, S.RECV_B)]
         self._backwards = {s: sum(1 for a in self.rank_actions if a.stage == s and a.kind == S.B) for s in self.stages}
         self.timeline = Timeline()
+        self._chan = Channels(self.group)  # remembers each message's layout from step to step
+        self._ops = {S.SEND_F: self._send, S.SEND_B: self._send, S.RECV_F: self._recv, S.RECV_B: self._recv,
+                     S.F: self._compute, S.B: self._compute}
 
     def _peer_rank(self, a: S.Action) -> int:
         """Global rank of the stage a receive action takes its message from."""
@@ -89,13 +93,14 @@ class PipelineSchedule:
         self.timeline = Timeline()
         failed = None
         try:
-            self._inbox = Inbox(self._recv_plan, self.group)
+            self._chan.begin(self._recv_plan)
             for a in self.rank_actions:
                 self._run(a)
         except BaseException as exc:
             failed = exc
             if isinstance(exc, PeerLost):
                 self._abort(exc)
+            self._chan.forget()
             raise
         finally:
             self._wait_sends(failed)
@@ -130,14 +135,11 @@ class PipelineSchedule:
         return [tuple(p[m] for p in parts) for m in range(self.num_microbatches)]
 
     def _run(self, a: S.Action) -> None:
+        self._ops.get(a.kind, self._compute)(a)
+
+    def _compute(self, a: S.Action) -> None:
         kind = a.kind
-        if kind in (S.SEND_F, S.SEND_B):
-            self._send(a)
-            return
-        if kind in (S.RECV_F, S.RECV_B):
-            self._recv(a)
-            return
-        self._inbox.pump()  # payloads whose header has come start landing during this computation
+        self._chan.pump()  # payloads whose header has come start landing during this computation
         t0 = time.perf_counter()
         if kind == S.F:
             self._forward(a.stage, a.mb)
@@ -157,7 +159,7 @@ class PipelineSchedule:
         dst = a.stage + 1 if fwd else a.stage - 1
         data = slot.outputs if fwd else slot.grads_in
         rank = self.stages[a.stage].rank_of(dst)
-        self._sends.append(isend_tensors(data, rank, self.group, _tag(dst, fwd), (a.stage, a.mb)))
+        self._sends.append(self._chan.send(data, rank, _tag(dst, fwd), (a.stage, a.mb)))
         if not fwd:
             del self._slots[(a.stage, a.mb)]  # the micro-batch is done on this stage
 
@@ -165,7 +167,7 @@ class PipelineSchedule:
         fwd = a.kind == S.RECV_F
         src, src_rank = a.stage - 1 if fwd else a.stage + 1, self._peer_rank(a)
         t0 = time.perf_counter()
-        meta, tensors = self._inbox.take(src_rank, _tag(a.stage, fwd))
+        meta, tensors = self._chan.take(src_rank, _tag(a.stage, fwd))
         self.timeline.add(WAIT, a.stage, a.mb, t0, time.perf_counter())
         if len(meta) == 2 and meta[0] == LOST:
             raise PeerLost(meta[1], f"pipeline {a}", 0, f"reported by rank {src_rank}")
@@ -188,7 +190,7 @@ class PipelineSchedule:
             for dst, fwd in ((st.stage_index + 1, True), (st.stage_index - 1, False)):
                 if 0 <= dst < self.num_stages and st.rank_of(dst) not in skip:
                     try:
-                        isend_tensors([], st.rank_of(dst), self.group, _tag(dst, fwd), (LOST, exc.rank)).wait()
+                        self._chan.send([], st.rank_of(dst), _tag(dst, fwd), (LOST, exc.rank)).wait()
                     except CommError as err:  # that neighbour is gone as well
                         log.warning("could not tell rank %d that rank %d is lost: %s", st.rank_of(dst), exc.rank, err)
 

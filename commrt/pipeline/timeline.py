@@ -47,6 +47,11 @@ class Timeline:
     def waited(self) -> float:
         return sum(e.end - e.start for e in self.events if e.kind == WAIT)
 
+    def own(self) -> float:
+        """Seconds neither computing nor waiting in a receive: posting sends, opening messages,
+        the schedule's bookkeeping (the runtime's own cost; a receive's wait is the peer's)."""
+        return max(0.0, self.wall - self.busy() - self.waited())
+
     def bubble(self) -> float:
         """The idle fraction of this rank's step."""
         return 1.0 - self.busy() / self.wall if self.wall > 0 else 0.0

@@ -32,6 +32,15 @@ def test_schedules_train_like_a_single_process(backend, nproc):
     _train(backend, nproc, MICRO)
 
 
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_micro_batch_shapes_that_change_between_steps_train_like_a_single_process(backend):
+    """From its second step a schedule sends each tensor list as one message sized by the layout
+    of the step before (channels.py); batches of 12, 12, 9, 9, 12 rows change that layout twice."""
+    _, out = run_ranks(2, "pipeline_job", "layouts", env=_env(backend), timeout_s=120)
+    for kind in KINDS:
+        assert out.count(f"OK train {kind} m=4 rows=12,12,9,9,12\n") == 2, f"{kind}:\n{out[-3000:]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,nproc", [("zmq", 4), ("gloo", 3), ("gloo", 4)])
 def test_schedules_train_like_a_single_process_at_more_ranks(backend, nproc):

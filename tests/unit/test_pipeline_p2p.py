@@ -50,3 +50,20 @@ def test_hostile_headers_are_protocol_errors():
 def test_p2pop_takes_only_isend_or_irecv():
     with pytest.raises(ValueError, match="isend or commrt.irecv"):
         P2POp(print, torch.zeros(1), 1)
+
+
+def test_a_frame_carries_tensors_of_its_layout_at_aligned_offsets_and_a_fallback_none():
+    from commrt.pipeline.channels import DATA, FALLBACK, PREFIX, frame_bytes, layout_of, pack_frame, unpack_frame
+    ts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.zeros(0, 2), torch.tensor(2.5).to(torch.bfloat16)]
+    layout = layout_of(ts)
+    size = frame_bytes(layout)
+    assert size == PREFIX + 64 + 64 + 0 + 64  # each payload 64-byte aligned, so every dtype views in place
+    flag, meta, got = unpack_frame(pack_frame(ts, (3, 1 << 39), size), layout)
+    assert (flag, meta) == (DATA, (3, 1 << 39))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ts)) and len(got) == len(ts)
+    flag, meta, got = unpack_frame(pack_frame(ts, (0, 9), size, FALLBACK), layout)
+    assert (flag, meta, got) == (FALLBACK, (0, 9), [])
+    bad = pack_frame(ts, (0, 0), size)
+    bad[0] = 7
+    with pytest.raises(ProtocolError, match="unknown flag 7"):
+        unpack_frame(bad, layout)

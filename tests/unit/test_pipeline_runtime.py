@@ -3,7 +3,6 @@ gradients, and step()'s error handling (issue 30 items 19 and 20)."""
 import pytest
 import torch
 
-from commrt.pipeline import runtime
 from commrt.pipeline.runtime import PipelineSchedule, _Slot
 from commrt.runtime.errors import ProtocolError
 
@@ -50,10 +49,18 @@ class _FailingSend:
         raise ProtocolError("send to rank 2 failed: peer closed")
 
 
+class _NoChannels:
+    def begin(self, plan):
+        pass
+
+    def forget(self):
+        pass
+
+
 def _middle_stage_schedule(monkeypatch, run):
     """Stage 1 of 3 (no inputs, no target), no receives; ``run(sched, action)`` is each action."""
-    monkeypatch.setattr(runtime, "Inbox", lambda plan, group: None)
     sched = PipelineSchedule.__new__(PipelineSchedule)
+    sched._chan = _NoChannels()
     sched.stages, sched.num_stages, sched.num_microbatches, sched.group = {1: None}, 3, 1, None
     sched._recv_plan, sched._backwards, sched.rank_actions = [], {}, ["an action"]
     monkeypatch.setattr(sched, "_run", lambda a: run(sched, a), raising=False)

@@ -19,6 +19,7 @@ def test_bubble_is_the_idle_part_of_the_wall_time_and_waits_are_not_busy():
     tl.ended = 5.0
     assert tl.busy() == 3.0 and tl.waited() == 1.0
     assert tl.bubble() == pytest.approx(0.4)
+    assert tl.own() == pytest.approx(1.0)  # the second neither computing nor waiting: the runtime's own
 
 
 def test_gantt_marks_each_column_by_what_covers_most_of_it():

@@ -33,16 +33,19 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(16, 4))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch: ROWS rows, or ``rows[step]`` (batches whose micro-batches change
+    shape from step to step)."""
+    n = rows[step] if rows else ROWS
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 4, generator=g)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 4, generator=g)
 
 
-def reference(steps: int) -> nn.Sequential:
+def reference(steps: int, rows: tuple[int, ...] = ()) -> nn.Sequential:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for s in range(steps):
-        x, y = batch(s)
+        x, y = batch(s, rows)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -56,24 +59,29 @@ def stages_of(kind: str, rank: int, world: int):
     return [PipelineStage(parts[s], s, n) for s in range(rank, n, world)], n
 
 
-def train(kind: str, m: int, rank: int, world: int) -> None:
+def train(kind: str, m: int, rank: int, world: int, rows: tuple[int, ...] = ()) -> None:
+    """``rows``: one batch size per step (the default: STEPS steps of ROWS)."""
     stages, n = stages_of(kind, rank, world)
     sched = SCHEDULES[kind](stages if kind == "interleaved" else stages[0], m, nn.functional.mse_loss)
     params = [p for s in stages for p in s.module.parameters()]
-    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
-    for s in range(STEPS):
-        x, y = batch(s)
-        opt.zero_grad()
+    # at 4 ranks interleaved cuts 9 layers into 8 stages: a rank may hold only activations
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9) if params else None
+    steps = len(rows) or STEPS
+    for s in range(steps):
+        x, y = batch(s, rows)
+        if opt is not None:
+            opt.zero_grad()
         losses = []
         args = (x,) if 0 in sched.stages else ()
         sched.step(*args, target=y if n - 1 in sched.stages else None, losses=losses)
         assert (len(losses) == m) == (n - 1 in sched.stages), losses
-        opt.step()
-    ref = dict(reference(STEPS).named_parameters())
+        if opt is not None:
+            opt.step()
+    ref = dict(reference(steps, rows).named_parameters())
     for st in stages:  # a slice of an nn.Sequential keeps the layer indices as names
         for name, p in st.module.named_parameters():
             assert_equal(p.detach(), ref[name].detach(), f"{kind} m={m} stage {st.stage_index} {name}")
-    print(f"OK train {kind} m={m}", flush=True)
+    print(f"OK train {kind} m={m}{' rows=' + ','.join(map(str, rows)) if rows else ''}", flush=True)
 
 
 def twod_case(kind: str, wrap: str, m: int, mesh) -> None:
@@ -291,6 +299,9 @@ def main() -> int:
         for kind in SCHEDULES:
             for m in rest or [1, 3, 4, 8]:
                 train(kind, m, rank, world)
+    elif mode == "layouts":  # micro-batch shapes that change between steps, and back (channels.py)
+        for kind in SCHEDULES:
+            train(kind, 4, rank, world, rows=(12, 12, 9, 9, 12))
     elif mode == "memory":
         memory(rank, world)
     elif mode == "pipedream":
