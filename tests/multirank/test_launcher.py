@@ -238,3 +238,19 @@ def test_bench_under_torchrun_measures_that_cluster(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["nproc"] == 2 and [r["zmq"]["size"] for r in doc["rows"]] == [1024, 4096], doc
     assert all(r["zmq"]["wrong"] == 0 for r in doc["rows"]), doc
+
+
+def test_train_lm_bytes_per_step_do_not_depend_on_the_step_count():
+    """Issue 31.7: "sent per step" counts the steps after the first, whose bytes include the
+    set-up (the parameters' initial broadcast); the whole run's average fell with --steps."""
+    per_step = []
+    for steps in (2, 4):
+        out = io.StringIO()
+        result = launch(2, [sys.executable, "-m", "workers.train_lm", "--steps", str(steps), "--dim", "32",
+                            "--layers", "1", "--seq", "16", "--vocab", "64"], out=out, env=ENV, timeout_s=120)
+        text = out.getvalue()
+        assert result.returncode == 0, text
+        found = re.findall(r"\[rank 0\] sent per step after the first ([\d.]+) MiB inside the node", text)
+        assert len(found) == 1, text
+        per_step.append(float(found[0]))
+    assert per_step[0] > 0 and per_step[0] == per_step[1], per_step
