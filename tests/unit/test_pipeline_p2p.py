@@ -82,7 +82,11 @@ def test_a_packed_buffer_is_reused_only_once_its_send_is_complete(monkeypatch):
     but never while the transport may still read it: a pending send's bytes stay as sent."""
     from commrt.pipeline import channels
     sent = []
-    monkeypatch.setattr(channels.dist, "isend", lambda buf, dst, group, tag: sent.append((buf, buf.clone(), _Work())) or sent[-1][2])
+
+    def isend(buf, dst, group, tag):
+        sent.append((buf, buf.clone(), _Work()))  # (the buffer, its bytes when sent, its work)
+        return sent[-1][2]
+    monkeypatch.setattr(channels.dist, "isend", isend)
     ch = channels.Channels(None)
     layout = channels.layout_of([torch.zeros(4, 8)])
     ch._sent = {(1, 0, i): layout for i in range(4)}  # the layouts a step before left behind
