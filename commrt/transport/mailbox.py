@@ -5,7 +5,7 @@ wake-ups (the sender's I/O thread, the receiver's I/O thread, the receiving thre
 cores (progress.py). When the receiver is already waiting for a message, that is all avoidable:
 the sender writes the whole message (wire header and payload) into a mailbox in the shared
 memory of the pair's ring (shm_p2p.py: the same sealed, nameless segment, behind the data ring),
-and the waiting receiver, which spins on the mailbox for a few hundred microseconds before it
+and the waiting receiver, which spins on the mailbox for up to 2 ms (p2p.SPIN_S) before it
 blocks on its socket, reads it from there. A payload of 32 KiB or more still goes into the data
 ring; its descriptor then takes the mailbox instead of the socket. MPI's shared-memory "eager"
 protocol, in small.

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 UNEXPECTED_BYTES = 1 << 30  # early point-to-point data kept per peer before it counts as a flood
 BUSY_POLL_MS = 1  # while sends wait on a full pipe or ZeroMQ still reads our buffers
+# How long a waiting receive watches its mailboxes before it blocks on the socket, with a core per
+# rank. A pipeline stage waits milliseconds for its peer's compute: a receiver still watching
+# takes the message from its mailbox (1 MiB one way ~80 us) instead of through ZeroMQ's I/O
+# threads (~280 us, three thread wake-ups; issue 29). It yields its core all the while.
+SPIN_S = 0.002
 
 
 class P2PEngine(CallerProgress):
@@ -61,7 +66,8 @@ class P2PEngine(CallerProgress):
         through shared-memory rings; called once, before the first transfer."""
         self._rings = self._out.rings = shm_p2p.Rings(peers)
         self._inboxes = self._rings.inboxes
-        self._spin_s = shm.yield_window(len(peers) + 1, shm._cores())
+        crowded = len(peers) + 1 > shm._cores()  # ranks outnumber cores: a spinner takes a peer's turn
+        self._spin_s = shm.CROWDED_YIELD_S if crowded else SPIN_S
 
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""

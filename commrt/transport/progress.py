@@ -150,7 +150,7 @@ class CallerProgress:
                 self._wake()  # the engine lands the rest (irecvs nobody waits on yet)
 
     def _spin(self, work: P2PWork, deadline: float | None) -> None:
-        """Watch the mailboxes (and the socket) for a few hundred microseconds, telling the
+        """Watch the mailboxes (and the socket) for up to ``_spin_s`` (p2p.SPIN_S), telling the
         senders so, before ``drive`` blocks on the socket (mailbox.py's rules 1 and 3)."""
         inboxes = list(self._inboxes.values())
         for inbox in inboxes:

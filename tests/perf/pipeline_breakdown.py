@@ -6,7 +6,9 @@ and the runtime's own work (Timeline.own), averaged over many steps of one sched
     python -m tests.perf.pipeline_breakdown --schedule interleaved --dim 512 --blocks 8 --rows 512 \\
         --microbatches 16 --warmup 2 --steps 3
 
-Add ``--profile`` for a cProfile of each rank's main thread (top 35 by own time, to stdout).
+Add ``--profile`` for a cProfile of each rank's main thread (top 35 by own time, to stdout), and
+``--channels`` for the main thread's time per step in the channels' send / pump / take (the
+sender's posting, the receiver's landing of what has arrived, and the wait for what has not).
 """
 from __future__ import annotations
 
@@ -15,13 +17,29 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
 import commrt
 from commrt.apps.pipeline_model import batch, build
+from commrt.pipeline import channels
+
+CHANNEL_TIME: dict[str, list] = defaultdict(lambda: [0.0, 0])  # method -> [seconds, calls]
+
+
+def _timed(name: str, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            CHANNEL_TIME[name][0] += time.perf_counter() - t0
+            CHANNEL_TIME[name][1] += 1
+    return wrapper
 
 
 def parse(argv):
@@ -38,11 +56,15 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--split", default="params", choices=["params", "layers", "time"])
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--channels", action="store_true", help="time the channels' send / pump / take")
     return p.parse_args(argv)
 
 
 def run(args) -> None:
     torch.set_num_threads(1)
+    if args.channels:
+        for name in ("send", "pump", "take"):
+            setattr(channels.Channels, name, _timed(name, getattr(channels.Channels, name)))
     commrt.init_process_group()
     rank, world = commrt.get_rank(), commrt.get_world_size()
     stages, sched, n = build(args, args.schedule)
@@ -62,7 +84,9 @@ def run(args) -> None:
 
     steps(args.warmup)
     tot[:] = [0.0, 0.0, 0.0]
+    CHANNEL_TIME.clear()
     commrt.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof:
@@ -76,6 +100,12 @@ def run(args) -> None:
     print(f"rank {rank} {args.schedule}: step {wall * 1e3:.3f} ms; per micro-batch and stage (us): compute "
           f"{tot[0] / per * 1e6:.0f}, waited in receives {tot[1] / per * 1e6:.0f}, own {tot[2] / per * 1e6:.0f}",
           flush=True)
+    if args.channels:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        print(f"rank {rank}: {faults / args.steps:.0f} minor page faults a step", flush=True)
+    for name, (sec, calls) in sorted(CHANNEL_TIME.items()):
+        print(f"rank {rank}: channels.{name}: {sec / args.steps * 1e3:.1f} ms a step, {calls // args.steps} calls, "
+              f"{sec / max(calls, 1) * 1e6:.0f} us each", flush=True)
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)

@@ -67,3 +67,35 @@ def test_a_frame_carries_tensors_of_its_layout_at_aligned_offsets_and_a_fallback
     bad[0] = 7
     with pytest.raises(ProtocolError, match="unknown flag 7"):
         unpack_frame(bad, layout)
+
+
+class _Work:
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_a_packed_buffer_is_reused_only_once_its_send_is_complete(monkeypatch):
+    """Channels reuses a packed message's buffer for the next one (no fresh pages per message),
+    but never while the transport may still read it: a pending send's bytes stay as sent."""
+    from commrt.pipeline import channels
+    sent = []
+
+    def isend(buf, dst, group, tag):
+        sent.append((buf, buf.clone(), _Work()))  # (the buffer, its bytes when sent, its work)
+        return sent[-1][2]
+    monkeypatch.setattr(channels.dist, "isend", isend)
+    ch = channels.Channels(None)
+    layout = channels.layout_of([torch.zeros(4, 8)])
+    ch._sent = {(1, 0, i): layout for i in range(4)}  # the layouts a step before left behind
+    ch.send([torch.full((4, 8), 1.0)], 1, 0, (0, 0))
+    ch.send([torch.full((4, 8), 2.0)], 1, 0, (0, 1))  # the first is still in flight
+    assert sent[1][0].data_ptr() != sent[0][0].data_ptr()
+    assert torch.equal(sent[0][0], sent[0][1])  # its bytes untouched
+    sent[0][2].done = True
+    ch.send([torch.full((4, 8), 3.0)], 1, 0, (0, 2))
+    assert sent[2][0].data_ptr() == sent[0][0].data_ptr()  # complete: its buffer is the next one's
+    flag, meta, got = channels.unpack_frame(sent[2][0], layout)
+    assert (flag, meta) == (channels.DATA, (0, 2)) and torch.equal(got[0], torch.full((4, 8), 3.0))
