@@ -19,7 +19,7 @@ from torch import nn
 
 from commrt import distributed as dist
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.train import checkpoint, groups, sharding
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import TrainConfig
@@ -35,6 +35,10 @@ class NonFiniteGradients(CommError):
 def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None = None,
                group=None) -> "Engine":
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    if cfg.fault_tolerance == "replica":  # else the setting would be silently without effect
+        raise ConfigError("fault_tolerance = 'replica' is not run by the ZeRO engine: drive the training loop with "
+                          "commrt.train.replica_ft.ReplicaFT (README: 'Surviving a lost replica'), as "
+                          "workers.train_lm does, or set fault_tolerance = 'off'")
     return Engine(model, cfg, group)
 
 

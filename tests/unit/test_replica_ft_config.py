@@ -60,3 +60,12 @@ def test_layout_numbers_groups_by_consecutive_ranks():
 def test_lamb_has_no_torch_optimizer():
     with pytest.raises(ConfigError, match="AdamW or SGD, not 'lamb'"):
         make_optimizer(OptimSpec("lamb"), [])
+
+
+def test_the_engine_refuses_replica_mode_instead_of_ignoring_it():
+    """ReplicaFT runs replica mode; initialize() given it would train without it, silently."""
+    import torch  # the engine's test only: the config tests above need no torch
+
+    from commrt.train import initialize
+    with pytest.raises(ConfigError, match="ReplicaFT"):
+        initialize(torch.nn.Linear(2, 2), {"fault_tolerance": "replica"})
