@@ -106,24 +106,40 @@ def test_auto_sharding_measures_the_links_and_uses_the_node_when_across_is_slow(
     assert all(("reduce_scatter" in a[3] and "all_gather" in a[3]) == chose for a in auto), auto
 
 
+def _run_launcher(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``commrt launch ARGS`` to the end; the result's ``pid`` is the launcher's, which names its
+    namespaces (another emulated job on this host, e.g. a second test run, has its own)."""
+    with subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", *args], env={**os.environ, **ENV}, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        result = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        result.pid = p.pid
+        return result
+
+
+def _launchers_namespaces(pid: int) -> list[str]:
+    return [ns for ns in emulate._namespaces() if ns.startswith(f"{emulate.PREFIX}{pid}-")]
+
+
 @pytest.mark.timeout(600)
 def test_cli_emulated_cluster_runs_and_leaves_nothing(emulated_cluster):
-    proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "3", "--nproc-per-node", "2",
-                           "--emulate-network", "1gbit", "--timeout", "300", "--", sys.executable, "-m",
-                           "tests.multirank.programs.hier", "3", "2", "mesh"], env={**os.environ, **ENV},
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc = _run_launcher(["--nnodes", "3", "--nproc-per-node", "2", "--emulate-network", "1gbit", "--timeout", "300",
+                          "--", sys.executable, "-m", "tests.multirank.programs.hier", "3", "2", "mesh"], 400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.count("hier mesh passed") == 6
-    assert not [ns for ns in emulate._namespaces() if ns.startswith(emulate.PREFIX)], "leftover namespaces"
+    assert not _launchers_namespaces(proc.pid), "leftover namespaces"
 
 
 @pytest.mark.timeout(300)
 def test_a_crashing_rank_and_ctrl_c_leave_no_namespaces(emulated_cluster):
-    crash = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1",
-                            "--emulate-network", "100mbit", "--", sys.executable, "-c", "import sys; sys.exit(3)"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    crash = _run_launcher(["--nnodes", "2", "-n", "1", "--emulate-network", "100mbit", "--", sys.executable, "-c",
+                           "import sys; sys.exit(3)"], 120)
     assert crash.returncode == 3, crash.stderr
-    assert not [ns for ns in emulate._namespaces() if ns.startswith(emulate.PREFIX)]
+    assert not _launchers_namespaces(crash.pid)
     p = subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1",
                           "--emulate-network", "100mbit", "--", sys.executable, "-c",
                           "import time; print('up', flush=True); time.sleep(600)"],
