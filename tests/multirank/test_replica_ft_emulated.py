@@ -30,9 +30,8 @@ import pytest
 import torch
 
 from commrt import emulate
-from commrt.runtime.errors import ConfigError
 from commrt.transport.security import new_secret
-from tests.multirank.harness import ROOT, default_signals
+from tests.multirank.harness import ROOT, default_signals, emulated_cluster
 from tests.multirank.programs import replica_ft_job as job
 
 REPLICAS, STEPS, PAUSE_S, PORT = 3, 60, 0.1, 29400
@@ -107,11 +106,8 @@ def _wait_file(nodes: Nodes, path, what: str, check=lambda text: True, timeout_s
 
 @contextlib.contextmanager
 def _cluster(nnodes: int):
-    try:
-        emulate.check_usable(emulate.parse_shape("1gbit"))
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    with emulate.cluster(nnodes, emulate.parse_shape("1gbit")) as net:
+    """The harness's 1 Gbit cluster, and afterwards none of its namespaces left."""
+    with emulated_cluster(nnodes) as net:
         yield net
     tag = net.namespaces[0].rsplit("-", 1)[0]
     assert not [ns for ns in emulate._namespaces() if ns.startswith(tag)], "namespaces left behind"

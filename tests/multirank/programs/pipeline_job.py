@@ -17,7 +17,7 @@ import commrt.train
 from commrt.runtime.errors import ConfigError, PeerLost
 from commrt.pipeline import (GPipe, Interleaved1F1B, OneFOneB, PipeDream, PipelineStage, isend_tensors,
     recv_tensors, split)
-from commrt.pipeline.p2p import Inbox
+from commrt.pipeline.channels import Channels
 from commrt.train import DataParallel
 from tests.multirank.programs.common import assert_equal, init
 
@@ -157,17 +157,20 @@ def p2p(rank: int, world: int) -> None:
             assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
     for h in handles:
         h.wait()
-    # the same through the posted-ahead receives: two channels, payloads posted by pump() once
-    # their header is in, in the channel's order (a wrong order would mismatch the payloads)
-    inbox = Inbox([(prv, 6), (prv, 7)] * 3)
-    handles = [isend_tensors(payload(rank, i), nxt, tag=tag, meta=(tag, i)) for i in range(3) for tag in (7, 6)]
-    for i in range(3):
-        inbox.pump()
-        for tag in (6, 7):
-            meta, got = inbox.take(prv, tag)
-            assert meta == (tag, i) and all(torch.equal(a, b) for a, b in zip(got, payload(prv, i))), (meta, got)
-    for h in handles:
-        h.wait()
+    # the same through the pipeline's channels, receives posted ahead: two channels, two steps (the
+    # first sends header + payloads, posted by pump() once the header is in; the second one message
+    # at the remembered layout), in the channel's order (a wrong order would mismatch the payloads)
+    chans = Channels(None)
+    for _ in range(2):
+        chans.begin([(prv, 6), (prv, 7)] * 3)
+        handles = [chans.send(payload(rank, i), nxt, tag, (tag, i)) for i in range(3) for tag in (7, 6)]
+        for i in range(3):
+            chans.pump()
+            for tag in (6, 7):
+                meta, got = chans.take(prv, tag)
+                assert meta == (tag, i) and all(torch.equal(a, b) for a, b in zip(got, payload(prv, i))), (meta, got)
+        for h in handles:
+            h.wait()
     out = torch.full((1 << 18,), float(rank))  # 1 MiB: the zero-copy path
     into = torch.empty_like(out)
     ops = [commrt.P2POp(commrt.irecv, into, prv), commrt.P2POp(commrt.isend, out, nxt)]
