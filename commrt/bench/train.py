@@ -1,7 +1,9 @@
 """``commrt bench train``: the built-in language model (``commrt.apps.train_lm``'s TinyLM) under
 a plain torch loop, commrt's DataParallel, replica fault tolerance (``--stages ...,replica``), the
-commrt engine at each ZeRO stage, and torch's DDP and FSDP2 over gloo and over the ``commrt``
-torch backend (``train_peers``), over the same ranks, in one run, alternating round by round:
+commrt engine at each ZeRO stage and with hpZ / HYBRID_SHARD / MiCS / ZeRO++ over groups of
+``--group`` ranks (a node's worth on one host), and torch's DDP and FSDP2 over gloo and over the
+``commrt`` torch backend (``train_peers``), over the same ranks, in one run, alternating round by
+round:
 
     commrt bench train -n 2 --stages dp,0,1,2,3 --peers ddp-gloo,fsdp-gloo --dim 384 --layers 4 [--json F]
 
@@ -42,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="dp,0,1,2,3",
                    help="commrt strategies (comma list): dp (DataParallel with torch's AdamW), replica "
                    "(fault_tolerance = 'replica': each rank a replica, ReplicaFT with torch's AdamW), "
-                   "0-3 (the engine's ZeRO stages)")
+                   "0-3 (the engine's ZeRO stages), hpz, hybrid, mics, zeropp (stage 3 with groups of --group "
+                   "ranks: zero_hpz_partition_size, HYBRID_SHARD's shard_group_size, mics_shard_size, "
+                   "docs/configs/zeropp.toml's qwZ + qgZ + hpZ)")
+    p.add_argument("--group", type=int, default=0,
+                   help="ranks per group for hpz/hybrid/mics/zeropp (default: half the ranks, as two nodes)")
     p.add_argument("--peers", default="ddp-gloo,ddp-commrt,fsdp-gloo,fsdp-commrt",
                    help="torch's strategies (comma list, '' for none): ddp or fsdp (FSDP2), over gloo or commrt")
     p.add_argument("--dim", type=int, default=384)
@@ -78,12 +84,33 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+GROUPED = {"hpz": "hpZ", "hybrid": "HYBRID_SHARD", "mics": "MiCS", "zeropp": "ZeRO++"}
+
+
+def grouped_config(name: str, group: int) -> TrainConfig:
+    """Stage 3 over groups of ``group`` ranks, as the TOML files in docs/configs write it."""
+    zero = {"hpz": {"stage": 3, "zero_hpz_partition_size": group},
+            "hybrid": {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": group},
+            "mics": {"stage": 3, "mics_shard_size": group},
+            "zeropp": {"stage": 3, "zero_hpz_partition_size": group, "zero_quantized_weights": True,
+                       "zero_quantized_gradients": True}}[name]
+    return TrainConfig.from_dict({"zero_optimization": zero})
+
+
 def strategies(args) -> list[tuple[str, str, object]]:
     """(row name, kind, argument) in the order every round runs them."""
     out = [("plain torch", "plain", None)]
     for s in (s.strip() for s in args.stages.split(",") if s.strip()):
         named = {"dp": ("commrt DataParallel", "dp", None), "replica": ("commrt replica FT", "replica", None)}
-        out.append(named[s] if s in named else (f"commrt stage {int(s)}", "engine", int(s)))
+        if s in GROUPED:
+            group = args.group or max(args.ranks // 2, 1)
+            if args.ranks % group:
+                raise SystemExit(f"commrt bench train: --group {group} does not divide {args.ranks} ranks")
+            out.append((f"commrt {GROUPED[s]} /{group}", "engine", grouped_config(s, group)))
+        elif s in named or s.isdigit():
+            out.append(named[s] if s in named else (f"commrt stage {int(s)}", "engine", int(s)))
+        else:
+            raise SystemExit(f"commrt bench train: --stages takes dp, replica, 0-3, {', '.join(GROUPED)}, not {s!r}")
     for p in (p.strip() for p in args.peers.split(",") if p.strip()):
         wrapper, _, backend = p.partition("-")
         if wrapper not in train_peers.WRAPPERS or backend not in ("gloo", "commrt"):
@@ -103,7 +130,7 @@ def _setup(args, kind: str, arg, groups):
         return loss_fn(net(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
 
     if kind == "engine":
-        engine = initialize(model, TrainConfig().with_stage(arg))
+        engine = initialize(model, arg if isinstance(arg, TrainConfig) else TrainConfig().with_stage(arg))
 
         def engine_step(tokens):
             engine.backward(loss_of(engine, tokens))
@@ -176,6 +203,7 @@ def _run(args, kind: str, arg, groups) -> dict:
 def _rank(args) -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
+    args.ranks = commrt.get_world_size()  # under an outside launcher -n is not what counts
     plan = strategies(args)
     groups = train_peers.TorchGroups() if any(k in train_peers.WRAPPERS for _, k, _ in plan) else None
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in plan}
@@ -219,7 +247,7 @@ def _mean_phases(extras: list[dict]) -> dict | None:
 def table(rows: list[dict]) -> str:
     def mb(v):
         return "n/a" if v is None else f"{v:.2f}"
-    lines = [f"{'strategy':20s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
+    lines = [f"{'strategy':22s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
              f"{'MiB/step in':>11s} {'across':>7s} {'peak RSS':>9s}  breakdown (ms)"]
     for r in rows:
         b = r["breakdown_ms"]
@@ -228,7 +256,7 @@ def table(rows: list[dict]) -> str:
                                      f"bookkeeping {b['bookkeeping']:.1f}")
         if r.get("phases_ms"):
             text = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
-        lines.append(f"{r['strategy']:20s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
+        lines.append(f"{r['strategy']:22s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
                      f"{r['efficiency']:10.3f} {mb(r['intra_node_mb_per_step']):>11s} "
                      f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M  {text}")
     return "\n".join(lines)

@@ -6,7 +6,8 @@ Runs ``commrt.all_reduce`` (flight recorder on, as always) on float32 tensors, f
 ``ITERS`` ops back to back (the mean per op), then ``SAMPLES`` ops each measured alone
 (rewrite the input, barrier, one op; the slowest rank's time; the median). Rank 0 prints one
 line per size. PROFILE=1 runs the back-to-back loop of the first size under cProfile on
-rank 0 and prints the functions by own time. SIZES, ITERS, SAMPLES, INTRA (shm | tcp) in the
+rank 0 and prints the functions by own time. SIZES, ITERS, SAMPLES, INTRA (shm | tcp), INPUT (torch | numpy:
+the buffers handed to commrt.all_reduce) in the
 environment override the defaults. To compare two trees, run this command alternately with
 PYTHONPATH pointing at each (see docs/PERFORMANCE.md).
 """
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import commrt
@@ -43,7 +45,7 @@ def back_to_back(t: torch.Tensor, iters: int) -> float:
 def alone(t: torch.Tensor, samples: int) -> float:
     mine = []
     for _ in range(samples):
-        t.numpy().fill(0.0)  # numpy: torch fills large tensors with OpenMP threads
+        (t if isinstance(t, np.ndarray) else t.numpy()).fill(0.0)  # numpy: torch fills large tensors with threads
         commrt.barrier()
         start = time.perf_counter()
         commrt.all_reduce(t)
@@ -104,7 +106,7 @@ def main() -> int:
     commrt.init_process_group(config=cfg)
     rank, n = commrt.get_rank(), commrt.get_world_size()
     for nbytes in SIZES:
-        t = torch.zeros(nbytes // 4)
+        t = np.zeros(nbytes // 4, np.float32) if os.environ.get("INPUT") == "numpy" else torch.zeros(nbytes // 4)
         iters = max(20, min(ITERS, ITERS * 65536 // nbytes))
         back_to_back(t, max(10, iters // 10))  # warm-up
         b2b = back_to_back(t, iters)

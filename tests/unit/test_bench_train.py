@@ -52,3 +52,19 @@ def test_strategies_parse_and_refuse_unknown_peers():
     assert [k for _, k, _ in strategies(parse(["--stages", "dp", "--peers", "fsdp-commrt"]))] == ["plain", "dp", "fsdp"]
     with pytest.raises(SystemExit, match="not 'ddp-nccl'"):
         strategies(parse(["--peers", "ddp-nccl"]))
+
+
+def test_grouped_strategies_build_their_configs_and_refuse_bad_groups():
+    parse = build_parser().parse_args
+    plan = strategies(parse(["-n", "4", "--stages", "hpz,hybrid,mics,zeropp", "--peers", ""]))
+    assert [n for n, _, _ in plan][1:] == ["commrt hpZ /2", "commrt HYBRID_SHARD /2", "commrt MiCS /2",
+                                           "commrt ZeRO++ /2"]
+    hpz, hybrid, mics, zeropp = (c.zero for _, _, c in plan[1:])
+    assert (hpz.stage, hpz.zero_hpz_partition_size) == (3, 2)
+    assert hybrid.hybrid and hybrid.shard_group_size == 2
+    assert mics.mics_shard_size == 2
+    assert zeropp.zero_quantized_weights and zeropp.zero_quantized_gradients and zeropp.zero_hpz_partition_size == 2
+    with pytest.raises(SystemExit, match="does not divide"):
+        strategies(parse(["-n", "4", "--group", "3", "--stages", "mics"]))
+    with pytest.raises(SystemExit, match="not 'zero4'"):
+        strategies(parse(["--stages", "zero4"]))
