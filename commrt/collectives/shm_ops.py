@@ -74,16 +74,16 @@ class ShmContext(OpShape):
         Returns each rank's ``aux`` word (unchecked: the caller validates it)."""
         chan, slot, me = self.chan, self._slot, self.rank
         chan.publish_and_wait(self.name, self.seq)
-        want = [chan.t, *self._words]
         aux = [0] * self.size
         for p in range(self.size):
             if p == me:  # our own header: written by this rank a moment ago
                 aux[p] = self._header[HDR_WORDS - 1]
                 continue
-            h = chan.header(p, slot)
-            if h[:-1] != want:
-                raise self._mismatch(p, h)
-            aux[p] = h[-1]
+            if not chan.same_header(p, slot):  # ours in shared memory is [chan.t, *self._words]
+                h = chan.header(p, slot)
+                if h[:-1] != [chan.t, *self._words]:
+                    raise self._mismatch(p, h)
+            aux[p] = chan.aux(p, slot)
         return aux
 
     def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch:
@@ -100,9 +100,7 @@ class ShmContext(OpShape):
 
     def sent_to_all(self, numel: int) -> None:
         """``numel`` of this rank's elements that every peer reads."""
-        for p in range(self.size):
-            if p != self.rank:
-                self.chan.count(p, self._words[1], numel * self.itemsize)
+        self.chan.count_all(self._words[1], numel * self.itemsize)
 
     def view(self, p: int, slot: int, start: int, numel: int):
         """Elements [start, start + numel) of rank p's slot, as this op's dtype: a numpy array

@@ -101,6 +101,19 @@ class Endpoint:
         self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
         self._op_msgs[key] = self._op_msgs.get(key, 0) + 1
 
+    def count_sent_to(self, dsts: list[int], kind: int, op: int, nbytes: int) -> None:
+        """``count_sent`` for each of ``dsts`` in one call (what every peer of a shared-memory
+        step reads: seven peers at 8 ranks, on the small-op path)."""
+        op &= 0xFF
+        counters, names, sent, msgs = self._counters, self.names, self._op_sent, self._op_msgs
+        for dst in dsts:
+            c = counters[dst]
+            c.sent_bytes += nbytes
+            c.sent_msgs += 1
+            key = (kind, op, names[dst])
+            sent[key] = sent.get(key, 0) + nbytes
+            msgs[key] = msgs.get(key, 0) + 1
+
     def watch_peers(self) -> None:
         self.live.watch()
 

@@ -90,7 +90,12 @@ class Channel:
         self._data: list | None = None  # the same as torch tensors, made when a tensor op needs them
         self._slots: dict = {}  # numpy dtype -> per rank, its two slots as arrays of that dtype
         self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
+        # per rank and slot, a live view of its header's words but aux: comparing two such views
+        # is one C call (a small op at 8 ranks compares seven)
+        self._hdr = [[c[HDR_BASE + HDR_WORDS * s:HDR_BASE + HDR_WORDS * (s + 1) - 1] for s in (0, 1)]
+                     for c in self.ctl]
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
+        self.peer_ranks = [p for p, _ in self._peers]
         self._peer_ctl = [c for _, c in self._peers]
         self.t = 0  # last step this rank published
         self._yield_s = yield_window(self.size, _cores())
@@ -161,9 +166,20 @@ class Channel:
         socket path's counters (the bench's and comm_stats' intra-node bytes)."""
         self.ep.count_sent(peer, COLL, op, nbytes)
 
+    def count_all(self, op: int, nbytes: int) -> None:
+        """``count`` for every peer of the group."""
+        self.ep.count_sent_to(self.peer_ranks, COLL, op, nbytes)
+
     def header(self, p: int, slot: int) -> list[int]:
         base = HDR_BASE + HDR_WORDS * slot
         return self.ctl[p][base:base + HDR_WORDS].tolist()
+
+    def same_header(self, p: int, slot: int) -> bool:
+        """Whether rank p's header in ``slot`` matches this rank's, all words but aux."""
+        return self._hdr[p][slot] == self._hdr[self.rank][slot]
+
+    def aux(self, p: int, slot: int) -> int:
+        return self.ctl[p][HDR_BASE + HDR_WORDS * (slot + 1) - 1]
 
     def _wait(self, pending, op: str, seq: int) -> None:
         """Until ``pending()`` is empty: yield the core while the wait is short (most waits
@@ -215,9 +231,11 @@ class Channel:
 
     def close(self) -> None:
         """Unmap every segment (the memory goes once no peer maps it either)."""
+        for v in (v for views in self._hdr for v in views):
+            v.release()
         for v in self.ctl:
             v.release()
-        self.ctl, self._data, self.raw, self._peers, self._peer_ctl = [], None, [], [], []
+        self._hdr, self.ctl, self._data, self.raw, self._peers, self._peer_ctl = [], [], None, [], [], []
         self._slots, self._parts = {}, {}
         for m in self._maps:
             try:

@@ -35,6 +35,7 @@ class _Ep:
         self.down = self.live.down
 
     count_sent = Endpoint.count_sent  # the real accounting, over this fake's counters
+    count_sent_to = Endpoint.count_sent_to
 
     def watch_peers(self) -> None:
         pass
