@@ -235,7 +235,8 @@ def _rows(args, plan, runs) -> list[dict]:
                      "inter_node_mb_per_step": None if sent is None else round(sent[1] / 2**20, 3),
                      "peak_rss_mb": round(max(r["peak_mb"] for r in rs), 1),
                      "breakdown_ms": mean_breakdown(parts).as_ms() if parts else None,
-                     "phases_ms": _mean_phases([r["extra"] for r in rs if r["extra"]])})
+                     "phases_ms": _mean_phases([r["extra"] for r in rs if r["extra"]]),
+                     "round_ms": [[round(t * 1000, 1) for t in r["times"]] for r in rs]})
     return rows
 
 

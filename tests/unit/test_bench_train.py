@@ -29,6 +29,7 @@ def check_rows(rows: list[dict], stdout: str) -> None:
     assert rows[0]["strategy"] == "plain torch" and rows[0]["efficiency"] == 1.0 and rows[0]["breakdown_ms"] is None
     for r in rows:
         assert r["step_ms"] > 0 and r["samples_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["round_ms"] and all(len(t) == len(r["round_ms"][0]) > 0 for t in r["round_ms"])  # per round
         assert r["strategy"] in stdout
         if "gloo" in r["strategy"]:  # commrt cannot count gloo's bytes
             assert r["intra_node_mb_per_step"] is None and r["inter_node_mb_per_step"] is None
