@@ -119,9 +119,24 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     world = nproc * nodes.nnodes
     base = server_env(servers, world, env) if servers else dict(os.environ if env is None else env)
     _reuse_freed_memory(base)
+    base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * len(nodes.here()))))
     with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
         return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
                     stop_on_failure, max_restarts, nodes)
+
+
+def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
+    """The ranks' OMP_NUM_THREADS when the user set none: this host's cores shared among the
+    ranks started here, at least 1. torch's default (every core, in every rank) puts ranks x
+    cores threads on the cores; their OpenMP threads spin after each parallel region and take
+    the cores the collectives run on (1 MiB all-reduce alone at 8 ranks on 16 cores: 23.7 ms).
+    torchrun sets 1; sharing keeps a single rank's compute on all its cores."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
 
 
 def _reuse_freed_memory(env: dict) -> None:

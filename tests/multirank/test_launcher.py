@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from commrt.launch import free_port, launch
+from commrt.launch import free_port, launch, threads_per_rank
 from tests.multirank.harness import ROOT, default_signals
 
 PROBE = [sys.executable, "-m", "tests.multirank.programs.launcher_probe"]
@@ -23,6 +23,17 @@ def test_launch_sets_torchrun_env_and_prefixes_output():
     lines = out.getvalue().splitlines()
     for r in range(3):
         assert any(l.startswith(f"[rank {r}] env RANK={r} WORLD_SIZE=3 LOCAL_RANK={r}") for l in lines), lines
+
+
+def test_ranks_share_the_cores_unless_the_user_set_omp_num_threads():
+    assert [threads_per_rank(n, cores=16) for n in (1, 2, 8, 16, 64)] == [16, 8, 2, 1, 1]
+    out = io.StringIO()
+    assert launch(2, PROBE, out=out, env={k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"},
+                  timeout_s=30).returncode == 0
+    assert set(re.findall(r"OMP_NUM_THREADS=(\w+)", out.getvalue())) == {str(threads_per_rank(2))}
+    out = io.StringIO()
+    assert launch(2, PROBE, out=out, env={**ENV, "OMP_NUM_THREADS": "3"}, timeout_s=30).returncode == 0
+    assert set(re.findall(r"OMP_NUM_THREADS=(\w+)", out.getvalue())) == {"3"}
 
 
 def _secrets(env) -> set:

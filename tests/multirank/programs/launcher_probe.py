@@ -12,7 +12,7 @@ import time
 rank = int(os.environ["RANK"])
 secret = os.environ.get("COMMRT_JOB_SECRET")
 print(f"env RANK={rank} WORLD_SIZE={os.environ['WORLD_SIZE']} LOCAL_RANK={os.environ['LOCAL_RANK']} "
-      f"MASTER_PORT={os.environ['MASTER_PORT']} "
+      f"MASTER_PORT={os.environ['MASTER_PORT']} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
       f"SECRET={hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else 'none'}", flush=True)
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
 if mode == "fail" and rank == 1:
