@@ -7,7 +7,7 @@ Runs ``commrt.all_reduce`` (flight recorder on, as always) on float32 tensors, f
 (rewrite the input, barrier, one op; the slowest rank's time; the median). Rank 0 prints one
 line per size. PROFILE=1 runs the back-to-back loop of the first size under cProfile on
 rank 0 and prints the functions by own time. SIZES, ITERS, SAMPLES, INTRA (shm | tcp), INPUT (torch | numpy:
-the buffers handed to commrt.all_reduce) in the
+the buffers handed to commrt.all_reduce), SMALL ([comm] small_bytes) in the
 environment override the defaults. To compare two trees, run this command alternately with
 PYTHONPATH pointing at each (see docs/PERFORMANCE.md).
 """
@@ -102,7 +102,8 @@ def profile(t: torch.Tensor, iters: int) -> str:
 
 def main() -> int:
     intra = os.environ.get("INTRA", "shm")
-    cfg = load_config(None, {"comm": {"intra_node": intra}})
+    comm = {"intra_node": intra, **({"small_bytes": int(os.environ["SMALL"])} if "SMALL" in os.environ else {})}
+    cfg = load_config(None, {"comm": comm})
     commrt.init_process_group(config=cfg)
     rank, n = commrt.get_rank(), commrt.get_world_size()
     for nbytes in SIZES:
