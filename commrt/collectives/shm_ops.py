@@ -28,6 +28,7 @@ from commrt.collectives.contract import OpShape, describe as _describe
 from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_,
     reduce_in_order_)
 
+WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
 
 
@@ -128,8 +129,13 @@ def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
             reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(n)], op)
         else:
             per = max(n, ctx.slot_elems // n * n)
-            for a, b in _rounds(numel, per):
-                _all_reduce_round(ctx, flat[a:b], op)
+            if ctx.np_dtype is not None:
+                out = as_numpy(flat)
+                for a, b in _rounds(numel, per):
+                    _all_reduce_round_np(ctx, out[a:b], op)
+            else:
+                for a, b in _rounds(numel, per):
+                    _all_reduce_round(ctx, flat[a:b], op)
     if op == ReduceOp.AVG:
         finish_avg_(flat, n)
 
@@ -145,6 +151,33 @@ def _all_reduce_one_step(ctx: ShmContext, out: np.ndarray, op: ReduceOp) -> None
     ctx.sent_to_all(numel)
     ctx.exchange()
     reduce_arrays_(out, parts, op)
+
+
+def _all_reduce_round_np(ctx: ShmContext, part: np.ndarray, op: ReduceOp) -> None:
+    """_all_reduce_round over numpy views of the slots (made once per dtype). A part up to
+    WHOLE_COPY_BYTES goes into this rank's slot in one copy (its own slice too, which nobody
+    reads: one call instead of n - 1). Each rank's slice is reduced in rank order, as in the
+    one-step path and _all_reduce_round, so the three give equal results."""
+    n, me, numel = ctx.size, ctx.rank, part.size
+    bounds = chunk_bounds(numel, n)
+    slots = ctx.chan.slots(ctx.np_dtype)
+    slot, whole = ctx.begin(), numel * ctx.itemsize <= WHOLE_COPY_BYTES
+    mine = slots[me][slot]
+    if whole:
+        np.copyto(mine[:numel], part)
+    for p, (lo, hi) in enumerate(bounds):
+        if p != me:
+            if not whole:
+                np.copyto(mine[lo:hi], part[lo:hi])
+            ctx.sent(p, hi - lo + bounds[me][1] - bounds[me][0])  # its slice now, our result next
+    ctx.exchange()
+    lo, hi = bounds[me]
+    result = ctx.begin()  # the next step's slot: free once every peer reached this one
+    reduce_arrays_(slots[me][result][lo:hi], [part[lo:hi] if p == me else slots[p][slot][lo:hi] for p in range(n)],
+                   op)
+    ctx.exchange()
+    for p, (lo, hi) in enumerate(bounds):
+        np.copyto(part[lo:hi], slots[p][result][lo:hi])
 
 
 def _all_reduce_round(ctx: ShmContext, part, op: ReduceOp) -> None:
