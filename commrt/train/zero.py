@@ -31,8 +31,10 @@ One gradient, stages 2-3: ``Engine._on_grad`` (the parameter's post-accumulate h
 unit down; the last one calls ``Zero.reduce``, which flattens the unit's gradients
 (``_flatten_grads``), starts ``_start_reduce_scatter`` (here or on the comm stream) and queues
 ``shard_reduced`` to run when it is done; that adds the shard into ``UnitState.grad`` (hybrid:
-first ``_start_replica_all_reduce``, then ``replica_reduced``). ``Engine.step`` waits for the
-queue and calls ``Zero.update`` (``zero_step.py``), which steps the fp32 master shard.
+first ``_start_replica_all_reduce``, then ``replica_reduced``; with ``overlap_comm`` the two are
+one ``stream.Chained``, whose replica all-reduce the reduce-scatter's own thread starts, and
+``replica_reduced`` is queued directly). ``Engine.step`` waits for the queue and calls
+``Zero.update`` (``zero_step.py``), which steps the fp32 master shard.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ from commrt.train.breakdown import StepClock, trace_sink
 from commrt.train.followups import Followup, run_all, run_ready
 from commrt.train.groups import ShardGroups
 from commrt.train.layout import Unit, make_unit
-from commrt.train.stream import CommStream
+from commrt.train.stream import Chained, CommStream
 from commrt.train.units import UnitState, make_units
 from commrt.train.zero_gather import Gathering
 
@@ -156,6 +158,10 @@ class Zero(Gathering):
             name = "qgZ reduce_scatter" if self.qgz else "reduce_scatter"
             if self.stream is not None and self.rgroup is not None:  # one stream task: see _start_hybrid
                 work = self._issue(name + " + replica all_reduce", self._start_hybrid, out, flat, u)
+                self._track(work, self.replica_reduced, u, out)
+            elif self.rgroup is not None and self.overlap:  # the replica all-reduce follows at once
+                work = Chained(name + " + replica all_reduce", self._start_reduce_scatter(out, flat, u),
+                               functools.partial(self._start_replica_all_reduce, out))
                 self._track(work, self.replica_reduced, u, out)
             else:
                 work = self._issue(name, self._start_reduce_scatter, out, flat, u)
