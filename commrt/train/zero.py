@@ -134,7 +134,10 @@ class Zero(Gathering):
     def reduce(self, u: UnitState) -> None:
         """Hand the unit's local gradients to the collective (from a hook, or a final flush)."""
         if self.world == 1 and not self.qgz:  # the group's average is the gradient itself
-            self._reduce_alone(u)
+            if self.stage < 2 and self.dtype == torch.float32:
+                self._flatten_grads(u, into=u.grad)  # in place: p.grad views u.grad from now on
+            else:
+                self._reduce_alone(u)
             return
         if self.stage == 1 and self.rgroup is None and not self.qgz and self.dtype == torch.float32:
             # each rank steps only its shard: a reduce-scatter into it carries half an all-reduce's bytes
@@ -170,6 +173,16 @@ class Zero(Gathering):
                 self.release(u)
         self.progress()
 
+    def begin_backward(self) -> None:
+        """Before a backward: gradient buffers that ``p.grad`` views (``_flatten_grads``) still
+        holding a reduced gradient no step consumed start from zero again, so the new backward
+        replaces it as it replaced a ``p.grad`` of its own before (accumulation windows begin
+        after a step, which zeroes them, or here)."""
+        for u in self.units:
+            if u.reduced:
+                u.grad.zero_()
+                u.reduced = False
+
     def _reduce_alone(self, u: UnitState) -> None:
         """World size 1: what the collective path leaves in ``u.grad``, without the flat copy,
         the collective and the copy back (identical values: an average over one rank is the
@@ -189,16 +202,25 @@ class Zero(Gathering):
             self.release(u)
 
     def _flatten_grads(self, u: UnitState, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The unit's gradients in one buffer of the communication dtype (``p.grad`` let go):
-        a new one, or ``into`` (stages 0-1 in fp32: the unit's gradient buffer itself)."""
+        """The unit's gradients in one buffer of the communication dtype: a new one (``p.grad``
+        let go), or ``into`` (stages 0-1 in fp32: the unit's gradient buffer itself), which
+        ``p.grad`` then views, so later backwards accumulate into it in place as torch DDP's
+        ``gradient_as_bucket_view`` does: no copy, and no fresh gradient tensors for autograd
+        to allocate and page-fault each step (``begin_backward`` and ``update`` zero it)."""
         flat = torch.zeros(u.layout.padded, dtype=self.dtype) if into is None else into
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
-            if p.grad is None:
+            g, dst = p.grad, flat[off:off + n]
+            if g is None:
                 if into is not None:
-                    flat[off:off + n].zero_()
-            else:
-                flat[off:off + n].copy_(p.grad.reshape(-1))
+                    dst.zero_()
+            elif into is None:
+                dst.copy_(g.reshape(-1))
                 p.grad = None
+            elif g.data_ptr() != dst.data_ptr():  # the first step, or the caller replaced p.grad
+                dst.copy_(g.reshape(-1))
+                p.grad = dst.view(g.shape)
+        if into is not None:
+            u.reduced = True
         if not all_finite(flat):
             self.nonfinite = True  # noted before the reduction mixes it into every rank
             if self.qgz:  # the step will be skipped; the codec would refuse the values
@@ -299,3 +321,4 @@ class Zero(Gathering):
     def full_master(self, u: UnitState) -> torch.Tensor:
         """The whole unit's fp32 values (a collective for stages 1-3)."""
         return zero_step.full_master(self, u)
+
