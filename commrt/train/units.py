@@ -44,10 +44,11 @@ class UnitState:
 
 
 def make_units(model: nn.Module, params: list[nn.Parameter], stage: int, cap: int,
-               world: int) -> list[list[int]]:
-    """Parameter indices per unit: buckets (stages 0-2) or one unit per owning module (stage 3)."""
+               world: int, first_cap: int | None = None) -> list[list[int]]:
+    """Parameter indices per unit: buckets (stages 0-2, the first at most ``first_cap``
+    elements) or one unit per owning module (stage 3)."""
     if stage < 3:
-        return [list(u.params) for u in buckets([p.numel() for p in params], cap, world)]
+        return [list(u.params) for u in buckets([p.numel() for p in params], cap, world, first_cap)]
     index = {id(p): i for i, p in enumerate(params)}
     units, seen = [], set()
     for mod in model.modules():

@@ -55,7 +55,7 @@ from commrt.train.zero_step import all_finite
 from commrt.train.breakdown import StepClock, trace_sink
 from commrt.train.followups import Followup, run_all, run_ready
 from commrt.train.groups import ShardGroups
-from commrt.train.layout import Unit, make_unit
+from commrt.train.layout import FIRST_BUCKET_BYTES, Unit, make_unit
 from commrt.train.stream import Chained, CommStream
 from commrt.train.units import UnitState, make_units
 from commrt.train.zero_gather import Gathering
@@ -68,7 +68,7 @@ class ZeroSettings:
     stage: int
     optimizer: optim.OptimSpec
     dtype: torch.dtype = torch.float32     # compute and communication dtype (master stays fp32)
-    bucket_size: int = 25_000_000          # elements per gradient bucket (stages 0-2)
+    bucket_size: int = 6_553_600           # elements per gradient bucket (stages 0-2)
     overlap: bool = True                   # reduce from the hooks while backward runs
     qwz: bool = False                      # ZeRO++: stage-3 gathers in int8
     qgz: bool = False                      # ZeRO++: gradient reductions in int4
@@ -104,7 +104,8 @@ class Zero(Gathering):
         self.resident = (s.stage == 3 and self.shards == 1 and not s.qwz and s.dtype == torch.float32
                          and self.hgroup is None)
         self.units: list[UnitState] = []
-        for idx in make_units(model, params, s.stage, s.bucket_size, self.world):
+        for idx in make_units(model, params, s.stage, s.bucket_size, self.world,
+                              FIRST_BUCKET_BYTES // s.dtype.itemsize):
             lay = make_unit(idx, [params[i].numel() for i in idx], self.world)
             own = (0, lay.padded) if s.stage == 0 else lay.shard(self.shard_rank, self.shards)
             self.units.append(self._build(lay, [params[i] for i in idx], own))
