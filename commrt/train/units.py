@@ -24,6 +24,7 @@ class UnitState:
         self.grad: torch.Tensor | None = None     # fp32: full (stages 0-1) or own shard (2-3)
         self.state: dict[str, torch.Tensor] = {}
         self.pending = 0
+        self.grad_zero = False  # stages 2-3: ``grad`` is zeros (the step cleared it), so a reduced shard may replace it
         self.reduced = False  # stages 0-1: ``grad`` (which p.grad views) holds a reduced gradient not yet stepped
         self.gathering = None  # zero.Followup of an all-gather in flight (finishes in Zero._gathered)
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
