@@ -209,12 +209,15 @@ class Zero(Gathering):
         ``p.grad`` then views, so later backwards accumulate into it in place as torch DDP's
         ``gradient_as_bucket_view`` does: no copy, and no fresh gradient tensors for autograd
         to allocate and page-fault each step (``begin_backward`` and ``update`` zero it)."""
-        flat = torch.zeros(u.layout.padded, dtype=self.dtype) if into is None else into
+        if into is None:  # every element is written below: no zero-fill of the whole unit first
+            flat = torch.empty(u.layout.padded, dtype=self.dtype)
+            flat[u.layout.numel:].zero_()  # the padding
+        else:
+            flat = into
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
             g, dst = p.grad, flat[off:off + n]
             if g is None:
-                if into is not None:
-                    dst.zero_()
+                dst.zero_()
             elif into is None:
                 dst.copy_(g.reshape(-1))
                 p.grad = None
