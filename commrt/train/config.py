@@ -37,8 +37,11 @@ class ZeroConfig:
     stage: int | None = None
     """0: data parallel; 1: optimizer state sharded; 2: + gradients; 3: + parameters (default 0,
     or what ``sharding_strategy`` implies)."""
-    reduce_bucket_size: int = 25_000_000
-    """Elements per gradient bucket (stages 0-2): a bucket is reduced as soon as it is full."""
+    reduce_bucket_size: int = 6_553_600
+    """Elements per gradient bucket (stages 0-2): a bucket is reduced as soon as it is full, the
+    first at most 1 MiB (torch DDP's buckets; the default is its 25 MiB in fp32). Reductions
+    start during backward only when the model spans several buckets: at 25M elements a 7.5M
+    model was one bucket, reduced after backward."""
     allgather_bucket_size: int = 25_000_000
     """Kept for DeepSpeed compatibility; parameters are gathered per bucket (stages 1-2)."""
     overlap_comm: bool = True

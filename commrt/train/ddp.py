@@ -25,9 +25,7 @@ from commrt import distributed as dist
 from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train.breakdown import StepBreakdown, StepClock, trace_sink
-from commrt.train.layout import buckets
-
-FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket: its all-reduce starts early in backward
+from commrt.train.layout import FIRST_BUCKET_BYTES, buckets
 
 
 class DataParallel(nn.Module):

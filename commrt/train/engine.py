@@ -105,6 +105,7 @@ class Engine:
         self._sync_now = stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
         for u in self.zero.units:
             u.pending = len(u.params)
+        self.zero.begin_backward()
         (loss / self.cfg.gradient_accumulation_steps).backward()
         with self.clock.span("bookkeeping"):
             if self._sync_now:  # units whose parameters got no gradient still take part

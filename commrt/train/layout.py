@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket: its reduction starts early in backward
+
 
 class Unit(NamedTuple):
     params: tuple[int, ...]   # indices into the engine's parameter list

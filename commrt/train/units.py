@@ -24,6 +24,8 @@ class UnitState:
         self.grad: torch.Tensor | None = None     # fp32: full (stages 0-1) or own shard (2-3)
         self.state: dict[str, torch.Tensor] = {}
         self.pending = 0
+        self.grad_zero = False  # stages 2-3: ``grad`` is zeros (the step cleared it), so a reduced shard may replace it
+        self.reduced = False  # stages 0-1: ``grad`` (which p.grad views) holds a reduced gradient not yet stepped
         self.gathering = None  # zero.Followup of an all-gather in flight (finishes in Zero._gathered)
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
         self.fresh = False  # hpZ: the secondary copy holds the values of the last step
@@ -43,10 +45,11 @@ class UnitState:
 
 
 def make_units(model: nn.Module, params: list[nn.Parameter], stage: int, cap: int,
-               world: int) -> list[list[int]]:
-    """Parameter indices per unit: buckets (stages 0-2) or one unit per owning module (stage 3)."""
+               world: int, first_cap: int | None = None) -> list[list[int]]:
+    """Parameter indices per unit: buckets (stages 0-2, the first at most ``first_cap``
+    elements) or one unit per owning module (stage 3)."""
     if stage < 3:
-        return [list(u.params) for u in buckets([p.numel() for p in params], cap, world)]
+        return [list(u.params) for u in buckets([p.numel() for p in params], cap, world, first_cap)]
     index = {id(p): i for i, p in enumerate(params)}
     units, seen = [], set()
     for mod in model.modules():

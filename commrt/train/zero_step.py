@@ -52,6 +52,7 @@ def update(z, step: int, clip_coef: float) -> None:
         publish(z)
         for u in z.units:
             u.grad.zero_()
+            u.reduced, u.grad_zero = False, True
 
 
 def _step_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict, spec, step: int) -> None:

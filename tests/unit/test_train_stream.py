@@ -86,3 +86,29 @@ def test_hybrid_replica_all_reduce_keeps_the_hooks_order_on_the_stream():
     assert issued == ["reduce_scatter A", "replica all_reduce A", "reduce_scatter B", "replica all_reduce B"]
     assert all(torch.equal(u.grad, torch.ones(2)) for u in units.values())
     z.stream.close()
+
+
+def test_chained_starts_the_second_when_the_first_ends_and_hands_on_errors():
+    """HYBRID_SHARD without the stream (stream.Chained): the replica all-reduce starts in the
+    thread that finished the reduce-scatter, in the reduce-scatters' order; done only when it
+    is; either one's error reaches the waiter, and a failed first starts nothing."""
+    from commrt.train.stream import Chained
+
+    started, firsts, seconds = [], [Work(f"rs{i}") for i in range(3)], [Work(f"ar{i}") for i in range(3)]
+    chains = [Chained(f"c{i}", f, lambda i=i: (started.append(i), seconds[i])[-1]) for i, f in enumerate(firsts)]
+    assert started == [] and not any(c.is_completed() for c in chains)
+    for f in firsts[:2]:
+        f._finish(None, None)
+    assert started == [0, 1] and not chains[0].is_completed()  # started, not yet done
+    threading.Timer(0.05, lambda: seconds[0]._finish(None, None)).start()
+    assert chains[0].wait(5) and chains[0].is_completed()
+    seconds[1]._finish(None, RuntimeError("replica peer lost"))
+    with pytest.raises(RuntimeError, match="replica peer lost"):
+        chains[1].wait(5)
+    firsts[2]._finish(None, RuntimeError("shard peer lost"))
+    with pytest.raises(RuntimeError, match="shard peer lost"):
+        chains[2].wait(5)
+    assert started == [0, 1]  # the failed reduce-scatter started no all-reduce
+    done = Work("done")
+    done._finish(None, None)
+    assert Chained("late", done, lambda: None).wait(5)  # a first already finished starts at once

@@ -116,6 +116,20 @@ def zero_cases(rank: int, world: int) -> None:
                 f"stage {stage} accumulation+clipping")
 
 
+def bucket_view_case(rank: int, world: int) -> None:
+    """Stage 0 leaves each p.grad a view of its bucket after a step, so later backwards
+    accumulate there without a copy (torch DDP's gradient_as_bucket_view); a backward that no
+    step consumed is still replaced by the next one, as when p.grad was let go."""
+    engine = engine_for(0, "adamw")
+    x, y = data(rank, 99)
+    engine.backward(nn.functional.mse_loss(engine(x), y))  # reduced, never stepped: dropped
+    train(engine, rank, STEPS)
+    compare(engine.full_state_dict(), reference("adamw", world, STEPS), "stage 0 gradients in the bucket")
+    for u in engine.zero.units:
+        for p, off in zip(u.params, u.layout.offsets):
+            assert p.grad is not None and p.grad.data_ptr() == u.grad[off:].data_ptr(), "p.grad is not the bucket's"
+
+
 def bf16_case(rank: int, world: int) -> None:
     """bf16 compute and communication, fp32 master weights: close to fp32 training."""
     for stage in (1, 3):
@@ -360,6 +374,7 @@ def main() -> int:
         zero_cases(rank, world)
     if "zero" in which:
         swapped_case(rank, world)
+        bucket_view_case(rank, world)
         bf16_case(rank, world)
     if "checkpoint" in which:
         directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
