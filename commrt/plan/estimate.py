@@ -91,7 +91,7 @@ class Job:
     """Compute and communication dtype: fp32 | bf16 (master values and gradients stay fp32)."""
     optimizer: str = "adamw"
     """adamw | lamb | sgd (with momentum) | sgd-no-momentum."""
-    bucket: int = 25_000_000
+    bucket: int = ZeroConfig.reduce_bucket_size
     """Elements per unit when ``units`` is not given (reduce_bucket_size)."""
     units: tuple[int, ...] | None = None
     """Exact unit sizes in elements (from a real model), instead of ``params`` cut in buckets."""
