@@ -4,8 +4,9 @@ Same signatures as ops.py; ``ctx`` is a ShmContext.
 A step (ShmContext.step) writes this rank's part into its slot, waits until every peer has
 published the same step, and then reads the peers' slots in place: data is copied once into
 shared memory and consumed from there straight into the output, never staged again.
-all_reduce of a small payload is one step in which every rank reduces all parts in rank
-order; a large one runs rounds of two steps as DeepSpeed's CPU all-reduce does: each rank
+all_reduce of a small payload (up to ``[comm] small_bytes``, and while its n - 1 peers' copies
+together stay under ONE_STEP_PEER_BYTES) is one step in which every rank reduces all parts in
+rank order; a larger one runs rounds of two steps as DeepSpeed's CPU all-reduce does: each rank
 reduces its 1/n of the round straight from the peers' slots, then everyone copies the n
 reduced parts out. Every element is reduced by one rank (or by all in the same order), so
 results are bit-identical across ranks. Outputs and inputs are disjoint or in the in-place
@@ -28,6 +29,11 @@ from commrt.collectives.contract import OpShape, describe as _describe
 from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_,
     reduce_in_order_)
 
+# the one-step all_reduce has every rank read every peer's payload, freshly written by another
+# core; the rounds read 2/n of it in two steps. On 16 cores at 8 ranks (docs/PERFORMANCE.md, "On
+# 16 cores") one step won at 4 and 16 KiB (44 / 53 us against 74-79), the rounds at 64 KiB (83-91
+# against 96-126): one step while the peers' payloads together stay under this
+ONE_STEP_PEER_BYTES = 224 << 10
 WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
 
@@ -118,7 +124,8 @@ def _rounds(total: int, per: int):
 def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
-        small = numel * ctx.itemsize <= min(ctx.small_bytes, ctx.chan.slot_bytes)
+        nbytes = numel * ctx.itemsize
+        small = nbytes <= min(ctx.small_bytes, ctx.chan.slot_bytes) and nbytes * (n - 1) <= ONE_STEP_PEER_BYTES
         if small and ctx.np_dtype is not None:
             _all_reduce_one_step(ctx, as_numpy(flat), op)
         elif small:
