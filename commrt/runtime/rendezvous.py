@@ -109,11 +109,15 @@ def exchange(store, rank: int, world_size: int, info: dict, timeout_s: float,
     return gather(store, hello, world_size, timeout_s, ns)
 
 
-def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str,
-         check_first: bool = False) -> dict:
-    """Claim ``rank`` and publish its hello (a duplicate claim aborts the whole rendezvous).
-    ``check_first``: compare it with rank 0's before counting as joined; a mismatch aborts the
-    rendezvous for every rank with the message rank 0 would have written."""
+def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
+    """Claim ``rank`` and publish its hello, then count as joined."""
+    hello = _claim(store, rank, world_size, info, timeout_s, ns)
+    store.add(ns + "joined", 1)
+    return hello
+
+
+def _claim(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
+    """Claim ``rank`` and publish its hello (a duplicate claim aborts the whole rendezvous)."""
     hello = {**info, "rank": rank, "world_size": world_size, "version": VERSION,
              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     claim = store.add(f"{ns}claim/{rank}", 1)
@@ -123,15 +127,19 @@ def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: st
         msg = f"duplicate rank {rank}: already taken by {_who(first)}; refused {_who(hello)}"
         store.set(ns + "abort", msg.encode())
         raise RendezvousError(msg)
-    if check_first and rank != 0:
-        first = msgpack.unpackb(wait_for(store, [f"{ns}hello/0/1"], timeout_s, "rendezvous (rank 0's hello)",
-                                         ns + "abort")[0])
-        problem = _incompatibility(first, hello)
-        if problem:  # joined never reaches world_size now: every waiter gets this abort
-            store.set(ns + "abort", problem.encode())
-            raise RendezvousError(problem)
-    store.add(ns + "joined", 1)
     return hello
+
+
+def _agree_with_first(store, hello: dict, timeout_s: float, ns: str) -> bytes:
+    """Rank 0's hello (packed), once ``hello`` is found compatible with it; otherwise the
+    rendezvous is aborted for every rank with the message rank 0 would have written (joined
+    never reaches the world size: every waiter gets the abort)."""
+    raw = wait_for(store, [f"{ns}hello/0/1"], timeout_s, "rendezvous (rank 0's hello)", ns + "abort")[0]
+    problem = _incompatibility(msgpack.unpackb(raw), hello)
+    if problem:
+        store.set(ns + "abort", problem.encode())
+        raise RendezvousError(problem)
+    return raw
 
 
 def gather(store, hello: dict, world_size: int, timeout_s: float, ns: str) -> list[dict]:
@@ -154,6 +162,8 @@ class Met:
     table: list[dict] | None
     read: list[int] = field(default_factory=lambda: [0, 0])
     """Hellos this rank read so far, and their bytes."""
+    known: dict = field(default_factory=dict)
+    """Other hellos read on the way, by rank (rank 0's, which every rank checks against)."""
 
 
 def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namespace: str = "",
@@ -162,7 +172,9 @@ def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namesp
     ``needs_all(table)``, asked on rank 0: whether every rank needs every hello anyway (e.g. a
     shared-memory world connects to every rank at init); so are ranks without node hints."""
     ns = namespace + "rdzv/"
-    hello = join(store, rank, world_size, info, timeout_s, ns, check_first=True)
+    hello = _claim(store, rank, world_size, info, timeout_s, ns)
+    first = _agree_with_first(store, hello, timeout_s, ns) if rank != 0 else None
+    store.add(ns + "joined", 1)
     _all_joined(store, world_size, timeout_s, ns)
     table = None
     if rank == 0:
@@ -171,13 +183,14 @@ def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namesp
         record = _layout_record(store, table, needs_all, ns)
         store.set(ns + "layout", msgpack.packb(record))
     else:
-        raw = []
+        raw = [first]
         record = msgpack.unpackb(wait_for(store, [ns + "layout"], timeout_s, "rendezvous (rank 0's layout)",
                                           ns + "abort")[0])
         if record.get("full"):
-            raw = store.mget(hello_keys(ns, range(world_size)))
-            table = [msgpack.unpackb(v) for v in raw]
-    met = Met(hello, record.get("nodes"), table)
+            every = store.mget(hello_keys(ns, range(world_size)))
+            table = [msgpack.unpackb(v) for v in every]
+            raw += every
+    met = Met(hello, record.get("nodes"), table, known={0: msgpack.unpackb(first)} if first else {})
     met.read[:] = [len(raw), sum(len(v) for v in raw)]
     return met
 
@@ -204,7 +217,7 @@ class Hellos:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.ns, self.timeout_s, self.store_rank = namespace + "rdzv/", timeout_s, store_rank
         self.lazy = met.nodes is not None
-        self._known: dict[int, dict] = dict(enumerate(met.table or ()))
+        self._known: dict[int, dict] = {**met.known, **dict(enumerate(met.table or ()))}
         self._known[rank] = met.hello
         self._read = list(met.read)
         self._lock = threading.Lock()
