@@ -40,3 +40,9 @@ def test_a_mismatched_config_fails_every_rank_naming_both_sides():
     errors = re.findall(r"CAUGHT RendezvousError: (.*)", out)
     assert len(errors) == 8, out[-6000:]
     assert all(re.search(r"rank 5 \(.*\) has config digest .*, rank 0 has", m) for m in errors), errors
+
+
+def test_a_peer_first_dialled_after_rank_0_left_is_still_found():
+    result, out = _run(2, 4, "late", timeout_s=120)
+    assert result.returncode == 0 and "LATE rank 6 got rank 3's message" in out, \
+        f"{result.describe()}\n{out[-6000:]}"

@@ -4,11 +4,14 @@ the single-process arithmetic and how many hellos it read from the store (comm_s
 
     ops       all_reduce, a receive from any source, all_to_all_single; prints HELLOS lines
     mismatch  rank 5 runs another config: every rank must fail naming rank 5 and rank 0
+    late      rank 0 leaves right after init; rank 3 first dials rank 6 (another node; not a
+              barrier partner) a second later: its hello must still be readable (rank 0 keeps its store until all leave)
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -68,5 +71,18 @@ def mismatch() -> None:
     raise AssertionError(f"rank {RANK}: init succeeded with a mismatched config on rank 5")
 
 
+def late() -> None:
+    commrt.init_process_group()
+    if RANK == 3:
+        time.sleep(1.0)
+        commrt.send(np.full(4, 3, np.int64), 6)
+    elif RANK == 6:
+        buf = np.zeros(4, np.int64)
+        commrt.recv(buf, 3)
+        assert buf.tolist() == [3] * 4, buf
+        print("LATE rank 6 got rank 3's message", flush=True)
+    commrt.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"ops": ops, "mismatch": mismatch}[sys.argv[1]]()
+    {"ops": ops, "mismatch": mismatch, "late": late}[sys.argv[1]]()
