@@ -1,9 +1,9 @@
 """Setting up the world group and sub-groups for each backend.
 
 The zmq world: rank 0 serves the bootstrap store, every rank opens its sockets, publishes its
-addresses in a hello (with protocol version and config digest), connects to everyone, and a
-barrier proves the data plane works before init returns. gloo/nccl: the same hello exchange
-validates the job, then a torch TCPStore (its port handed out through our store) bootstraps
+addresses in a hello (with protocol version and config digest), learns the others' (those of its
+node at init, the rest when it first dials them: rendezvous.meet), and a barrier proves the data
+plane works before init returns. gloo/nccl: every rank reads every hello to validate the job, then a torch TCPStore (its port handed out through our store) bootstraps
 torch.distributed, so one init serves both.
 
 torch, its store and the gloo/nccl adapter are imported where a gloo/nccl world (or torchrun's
