@@ -29,7 +29,7 @@ from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
 from commrt.backends.base import check_same_dtype, flat_view, same_kind, split_bounds
 from commrt.backends.zmq_p2p import PointToPoint
-from commrt.backends.zmq_shm import make_segment, open_channel
+from commrt.backends.zmq_shm import make_segment, open_channel, shares_memory
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,25 @@ class ZmqBackend:
         self._coll.connect({r: a[0] for r, a in enumerate(table)})
         self._p2p_ep.connect({r: a[1] for r, a in enumerate(table)})
         self._connect_shm([a[2] if len(a) > 2 else "shm:-" for a in table])
+
+    def connect_lazy(self, fetch: Callable) -> None:
+        """Addresses learnt when a peer is first dialled: ``fetch(peers, op, lost)`` gives rank
+        p's ``addresses`` for each of ``peers`` (issue 32.5). For a group whose members do not
+        all share this node's memory (``needs_every_address`` was False), so no shared memory."""
+        self._coll.connect({}, lambda peers, op, lost: {p: a[0] for p, a in fetch(peers, op, lost).items()})
+        self._p2p_ep.connect({}, lambda peers, op, lost: {p: a[1] for p, a in fetch(peers, op, lost).items()})
+        self._connect_shm(["shm:-"] * self.size)
+
+    @staticmethod
+    def needs_every_address(table: list[list[str]]) -> bool:
+        """Whether ``connect`` needs every member's ``addresses`` at once: shared memory
+        connects to every member at init."""
+        return shares_memory([a[2] if len(a) > 2 else "shm:-" for a in table])
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that made this group unusable, if any."""
+        return self._broken
 
     def _connect_shm(self, entries: list[str]) -> None:
         """Shared memory when every member is on this rank's node (zmq_shm.open_channel)."""

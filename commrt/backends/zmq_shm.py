@@ -56,6 +56,13 @@ def make_segment(mode: str) -> LocalSegment | None:
     return None
 
 
+def shares_memory(entries: list[str]) -> bool:
+    """Whether the members of ``entries`` (rank r's "shm:<node>:<socket name>") will share
+    memory: more than one, all on one node, each with a segment."""
+    return (len(entries) > 1 and len({e.rsplit(":", 1)[0] for e in entries}) == 1
+            and all(e.rsplit(":", 1)[-1] != "-" for e in entries))
+
+
 def open_channel(ep: Endpoint, seg: LocalSegment | None, entries: list[str],
                  heartbeat_s: float) -> shm.Channel | None:
     """The Channel over every member's segment when each published one on this rank's node
@@ -63,7 +70,7 @@ def open_channel(ep: Endpoint, seg: LocalSegment | None, entries: list[str],
     ``seg`` goes at once. ``entries[r]``: rank r's "shm:<node>:<socket name>"."""
     rank, size = ep.rank, len(entries)
     names = [e.rsplit(":", 1)[-1] for e in entries]
-    if seg is None or size == 1 or len({e.rsplit(":", 1)[0] for e in entries}) != 1 or "-" in names:
+    if seg is None or not shares_memory(entries):
         if seg is not None:
             seg.close()
         return None

@@ -19,7 +19,7 @@ _SECTIONS: dict[str, Callable[[], Any]] = {}
 
 def register(key: str, fn: Callable[[], Any]) -> None:
     """Make ``comm_stats()[key]`` the value of ``fn()`` (called at each comm_stats())."""
-    if key in ("intra_node_bytes", "inter_node_bytes", "by_op", "resources"):
+    if key in ("intra_node_bytes", "inter_node_bytes", "by_op", "resources", "rendezvous"):
         raise ValueError(f"comm_stats key {key!r} is built in")
     _SECTIONS[key] = fn
 
@@ -67,12 +67,17 @@ def comm_stats() -> dict:
     ``by_op``: the same per op kind as it went on the wire (a hierarchical all_reduce shows as
     its reduce_scatter, all_reduce and all_gather steps), each with ``messages``: how many
     messages it sent (a message is one header and its payload piece); ``resources``: this rank's
-    RSS, peak RSS (KiB), open files and threads now; plus every registered key."""
+    RSS, peak RSS (KiB), open files and threads now; ``rendezvous``: the peers' hellos this rank
+    read from the bootstrap store (``hellos_read``, ``hello_bytes``; ``lazy``: read per peer
+    when first dialled); plus every registered key."""
     rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
     out = split_by_node(counters.sent_by_op(), same, counters.sent_by_op(messages=True))
     out["resources"] = resources()
+    # hellos this rank read from the bootstrap store (issue 32.5): gloo/nccl read every rank's
+    out["rendezvous"] = (rt.hellos.stats() if rt.hellos is not None else
+                         {"lazy": False, "hellos_read": rt.world.size(), "hello_bytes": None})
     for key, fn in _SECTIONS.items():
         out[key] = fn()
     return out

@@ -1,9 +1,9 @@
 """Setting up the world group and sub-groups for each backend.
 
 The zmq world: rank 0 serves the bootstrap store, every rank opens its sockets, publishes its
-addresses in a hello (with protocol version and config digest), connects to everyone, and a
-barrier proves the data plane works before init returns. gloo/nccl: the same hello exchange
-validates the job, then a torch TCPStore (its port handed out through our store) bootstraps
+addresses in a hello (with protocol version and config digest), learns the others' (those of its
+node at init, the rest when it first dials them: rendezvous.meet), and a barrier proves the data
+plane works before init returns. gloo/nccl: every rank reads every hello to validate the job, then a torch TCPStore (its port handed out through our store) bootstraps
 torch.distributed, so one init serves both.
 
 torch, its store and the gloo/nccl adapter are imported where a gloo/nccl world (or torchrun's
@@ -55,6 +55,8 @@ class Runtime:
     """Which rank is on which node (from the hellos)."""
     extras: dict = dataclasses.field(default_factory=dict)
     """State of upper layers tied to this runtime (e.g. the hierarchical collectives' groups)."""
+    hellos: rendezvous.Hellos | None = None
+    """The zmq world's peers' hellos, read when first needed (None: gloo/nccl read them all)."""
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -120,10 +122,12 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                  "where": cfg.cluster.advertise_host}
         if name == "zmq":
             backend = ZmqBackend(transport, cfg, spec.rank, spec.world_size, 0)
-            table = rendezvous.exchange(store, spec.rank, spec.world_size,
-                                        {**hello, "addr": backend.addresses}, timeout, namespace)
-            layout = topology.from_hellos(table)  # before connecting: a bad layout fails alike everywhere
-            backend.connect([peer["addr"] for peer in table])
+            met = rendezvous.meet(store, spec.rank, spec.world_size, {**hello, "addr": backend.addresses},
+                                  timeout, namespace,
+                                  lambda table: ZmqBackend.needs_every_address([p["addr"] for p in table]))
+            hellos = rendezvous.Hellos(store, spec.rank, spec.world_size, namespace, timeout, met,
+                                       None if spec.use_agent_store else 0)
+            layout = _connect_zmq(backend, met, hellos, spec.rank)
             backend.barrier()
         elif name == "nccl":
             gpu = devices.describe(int(environ.get("LOCAL_RANK", spec.rank)))
@@ -147,7 +151,35 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
     transport.counters.same_node = [layout.same_node(spec.rank, r) for r in range(spec.world_size)]
-    return Runtime(cfg, world, transport, store, server, owns_store, topology=layout)
+    return Runtime(cfg, world, transport, store, server, owns_store, topology=layout,
+                   hellos=hellos if name == "zmq" else None)
+
+
+def _likely_partners(rank: int, n: int) -> set[int]:
+    """The peers the world barrier (dissemination: rank +- 2^k) and recursive doubling (rank xor
+    2^k) talk to: O(log n), read with this node's in one request rather than one per first dial
+    (init's barrier dials them one after another)."""
+    out, step = set(), 1
+    while step < n:
+        out |= {(rank + step) % n, (rank - step) % n} | ({rank ^ step} if rank ^ step < n else set())
+        step *= 2
+    return out
+
+
+def _connect_zmq(backend: ZmqBackend, met: rendezvous.Met, hellos: rendezvous.Hellos,
+                 rank: int) -> topology.Topology:
+    """The world's layout, and its backend connected: with every hello (no node hints, or a
+    shared-memory world), or with this node's ranks' hellos read now (one request) and every
+    other peer's when it is first dialled (issue 32.5)."""
+    if met.nodes is None:
+        layout = topology.from_hellos(met.table)  # rank 0 checked it too: a bad one failed everywhere
+        backend.connect([peer["addr"] for peer in met.table])
+        return layout
+    layout = topology.from_sizes(met.nodes)
+    first = sorted(set(layout.ranks_on(layout.node_rank(rank))) | _likely_partners(rank, layout.world_size))
+    hellos.get([r for r in first if r != rank], "init (this node's ranks and the barrier's partners)")
+    backend.connect_lazy(lambda peers, op, lost: {p: h["addr"] for p, h in hellos.get(peers, op, lost).items()})
+    return layout
 
 
 def _init_nccl(cfg: Config, store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str,
@@ -275,7 +307,25 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
         log.warning("shutdown handshake skipped: %s", exc)
 
 
+def _keep_store_for_readers(rt: Runtime, within_s: float = 10.0) -> None:
+    """A zmq world reads a peer's hello from rank 0's store when it first dials that peer, so
+    rank 0 keeps serving it until every rank has reached its shutdown (at most ``within_s``): a
+    rank still in its last op may dial a peer rank 0 never talked to. A broken world skips it
+    (a lost rank never comes; one lost to rank 0's death would wait on a dead store)."""
+    if rt.world.backend.broken is not None:
+        return
+    try:
+        rt.store.add(rt.hellos.ns + "left", 1)
+        if rt.world.rank == 0 and rt.store.wait_count(rt.hellos.ns + "left", rt.world.size(), None,
+                                                      within_s)[0] != OK:
+            log.warning("rank 0: not every rank reached its shutdown within %gs; closing the store", within_s)
+    except CommError as exc:
+        log.warning("store handshake at shutdown skipped: %s", exc)
+
+
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:
+    if rt.hellos is not None and rt.hellos.lazy and rt.hellos.store_rank == 0 and rt.owns_store:
+        _keep_store_for_readers(rt)
     stopped = [g.backend.close() is not False for g in rt.groups + [rt.world]]
     for extra in rt.extras.values():  # after the groups: their close cancels what runs on them
         extra.close()

@@ -1,19 +1,28 @@
 """Who is who: every rank publishes a hello (addresses, protocol version, config digest) in
-the bootstrap store and reads everyone else's. Duplicates, missing ranks and incompatible
-builds are errors that say which ranks, never hangs."""
+the bootstrap store. Duplicates, missing ranks and incompatible builds are errors that say
+which ranks, never hangs.
+
+Two ways to end it. ``exchange``: every rank reads every hello (n per rank, n^2 served by rank
+0's store; gloo/nccl, and the zmq world without torchrun's node variables). ``meet`` (issue 32.5):
+each rank checks its hello against rank 0's before it counts as joined (equality is transitive,
+so the job agrees when all agree with rank 0); rank 0 alone reads every hello, checks the layout
+and publishes it compactly (runs of node sizes); the others read a peer's hello only when they
+first dial it (``Hellos``), so a rank reads O(its peers) hellos, not n."""
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import msgpack
 
-from commrt.runtime.errors import ConfigError, RendezvousError
+from commrt.runtime.errors import CommError, ConfigError, RendezvousError
 from commrt.runtime.store import wait_for
 from commrt.runtime.store_core import ABORT, TIMEOUT
+from commrt.topology import nodes
 from commrt.transport.wire import VERSION
 
 @dataclass(frozen=True)
@@ -101,6 +110,13 @@ def exchange(store, rank: int, world_size: int, info: dict, timeout_s: float,
 
 
 def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
+    """Claim ``rank`` and publish its hello, then count as joined."""
+    hello = _claim(store, rank, world_size, info, timeout_s, ns)
+    store.add(ns + "joined", 1)
+    return hello
+
+
+def _claim(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
     """Claim ``rank`` and publish its hello (a duplicate claim aborts the whole rendezvous)."""
     hello = {**info, "rank": rank, "world_size": world_size, "version": VERSION,
              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
@@ -111,28 +127,147 @@ def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: st
         msg = f"duplicate rank {rank}: already taken by {_who(first)}; refused {_who(hello)}"
         store.set(ns + "abort", msg.encode())
         raise RendezvousError(msg)
-    store.add(ns + "joined", 1)
     return hello
+
+
+def _agree_with_first(store, hello: dict, timeout_s: float, ns: str) -> bytes:
+    """Rank 0's hello (packed), once ``hello`` is found compatible with it; otherwise the
+    rendezvous is aborted for every rank with the message rank 0 would have written (joined
+    never reaches the world size: every waiter gets the abort)."""
+    raw = wait_for(store, [f"{ns}hello/0/1"], timeout_s, "rendezvous (rank 0's hello)", ns + "abort")[0]
+    problem = _incompatibility(msgpack.unpackb(raw), hello)
+    if problem:
+        store.set(ns + "abort", problem.encode())
+        raise RendezvousError(problem)
+    return raw
 
 
 def gather(store, hello: dict, world_size: int, timeout_s: float, ns: str) -> list[dict]:
     """Wait (in the store: one parked request, no polling) until every rank joined, then read
     all hellos in one request and check them against ours."""
+    _all_joined(store, world_size, timeout_s, ns)
+    table = [msgpack.unpackb(v) for v in store.mget(hello_keys(ns, range(world_size)))]
+    for peer in table:
+        _check_compatible(hello, peer)
+    return table
+
+
+@dataclass
+class Met:
+    """What ``meet`` gives a rank: its hello, the compact layout (``nodes``: runs of ``[ranks per
+    node, nodes]``; None where rank 0 found that every rank needs every hello) and the hellos it
+    read (``table``: all of them on rank 0, and on every rank when ``nodes`` is None)."""
+    hello: dict
+    nodes: list | None
+    table: list[dict] | None
+    read: list[int] = field(default_factory=lambda: [0, 0])
+    """Hellos this rank read so far, and their bytes."""
+    known: dict = field(default_factory=dict)
+    """Other hellos read on the way, by rank (rank 0's, which every rank checks against)."""
+
+
+def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namespace: str = "",
+         needs_all=lambda table: False) -> Met:
+    """The rendezvous that does not read every hello on every rank (see the module's doc).
+    ``needs_all(table)``, asked on rank 0: whether every rank needs every hello anyway (e.g. a
+    shared-memory world connects to every rank at init); so are ranks without node hints."""
+    ns = namespace + "rdzv/"
+    hello = _claim(store, rank, world_size, info, timeout_s, ns)
+    first = _agree_with_first(store, hello, timeout_s, ns) if rank != 0 else None
+    store.add(ns + "joined", 1)
+    _all_joined(store, world_size, timeout_s, ns)
+    table = None
+    if rank == 0:
+        raw = store.mget(hello_keys(ns, range(world_size)))
+        table = [msgpack.unpackb(v) for v in raw]
+        record = _layout_record(store, table, needs_all, ns)
+        store.set(ns + "layout", msgpack.packb(record))
+    else:
+        raw = [first]
+        record = msgpack.unpackb(wait_for(store, [ns + "layout"], timeout_s, "rendezvous (rank 0's layout)",
+                                          ns + "abort")[0])
+        if record.get("full"):
+            every = store.mget(hello_keys(ns, range(world_size)))
+            table = [msgpack.unpackb(v) for v in every]
+            raw += every
+    met = Met(hello, record.get("nodes"), table, known={0: msgpack.unpackb(first)} if first else {})
+    met.read[:] = [len(raw), sum(len(v) for v in raw)]
+    return met
+
+
+def _layout_record(store, table: list[dict], needs_all, ns: str) -> dict:
+    """Rank 0: the layout every rank gets, or the reason every rank fails (via the abort key)."""
+    try:
+        layout = nodes.from_hellos(table)
+    except RendezvousError as exc:
+        store.set(ns + "abort", str(exc).encode())
+        raise
+    if layout.source != "env" or needs_all(table):
+        return {"full": 1}  # host identities need every hello to tell nodes apart
+    return {"nodes": nodes.node_sizes(layout)}
+
+
+class Hellos:
+    """Peers' hellos, read from the store when first needed (``get``), in one request per call.
+    Thread-safe: the collective and point-to-point endpoints resolve from their own threads.
+    ``store_rank``: the rank serving the store (0), or None (torchrun's agent serves it)."""
+
+    def __init__(self, store, rank: int, world_size: int, namespace: str, timeout_s: float,
+                 met: Met, store_rank: int | None = 0):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.ns, self.timeout_s, self.store_rank = namespace + "rdzv/", timeout_s, store_rank
+        self.lazy = met.nodes is not None
+        self._known: dict[int, dict] = {**met.known, **dict(enumerate(met.table or ()))}
+        self._known[rank] = met.hello
+        self._read = list(met.read)
+        self._lock = threading.Lock()
+
+    def stats(self) -> dict:
+        """For comm_stats: whether hellos are read per peer, how many this rank read, their bytes."""
+        return {"lazy": self.lazy, "hellos_read": self._read[0], "hello_bytes": self._read[1]}
+
+    def get(self, peers, op: str, lost: int | None = None) -> dict[int, dict]:
+        """The hellos of ``peers``, reading the unknown ones in one request within ``timeout_s``.
+        ``lost``: a rank known dead; if it serves the store, only known hellos come back (a
+        best-effort caller must not wait out the deadline on a dead store)."""
+        with self._lock:
+            missing = [p for p in peers if p not in self._known]
+            if missing and (lost is None or lost != self.store_rank):
+                self._fetch(missing, op)
+            return {p: self._known[p] for p in peers if p in self._known}
+
+    def _fetch(self, missing: list[int], op: str) -> None:
+        bad = [p for p in missing if not 0 <= p < self.world_size]
+        if bad:
+            raise RendezvousError(f"rank {self.rank}: no peer rank {bad[0]} in a world of {self.world_size} ({op})")
+        try:
+            raw = wait_for(self.store, hello_keys(self.ns, missing), self.timeout_s, "its hello")
+        except CommError as exc:
+            raise RendezvousError(f"rank {self.rank}: cannot read the address of peer rank "
+                                  f"{rank_ranges(missing)} for {op}: {exc}") from None
+        for p, v in zip(missing, raw):
+            self._known[p] = msgpack.unpackb(v)
+        self._read[0] += len(raw)
+        self._read[1] += sum(len(v) for v in raw)
+
+
+def hello_keys(ns: str, ranks) -> list[str]:
+    return [f"{ns}hello/{r}/1" for r in ranks]
+
+
+def _all_joined(store, world_size: int, timeout_s: float, ns: str) -> None:
+    """Wait (one parked request) until every rank joined; an abort or the deadline is a
+    ``RendezvousError``, the deadline's naming the missing ranks (and told to all who joined)."""
     abort_key = ns + "abort"
     status, value = store.wait_count(ns + "joined", world_size, abort_key, timeout_s)
     if status == ABORT:
         raise RendezvousError(bytes(value).decode(errors="replace"))
-    keys = [f"{ns}hello/{r}/1" for r in range(world_size)]
     if status == TIMEOUT:
-        missing = [r for r, v in enumerate(store.mget(keys)) if v is None]
+        missing = [r for r, v in enumerate(store.mget(hello_keys(ns, range(world_size)))) if v is None]
         msg = (f"{len(missing)} of {world_size} ranks never joined within {timeout_s:g}s "
                f"(WORLD_SIZE {world_size}); missing: {rank_ranges(missing)}")
         store.set(abort_key, msg.encode())  # everyone who did join gets the same answer
         raise RendezvousError(msg)
-    table = [msgpack.unpackb(v) for v in store.mget(keys)]
-    for peer in table:
-        _check_compatible(hello, peer)
-    return table
 
 
 def _who(h: dict) -> str:
@@ -140,12 +275,19 @@ def _who(h: dict) -> str:
 
 
 def _check_compatible(mine: dict, theirs: dict) -> None:
+    problem = _incompatibility(mine, theirs)
+    if problem:
+        raise RendezvousError(problem)
+
+
+def _incompatibility(mine: dict, theirs: dict) -> str:
+    """What makes ``theirs`` unable to work with ``mine``, naming both ranks ('' if nothing)."""
     for key, what in (("version", "wire protocol version"), ("world_size", "world size"),
                       ("config", "config digest"), ("backend", "backend")):
         if mine.get(key) != theirs.get(key):
-            raise RendezvousError(
-                f"rank {theirs.get('rank')} ({_who(theirs)}) has {what} {theirs.get(key)!r}, "
-                f"rank {mine['rank']} has {mine.get(key)!r}")
+            return (f"rank {theirs.get('rank')} ({_who(theirs)}) has {what} {theirs.get(key)!r}, "
+                    f"rank {mine['rank']} has {mine.get(key)!r}")
+    return ""
 
 
 def rank_ranges(ranks: list[int]) -> str:

@@ -117,6 +117,35 @@ def from_hints(hints: list[tuple[int, int, int]]) -> Topology:
     return Topology(tuple(node_of), "env")
 
 
+def node_sizes(t: Topology) -> list[list[int]]:
+    """``t`` as runs of equal node sizes, ``[[ranks per node, nodes], ...]``: the compact layout
+    rank 0 publishes (one pair for a uniform job at any size), so no other rank reads every hello."""
+    sizes = [0] * t.num_nodes
+    for node in t.node_of:
+        sizes[node] += 1
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return runs
+
+
+def from_sizes(runs, source: str = "env") -> Topology:
+    """The inverse of ``node_sizes``; a malformed record is a ``RendezvousError``."""
+    node_of: list[int] = []
+    try:
+        for size, count in runs:
+            if size < 1 or count < 1:
+                raise ValueError
+            for _ in range(count):
+                node_of.extend([node_of[-1] + 1 if node_of else 0] * size)
+    except (TypeError, ValueError):
+        raise RendezvousError(f"malformed node layout record {runs!r}") from None
+    return Topology(tuple(node_of), source)
+
+
 def _name(key) -> str:
     host, where = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
     return f"{host} ({where})" if where else str(host)

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.errors import CommError, GroupClosed, PeerLost, ProtocolError
 from commrt.transport.liveness import Liveness
 from commrt.transport.messages import Message, MismatchReport, decode_report, encode_report
 from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
@@ -57,6 +57,7 @@ class Endpoint:
         self.inbound.setsockopt(zmq.RCVTIMEO, int(self._slice_s * 1000))
         self.address = f"tcp://{advertise_host or bind_host}:{bound.rsplit(':', 1)[1]}"
         self.peer_addresses: dict[int, str] = {}
+        self._resolve = None  # (peers, op, lost) -> {peer: address}: addresses learnt on first use
         self._out: dict[int, zmq.Socket] = {}
         self._counters = [transport.counters.peer(n) for n in names]
         self._op_sent = transport.counters.op_table()
@@ -72,23 +73,36 @@ class Endpoint:
         self.live = Liveness(self._slice_s, heartbeat_s, timeout_s)  # which peers are gone
         self.down = self.live.down  # peer -> when its connection dropped
 
-    def connect(self, addresses: dict[int, str]) -> None:
-        """Learn every member's address (keyed by group rank); sockets are dialled on first use."""
+    def connect(self, addresses: dict[int, str], resolve=None) -> None:
+        """Learn members' addresses (keyed by group rank); sockets are dialled on first use.
+        ``resolve(peers, op, lost)``: where the others' come from when first needed (the world's
+        rendezvous reads a peer's hello then, issue 32.5); it raises a typed error naming them."""
         self.peer_addresses = dict(addresses)
+        self._resolve = resolve
 
-    def socket_to(self, peer: int) -> zmq.Socket:
+    def socket_to(self, peer: int, op: str = "a send or receive") -> zmq.Socket:
         """The PUSH socket to ``peer``, dialled now if this is the first use."""
         sock = self._out.get(peer)
         if sock is not None:
             return sock
-        if peer == self.rank or peer not in self.peer_addresses:
+        address = self.peer_addresses.get(peer)
+        if address is None and self._resolve is not None and peer != self.rank and 0 <= peer < len(self.names):
+            address = self.peer_addresses[peer] = self._resolve([peer], op, None)[peer]
+        if peer == self.rank or address is None:
             raise ValueError(f"rank {self.rank}: no address for peer rank {peer}")
-        sock = self.transport.dial(zmq.PUSH, self.peer_addresses[peer], self.names[peer],
-                                   max_frame=self._max_frame)
+        sock = self.transport.dial(zmq.PUSH, address, self.names[peer], max_frame=self._max_frame)
         sock.setsockopt(zmq.SNDHWM, HWM)
         self.live.monitor(sock, peer)
         self._out[peer] = sock
         return sock
+
+    def all_peers(self, op: str, lost: int | None = None) -> list[int]:
+        """Every other member, their addresses learnt first (the unknown ones in one request):
+        for the paths that reach every peer (abort notices, a receive from any source)."""
+        missing = [p for p in range(len(self.names)) if p != self.rank and p not in self.peer_addresses]
+        if missing and self._resolve is not None:
+            self.peer_addresses.update(self._resolve(missing, op, lost))
+        return [p for p in self.peer_addresses if p != self.rank]
 
     def count_sent(self, dst: int, kind: int, op: int, nbytes: int) -> None:
         """Account ``nbytes`` sent to ``dst`` in the transport's counters (per peer, and per
@@ -131,7 +145,7 @@ class Endpoint:
         The caller must keep the memory unchanged until ``flush()`` returns: large payloads
         are read by ZeroMQ's I/O thread after this call has returned.
         """
-        sock = self._out.get(dst) or self.socket_to(dst)
+        sock = self._out.get(dst) or self.socket_to(dst, op)
         try:
             sock.send(encode_header(header), zmq.SNDMORE, copy=True)
         except zmq.Again:  # the peer is not draining: wait in slices, within the deadline
@@ -190,7 +204,7 @@ class Endpoint:
             self.last = msg.header
             return msg
         if src not in self._out:  # dial the peer we wait on: its connection's monitor is our liveness
-            self.socket_to(src)
+            self.socket_to(src, op)
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline, extended = time.monotonic() + limit, False
         while True:
@@ -256,7 +270,12 @@ class Endpoint:
         ``connected_only``: only the peers we already have a connection to (a notice passed on:
         relayed to every peer by every rank, it dialled n^2 connections; issue 32.5)."""
         h = encode_header(Header(ABORT, self.group, seq, self.rank, lost or 0, 0, 0, 0, len(report)))
-        for peer in list(self._out) if connected_only else self.peer_addresses:
+        try:
+            peers = list(self._out) if connected_only else self.all_peers("an abort notice", lost)
+        except CommError as exc:  # the addresses not known yet are unreadable: tell those we know
+            log.warning("rank %d: abort notice to known peers only: %s", self.rank, exc)
+            peers = list(self.peer_addresses)
+        for peer in peers:
             if peer in (self.rank, lost):
                 continue
             try:

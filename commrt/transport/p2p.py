@@ -200,7 +200,7 @@ class P2PEngine(CallerProgress):
             self._match_recv(op)
 
     def _match_recv(self, op: Recv) -> None:
-        for peer in (self._ep.peer_addresses if op.src == ANY_SOURCE else ()):
+        for peer in (self._ep.all_peers("a receive from any source") if op.src == ANY_SOURCE else ()):
             if peer != self._ep.rank:  # dialled, so its monitor reports a dead sender (issue 30.11)
                 self._bind(peer)
         self._match.post(op)
