@@ -108,14 +108,9 @@ class Endpoint:
         """Account ``nbytes`` sent to ``dst`` in the transport's counters (per peer, and per
         (kind, op code, peer) for comm_stats' by-op table). Shared memory and the p2p rings
         count what their peers read here too, as if it had gone over the socket."""
-        c = self._counters[dst]
-        c.sent_bytes += nbytes
-        c.sent_msgs += 1
-        key = (kind, op & 0xFF, self.names[dst])
-        self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
-        self._op_msgs[key] = self._op_msgs.get(key, 0) + 1
+        self.count_sent_to((dst,), kind, op, nbytes)
 
-    def count_sent_to(self, dsts: list[int], kind: int, op: int, nbytes: int) -> None:
+    def count_sent_to(self, dsts, kind: int, op: int, nbytes: int) -> None:
         """``count_sent`` for each of ``dsts`` in one call (what every peer of a shared-memory
         step reads: seven peers at 8 ranks, on the small-op path)."""
         op &= 0xFF
