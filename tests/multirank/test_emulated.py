@@ -55,6 +55,14 @@ def _tc_sent(ns: str, dev: str) -> int:
     return int(re.search(r"Sent (\d+) bytes", out).group(1))
 
 
+def _tc_class_sent(ns: str, dev: str, classid: str) -> tuple[int, int]:
+    """(bytes, packets) the htb class ``classid`` under a node link's tbf has sent."""
+    out = subprocess.run(["tc", "-s", "-n", ns, "class", "show", "dev", dev], capture_output=True, text=True).stdout
+    m = re.search(rf"class htb {classid} .*?\n\s*Sent (\d+) bytes (\d+) pkt", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
 def run_emulated(net, k: int, m: int, *args: str, env: dict | None = None) -> str:
     out = io.StringIO()
     cmd = [sys.executable, "-m", "tests.multirank.programs.hier", str(k), str(m), *args]
@@ -74,6 +82,12 @@ def test_two_by_two_cluster_counts_and_shapes_inter_node_traffic(emulated_cluste
         # what node 0 sent to node 1 went through its shaped link: at least its ranks' inter bytes
         inter = sum(int(m.group(2)) for m in re.finditer(r"rank [01]: BYTES hier \((\d+), (\d+)\)", out))
         assert inter > 0 and _tc_sent(net.namespaces[0], "eth0") >= inter, out[-2000:]
+        # node 0 received as much as it sent: its ACKs went in the small-packet class, ahead of its
+        # data (one FIFO queued them behind it and slowed the peer), and the data in the other
+        for ns in net.namespaces:
+            small, bulk = _tc_class_sent(ns, "eth0", "20:1"), _tc_class_sent(ns, "eth0", "20:2")
+            assert small[1] > 100 and small[0] / small[1] < emulate.SMALL_PACKET, (small, bulk)
+            assert bulk[0] >= inter / 2 and bulk[0] / bulk[1] > 1000, (small, bulk)
         assert _mine(), "the namespaces exist while the cluster does"
     assert not _mine()
 
