@@ -60,21 +60,30 @@ class Case(NamedTuple):
     nic_bps: float = 0.0   # an emulated node link's shaped rate, bits/s
     warmup: int = 0        # the benchmark's untimed ops, then ``iters`` timed ones (0: WARM, REPEAT)
     iters: int = 0
+    alone: bool = False    # measured alone (a barrier before each op): one op, the link rested
 
 
-def network(p: Params, world: int, per_node: int = 0, nic_bps: float = 0.0) -> Network:
+def network(p: Params, world: int, per_node: int = 0, nic_bps: float = 0.0, rested: bool = True) -> Network:
+    """``rested``: the node links' buckets start full (a link idle for longer than its bucket
+    takes to fill, 10 ms of the rate); else empty."""
     cpu = dict(cpu_msg=p.cpu_msg, cpu_byte=p.cpu_byte, reduce_bw=p.reduce_bw, cores=p.cores)
     if not per_node or per_node >= world:
         return Network(world=world, per_node=world, intra_latency=p.alpha, intra_bw=p.beta, **cpu)
     if nic_bps <= 0:
         raise ValueError(f"{world} ranks in nodes of {per_node}: the node link's rate is needed (nic_bps > 0)")
     return Network(world=world, per_node=per_node, intra_latency=p.alpha, intra_bw=p.beta, nic_latency=0.0,
-                   nic_bw=nic_bps / 8 * WIRE_PAYLOAD, nic_burst=burst(nic_bps) * WIRE_PAYLOAD, ranks_per_host=world,
+                   nic_bw=nic_bps / 8 * WIRE_PAYLOAD, nic_burst=burst(nic_bps) * WIRE_PAYLOAD if rested else 0.0, ranks_per_host=world,
                    **cpu)
 
 
 def predict(p: Params, case: Case, back_to_back: bool = True) -> float:
-    """Seconds per op: one op alone, or (``back_to_back``) one of a loop of them."""
+    """Seconds per op: one op alone, or (``back_to_back``) one of a loop of them. A case measured
+    alone (``bench --mode alone``: a barrier, then one op) is one op whose links' buckets the
+    ops before drained: the barrier between them is ~1 ms, a tenth of a bucket's refill (at 2 x 2,
+    100 Mbit, 64 KiB alone took 10.6 ms by doubling, the bytes' time at the rate: 11.0 ms)."""
+    if case.alone:
+        return simulate(network(p, case.world, case.per_node, case.nic_bps, rested=False), case.collective,
+                        case.algorithm, case.nbytes).seconds
     net = network(p, case.world, case.per_node, case.nic_bps)
     if not back_to_back:
         return simulate(net, case.collective, case.algorithm, case.nbytes).seconds

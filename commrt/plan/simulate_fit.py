@@ -52,10 +52,12 @@ class Row(NamedTuple):
     seconds: float
     warmup: int = 0
     iters: int = 0
+    alone: bool = False  # ``--mode alone``: one op after a barrier, not one of a loop
 
 
 def measured(paths: list[str]) -> list[Row]:
-    """Every ``zmq:ALGO`` column of every row of the bench JSON files."""
+    """Every ``zmq:ALGO`` column of every row of the bench JSON files: its back-to-back time and,
+    where it was measured (``--mode alone|both``), its time alone."""
     rows = []
     for path in paths:
         with open(path) as fh:
@@ -63,19 +65,24 @@ def measured(paths: list[str]) -> list[Row]:
         for row in doc["rows"]:
             for name in doc["backends"]:
                 algo = name.split("+")[0].partition(":")[2]
-                if algo and "time_us" in row[name]:
-                    rows.append(Row(doc["collective"], algo, doc["nproc"], row[name]["size"], row[name]["time_us"] * 1e-6,
-                                    doc.get("warmup", 0), doc.get("iters", 0)))
+                if not algo:
+                    continue
+                case = (doc["collective"], algo, doc["nproc"], row[name]["size"])
+                if "time_us" in row[name]:
+                    rows.append(Row(*case, row[name]["time_us"] * 1e-6, doc.get("warmup", 0), doc.get("iters", 0)))
+                if "alone" in row[name]:
+                    rows.append(Row(*case, row[name]["alone"]["time_us"] * 1e-6, alone=True))
     return rows
 
 
 def medians(rows: list[Row], per_node: int = 0, nic_bps: float = 0.0) -> dict[fit_cpu.Case, list[float]]:
     """Each measured case and its repetitions' seconds (several files of one configuration). An
-    emulated row is replayed as its benchmark's loop (its link's token bucket depends on it)."""
+    emulated row is replayed as its benchmark's loop (its link's token bucket depends on it), an
+    op measured alone as one op from a synchronised start."""
     out: dict = defaultdict(list)
     for r in rows:
-        loop = (r.warmup, r.iters) if nic_bps else (0, 0)
-        out[fit_cpu.Case(r.collective, r.algorithm, r.world, r.nbytes, per_node, nic_bps, *loop)].append(r.seconds)
+        loop = (r.warmup, r.iters) if nic_bps and not r.alone else (0, 0)
+        out[fit_cpu.Case(r.collective, r.algorithm, r.world, r.nbytes, per_node, nic_bps, *loop, r.alone)].append(r.seconds)
     return dict(out)
 
 
@@ -84,7 +91,7 @@ def compare_cpu(groups: dict, p: fit_cpu.Params, label: str) -> list[dict]:
     for case in sorted(groups):
         reps = groups[case]
         med, pred = statistics.median(reps), fit_cpu.predict(p, case)
-        out.append({"set": label, "collective": case.collective, "algorithm": case.algorithm, "ranks": case.world,
+        out.append({"set": label + (" alone" if case.alone else ""), "collective": case.collective, "algorithm": case.algorithm, "ranks": case.world,
                     "per_node": case.per_node or case.world, "bytes": case.nbytes, "measured_us": med * 1e6,
                     "spread_us": [min(reps) * 1e6, max(reps) * 1e6], "repetitions": len(reps),
                     "predicted_us": pred * 1e6, "error": pred / med - 1})

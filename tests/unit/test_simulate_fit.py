@@ -37,6 +37,23 @@ def test_a_miss_is_flagged_and_bench_json_is_read(tmp_path):
     assert row[:4] == ("all_reduce", "ring", 2, 4096) and row.seconds == pytest.approx(50e-6)
 
 
+def test_an_op_measured_alone_is_replayed_alone(tmp_path):
+    from commrt.plan import fit_cpu
+    doc = {"collective": "all_reduce", "nproc": 16, "backends": ["zmq:rabenseifner"], "warmup": 2, "iters": 5,
+           "rows": [{"zmq:rabenseifner": {"size": 65536, "alone": {"time_us": 9000.0}}}]}
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    (row,) = sf.measured([str(tmp_path / "a.json")])
+    assert row.alone and row.seconds == pytest.approx(9e-3)
+    (case,) = sf.medians([row], per_node=2, nic_bps=100e6)
+    p = fit_cpu.Params(0.0, 1e12, 50e-6, 0.0, 1e12, 2)
+    alone = fit_cpu.predict(p, case)
+    # one op, its links' buckets drained by the ops before (the barrier between is too short to refill)
+    drained = fit_cpu.network(p, 16, 2, 100e6, rested=False)
+    assert alone == pytest.approx(simulate(drained, "all_reduce", "rabenseifner", 65536).seconds)
+    assert alone > 1.2 * fit_cpu.predict(p, case._replace(alone=False))  # not one of a loop (ops overlap there)
+    assert alone > 1.2 * fit_cpu.predict(p, case._replace(alone=False), back_to_back=False)  # not a rested link
+
+
 def test_cpu_floor_runs_the_real_executor():
     assert sf.cpu_floor(sf.Row("all_reduce", "recursive_doubling", 4, 4096, 0.0), iters=2) > 0
 
