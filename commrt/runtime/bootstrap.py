@@ -33,6 +33,7 @@ from commrt.transport import Transport
 
 log = logging.getLogger(__name__)
 
+LEAVING_CALL_S = 2.0  # a shutdown handshake's store call: rank 0 may be gone already (a failed job)
 ADDR_BYTES = 256  # room for one rank's msgpack'd addresses in the new_group exchange
 # what a GPU's driver shows (NVIDIA's, before its device files exist too; AMD's ROCm; WSL):
 # without any, torch.cuda cannot find a device either, so "auto" picks zmq without importing torch
@@ -298,7 +299,7 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
     still tearing its group down, that rank can die in C++ (std::terminate). So rank 0 waits,
     briefly, until every rank has finished its teardown."""
     try:
-        rt.store.add("shutdown/done", 1)
+        rt.store.add("shutdown/done", 1, timeout_s=LEAVING_CALL_S)
         if rt.world.rank != 0:
             return
         if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
@@ -315,7 +316,7 @@ def _keep_store_for_readers(rt: Runtime, within_s: float = 10.0) -> None:
     if rt.world.backend.broken is not None:
         return
     try:
-        rt.store.add(rt.hellos.ns + "left", 1)
+        rt.store.add(rt.hellos.ns + "left", 1, timeout_s=LEAVING_CALL_S)
         if rt.world.rank == 0 and rt.store.wait_count(rt.hellos.ns + "left", rt.world.size(), None,
                                                       within_s)[0] != OK:
             log.warning("rank 0: not every rank reached its shutdown within %gs; closing the store", within_s)

@@ -109,9 +109,9 @@ class StoreClient:
                 "rank 0 running, under the same [security] mode and job secret or keys? a refused "
                 "handshake is silent)")
 
-    def _call(self, method: str, *args, wait_s: float = 0.0):
+    def _call(self, method: str, *args, wait_s: float = 0.0, timeout_s: float | None = None):
         # a parked wait is answered by the server at its deadline; allow for the trip back
-        budget = wait_s + self.timeout_s
+        budget = wait_s + (self.timeout_s if timeout_s is None else timeout_s)
         try:
             reply = self._rpc.call(method, [self.incarnation, *args], budget)
         except RpcTimeout as exc:
@@ -127,8 +127,10 @@ class StoreClient:
     def mget(self, keys: list[str]) -> list:
         return self._call("mget", keys)[1]
 
-    def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)[1]
+    def add(self, key: str, amount: int, timeout_s: float | None = None) -> int:
+        """``timeout_s``: this call's bound (default: the store's), for a call that may find
+        rank 0 already gone and need not wait the job's whole timeout to learn it."""
+        return self._call("add", key, amount, timeout_s=timeout_s)[1]
 
     def wait(self, keys: list[str], abort_key: str | None, timeout_s: float) -> list:
         """[ok, values] | [abort, message] | [timeout, missing keys], answered by the store."""
@@ -162,7 +164,8 @@ class TorchStore:
         return [self._store.get(self._prefix + k) if self._store.check([self._prefix + k]) else None
                 for k in keys]
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, timeout_s: float | None = None) -> int:
+        """(torch's store bounds every call by its own timeout: ``timeout_s`` is not applied)"""
         return self._store.add(self._prefix + key, amount)
 
     def _poll(self, probe, abort_key: str | None, timeout_s: float) -> list:

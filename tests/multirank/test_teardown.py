@@ -52,7 +52,10 @@ def test_queued_async_work_is_not_a_peers_silence(tmp_path):
 
 def test_read_ahead_flood_breaks_the_group_naming_the_peer(tmp_path):
     # the socket path's read-ahead bound (shared memory has no read-ahead to flood)
-    _, out = _run(3, "flood", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_INTRA_NODE": "tcp"})
+    # within 30 s, under a 60 s timeout: ranks 1 and 2 leave after rank 0 (failed) has closed the
+    # store; their shutdown's store call once waited the whole timeout for it (65 s in all)
+    _, out = _run(3, "flood", tmp_path, env={"COMMRT_COMM_TIMEOUT_S": "60", "COMMRT_COMM_INTRA_NODE": "tcp"},
+                  timeout_s=30)
     caught = re.findall(r"CAUGHT (\w+): (.*)", out)
     assert len(caught) == 1 and caught[0][0] == "ProtocolError" and "rank 1" in caught[0][1], out
     grew = int(re.search(r"RSS GREW (\d+) MiB", out).group(1))
