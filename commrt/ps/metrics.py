@@ -116,6 +116,7 @@ class _BoundedServer(WSGIServer):
     """prometheus_client's server starts a thread per connection with no cap (300 idle
     connections held 310 threads, issue 30 item 14): here at most MAX_CONNECTIONS threads, each
     connection dropped after IDLE_S without a request, the rest refused at accept."""
+    request_queue_size = 128  # listen backlog (socketserver's 5 left a burst of connects in SYN retries)
 
     def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
