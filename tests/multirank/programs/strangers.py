@@ -58,13 +58,15 @@ def knock(kind: str, backend) -> list:
         sock.copy_threshold = 0  # frames zmq holds, not copies: the tracker says when they went out
         monitor = sock.get_monitor_socket(zmq.EVENT_ALL)
         sock.connect(addr)
-        tracker = None
-        try:
+        settled = _settled(monitor)
+        if settled not in (None, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            return [sock]  # refused at the handshake: libzmq dropped the pipe, nothing can be sent
+        try:  # admitted (mode none), or still undecided at the deadline: send
             tracker = sock.send_multipart(forged(backend), copy=False, track=True)
         except zmq.Again:  # refused before the message was queued: a refusal that libzmq
-            pass  # answers by dropping the connection's pipe, so a send without a deadline blocks for ever
-        if _settled(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED and tracker is not None:
-            _delivered(tracker)  # admitted (mode none): the forgery goes before rank 0's own next message
+            return [sock]  # answers by dropping the connection's pipe, so a send without a deadline blocks for ever
+        if settled == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            _delivered(tracker)  # the forgery goes before rank 0's own next message
         return [sock]
     raw = socket.create_connection((host, int(port)), timeout=DEADLINE_S)
     if kind == "raw_tcp":
