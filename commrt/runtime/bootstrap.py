@@ -1,4 +1,4 @@
-"""Setting up the world group and sub-groups for each backend.
+"""Setting up the world group for each backend (its sub-groups: runtime/groups.py).
 
 The zmq world: rank 0 serves the bootstrap store, every rank opens its sockets, publishes its
 addresses in a hello (with protocol version and config digest), learns the others' (those of its
