@@ -24,7 +24,8 @@ from commrt.backends.zmq_backend import ZmqBackend
 from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError, ConfigError
 from commrt.runtime.group import ProcessGroup
-from commrt.runtime.groups import Tally, is_torch_backend as _is_torch_backend, new_group, store_rank  # noqa: F401 (new_group)
+from commrt.runtime.groups import Tally, is_torch_backend as _is_torch_backend, store_rank
+from commrt.runtime.groups import new_group  # noqa: F401 (callers reach it as bootstrap.new_group)
 from commrt.runtime.store import StoreClient, StoreServer, TorchStore, wait_for
 from commrt.runtime.store_core import OK
 from commrt.transport import Transport

@@ -1,11 +1,11 @@
-"""Sub-groups (``new_group``), and how a zmq sub-group's members learn each other's addresses (issue 32.5).
+"""Sub-groups (``new_group``), and how a zmq group's members learn each other's addresses.
 
 Each member publishes its group backend's addresses in the bootstrap store under the group's id
 (every rank calls new_group in the same order, so ids agree) before new_group returns, and reads
 a partner's entry when it first dials it (``Endpoint.connect(resolve=)``, as the world reads
 hellos): a member reads O(the partners it talks to), a non-member nothing, and no rank sends
 anything over the world for it. Before, every world rank all-gathered a 256-byte row from every
-rank (4 MiB per rank per new_group at 16,384 ranks, non-members included).
+rank (4 MiB per rank per new_group at 16,384 ranks, non-members included; issue 32.5).
 
 A group whose members may share memory reads every member's entry at creation instead: its
 channel maps every member at once (zmq_shm.open_channel), so it dials them all anyway."""
@@ -185,7 +185,7 @@ def _new_zmq_group(rt, members: tuple[int, ...], gid: int) -> ZmqBackend | None:
     """This member's backend of group ``gid``, connected through the store, or None on a
     non-member, which neither reads nor sends anything."""
     me = rt.world.rank
-    rt.store_groups += len(members) > 1  # alike on every rank: see bootstrap.shutdown
+    rt.store_groups += int(len(members) > 1)  # alike on every rank: see bootstrap.shutdown
     if me not in members:
         return None
     all_at_once = every_address_at_creation(rt.hellos, rt.topology, members)

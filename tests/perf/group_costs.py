@@ -86,7 +86,8 @@ def one(n: int) -> list[str]:
 
 def main(sizes: list[int]) -> None:
     print("| ranks | group (members) | before, every rank: bytes / messages sent | after, a member: "
-          "bytes / messages sent in new_group (max) | then entries / bytes it read (max) | after, a non-member: bytes / messages |")
+          "bytes / messages sent in new_group (max) | then entries / bytes it read (max) | "
+          "after, a non-member: bytes / messages |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in sizes:
         for line in one(n):
