@@ -69,15 +69,18 @@ def comm_stats() -> dict:
     messages it sent (a message is one header and its payload piece); ``resources``: this rank's
     RSS, peak RSS (KiB), open files and threads now; ``rendezvous``: the peers' hellos this rank
     read from the bootstrap store (``hellos_read``, ``hello_bytes``; ``lazy``: read per peer
-    when first dialled); plus every registered key."""
+    when first dialled) and the zmq groups' addresses it read and published
+    (``group_addresses_read``, ``group_address_bytes``, ``group_addresses_published``); plus
+    every registered key."""
     rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
     out = split_by_node(counters.sent_by_op(), same, counters.sent_by_op(messages=True))
     out["resources"] = resources()
     # hellos this rank read from the bootstrap store (issue 32.5): gloo/nccl read every rank's
-    out["rendezvous"] = (rt.hellos.stats() if rt.hellos is not None else
-                         {"lazy": False, "hellos_read": rt.world.size(), "hello_bytes": None})
+    out["rendezvous"] = {**(rt.hellos.stats() if rt.hellos is not None else
+                            {"lazy": False, "hellos_read": rt.world.size(), "hello_bytes": None}),
+                         **rt.group_reads.stats()}  # zmq groups' addresses (runtime/groups.py)
     for key, fn in _SECTIONS.items():
         out[key] = fn()
     return out

@@ -1,4 +1,4 @@
-"""Setting up the world group and sub-groups for each backend.
+"""Setting up the world group for each backend (its sub-groups: runtime/groups.py).
 
 The zmq world: rank 0 serves the bootstrap store, every rank opens its sockets, publishes its
 addresses in a hello (with protocol version and config digest), learns the others' (those of its
@@ -17,16 +17,15 @@ import logging
 import os
 import sys
 
-import msgpack
-import numpy as np
-
 from commrt.runtime import devices, rendezvous
 from commrt.transport import security
 from commrt.topology import nodes as topology
 from commrt.backends.zmq_backend import ZmqBackend
 from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError, ConfigError
-from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
+from commrt.runtime.group import ProcessGroup
+from commrt.runtime.groups import Tally, is_torch_backend as _is_torch_backend, store_rank
+from commrt.runtime.groups import new_group  # noqa: F401 (callers reach it as bootstrap.new_group)
 from commrt.runtime.store import StoreClient, StoreServer, TorchStore, wait_for
 from commrt.runtime.store_core import OK
 from commrt.transport import Transport
@@ -34,7 +33,6 @@ from commrt.transport import Transport
 log = logging.getLogger(__name__)
 
 LEAVING_CALL_S = 2.0  # a shutdown handshake's store call: rank 0 may be gone already (a failed job)
-ADDR_BYTES = 256  # room for one rank's msgpack'd addresses in the new_group exchange
 # what a GPU's driver shows (NVIDIA's, before its device files exist too; AMD's ROCm; WSL):
 # without any, torch.cuda cannot find a device either, so "auto" picks zmq without importing torch
 GPU_DEVICES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
@@ -58,6 +56,13 @@ class Runtime:
     """State of upper layers tied to this runtime (e.g. the hierarchical collectives' groups)."""
     hellos: rendezvous.Hellos | None = None
     """The zmq world's peers' hellos, read when first needed (None: gloo/nccl read them all)."""
+    namespace: str = ""
+    """Prefix of this runtime's keys in the bootstrap store (several may share one)."""
+    store_groups: int = 0
+    """zmq groups of more than one rank: their members use the store after new_group returned on
+    a non-member (see shutdown)."""
+    group_reads: Tally = dataclasses.field(default_factory=Tally)
+    """Group addresses this rank read from the store (comm_stats()["rendezvous"])."""
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -153,7 +158,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
     transport.counters.same_node = [layout.same_node(spec.rank, r) for r in range(spec.world_size)]
     return Runtime(cfg, world, transport, store, server, owns_store, topology=layout,
-                   hellos=hellos if name == "zmq" else None)
+                   hellos=hellos if name == "zmq" else None, namespace=namespace)
 
 
 def _likely_partners(rank: int, n: int) -> set[int]:
@@ -245,55 +250,6 @@ def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: fl
     return TorchBackend(name, torch.distributed.group.WORLD, list(range(spec.world_size)), spec.rank)
 
 
-def new_group(rt: Runtime, ranks: list[int]):
-    """Every world rank calls this in the same order (as with torch); members get a group."""
-    world = rt.world
-    members = tuple(sorted(set(ranks)))
-    if not members or members[0] < 0 or members[-1] >= world.size():
-        raise ValueError(f"new_group: ranks {ranks} must be a non-empty subset of 0..{world.size() - 1}")
-    gid = rt.next_group_id
-    rt.next_group_id += 1
-    me = world.rank
-    if _is_torch_backend(world.backend):
-        import torch
-        from commrt.runtime import torch_init
-        from commrt.integrations.torch_backend import TorchBackend
-        with torch_init.gloo_interface(rt.config):
-            pg = torch.distributed.new_group(list(members))
-        if me not in members:
-            return NON_GROUP_MEMBER
-        backend = TorchBackend(world.backend.name, pg, list(members), members.index(me))
-    else:
-        backend = None
-        mine = np.zeros(ADDR_BYTES, np.uint8)
-        if me in members:
-            backend = ZmqBackend(rt.transport, rt.config, members.index(me), len(members), gid,
-                                 list(members))
-            packed = msgpack.packb(backend.addresses)
-            mine[:len(packed)] = np.frombuffer(packed, np.uint8)
-        table = np.empty(ADDR_BYTES * world.size(), np.uint8)
-        world.backend.all_gather_into_tensor(table, mine)
-        if backend is None:
-            return NON_GROUP_MEMBER
-        rows = table.reshape(world.size(), ADDR_BYTES)
-        backend.connect([_unpack_addr(rows[r]) for r in members])
-    group = ProcessGroup(members, members.index(me), backend, gid)
-    rt.groups.append(group)
-    return group
-
-
-def _unpack_addr(row: np.ndarray) -> list[str]:
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=ADDR_BYTES)
-    unpacker.feed(row.tobytes())
-    return next(unpacker)
-
-
-def _is_torch_backend(backend) -> bool:
-    """A gloo/nccl world (integrations/torch_backend.py): one exists only once that module is loaded."""
-    mod = sys.modules.get("commrt.integrations.torch_backend")
-    return mod is not None and isinstance(backend, mod.TorchBackend)
-
-
 def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
     """Rank 0 hosts the stores torch's process group talks to: if it exits while another rank is
     still tearing its group down, that rank can die in C++ (std::terminate). So rank 0 waits,
@@ -309,23 +265,26 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
 
 
 def _keep_store_for_readers(rt: Runtime, within_s: float = 10.0) -> None:
-    """A zmq world reads a peer's hello from rank 0's store when it first dials that peer, so
-    rank 0 keeps serving it until every rank has reached its shutdown (at most ``within_s``): a
-    rank still in its last op may dial a peer rank 0 never talked to. A broken world skips it
-    (a lost rank never comes; one lost to rank 0's death would wait on a dead store)."""
+    """A zmq world reads a peer's hello from rank 0's store when it first dials that peer, and a
+    group's members publish and read their addresses there while rank 0, a non-member, may have
+    moved on (runtime/groups.py), so rank 0 keeps serving it until every rank has reached its
+    shutdown (at most ``within_s``): a rank still in its last op may dial a peer rank 0 never
+    talked to. A broken world skips it (a lost rank never comes; one lost to rank 0's death would
+    wait on a dead store)."""
     if rt.world.backend.broken is not None:
         return
     try:
-        rt.store.add(rt.hellos.ns + "left", 1, timeout_s=LEAVING_CALL_S)
-        if rt.world.rank == 0 and rt.store.wait_count(rt.hellos.ns + "left", rt.world.size(), None,
-                                                      within_s)[0] != OK:
+        left = rt.namespace + "rdzv/left"
+        rt.store.add(left, 1, timeout_s=LEAVING_CALL_S)
+        if rt.world.rank == 0 and rt.store.wait_count(left, rt.world.size(), None, within_s)[0] != OK:
             log.warning("rank 0: not every rank reached its shutdown within %gs; closing the store", within_s)
     except CommError as exc:
         log.warning("store handshake at shutdown skipped: %s", exc)
 
 
 def shutdown(rt: Runtime, keep_store: bool = False) -> None:
-    if rt.hellos is not None and rt.hellos.lazy and rt.hellos.store_rank == 0 and rt.owns_store:
+    lazy_world = rt.hellos is not None and rt.hellos.lazy
+    if rt.owns_store and store_rank(rt) == 0 and (lazy_world or rt.store_groups):
         _keep_store_for_readers(rt)
     stopped = [g.backend.close() is not False for g in rt.groups + [rt.world]]
     for extra in rt.extras.values():  # after the groups: their close cancels what runs on them
