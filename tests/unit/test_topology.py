@@ -87,9 +87,14 @@ def test_parse_shape_refuses(spec):
 def test_plan_names_everything_per_run_and_shapes_both_directions():
     names, cmds = emulate.plan("123-abc", 2, emulate.parse_shape("1gbit"))
     assert names == ["commrt-emu-123-abc-sw", "commrt-emu-123-abc-n0", "commrt-emu-123-abc-n1"]
-    tbf = [c for c in cmds if c[0] == "tc"]
-    assert len(tbf) == 4 and all("tbf" in c and "1gbit" in c for c in tbf)
+    tbf = [c for c in cmds if c[0] == "tc" and "tbf" in c]
+    assert len(tbf) == 4 and all("1gbit" in c for c in tbf)
     assert {c[2] for c in tbf} == set(names)  # each node's side and the switch's side
+    # under each tbf, small TCP packets (ACKs) go to the class served first
+    acks = [c for c in cmds if c[0] == "tc" and "filter" in c]
+    assert len(acks) == 4 and all(c[-1] == "20:1" and "0xff80" in c for c in acks)
+    assert all(c[c.index("parent") + 1] == "1:1" for c in cmds if "htb" in c and "qdisc" in c)
     _, cmds = emulate.plan("1-a", 1, emulate.parse_shape("1gbit,2ms"))
     assert sum("netem" in c for c in cmds) == 2
+    assert all(c[c.index("parent") + 1] == "10:1" for c in cmds if "htb" in c and "qdisc" in c)
     assert all(a.startswith("198.18.") for c in cmds for a in c if a[:1].isdigit() and "/" in a)
