@@ -166,7 +166,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                 server.close(linger_s=1.0)
             store.close()
             if proxy is not None:
-                proxy.close()
+                proxy.close(linger_s=1.0)
         transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 WAITS = ("wait", "wait_count", "add_wait_count")  # their last argument is how long they park
 CLIENT_SHARE = 0.75  # of timeout_s: the proxy gives up on a reply before its client does
+DRAIN_MS = 1000
 
 
 def use_proxy(enabled: bool, backend: str, hint: list[int] | None, world_size: int,
@@ -152,8 +153,11 @@ class StoreProxy:
             log.exception("%s: stopped", self.who)
         finally:
             self._up.disable_monitor()
-            for s in (self._events, self._up, self._down):
+            for s in (self._events, self._up):
                 s.close(linger=0)
+            # answers already passed on (the last ones at shutdown) still reach their ranks;
+            # the context's end waits at most this long for a client that is gone
+            self._down.close(linger=DRAIN_MS)
 
     @staticmethod
     def _drain(sock: zmq.Socket, handle, batch: int = 256) -> None:
@@ -236,7 +240,11 @@ class StoreProxy:
         except zmq.Again:
             log.warning("%s: dropped a reply (the client's queue is full)", self.who)
 
-    def close(self, within_s: float = 5.0) -> None:
-        """Stop serving (its node's ranks' store calls fail from then on)."""
+    def close(self, linger_s: float = 0.0, within_s: float = 5.0) -> None:
+        """Stop serving (its node's ranks' store calls fail from then on); ``linger_s`` keeps
+        forwarding a little longer (after a failed rendezvous, so the node's ranks still get
+        the abort the store sent them: closing drops the replies not yet sent)."""
+        if linger_s:
+            time.sleep(linger_s)
         self._stop.set()
         self._thread.join(within_s)

@@ -28,9 +28,11 @@ def _run(nodes: int, per_node: int, mode: str, timeout_s: float = 120.0, **env_e
     return result, text
 
 
-@pytest.mark.parametrize("proxy,expect", [("true", 2 + 2), ("false", 6)])
-def test_rank_0s_store_serves_one_connection_per_node(proxy, expect):
-    result, out = _run(3, 2, "ops", COMMRT_CLUSTER_STORE_PROXY=proxy)
+@pytest.mark.parametrize("proxy,expect,security", [("true", 2 + 2, "secret"), ("false", 6, "secret"),
+                                                   ("true", 2 + 2, "curve")])
+def test_rank_0s_store_serves_one_connection_per_node(proxy, expect, security):
+    """Under curve the proxy is authenticated by its leader's key, upstream and down."""
+    result, out = _run(3, 2, "ops", COMMRT_CLUSTER_STORE_PROXY=proxy, COMMRT_SECURITY_MODE=security)
     assert result.returncode == 0, f"{result.describe()}\n{out[-6000:]}"
     assert sorted(int(r) for r in re.findall(r"OK rank (\d+)", out)) == list(range(6)), out[-6000:]
     # with proxies: node 0's 2 ranks and nodes 1 and 2's proxies; without: every rank
