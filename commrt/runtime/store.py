@@ -4,8 +4,9 @@ transport's request/reply channel (``transport/rpc.py``); the logic is ``store_c
 Every request carries the store's incarnation token (drawn when rank 0 starts serving), so a
 client of an earlier ``init_process_group`` cannot talk to a later store, and a re-initialising
 client refuses the previous store while it is still up. Waits are parked in the store and
-answered when they can be, so ranks do not poll. Under torchrun the agent already serves a
-TCPStore on MASTER_PORT; ``TorchStore`` adapts it to the same interface.
+answered when they can be, so ranks do not poll. A zmq world of several nodes reaches it through
+one proxy per node (``store_proxy.py``; ``StoreClient(via=...)``). Under torchrun the agent
+already serves a TCPStore on MASTER_PORT; ``TorchStore`` adapts it to the same interface.
 """
 from __future__ import annotations
 
