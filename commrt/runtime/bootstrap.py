@@ -123,13 +123,14 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     timeout = cfg.comm.timeout_s
     cfg = _effective(cfg, spec)
     transport = Transport(cfg, f"rank{spec.rank}")
-    owns_store, proxy = store is None, None
+    owns_store, proxy, leader = store is None, None, None
     hint = topology.node_hint(environ)
     try:
         if owns_store:
             node = hint if use_proxy(cfg.cluster.store_proxy, name, hint, spec.world_size,
                                      spec.use_agent_store) else None
             store, proxy, server = open_node_store(transport, spec, timeout, node)
+            leader = spec.rank - node[1] if node is not None and node[0] != 0 else None
         else:
             store, server = store
     except BaseException:
@@ -144,7 +145,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                                   timeout, namespace,
                                   lambda table: ZmqBackend.needs_every_address([p["addr"] for p in table]))
             hellos = rendezvous.Hellos(store, spec.rank, spec.world_size, namespace, timeout, met,
-                                       None if spec.use_agent_store else 0)
+                                       None if spec.use_agent_store else 0, proxy_rank=leader)
             layout = _connect_zmq(backend, met, hellos, spec.rank)
             backend.barrier()
         elif name == "nccl":
