@@ -61,6 +61,16 @@ def resources() -> dict:
     return out
 
 
+def store_stats(rt) -> dict:
+    """How this rank reaches the bootstrap store (issue 32.5): ``store_via_proxy`` (through its
+    node's proxy, store_proxy.py); ``store_connections`` (rank 0: connections its store has
+    served); ``proxy_clients`` (a node's leader: its node's ranks served by its proxy)."""
+    server, proxy = rt.store_server, rt.store_proxy
+    return {"store_via_proxy": bool(getattr(rt.store, "via", "")),
+            "store_connections": server.connections if server is not None else None,
+            "proxy_clients": proxy.stats()["clients"] if proxy is not None else None}
+
+
 def comm_stats() -> dict:
     """``intra_node_bytes`` / ``inter_node_bytes``: bytes this rank's collectives and
     point-to-point transfers sent to ranks on its own node / on other nodes, since init;
@@ -69,9 +79,9 @@ def comm_stats() -> dict:
     messages it sent (a message is one header and its payload piece); ``resources``: this rank's
     RSS, peak RSS (KiB), open files and threads now; ``rendezvous``: the peers' hellos this rank
     read from the bootstrap store (``hellos_read``, ``hello_bytes``; ``lazy``: read per peer
-    when first dialled) and the zmq groups' addresses it read and published
-    (``group_addresses_read``, ``group_address_bytes``, ``group_addresses_published``); plus
-    every registered key."""
+    when first dialled), the zmq groups' addresses it read and published
+    (``group_addresses_read``, ``group_address_bytes``, ``group_addresses_published``) and how
+    it reaches the store (``store_stats``); plus every registered key."""
     rt = world.current()
     counters = rt.transport.counters
     same = counters.same_node or [True] * rt.world.size()
@@ -80,7 +90,8 @@ def comm_stats() -> dict:
     # hellos this rank read from the bootstrap store (issue 32.5): gloo/nccl read every rank's
     out["rendezvous"] = {**(rt.hellos.stats() if rt.hellos is not None else
                             {"lazy": False, "hellos_read": rt.world.size(), "hello_bytes": None}),
-                         **rt.group_reads.stats()}  # zmq groups' addresses (runtime/groups.py)
+                         **rt.group_reads.stats(),  # zmq groups' addresses (runtime/groups.py)
+                         **store_stats(rt)}
     for key, fn in _SECTIONS.items():
         out[key] = fn()
     return out

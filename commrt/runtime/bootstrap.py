@@ -26,7 +26,8 @@ from commrt.runtime.errors import CommError, ConfigError
 from commrt.runtime.group import ProcessGroup
 from commrt.runtime.groups import Tally, is_torch_backend as _is_torch_backend, store_rank
 from commrt.runtime.groups import new_group  # noqa: F401 (callers reach it as bootstrap.new_group)
-from commrt.runtime.store import StoreClient, StoreServer, TorchStore, wait_for
+from commrt.runtime.store import StoreServer, TorchStore, wait_for
+from commrt.runtime.store_proxy import StoreProxy, connect, use_proxy
 from commrt.runtime.store_core import OK
 from commrt.transport import Transport
 
@@ -63,6 +64,8 @@ class Runtime:
     a non-member (see shutdown)."""
     group_reads: Tally = dataclasses.field(default_factory=Tally)
     """Group addresses this rank read from the store (comm_stats()["rendezvous"])."""
+    store_proxy: StoreProxy | None = None
+    """The store proxy this rank serves for its node (a node's local rank 0; store_proxy.py)."""
 
 
 def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
@@ -84,14 +87,23 @@ def choose_backend(requested: str, local_world_size: int) -> tuple[str, str]:
 
 def open_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float):
     """(client, server-or-None): rank 0 serves the store unless torchrun's agent does."""
+    client, _, server = open_node_store(transport, spec, timeout_s, None)
+    return client, server
+
+
+def open_node_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float,
+                    node: list[int] | None):
+    """(client, proxy-or-None, server-or-None). ``node``: this rank's node hint ([node, local
+    rank, local ranks]) when its world reaches the store through a proxy per node (issue 32.5):
+    a node other than rank 0's talks to the proxy its local rank 0 serves (that rank too)."""
     if spec.use_agent_store:  # torchrun's agent already serves a TCPStore on MASTER_PORT
         import torch.distributed  # lazy: torchrun's world runs torch anyway
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
-        return TorchStore(tstore), None
+        return TorchStore(tstore), None, None
     server = StoreServer(transport, spec.host, spec.port) if spec.rank == 0 else None
     try:
-        return StoreClient(transport, spec.host, spec.port, timeout_s), server
+        return (*connect(transport, spec.host, spec.port, spec.rank, timeout_s, node), server)
     except BaseException:
         if server is not None:
             server.close()
@@ -117,14 +129,21 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     timeout = cfg.comm.timeout_s
     cfg = _effective(cfg, spec)
     transport = Transport(cfg, f"rank{spec.rank}")
-    owns_store = store is None
+    owns_store, proxy, leader = store is None, None, None
+    hint = topology.node_hint(environ)
     try:
-        store, server = open_store(transport, spec, timeout) if owns_store else store
+        if owns_store:
+            node = hint if use_proxy(cfg.cluster.store_proxy, name, hint, spec.world_size,
+                                     spec.use_agent_store) else None
+            store, proxy, server = open_node_store(transport, spec, timeout, node)
+            leader = spec.rank - node[1] if node is not None and node[0] != 0 else None
+        else:
+            store, server = store
     except BaseException:
         transport.close()
         raise
     try:
-        hello = {"config": cfg.digest(), "backend": name, "node": topology.node_hint(environ),
+        hello = {"config": cfg.digest(), "backend": name, "node": hint,
                  "where": cfg.cluster.advertise_host}
         if name == "zmq":
             backend = ZmqBackend(transport, cfg, spec.rank, spec.world_size, 0)
@@ -132,7 +151,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                                   timeout, namespace,
                                   lambda table: ZmqBackend.needs_every_address([p["addr"] for p in table]))
             hellos = rendezvous.Hellos(store, spec.rank, spec.world_size, namespace, timeout, met,
-                                       None if spec.use_agent_store else 0)
+                                       None if spec.use_agent_store else 0, proxy_rank=leader)
             layout = _connect_zmq(backend, met, hellos, spec.rank)
             backend.barrier()
         elif name == "nccl":
@@ -153,12 +172,14 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             if server is not None:
                 server.close(linger_s=1.0)
             store.close()
+            if proxy is not None:
+                proxy.close(linger_s=1.0)
         transport.close()
         raise
     world = ProcessGroup(tuple(range(spec.world_size)), spec.rank, backend, 0)
     transport.counters.same_node = [layout.same_node(spec.rank, r) for r in range(spec.world_size)]
     return Runtime(cfg, world, transport, store, server, owns_store, topology=layout,
-                   hellos=hellos if name == "zmq" else None, namespace=namespace)
+                   hellos=hellos if name == "zmq" else None, namespace=namespace, store_proxy=proxy)
 
 
 def _likely_partners(rank: int, n: int) -> set[int]:
@@ -269,15 +290,17 @@ def _keep_store_for_readers(rt: Runtime, within_s: float = 10.0) -> None:
     group's members publish and read their addresses there while rank 0, a non-member, may have
     moved on (runtime/groups.py), so rank 0 keeps serving it until every rank has reached its
     shutdown (at most ``within_s``): a rank still in its last op may dial a peer rank 0 never
-    talked to. A broken world skips it (a lost rank never comes; one lost to rank 0's death would
-    wait on a dead store)."""
+    talked to; so does each node's store proxy (its leader waits as rank 0 does). A broken world
+    skips it (a lost rank never comes; one lost to rank 0's death would wait on a dead store)."""
     if rt.world.backend.broken is not None:
         return
     try:
         left = rt.namespace + "rdzv/left"
         rt.store.add(left, 1, timeout_s=LEAVING_CALL_S)
-        if rt.world.rank == 0 and rt.store.wait_count(left, rt.world.size(), None, within_s)[0] != OK:
-            log.warning("rank 0: not every rank reached its shutdown within %gs; closing the store", within_s)
+        serves = rt.world.rank == 0 or rt.store_proxy is not None
+        if serves and rt.store.wait_count(left, rt.world.size(), None, within_s)[0] != OK:
+            log.warning("rank %d: not every rank reached its shutdown within %gs; closing the store%s",
+                        rt.world.rank, within_s, " proxy" if rt.world.rank else "")
     except CommError as exc:
         log.warning("store handshake at shutdown skipped: %s", exc)
 
@@ -294,6 +317,8 @@ def shutdown(rt: Runtime, keep_store: bool = False) -> None:
         _leave_together(rt)
     if rt.owns_store and not keep_store:
         rt.store.close()
+        if rt.store_proxy is not None:
+            rt.store_proxy.close()
         if rt.store_server is not None:
             rt.store_server.close()
     rt.transport.close(leaked_sockets=not all(stopped))

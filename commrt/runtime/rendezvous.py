@@ -210,12 +210,14 @@ def _layout_record(store, table: list[dict], needs_all, ns: str) -> dict:
 class Hellos:
     """Peers' hellos, read from the store when first needed (``get``), in one request per call.
     Thread-safe: the collective and point-to-point endpoints resolve from their own threads.
-    ``store_rank``: the rank serving the store (0), or None (torchrun's agent serves it)."""
+    ``store_rank``: the rank serving the store (0), or None (torchrun's agent serves it);
+    ``proxy_rank``: the rank whose store proxy this rank goes through (store_proxy.py), if any."""
 
     def __init__(self, store, rank: int, world_size: int, namespace: str, timeout_s: float,
-                 met: Met, store_rank: int | None = 0):
+                 met: Met, store_rank: int | None = 0, proxy_rank: int | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.ns, self.timeout_s, self.store_rank = namespace + "rdzv/", timeout_s, store_rank
+        self._cut_off_by = {r for r in (store_rank, proxy_rank) if r is not None}
         self.lazy = met.nodes is not None
         self._known: dict[int, dict] = {**met.known, **dict(enumerate(met.table or ()))}
         self._known[rank] = met.hello
@@ -228,11 +230,12 @@ class Hellos:
 
     def get(self, peers, op: str, lost: int | None = None) -> dict[int, dict]:
         """The hellos of ``peers``, reading the unknown ones in one request within ``timeout_s``.
-        ``lost``: a rank known dead; if it serves the store, only known hellos come back (a
-        best-effort caller must not wait out the deadline on a dead store)."""
+        ``lost``: a rank known dead; if it serves the store or this rank's proxy of it, only
+        known hellos come back (a best-effort caller must not wait out the deadline on a dead
+        store)."""
         with self._lock:
             missing = [p for p in peers if p not in self._known]
-            if missing and (lost is None or lost != self.store_rank):
+            if missing and lost not in self._cut_off_by:
                 self._fetch(missing, op)
             return {p: self._known[p] for p in peers if p in self._known}
 

@@ -4,8 +4,9 @@ transport's request/reply channel (``transport/rpc.py``); the logic is ``store_c
 Every request carries the store's incarnation token (drawn when rank 0 starts serving), so a
 client of an earlier ``init_process_group`` cannot talk to a later store, and a re-initialising
 client refuses the previous store while it is still up. Waits are parked in the store and
-answered when they can be, so ranks do not poll. Under torchrun the agent already serves a
-TCPStore on MASTER_PORT; ``TorchStore`` adapts it to the same interface.
+answered when they can be, so ranks do not poll. A zmq world of several nodes reaches it through
+one proxy per node (``store_proxy.py``; ``StoreClient(via=...)``). Under torchrun the agent
+already serves a TCPStore on MASTER_PORT; ``TorchStore`` adapts it to the same interface.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class StoreServer:
 
     def __init__(self, transport, host: str, port: int, bind_within_s: float = 10.0):
         self.core = StoreCore()
+        self._routes: set[bytes] = set()  # one per connection that sent a request (issue 32.5)
         deadline = time.monotonic() + bind_within_s
         while True:
             try:
@@ -38,6 +40,7 @@ class StoreServer:
                 time.sleep(0.05)
 
     def _handle(self, call: Call):
+        self._routes.add(call.route)
         reply = self.core.handle(call.method, call.body, call, time.monotonic())
         self._flush()
         return DEFER if reply is None else reply
@@ -54,6 +57,12 @@ class StoreServer:
     def rejected(self) -> int:
         return self._rpc.rejected
 
+    @property
+    def connections(self) -> int:
+        """Connections this store has served requests on since it started: one per rank, or
+        one per node's store proxy (store_proxy.py) plus rank 0's node's ranks."""
+        return len(self._routes)
+
     def close(self, linger_s: float = 0.0) -> None:
         """Stop serving; ``linger_s`` keeps answering a little longer (after a failed
         rendezvous, so the other ranks can still read why)."""
@@ -69,12 +78,16 @@ HELLO_TRY_S = 1.0  # one handshake attempt: short, so a request lost in a closin
 
 
 class StoreClient:
-    """Talks to rank 0's store. Construction performs the handshake (bounded by ``timeout_s``)."""
+    """Talks to rank 0's store. Construction performs the handshake (bounded by ``timeout_s``).
+    ``via``: (address, serving rank's name, who it is) of this node's store proxy
+    (``store_proxy.py``), which forwards every call to the store at ``host:port``."""
 
-    def __init__(self, transport, host: str, port: int, timeout_s: float):
+    def __init__(self, transport, host: str, port: int, timeout_s: float,
+                 via: tuple[str, str, str] | None = None):
         self.where, self.timeout_s = f"{host}:{port}", timeout_s
-        self._rpc = RpcClient(transport, f"tcp://{host}:{port}", "rank0", max_frame=MAX_FRAME,
-                              name=f"rendezvous store at {self.where}")
+        address, peer, self.via = via or (f"tcp://{host}:{port}", "rank0", "")
+        self.name = f"rendezvous store at {self.where}" + (f" via {self.via}" if self.via else "")
+        self._rpc = RpcClient(transport, address, peer, max_frame=MAX_FRAME, name=self.name)
         try:
             self.incarnation = self._handshake()
         except BaseException:
@@ -97,7 +110,7 @@ class StoreClient:
             if time.monotonic() >= deadline:
                 if isinstance(stale, RpcTimeout):
                     raise RendezvousError(self._unreachable(stale)) from None
-                raise RendezvousError(f"rendezvous store at {self.where} is still the one of an earlier "
+                raise RendezvousError(f"{self.name} is still the one of an earlier "
                                       f"init_process_group after {self.timeout_s:g}s (rank 0 has not "
                                       "re-initialised)")
             if stale is True:
@@ -105,9 +118,9 @@ class StoreClient:
 
     def _unreachable(self, exc: RpcTimeout) -> str:
         how = "no connection took the request" if exc.phase == "send" else "no reply"
-        return (f"rendezvous store at {self.where} did not answer within {self.timeout_s:g}s ({how}; is "
-                "rank 0 running, under the same [security] mode and job secret or keys? a refused "
-                "handshake is silent)")
+        who = self.via or "rank 0"
+        return (f"{self.name} did not answer within {self.timeout_s:g}s ({how}; is {who} running, "
+                "under the same [security] mode and job secret or keys? a refused handshake is silent)")
 
     def _call(self, method: str, *args, wait_s: float = 0.0, timeout_s: float | None = None):
         # a parked wait is answered by the server at its deadline; allow for the trip back
@@ -115,10 +128,11 @@ class StoreClient:
         try:
             reply = self._rpc.call(method, [self.incarnation, *args], budget)
         except RpcTimeout as exc:
-            raise RendezvousError(f"rendezvous store at {self.where} stopped answering ({method}, "
-                                  f"{exc.waited_s:g}s): rank 0 exited or is overloaded") from None
+            gone = (f"{self.via} exited (its node's ranks reach rank 0's store only through it) or rank 0 did"
+                    if self.via else "rank 0 exited or is overloaded")
+            raise RendezvousError(f"{self.name} stopped answering ({method}, {exc.waited_s:g}s): {gone}") from None
         except RpcRejected as exc:
-            raise RendezvousError(f"rendezvous store at {self.where} refused {method}: {exc.reason}") from None
+            raise RendezvousError(f"{self.name} refused {method}: {exc.reason}") from None
         return reply
 
     def set(self, key: str, value: bytes) -> None:

@@ -127,6 +127,21 @@ class Transport:
             raise
         return sock, f"tcp://{host}:{port}"
 
+    def listen_local(self, kind: int, name: str, *, max_frame: int | None = None) -> tuple[zmq.Socket, str]:
+        """Like ``listen``, on a Unix socket in the abstract namespace (``ipc://@name``: no
+        file, gone with the process; reachable only from this host's network namespace), with
+        the same authentication. Linux only."""
+        sock = self.ctx.socket(kind)
+        address = f"ipc://@{name}"
+        try:
+            self._tune(sock, max_frame, self.cfg.comm.timeout_s)
+            self.guard.server(sock)
+            sock.bind(address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock, address
+
     def dial(self, kind: int, address: str, peer: str, *, max_frame: int | None = None,
              send_slice_ms: int | None = SLICE_MS, handshake_s: float | None = None) -> zmq.Socket:
         """A socket connected to ``address``, authenticating as us and (under CURVE) checking it

@@ -16,7 +16,8 @@ TIERS = [
     ["commrt.topology.nodes", "commrt.obs.flight", "commrt.obs.analyze", "commrt.obs.trace", "commrt.obs.comms",
      "commrt.obs.observer", "commrt.optim", "commrt.obs"],
     ["commrt.transport"],                    # everything on the wire
-    ["commrt.runtime.store_core", "commrt.runtime.store", "commrt.runtime.rendezvous"],
+    ["commrt.runtime.store_core", "commrt.runtime.store", "commrt.runtime.store_proxy",
+     "commrt.runtime.rendezvous"],
     ["commrt.collectives"],                  # algorithms and their executors over the transport
     ["commrt.backends"],                     # zmq (ours)
     ["commrt.integrations"],                 # gloo/nccl behind our API; torch's API over ours

@@ -80,6 +80,9 @@ def test_with_node_hints_only_rank_0_reads_every_hello(store):
     assert book.stats()["hellos_read"] == 4  # 0 at meet, then 4 and 6, then 2: each once
     assert book.get([3], "x", lost=0) == {}  # rank 0 serves the store: no request to a dead one
     assert book.stats()["hellos_read"] == 4
+    via = rendezvous.Hellos(store(), 5, 8, "t/", 5, met[5], proxy_rank=4)  # node 1's store proxy
+    assert via.get([3], "x", lost=4) == {} and via.get([3], "x", lost=0) == {}  # either cuts it off
+    assert via.stats()["hellos_read"] == 1 and via.get([3], "x", lost=7)[3]["rank"] == 3
 
 
 def test_without_node_hints_every_rank_reads_every_hello(store):

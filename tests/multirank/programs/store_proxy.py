@@ -1,0 +1,77 @@
+"""A store per node (issue 32.5): run as several nodes on this host (the launcher's node
+variables), numpy buffers only. Every rank checks its results exactly against the
+single-process arithmetic and how it reaches the store (comm_stats()["rendezvous"]).
+
+    ops          barrier, all_reduce, new_group and its all_reduce, shutdown; rank 0 prints how
+                 many store connections it served, each node's leader how many ranks its proxy did
+    leader_dies  node 1's leader is killed after init: node 1's other ranks' store calls fail
+                 with a RendezvousError naming the proxy within their deadline; node 2's go on
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import commrt
+from commrt.runtime.errors import RendezvousError
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+PER_NODE, NODE = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["GROUP_RANK"])
+LOCAL = int(os.environ["LOCAL_RANK"])
+
+
+def _check_store_stats() -> dict:
+    got = commrt.comm_stats()["rendezvous"]
+    proxied = os.environ.get("COMMRT_CLUSTER_STORE_PROXY", "true") != "false"
+    assert got["store_via_proxy"] == (proxied and NODE != 0), f"rank {RANK}: {got}"
+    return got
+
+
+def ops() -> None:
+    commrt.init_process_group()
+    got = _check_store_stats()
+    commrt.barrier()
+    x = np.arange(1024, dtype=np.int64) * (RANK + 1)
+    commrt.all_reduce(x)
+    assert np.array_equal(x, np.arange(1024, dtype=np.int64) * (WORLD * (WORLD + 1) // 2)), f"rank {RANK}"
+    evens = list(range(0, WORLD, 2))
+    g = commrt.new_group(evens)
+    if RANK in evens:
+        y = np.full(8, RANK + 1, np.float64)
+        commrt.all_reduce(y, group=g)
+        assert y.tolist() == [float(sum(r + 1 for r in evens))] * 8, f"rank {RANK}: new_group all_reduce"
+    commrt.barrier()
+    got = _check_store_stats()
+    if RANK == 0:
+        print(f"STORE rank 0 served {got['store_connections']} connections", flush=True)
+    if got["proxy_clients"] is not None:
+        print(f"PROXY node {NODE} rank {RANK} served {got['proxy_clients']} ranks", flush=True)
+    print(f"OK rank {RANK}", flush=True)
+    commrt.destroy_process_group()
+
+
+def leader_dies() -> None:
+    commrt.init_process_group()
+    commrt.barrier()
+    rt = commrt.distributed._rt()
+    if NODE == 1 and LOCAL == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # the leader is gone by now
+    if NODE in (1, 2) and LOCAL == 1:
+        rt.store.timeout_s = 3.0  # this call's deadline (init ran under the job's longer one)
+        start = time.monotonic()
+        try:
+            rt.store.add("probe", 1)
+            print(f"PROBE rank {RANK} ok", flush=True)
+        except RendezvousError as exc:
+            print(f"PROBE rank {RANK} failed after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+    time.sleep(5.0)  # rank 0 keeps serving until the probes are done
+    os._exit(0)  # a world with a dead rank: no orderly shutdown to test here
+
+
+if __name__ == "__main__":
+    {"ops": ops, "leader_dies": leader_dies}[sys.argv[1]]()

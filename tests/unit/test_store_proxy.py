@@ -1,0 +1,142 @@
+"""A store per node (issue 32.5, store_proxy.py): the pure decisions, then a real store, proxy
+and clients over loopback and abstract Unix sockets, in one process: waits forwarded
+concurrently over one upstream connection, and typed errors (never a hang) when the store, or
+the proxy, is gone or silent."""
+import math
+import threading
+import time
+
+import pytest
+import zmq
+
+from commrt.launch import free_port
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import RendezvousError
+from commrt.runtime.store import StoreServer
+from commrt.runtime.store_core import OK
+from commrt.runtime import store_proxy
+from commrt.runtime.store_proxy import CLIENT_SHARE, connect, forward_deadline, proxy_name, use_proxy
+from commrt.transport.rpc import RpcClient, RpcRejected
+from commrt.transport.transport import Transport
+
+CFG = load_config(overrides={"security": {"mode": "none"}, "comm": {"timeout_s": 20}}, environ={})
+NODE1 = [[1, 0, 2], [1, 1, 2]]  # node 1's two ranks (ranks 2 and 3 of 2 nodes x 2): leader first
+
+
+@pytest.mark.parametrize("enabled,backend,hint,world,agent,expect", [
+    (True, "zmq", [1, 0, 4], 8, False, True),
+    (False, "zmq", [1, 0, 4], 8, False, False),   # turned off in the config
+    (True, "gloo", [1, 0, 4], 8, False, False),   # gloo/nccl: unchanged
+    (True, "zmq", None, 8, False, False),         # no node hints
+    (True, "zmq", [0, 0, 8], 8, False, False),    # one node
+    (True, "zmq", [1, 0, 4], 8, True, False),     # torchrun's agent serves the store
+])
+def test_proxies_are_used_only_where_safe(enabled, backend, hint, world, agent, expect):
+    assert use_proxy(enabled, backend, hint, world, agent) is expect
+
+
+def test_a_forwarded_request_keeps_its_own_wait_and_most_of_the_timeout():
+    assert forward_deadline("add", [7, "k", 1], 100.0, 20.0) == 100.0 + CLIENT_SHARE * 20
+    assert forward_deadline("wait", [7, ["k"], None, 30], 100.0, 20.0) == 130.0 + CLIENT_SHARE * 20
+    assert forward_deadline("add_wait_count", [7, "k", 1, 4, None, 2.5], 0.0, 20.0) == 2.5 + CLIENT_SHARE * 20
+    for bad in (math.nan, -1, 1e9, True, "5", None):  # the store refuses these at once
+        assert forward_deadline("wait_count", [7, "k", 1, None, bad], 0.0, 20.0) == CLIENT_SHARE * 20
+
+
+def test_the_proxy_name_needs_the_job_secret():
+    names = {proxy_name(s, "127.0.0.1", 2900, n) for s in (b"a" * 16, b"b" * 16) for n in (1, 2)}
+    assert len(names) == 4 and all(len(n) < 100 for n in names)
+    assert proxy_name(b"a" * 16, "127.0.0.1", 2900, 1) == proxy_name(b"a" * 16, "127.0.0.1", 2900, 1)
+
+
+@pytest.fixture()
+def transport():
+    t = Transport(CFG, "rank2")
+    yield t
+    t.close()
+
+
+def _node(transport, port, timeout_s=20.0):
+    """Node 1's leader (rank 2, serving the proxy) and rank 3, both through the proxy."""
+    (lead, proxy), (other, none) = (connect(transport, "127.0.0.1", port, 2 + h[1], timeout_s, h) for h in NODE1)
+    assert proxy is not None and none is None and lead.via and other.via
+    return proxy, lead, other
+
+
+def test_waits_go_on_concurrently_over_one_upstream_connection(transport):
+    port = free_port()
+    server = StoreServer(transport, "127.0.0.1", port)
+    proxy, lead, other = _node(transport, port)
+    try:
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(lead.wait(["k"], None, 10.0)))
+        waiter.start()
+        time.sleep(0.3)  # the wait is parked in the store by now
+        assert other.wait_count("c", 0, None, 5.0)[0] == OK  # not behind the parked wait
+        other.set("k", b"v")
+        waiter.join(10)
+        assert got == [[OK, [b"v"]]]
+        assert other.add_wait_count("n", 1, 1, None, 5.0) == [OK, 1, 1]
+        assert server.connections == 1 and proxy.stats()["clients"] == 2  # one upstream for the node
+    finally:
+        lead.close(), other.close(), proxy.close(), server.close()
+
+
+def test_a_proxy_whose_store_is_gone_fails_its_calls_naming_store_and_op(transport):
+    port = free_port()
+    server = StoreServer(transport, "127.0.0.1", port)
+    proxy, lead, other = _node(transport, port)
+    try:
+        got = []
+
+        def parked():
+            try:
+                lead.wait(["never"], None, 60.0)
+            except RendezvousError as exc:
+                got.append(str(exc))
+        waiter = threading.Thread(target=parked)
+        waiter.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        server.close()  # rank 0 exits: the proxy's connection drops
+        waiter.join(30)
+        assert not waiter.is_alive() and time.monotonic() - start < 10, "the parked wait was not failed"
+        assert f"rendezvous store at 127.0.0.1:{port}" in got[0] and "(wait)" in got[0], got
+        assert "store proxy of node 1 on rank 2" in got[0], got
+        with pytest.raises(RendezvousError, match=r"lost its connection .*\(add\)"):
+            other.add("k", 1)  # at once, not at the deadline
+    finally:
+        lead.close(), other.close(), proxy.close()
+
+
+def test_a_silent_store_is_answered_at_the_proxys_deadline(transport):
+    """An upstream that never answers: the proxy answers first, naming the op."""
+    port = free_port()
+    silent, _ = transport.listen(zmq.ROUTER, "127.0.0.1", port)
+    proxy = store_proxy.StoreProxy(transport, "127.0.0.1", port, 1, 2, 1.0)
+    rpc = RpcClient(transport, proxy.address, "rank2", max_frame=1 << 20)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RpcRejected, match=r"did not answer add in time .*store proxy of node 1 on rank 2"):
+            rpc.call("add", [1, "k", 1], 5.0)
+        assert time.monotonic() - start < 3.0
+    finally:
+        rpc.close()
+        proxy.close()
+        silent.close(linger=0)
+
+
+def test_ranks_whose_proxy_is_gone_fail_with_a_typed_error_within_the_deadline(transport):
+    port = free_port()
+    server = StoreServer(transport, "127.0.0.1", port)
+    proxy, lead, other = _node(transport, port, timeout_s=2.0)
+    try:
+        assert other.add("k", 1) == 1
+        proxy.close()  # the node's leader died
+        start = time.monotonic()
+        with pytest.raises(RendezvousError, match=r"via the store proxy of node 1 on rank 2 stopped answering "
+                                                  r"\(add, 2s\): the store proxy of node 1 on rank 2 exited"):
+            other.add("k", 1)
+        assert time.monotonic() - start < 2.0 + 1.0
+    finally:
+        lead.close(), other.close(), server.close()
