@@ -107,14 +107,23 @@ class StoreClient:
                 stale = True
             except RpcTimeout as exc:
                 stale = exc
+            except RpcRejected as exc:
+                # a proxy whose upstream is down refuses at once: across a re-initialisation it
+                # was connected to the previous store, which closed (test_estimate's second run
+                # failed so); it reconnects to the new one, so try again until the deadline
+                if not self.via:
+                    raise
+                stale = exc
             if time.monotonic() >= deadline:
                 if isinstance(stale, RpcTimeout):
                     raise RendezvousError(self._unreachable(stale)) from None
+                if isinstance(stale, RpcRejected):
+                    raise RendezvousError(f"{self.name} refused hello for {self.timeout_s:g}s: {stale.reason}") from None
                 raise RendezvousError(f"{self.name} is still the one of an earlier "
                                       f"init_process_group after {self.timeout_s:g}s (rank 0 has not "
                                       "re-initialised)")
-            if stale is True:
-                time.sleep(0.05)  # the previous store is still up: rank 0 replaces it soon
+            if stale is True or isinstance(stale, RpcRejected):
+                time.sleep(0.05)  # the previous store is still up, or the proxy's link is not back yet
 
     def _unreachable(self, exc: RpcTimeout) -> str:
         how = "no connection took the request" if exc.phase == "send" else "no reply"
