@@ -7,29 +7,11 @@ import time
 
 import pytest
 
-from commrt.launch import free_port
 from commrt.runtime import groups, rendezvous
-from commrt.runtime.config import load_config
 from commrt.runtime.errors import RendezvousError
-from commrt.runtime.store import StoreClient, StoreServer
 from commrt.topology import nodes
-from commrt.transport.transport import Transport
 
-CFG = load_config(overrides={"security": {"mode": "none"}}, environ={})
 MEMBERS = (1, 3, 6)
-
-
-@pytest.fixture()
-def store():
-    t = Transport(CFG, "rank0")
-    port = free_port()
-    server = StoreServer(t, "127.0.0.1", port)
-    clients = []
-    yield lambda: clients.append(StoreClient(t, "127.0.0.1", port, 30)) or clients[-1]
-    for c in clients:
-        c.close()
-    server.close()
-    t.close()
 
 
 def _book(client, me: int, tally: groups.Tally, timeout_s: float = 10.0, gid: int = 4):
