@@ -130,9 +130,11 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - start)
         breakdowns.append(engine.step_breakdown())
         if step == 0:  # later steps are the steady state (groups and the stage-3 order are set up)
+            engine.settle()  # overlap_step: the step's bytes counted in it (a warm-up step: not timed)
             first = commrt.comm_stats()
         if rank == 0 and ((step + 1) % args.log_every == 0 or step == 0):
             log.info("step %4d loss %.4f step time %7.1f ms", step + 1, loss.item(), 1000 * times[-1])
+    engine.settle()  # the last step's replica all-reduces, in its bytes
     mem = engine.memory_report()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steady = sorted(times[len(times) // 3:])[len(times[len(times) // 3:]) // 2]  # median after warm-up

@@ -135,6 +135,7 @@ def _setup(args, kind: str, arg, groups):
         def engine_step(tokens):
             engine.backward(loss_of(engine, tokens))
             engine.step()
+        engine_step.settle = engine.settle  # overlap_step: the last step's bytes still crossing
         return engine_step, engine.step_breakdown, "engine", None
     if kind == "replica":
         return _replica(model, loss_of)
@@ -190,6 +191,8 @@ def _run(args, kind: str, arg, groups) -> dict:
         local.append(time.perf_counter() - start)
         if breakdown is not None:
             parts.append(breakdown())
+    if hasattr(step, "settle"):  # counted in the run's bytes (its time is a warm-up step's to the next)
+        step.settle()
     sent1 = train_peers.bytes_sent(where) if where else (0, 0)
     per_step = None if sent0 is None or sent1 is None else [(b - a) / args.steps for a, b in zip(sent0, sent1)]
     # after the loop: no extra collective inside a step; one all-reduce for times, bytes, memory

@@ -21,7 +21,7 @@ from commrt.optim.rules import OptimSpec
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
               "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter", "sharding_strategy",
               "zero_hpz_partition_size", "mics_shard_size", "shard_group_size",
-              "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param"}
+              "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param", "overlap_step"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads",
              "fault_tolerance"}
@@ -74,6 +74,13 @@ class ZeroConfig:
     groups; the same as HYBRID_SHARD with ``shard_group_size``. -1: off."""
     shard_group_size: int = 0
     """HYBRID_SHARD / _HYBRID_SHARD_ZERO2: ranks per shard group; 0: the ranks per node."""
+    overlap_step: bool = True
+    """HYBRID_SHARD / MiCS (stage 3): keep the link between replicas busy across the step. The
+    replica all-reduces of the units forward runs first start after backward, in forward order,
+    and ``step()`` only marks the step due: each unit steps just before the next forward gathers
+    it, while the later units' bytes still cross (``train/zero_defer.py``). Bit-identical values;
+    off (or no effect) with gradient clipping, LAMB, qwZ/qgZ or ``overlap_comm = false``, and the
+    grad norm reported (``last_grad_norm``) is NaN while it is on."""
 
     def __post_init__(self) -> None:
         stage = _stage_of(self)
@@ -223,7 +230,7 @@ def _only(raw: Mapping, valid: set, where: str) -> None:
         raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {sorted(valid)}")
 
 
-_BOOL_KEYS = {"overlap_comm", "zero_quantized_weights", "zero_quantized_gradients"}
+_BOOL_KEYS = {"overlap_comm", "zero_quantized_weights", "zero_quantized_gradients", "overlap_step"}
 
 
 def _zero_value(key: str, v):

@@ -60,7 +60,9 @@ class Engine:
         self.plan = sharding.plan(z, dist.get_world_size(group), groups.ranks_per_node(), links)
         settings = ZeroSettings(self.plan.stage, cfg.optimizer, self.dtype, z.reduce_bucket_size, z.overlap_comm,
                                 qwz=z.zero_quantized_weights, qgz=z.zero_quantized_gradients,
-                                loco=z.zeropp_loco_param)
+                                loco=z.zeropp_loco_param,
+                                # clipping needs the global norm before any unit steps
+                                overlap_step=z.overlap_step and cfg.gradient_clipping <= 0)
         self.zero = Zero(model, self.params, settings, group, groups.build(self.plan, group))
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
@@ -113,7 +115,10 @@ class Engine:
                     if 0 < u.pending:
                         self.zero.reduce(u)
                         u.pending = 0
-            self.zero.wait()
+            if self.zero.defer:  # zero_defer: the replica all-reduces land during the next forward
+                self.zero.issue_backward()
+            else:
+                self.zero.wait()
             self._learn_order()
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -146,15 +151,26 @@ class Engine:
         self.clock.finish_step()
         return took
 
+    def settle(self) -> None:
+        """Finish the last step now: with ``overlap_step`` (hybrid stage 3) its replica
+        all-reduces still cross and each unit steps at its next gather; after this, every byte
+        of the step has been sent and every unit stepped (checkpoints and ``full_state_dict``
+        do this themselves). Without it, nothing to do."""
+        self.zero.settle_all()
+
     def step_breakdown(self) -> StepBreakdown | None:
         """Where the last optimizer step's time went (None before the first step)."""
         return self.clock.last
 
     def _step(self) -> bool:
         with self.clock.span("bookkeeping"):
-            self.zero.wait()
+            if self.zero.defer:
+                self.zero.issue_backward()
+            else:
+                self.zero.wait()
             bad, norm = self._check_gradients()
         if bad:
+            self.zero.wait()  # every reduction landed before the gradients are dropped
             for u in self.zero.units:
                 u.grad.zero_()
             if self.cfg.non_finite_grads == "raise":
@@ -165,23 +181,29 @@ class Engine:
         clip = self.cfg.gradient_clipping
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # as torch.nn.utils.clip_grad_norm_
         self.global_steps += 1
-        self.zero.update(self.global_steps, coef)  # its publish is bookkeeping and comm
+        if self.zero.defer:  # each unit steps at its next gather (zero_defer)
+            self.zero.defer_update(self.global_steps, coef)
+        else:
+            self.zero.update(self.global_steps, coef)  # its publish is bookkeeping and comm
         self.last_grad_norm = norm
         return True
 
     def _check_gradients(self) -> tuple[list[int], float]:
-        """One all-reduce: which ranks saw non-finite gradients, and the global squared norm."""
+        """One all-reduce: which ranks saw non-finite gradients, and the global squared norm (NaN
+        under zero_defer, whose reductions are still in flight: only clipping would need it)."""
         z = self.zero
         vec = torch.zeros(z.world + 1, dtype=torch.float64)
         vec[z.rank] = float(z.nonfinite)
-        if z.counts_norm:
+        if z.defer:
+            vec[z.world] = math.nan
+        elif z.counts_norm:
             vec[z.world] = sum(squared_norm(z.shard_grad(u)) for u in z.units)
         with self.clock.span("comm_waited"):
             dist.all_reduce(vec, ReduceOp.SUM, self.group)
         z.nonfinite = False
         bad = [r for r in range(z.world) if vec[r] > 0]
         total = float(vec[z.world])
-        return bad, math.sqrt(total) if math.isfinite(total) else math.inf
+        return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf)
 
     # -- stage 3 hooks ----------------------------------------------------------------------
     def _install_gather_hooks(self, model: nn.Module) -> None:
@@ -243,8 +265,9 @@ class Engine:
         # (at least one unit when prefetch is on), as DeepSpeed's setting means
         budget, nxt = self.cfg.zero.stage3_prefetch_bucket_size, ahead.get(id(u))
         while nxt is not None and budget > 0:
-            self.prefetched += nxt.full is None and nxt.gathering is None
-            self.zero.start_gather(nxt)
+            self.prefetched += nxt.full is None and nxt.gathering is None and nxt.step_due is None
+            if not self.zero.start_gather(nxt):
+                break  # its step is due first (zero_defer): gathered at its use
             budget -= nxt.layout.padded
             nxt = ahead.get(id(nxt))
 
@@ -252,6 +275,7 @@ class Engine:
         if self.zero.stage == 3 and not self._next and self._order:
             self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
             self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
+            self.zero.hold_back(self._order)
 
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -266,15 +290,19 @@ class Engine:
         return out
 
     def state_dict(self) -> dict:
+        self.zero.settle_all()
         return checkpoint.shard_state(self)
 
     def load_state_dict(self, state: dict) -> None:
+        self.zero.settle_all()
         checkpoint.load_shard_states(self, [state])
 
     def save_checkpoint(self, directory: str) -> str:
+        self.zero.settle_all()
         return checkpoint.save(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
+        self.zero.settle_all()
         checkpoint.load(self, directory)
 
     def memory_report(self) -> dict[str, int]:

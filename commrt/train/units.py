@@ -30,6 +30,8 @@ class UnitState:
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
         self.fresh = False  # hpZ: the secondary copy holds the values of the last step
         self.feedback = None   # quant.ErrorFeedback of the quantized gradient reduction (LoCo)
+        self.landing = None    # zero_defer: Followup of the replica all-reduce in flight
+        self.step_due = None   # zero_defer: (step, clip coefficient) of a step not yet taken
 
     def views(self, flat: torch.Tensor) -> None:
         """Point the parameters into ``flat`` (the unit's full values)."""

@@ -58,6 +58,7 @@ from commrt.train.groups import ShardGroups
 from commrt.train.layout import FIRST_BUCKET_BYTES, Unit, make_unit
 from commrt.train.stream import Chained, CommStream
 from commrt.train.units import UnitState, make_units
+from commrt.train.zero_defer import Deferring
 from commrt.train.zero_gather import Gathering
 
 
@@ -73,9 +74,10 @@ class ZeroSettings:
     qwz: bool = False                      # ZeRO++: stage-3 gathers in int8
     qgz: bool = False                      # ZeRO++: gradient reductions in int4
     loco: dict | None = None               # ZeRO++: LoCo error feedback of the int4 gradients
+    overlap_step: bool = False             # hybrid stage 3: units step at their next gather (zero_defer)
 
 
-class Zero(Gathering):
+class Zero(Gathering, Deferring):
     """The per-rank state and communication of one ZeRO-sharded model (used by ``Engine``)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], settings: ZeroSettings,
@@ -103,6 +105,12 @@ class Zero(Gathering):
         # parameters stay views of the master instead (the optimizer steps them in place)
         self.resident = (s.stage == 3 and self.shards == 1 and not s.qwz and s.dtype == torch.float32
                          and self.hgroup is None)
+        # hybrid stage 3 with every unit gathered before use: the step overlaps the link (zero_defer)
+        self.defer = (s.overlap_step and s.stage == 3 and self.rgroup is not None and not self.resident
+                      and self.stream is None and s.overlap and s.optimizer.kind != "lamb")
+        self.late: dict[int, int] = {}  # held units (id) -> their place in forward order
+        self.held: list = []            # held units' (unit, reduced shard) until issue_backward
+        self.deferred_steps = self.steps_in_forward = 0
         self.units: list[UnitState] = []
         for idx in make_units(model, params, s.stage, s.bucket_size, self.world,
                               FIRST_BUCKET_BYTES // s.dtype.itemsize):
@@ -160,7 +168,9 @@ class Zero(Gathering):
         else:
             out = torch.empty(u.own[1] - u.own[0], dtype=self.dtype)
             name = "qgZ reduce_scatter" if self.qgz else "reduce_scatter"
-            if self.stream is not None and self.rgroup is not None:  # one stream task: see _start_hybrid
+            if self.defer:  # zero_defer: its landing is waited for by its next gather
+                self._reduce_deferred(u, name, out, flat)
+            elif self.stream is not None and self.rgroup is not None:  # one stream task: see _start_hybrid
                 work = self._issue(name + " + replica all_reduce", self._start_hybrid, out, flat, u)
                 self._track(work, self.replica_reduced, u, out)
             elif self.rgroup is not None and self.overlap:  # the replica all-reduce follows at once
@@ -179,6 +189,8 @@ class Zero(Gathering):
         holding a reduced gradient no step consumed start from zero again, so the new backward
         replaces it as it replaced a ``p.grad`` of its own before (accumulation windows begin
         after a step, which zeroes them, or here)."""
+        if self.defer:  # units the last forward did not gather: their landing and step first
+            self.settle_all()
         for u in self.units:
             if u.reduced:
                 u.grad.zero_()
@@ -316,6 +328,10 @@ class Zero(Gathering):
     def wait(self) -> None:
         run_all(self.works, self.clock)  # a followup may start a further collective (hybrid's second step)
         self.fence()
+        if self.defer:  # and the replica all-reduces that zero_defer keeps out of the queue
+            self.issue_backward()
+            for u in self.units:
+                self.settle_landing(u)
 
     def own_grad(self, u: UnitState) -> torch.Tensor:
         return u.grad[u.own[0]:u.own[1]] if self.stage < 2 else u.grad
@@ -336,5 +352,6 @@ class Zero(Gathering):
 
     def full_master(self, u: UnitState) -> torch.Tensor:
         """The whole unit's fp32 values (a collective for stages 1-3)."""
+        self.settle(u)
         return zero_step.full_master(self, u)
 

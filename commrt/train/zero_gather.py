@@ -16,15 +16,20 @@ from commrt.train.units import UnitState
 class Gathering:
     """Mixed into ``Zero``, which holds the groups, dtype, clock and issue queue these use."""
 
-    def start_gather(self, u: UnitState) -> None:
+    def start_gather(self, u: UnitState) -> bool:
+        """Issue ``u``'s all-gather unless it is gathered or in flight; False (nothing issued)
+        when ``u``'s step is due (``zero_defer``): a prefetch stops there, on every rank alike,
+        and the gather at its use takes the step first."""
         self.progress()
+        if u.step_due is not None:
+            return False
         if u.full is not None or u.gathering is not None:
-            return
+            return True
         if self.shards == 1 and not self.qwz:  # a gather over one rank is a copy of the master
             buf = u.master.to(self.dtype, copy=True)
             self.count_live(buf.numel() * buf.element_size())
             self._gathered(u, buf, True)
-            return
+            return True
         buf = torch.empty(u.layout.padded, dtype=self.dtype)
         if u.fresh:  # hpZ: inside the node only
             work = self._issue("hpZ all_gather", self._start_secondary_gather, buf, u.secondary)
@@ -35,6 +40,7 @@ class Gathering:
             work = self._issue("all_gather", self._start_primary_gather, buf, send)
             u.gathering = Followup(work, self._gathered, (u, buf, True), time.perf_counter())
         self.count_live(buf.numel() * buf.element_size())
+        return True
 
     def _start_secondary_gather(self, buf: torch.Tensor, secondary: torch.Tensor):
         return dist.all_gather_into_tensor(buf, secondary, self.hgroup, async_op=True)
@@ -45,6 +51,7 @@ class Gathering:
         return dist.all_gather_into_tensor(buf, send, self.sgroup, async_op=True)
 
     def gather(self, u: UnitState) -> None:
+        self.settle(u)  # zero_defer: its replica all-reduce landed and its due step taken
         self.start_gather(u)
         if u.gathering is None:
             return

@@ -36,7 +36,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def update(z, step: int, clip_coef: float) -> None:
     """One optimizer step of every unit's own shard (``z``: the engine's ``Zero``)."""
-    _drop_prefetches(z)
+    drop_prefetches(z)
     lamb = []
     for u in z.units:
         g = z.own_grad(u)
@@ -55,6 +55,18 @@ def update(z, step: int, clip_coef: float) -> None:
             u.reduced, u.grad_zero = False, True
 
 
+def step_unit(z, u, step: int, clip_coef: float) -> None:
+    """``update``'s arithmetic for one unit of a stage-3 model (``zero_defer``: the step of a unit
+    taken just before the next forward gathers it; SGD and AdamW only, which are element-wise)."""
+    g = z.own_grad(u)
+    if clip_coef < 1.0:
+        g.mul_(clip_coef)
+    _step_in_chunks(u.master, g, u.state, z.spec, step)
+    u.fresh = False  # as publish: the next gather reads the new primary shards
+    u.grad.zero_()
+    u.reduced, u.grad_zero = False, True
+
+
 def _step_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict, spec, step: int) -> None:
     """SGD and AdamW are element-wise, so stepping a flat shard a cache-sized chunk at a time
     gives the same bits as one call; one call on a whole 30 MB unit allocated each of its
@@ -65,7 +77,7 @@ def _step_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict, spec,
         optim.step_(m, g, dict(zip(names, st)), spec, step)
 
 
-def _drop_prefetches(z) -> None:
+def drop_prefetches(z) -> None:
     """Wait out stage-3 gathers that were started but never used: after the step they would
     hand out the values from before it."""
     for u in z.units:

@@ -7,7 +7,7 @@ from tests.multirank.harness import run_ranks
 
 FAST = [f"{layout} {kind}" for layout in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ")
         for kind in ("adamw", "accumulation+clipping")] + [
-    "hpZ prefetch 0", "hpZ prefetch 50000000",
+    "hpZ prefetch 0", "hpZ prefetch 50000000", "HYBRID_SHARD overlap_step micro 1", "HYBRID_SHARD overlap_step micro 2",
     "checkpoint HYBRID_SHARD -> hpZ", "checkpoint hpZ -> _HYBRID_SHARD_ZERO2", "checkpoint MiCS -> FULL_SHARD",
     "checkpoint _HYBRID_SHARD_ZERO2 -> HYBRID_SHARD", "hpZ converges like stage 3", "bytes per step off the shard group",
     "refused {'sharding_strategy': 'HYBRID_SHARD', 'shard_group_size': 8}",

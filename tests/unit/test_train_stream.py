@@ -58,6 +58,7 @@ def test_hybrid_replica_all_reduce_keeps_the_hooks_order_on_the_stream():
     z = Zero.__new__(Zero)  # the queue and stream logic alone: no process group
     z.world, z.stage, z.qgz, z.dtype, z.overlap, z.rgroup = 2, 2, False, torch.float32, True, "replicas"
     z.stream, z.works, z.clock, z.nonfinite, z.started_early = CommStream("test-stream"), [], StepClock(), False, 0
+    z.defer = False
     issued, rs = [], {"A": Work("rs A"), "B": Work("rs B")}
     units = {}
     for name in "AB":

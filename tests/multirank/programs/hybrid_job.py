@@ -46,6 +46,28 @@ def strategy_cases(rank: int, world: int, layouts, kinds=("adamw", "lamb")) -> N
         compare(engine.full_state_dict(), reference("adamw", world, STEPS), f"hpZ prefetch {prefetch}")
 
 
+def overlap_step_case(rank: int, world: int) -> None:
+    """HYBRID_SHARD's overlapped step (zero_defer: held replica all-reduces, each unit stepped at
+    its next gather) against the unoverlapped one, bit for bit, and against single-process
+    training, with and without gradient accumulation; it must really have deferred."""
+    for micro in (1, 2):
+        states = {}
+        for overlap in (True, False):
+            engine = engine_for("HYBRID_SHARD", "adamw", zero={"overlap_step": overlap},
+                                gradient_accumulation_steps=micro)
+            train(engine, rank, STEPS, micro=micro)
+            z = engine.zero
+            if overlap and not (z.defer and z.late and z.deferred_steps == STEPS and z.steps_in_forward > 0):
+                raise AssertionError(f"overlap_step did not defer: held {len(z.late)} of {len(z.units)} units, "
+                                     f"{z.deferred_steps} deferred steps, {z.steps_in_forward} stepped in forward")
+            states[overlap] = engine.full_state_dict()
+        for name, want in states[False].items():
+            if not torch.equal(states[True][name], want):
+                raise AssertionError(f"overlap_step micro {micro}: {name} differs from the unoverlapped step by "
+                                     f"{(states[True][name] - want).abs().max().item():.3g}")
+        compare(states[True], reference("adamw", world, STEPS, micro=micro), f"HYBRID_SHARD overlap_step micro {micro}")
+
+
 def error_cases(rank: int, world: int) -> None:
     """Group sizes that do not fit the world fail on every rank before any collective (the
     later cases still run on the same world group: nothing was left half-done)."""
@@ -128,6 +150,7 @@ def step_bytes(layout: str, rank: int, world: int) -> tuple[int, int]:
         x, y = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()
+        engine.settle()  # overlap_step: the step's replica all-reduces may still be crossing
 
     one_step(0)
     before = counters.snapshot()
@@ -171,6 +194,7 @@ def main() -> int:
         strategy_cases(rank, world, list(LAYOUTS))
     if "hybrid" in which:  # the fast tier: the layouts with groups, one optimizer
         strategy_cases(rank, world, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ"], ("adamw",))
+        overlap_step_case(rank, world)
     if "errors" in which:
         error_cases(rank, world)
         memory_case(rank, world)
