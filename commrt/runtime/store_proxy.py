@@ -12,7 +12,8 @@ request keeps a deadline (its own wait plus most of ``timeout_s``, so the proxy'
 the client before the client gives up); a deadline passed, or the upstream connection lost, is
 answered with an error naming the store, the op and this proxy, which the client raises as a
 ``RendezvousError``. A node whose leader dies cannot reach the store at all: its ranks' store
-calls fail at their deadline naming the proxy (there is no silent fall-back to rank 0).
+calls fail within a heartbeat interval of its death (their client watches the connection to
+the proxy), naming the proxy, its rank and the op (there is no silent fall-back to rank 0).
 
 Used by the zmq world with node hints and more than one node (``use_proxy``); gloo/nccl and
 torchrun's agent store keep one connection per rank.
