@@ -77,28 +77,34 @@ _retired: dict[str, set[int]] = {}
 HELLO_TRY_S = 1.0  # one handshake attempt: short, so a request lost in a closing store is retried
 
 
+class NoProxy(RendezvousError):
+    """No store proxy answered on this node within the wait for one (store_proxy.connect)."""
+
+
 class StoreClient:
     """Talks to rank 0's store. Construction performs the handshake (bounded by ``timeout_s``).
     ``via``: (address, serving rank's name, who it is) of this node's store proxy
     (``store_proxy.py``), which forwards every call to the store at ``host:port``; its
     connection is watched, so a call fails within a heartbeat interval (``RendezvousError``
-    naming the proxy and the op) once the proxy is gone."""
+    naming the proxy and the op) once the proxy is gone. ``absent_s``: with ``via``, raise
+    ``NoProxy`` when no proxy's connection came up within that long."""
 
     def __init__(self, transport, host: str, port: int, timeout_s: float,
-                 via: tuple[str, str, str] | None = None):
+                 via: tuple[str, str, str] | None = None, absent_s: float | None = None):
         self.where, self.timeout_s = f"{host}:{port}", timeout_s
         address, peer, self.via = via or (f"tcp://{host}:{port}", "rank0", "")
         self.name = f"rendezvous store at {self.where}" + (f" via {self.via}" if self.via else "")
         self._rpc = RpcClient(transport, address, peer, max_frame=MAX_FRAME, name=self.name,
                               lost_after_s=transport.cfg.comm.heartbeat_s if self.via else None)
         try:
-            self.incarnation = self._handshake()
+            self.incarnation = self._handshake(absent_s if self.via else None)
         except BaseException:
             self._rpc.close()
             raise
 
-    def _handshake(self) -> int:
-        deadline = time.monotonic() + self.timeout_s
+    def _handshake(self, absent_s: float | None) -> int:
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         old = _retired.get(self.where, set())
         stale = None  # the last answer came from a store this process has finished with
         while True:
@@ -118,6 +124,8 @@ class StoreClient:
                 if not self.via:
                     raise
                 stale = exc
+            if absent_s is not None and time.monotonic() - start >= absent_s and not self._rpc.connected_once:
+                raise NoProxy(f"{self.via} did not answer within {absent_s:g}s (none is listening yet)")
             if time.monotonic() >= deadline:
                 if isinstance(stale, RpcTimeout):
                     raise RendezvousError(self._unreachable(stale)) from None

@@ -158,3 +158,18 @@ def test_ranks_whose_proxy_is_gone_fail_with_a_typed_error_within_a_heartbeat(tr
         assert time.monotonic() - start < 5.0
     finally:
         lead.close(), other.close(), server.close()
+
+
+def test_a_rank_without_a_proxy_on_its_node_dials_the_store_itself(transport, monkeypatch):
+    """Its leader is late or serves none (its [cluster] store_proxy says false): after ABSENT_S
+    the rank reaches the store directly, where the rendezvous compares configs."""
+    monkeypatch.setattr(store_proxy, "ABSENT_S", 0.5)
+    port = free_port()
+    server = StoreServer(transport, "127.0.0.1", port)
+    start = time.monotonic()
+    client, proxy = connect(transport, "127.0.0.1", port, 3, 20.0, NODE1[1])
+    try:
+        assert proxy is None and client.via == "" and time.monotonic() - start < 10.0
+        assert client.add("k", 1) == 1 and server.connections == 1
+    finally:
+        client.close(), server.close()

@@ -7,6 +7,8 @@ single-process arithmetic and how it reaches the store (comm_stats()["rendezvous
     leader_dies  node 1's leader is killed after init: node 1's other rank's parked wait and its
                  next call fail with a RendezvousError naming the proxy within about a heartbeat
                  interval; node 2's go on
+    proxy_mismatch  rank 3's [cluster] store_proxy differs from its leader's (and everyone's):
+                 every rank fails init with the config digest error naming rank 3
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import time
 import numpy as np
 
 import commrt
+from commrt.runtime import store_proxy
 from commrt.runtime.errors import RendezvousError
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -85,5 +88,18 @@ def leader_dies() -> None:
     os._exit(0)  # a world with a dead rank: no orderly shutdown to test here
 
 
+def proxy_mismatch() -> None:
+    """Rank 3 runs with [cluster] store_proxy = true, the rest (its leader too) with false."""
+    store_proxy.ABSENT_S = 1.0  # the wait for a proxy before dialling the store (10 s): kept short
+    if RANK == 3:
+        os.environ["COMMRT_CLUSTER_STORE_PROXY"] = "true"
+    try:
+        commrt.init_process_group()
+    except RendezvousError as exc:
+        print(f"CAUGHT RendezvousError: {exc}", flush=True)
+        return
+    raise AssertionError(f"rank {RANK}: init succeeded with rank 3's store_proxy unlike the others'")
+
+
 if __name__ == "__main__":
-    {"ops": ops, "leader_dies": leader_dies}[sys.argv[1]]()
+    {"ops": ops, "leader_dies": leader_dies, "proxy_mismatch": proxy_mismatch}[sys.argv[1]]()
