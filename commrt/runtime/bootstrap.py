@@ -136,7 +136,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             node = hint if use_proxy(cfg.cluster.store_proxy, name, hint, spec.world_size,
                                      spec.use_agent_store) else None
             store, proxy, server = open_node_store(transport, spec, timeout, node)
-            leader = spec.rank - node[1] if node is not None and node[0] != 0 else None
+            leader = spec.rank - node[1] if getattr(store, "via", "") else None  # None: direct
         else:
             store, server = store
     except BaseException:

@@ -16,7 +16,7 @@ import zmq
 
 from commrt.runtime.errors import RendezvousError
 from commrt.runtime.store_core import ABORT, MAX_FRAME, OK, TIMEOUT, StoreCore
-from commrt.transport.rpc import DEFER, Call, RpcClient, RpcRejected, RpcServer, RpcTimeout
+from commrt.transport.rpc import DEFER, Call, RpcClient, RpcLost, RpcRejected, RpcServer, RpcTimeout
 
 # -- over the network ------------------------------------------------------------------------
 
@@ -77,25 +77,34 @@ _retired: dict[str, set[int]] = {}
 HELLO_TRY_S = 1.0  # one handshake attempt: short, so a request lost in a closing store is retried
 
 
+class NoProxy(RendezvousError):
+    """No store proxy answered on this node within the wait for one (store_proxy.connect)."""
+
+
 class StoreClient:
     """Talks to rank 0's store. Construction performs the handshake (bounded by ``timeout_s``).
     ``via``: (address, serving rank's name, who it is) of this node's store proxy
-    (``store_proxy.py``), which forwards every call to the store at ``host:port``."""
+    (``store_proxy.py``), which forwards every call to the store at ``host:port``; its
+    connection is watched, so a call fails within a heartbeat interval (``RendezvousError``
+    naming the proxy and the op) once the proxy is gone. ``absent_s``: with ``via``, raise
+    ``NoProxy`` when no proxy's connection came up within that long."""
 
     def __init__(self, transport, host: str, port: int, timeout_s: float,
-                 via: tuple[str, str, str] | None = None):
+                 via: tuple[str, str, str] | None = None, absent_s: float | None = None):
         self.where, self.timeout_s = f"{host}:{port}", timeout_s
         address, peer, self.via = via or (f"tcp://{host}:{port}", "rank0", "")
         self.name = f"rendezvous store at {self.where}" + (f" via {self.via}" if self.via else "")
-        self._rpc = RpcClient(transport, address, peer, max_frame=MAX_FRAME, name=self.name)
+        self._rpc = RpcClient(transport, address, peer, max_frame=MAX_FRAME, name=self.name,
+                              lost_after_s=transport.cfg.comm.heartbeat_s if self.via else None)
         try:
-            self.incarnation = self._handshake()
+            self.incarnation = self._handshake(absent_s if self.via else None)
         except BaseException:
             self._rpc.close()
             raise
 
-    def _handshake(self) -> int:
-        deadline = time.monotonic() + self.timeout_s
+    def _handshake(self, absent_s: float | None) -> int:
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         old = _retired.get(self.where, set())
         stale = None  # the last answer came from a store this process has finished with
         while True:
@@ -107,22 +116,27 @@ class StoreClient:
                 stale = True
             except RpcTimeout as exc:
                 stale = exc
-            except RpcRejected as exc:
+            except (RpcRejected, RpcLost) as exc:
                 # a proxy whose upstream is down refuses at once: across a re-initialisation it
                 # was connected to the previous store, which closed (test_estimate's second run
-                # failed so); it reconnects to the new one, so try again until the deadline
+                # failed so); it reconnects to the new one, so try again until the deadline. So
+                # does a client whose proxy was the previous one's, closed since (lost)
                 if not self.via:
                     raise
                 stale = exc
+            if absent_s is not None and time.monotonic() - start >= absent_s and not self._rpc.connected_once:
+                raise NoProxy(f"{self.via} did not answer within {absent_s:g}s (none is listening yet)")
             if time.monotonic() >= deadline:
                 if isinstance(stale, RpcTimeout):
                     raise RendezvousError(self._unreachable(stale)) from None
                 if isinstance(stale, RpcRejected):
                     raise RendezvousError(f"{self.name} refused hello for {self.timeout_s:g}s: {stale.reason}") from None
+                if isinstance(stale, RpcLost):
+                    raise RendezvousError(f"{self.name} lost its connection during hello: {self.via} exited") from None
                 raise RendezvousError(f"{self.name} is still the one of an earlier "
                                       f"init_process_group after {self.timeout_s:g}s (rank 0 has not "
                                       "re-initialised)")
-            if stale is True or isinstance(stale, RpcRejected):
+            if stale is True or isinstance(stale, (RpcRejected, RpcLost)):
                 time.sleep(0.05)  # the previous store is still up, or the proxy's link is not back yet
 
     def _unreachable(self, exc: RpcTimeout) -> str:
@@ -140,6 +154,10 @@ class StoreClient:
             gone = (f"{self.via} exited (its node's ranks reach rank 0's store only through it) or rank 0 did"
                     if self.via else "rank 0 exited or is overloaded")
             raise RendezvousError(f"{self.name} stopped answering ({method}, {exc.waited_s:g}s): {gone}") from None
+        except RpcLost as exc:  # watched only through a proxy: its leader's death ends the node's access
+            raise RendezvousError(f"{self.name} lost its connection {exc.down_s:.1f}s ago ({method}): {self.via} "
+                                  "exited or stopped answering heartbeats (its node's ranks reach rank 0's "
+                                  "store only through it)") from None
         except RpcRejected as exc:
             raise RendezvousError(f"{self.name} refused {method}: {exc.reason}") from None
         return reply

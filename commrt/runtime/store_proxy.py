@@ -12,7 +12,11 @@ request keeps a deadline (its own wait plus most of ``timeout_s``, so the proxy'
 the client before the client gives up); a deadline passed, or the upstream connection lost, is
 answered with an error naming the store, the op and this proxy, which the client raises as a
 ``RendezvousError``. A node whose leader dies cannot reach the store at all: its ranks' store
-calls fail at their deadline naming the proxy (there is no silent fall-back to rank 0).
+calls fail within a heartbeat interval of its death (their client watches the connection to
+the proxy), naming the proxy, its rank and the op; there is no fall-back to rank 0 then. At
+init only, a rank that finds no proxy on its node within ``ABSENT_S`` connects to rank 0's
+store itself (logged): its leader may run with ``[cluster] store_proxy = false`` while it has
+true, and only through the store can it get the config digest error that says so.
 
 Used by the zmq world with node hints and more than one node (``use_proxy``); gloo/nccl and
 torchrun's agent store keep one connection per rank.
@@ -32,7 +36,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from commrt.runtime.errors import ProtocolError, RendezvousError
-from commrt.runtime.store import StoreClient
+from commrt.runtime.store import NoProxy, StoreClient
 from commrt.runtime.store_core import MAX_FRAME, MAX_WAIT_S
 from commrt.transport.rpc import ERROR, MAX_REQ_ID, REQUEST, SLICE_S, Envelope, decode, encode
 
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 WAITS = ("wait", "wait_count", "add_wait_count")  # their last argument is how long they park
 CLIENT_SHARE = 0.75  # of timeout_s: the proxy gives up on a reply before its client does
 DRAIN_MS = 1000
+ABSENT_S = 10.0  # how long a rank waits at init for its node's proxy before it dials the store itself
 
 
 def use_proxy(enabled: bool, backend: str, hint: list[int] | None, world_size: int,
@@ -78,9 +83,16 @@ def connect(transport, host: str, port: int, rank: int, timeout_s: float,
     proxy = StoreProxy(transport, host, port, node[0], rank, timeout_s) if node[1] == 0 else None
     leader = rank - node[1]  # a node's ranks are contiguous (the rendezvous checks it)
     address = f"ipc://@{proxy_name(transport.guard.secret, host, port, node[0])}"
+    absent_s = min(ABSENT_S, timeout_s / 2)
     try:
-        return StoreClient(transport, host, port, timeout_s,
-                           via=(address, f"rank{leader}", f"the store proxy of node {node[0]} on rank {leader}")), proxy
+        try:
+            return StoreClient(transport, host, port, timeout_s, absent_s=absent_s,
+                               via=(address, f"rank{leader}", f"the store proxy of node {node[0]} on rank {leader}")), proxy
+        except NoProxy as exc:
+            # its leader is late, or serves no proxy (its config disagrees: the rendezvous
+            # compares digests and names the rank); either way the store decides
+            log.warning("rank %d: %s; connecting to the rendezvous store at %s:%d directly", rank, exc, host, port)
+            return StoreClient(transport, host, port, timeout_s), proxy
     except BaseException:
         if proxy is not None:
             proxy.close()

@@ -8,7 +8,10 @@ from ``len(frame)``), so a request is bounded by bytes, not by an arbitrary entr
 
 - ``RpcClient`` (DEALER): every call has a deadline and a fresh request id; a reply carrying
   another id (a late answer to an earlier call that timed out) is discarded and counted, never
-  returned as the answer to this one. One call at a time per client (a lock).
+  returned as the answer to this one. One call at a time per client (a lock). With
+  ``lost_after_s`` a monitor watches its connection: once the connection was up and then stays
+  down longer than that (the server's process ended, or it stopped answering heartbeats), a call
+  raises ``RpcLost`` within a slice instead of waiting out its deadline.
 - ``RpcServer`` (ROUTER): one serving thread owns the socket. The handler runs on that thread;
   whatever it raises becomes an error reply and a counted, logged rejection, never the thread's
   death. A handler may return ``DEFER`` and answer later with ``Call.reply`` (from any thread:
@@ -27,6 +30,7 @@ from typing import Any, Callable
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import CommError, ProtocolError
@@ -50,6 +54,14 @@ class RpcTimeout(CommError):
         self.peer, self.method, self.req_id, self.waited_s, self.phase = peer, method, req_id, waited_s, phase
         what = "took no request" if phase == "send" else "did not answer"
         super().__init__(f"{peer} {what} within {waited_s:g}s ({method}, request {req_id})")
+
+
+class RpcLost(CommError):
+    """The connection to the server was up, then down longer than the client's grace."""
+
+    def __init__(self, peer: str, method: str, req_id: int, down_s: float):
+        self.peer, self.method, self.req_id, self.down_s = peer, method, req_id, down_s
+        super().__init__(f"{peer} lost its connection {down_s:.1f}s ago ({method}, request {req_id})")
 
 
 class RpcRejected(CommError):
@@ -94,14 +106,48 @@ def decode(buf: bytes, max_bytes: int) -> Envelope:
     return Envelope(kind, req_id, method, body)
 
 
-class RpcClient:
-    """Calls one server. ``transport.dial`` makes the socket (auth, heartbeats, bounded sends)."""
+class _Link:
+    """Whether a client's one connection is up, from its socket's monitor. Only two events, each
+    once per connection, so the monitor's queue stays short; read on the calling thread.
+    ``up_once``: a handshake seen, or any frame received (the monitor is attached after the
+    socket connected, so the first handshake may have come before it)."""
 
-    def __init__(self, transport, address: str, peer: str, *, max_frame: int, name: str = ""):
+    def __init__(self, sock: zmq.Socket, grace_s: float):
+        self.grace_s = grace_s
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.up_once = False
+        self.down_since: float | None = None
+
+    def read(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up_once, self.down_since = True, None
+            elif self.down_since is None:
+                self.down_since = time.monotonic()
+
+    def lost_for(self, now: float) -> float | None:
+        """How long the connection has been down, once that exceeds the grace (a reconnect
+        within it, as after a heartbeat missed under load, is not a loss); else None."""
+        self.read()
+        down = None if self.down_since is None or not self.up_once else now - self.down_since
+        return down if down is not None and down > self.grace_s else None
+
+
+class RpcClient:
+    """Calls one server. ``transport.dial`` makes the socket (auth, heartbeats, bounded sends).
+    ``lost_after_s``: watch the connection (see the module's doc); None: the deadline decides."""
+
+    def __init__(self, transport, address: str, peer: str, *, max_frame: int, name: str = "",
+                 lost_after_s: float | None = None):
         self.address, self.peer, self.name = address, peer, name or f"{peer} at {address}"
         self.max_frame = max_frame
         self._sock = transport.dial(zmq.DEALER, address, peer, max_frame=max_frame,
                                     send_slice_ms=int(SLICE_S * 1000))
+        self._link = _Link(self._sock, lost_after_s) if lost_after_s is not None else None
         self._counters = transport.counters.peer(peer)
         # ids start at a random point so a restarted client cannot reuse a recent id
         self._ids = itertools.count(int.from_bytes(os.urandom(6), "little"))
@@ -115,6 +161,7 @@ class RpcClient:
         with self._lock:
             req_id = next(self._ids) & MAX_REQ_ID
             deadline = time.monotonic() + timeout_s
+            self._check_link(method, req_id)
             self._send([encode(Envelope(REQUEST, req_id, method, body)), *frames], method, req_id,
                        deadline, timeout_s)
             env = self._await(req_id, method, deadline, timeout_s)
@@ -130,6 +177,7 @@ class RpcClient:
                 self._counters.sent_bytes += sum(len(f) for f in frames)
                 return
             except zmq.Again:  # no connection to queue on yet: retry until the deadline
+                self._check_link(method, req_id)
                 if time.monotonic() >= deadline:
                     raise RpcTimeout(self.name, method, req_id, timeout_s, "send") from None
 
@@ -137,10 +185,13 @@ class RpcClient:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(min(left, SLICE_S) * 1000) + 1):
+                self._check_link(method, req_id)
                 if time.monotonic() >= deadline:
                     raise RpcTimeout(self.name, method, req_id, timeout_s, "reply")
                 continue
             frames = self._sock.recv_multipart()
+            if self._link is not None:
+                self._link.up_once = True
             self._counters.recv_msgs += 1
             self._counters.recv_bytes += sum(len(f) for f in frames)
             try:
@@ -155,8 +206,25 @@ class RpcClient:
                 continue
             return env
 
+    def _check_link(self, method: str, req_id: int) -> None:
+        down = self._link.lost_for(time.monotonic()) if self._link is not None else None
+        if down is not None:
+            raise RpcLost(self.name, method, req_id, down)
+
+    @property
+    def connected_once(self) -> bool | None:
+        """Whether the connection ever came up (None: not watched)."""
+        if self._link is None:
+            return None
+        with self._lock:
+            self._link.read()
+            return self._link.up_once
+
     def close(self) -> None:
         with self._lock:
+            if self._link is not None:
+                self._sock.disable_monitor()
+                self._link.monitor.close(linger=0)
             self._sock.close(linger=0)
 
 

@@ -2,7 +2,8 @@
 variables), numpy-only ranks. Rank 0's store serves one connection per other node (its node's
 leader's proxy) plus its own node's ranks, instead of one per rank; collectives, new_group and
 shutdown work as before; a node whose leader dies fails its ranks' store calls with a typed
-error within their deadline."""
+error within about a heartbeat interval; a rank whose store_proxy setting differs from its
+leader's gets the config digest error."""
 from __future__ import annotations
 
 import io
@@ -41,11 +42,27 @@ def test_rank_0s_store_serves_one_connection_per_node(proxy, expect, security):
     assert sorted(proxies) == ([("1", "2", "2"), ("2", "4", "2")] if proxy == "true" else []), proxies
 
 
-def test_a_dead_leader_fails_its_nodes_store_calls_within_the_deadline():
+def test_a_dead_leader_fails_its_nodes_store_calls_within_a_heartbeat():
+    """Rank 3's wait (20 s) and its next call (5 s deadline) fail about a heartbeat interval
+    (1 s) after its leader's death; before, each waited out its deadline (25 s, then 5 s)."""
     result, out = _run(3, 2, "leader_dies", timeout_s=90)
-    probes = dict(re.findall(r"PROBE rank (\d+) (.*)", out))
-    assert probes.get("5") == "ok", out[-6000:]  # node 2's proxy still forwards
-    failed = re.match(r"failed after ([\d.]+)s: (.*)", probes.get("3", ""))
-    assert failed, out[-6000:]
-    assert float(failed.group(1)) < 3.0 + 2.0, failed.group(0)
-    assert "via the store proxy of node 1 on rank 2 stopped answering (add" in failed.group(2), failed.group(2)
+    probes = {(r, what): how for r, what, how in re.findall(r"PROBE rank (\d+) (\w+) (.*)", out)}
+    assert probes.get(("5", "add")) == "ok", out[-6000:]  # node 2's proxy still forwards
+    for what in ("wait", "add"):
+        failed = re.match(r"failed after ([\d.]+)s: (.*)", probes.get(("3", what), ""))
+        assert failed, out[-6000:]
+        assert float(failed.group(1)) < 4.0, failed.group(0)  # a hang bound, well inside the deadlines
+        assert f"via the store proxy of node 1 on rank 2 lost its connection" in failed.group(2), failed.group(2)
+        assert f"({what}): the store proxy of node 1 on rank 2 exited" in failed.group(2), failed.group(2)
+
+
+def test_a_rank_whose_store_proxy_setting_differs_gets_the_config_digest_error():
+    """Rank 3 expects a proxy its leader (store_proxy false) does not serve: it dials the store
+    itself and every rank fails on the digest naming rank 3 (before: rank 3 timed out waiting
+    for the proxy, the others for rank 3)."""
+    result, out = _run(2, 2, "proxy_mismatch", timeout_s=60, COMMRT_CLUSTER_STORE_PROXY="false",
+                       COMMRT_COMM_TIMEOUT_S="20")
+    assert result.returncode == 0, f"{result.describe()}\n{out[-6000:]}"
+    errors = re.findall(r"CAUGHT RendezvousError: (.*)", out)
+    assert len(errors) == 4, out[-6000:]
+    assert all(re.search(r"rank 3 \(.*\) has config digest .*, rank 0 has", m) for m in errors), errors

@@ -142,7 +142,7 @@ class ClusterConfig:
     """A zmq world with the launcher's node variables and more than one node reaches rank 0's
     bootstrap store through one proxy per node, served by the node's local rank 0 (rank 0 then
     holds one store connection per node, not per rank; if that rank dies, its node's ranks
-    cannot reach the store). false: every rank connects to rank 0's store."""
+    cannot reach the store). false: every rank connects to rank 0's store. All ranks must agree."""
 
     def __post_init__(self) -> None:
         check_types("cluster", self)

@@ -12,7 +12,8 @@ from commrt.runtime.config.quant_log import LogConfig, QuantConfig
 
 DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"),
             ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("comm", "hierarchical"),
-            ("security", "mode"), ("comm", "intra_node"), ("comm", "algorithms"))
+            ("security", "mode"), ("comm", "intra_node"), ("comm", "algorithms"),
+            ("cluster", "store_proxy"))
 QUANT_DIGESTED = ("block", "scale_dtype", "rounding", "pieces")
 """How blocks are encoded and how the two-hop path cuts its calls; not ``profile`` or
 ``cpu_codec``, which may differ between ranks."""
@@ -29,8 +30,10 @@ class Config:
 
     def digest(self) -> str:
         """Hash of the settings every rank must agree on: what decides the algorithms and the
-        wire, and the security mode. Not per-host ones (paths to the secret or keys, timeouts,
-        memory habits): hosts that keep their keys in different places must still meet."""
+        wire, the security mode, and how ranks reach the store (a rank expecting a store proxy
+        its leader does not serve must fail on the digest, not time out). Not per-host ones
+        (paths to the secret or keys, timeouts, memory habits): hosts that keep their keys in
+        different places must still meet."""
         shared = {f"{s}.{n}": getattr(getattr(self, s), n) for s, n in DIGESTED}
         quant = {n: getattr(self.quant, n) for n in QUANT_DIGESTED}
         if quant != {n: getattr(QuantConfig, n) for n in QUANT_DIGESTED}:  # ranks must decode alike

@@ -4,8 +4,11 @@ single-process arithmetic and how it reaches the store (comm_stats()["rendezvous
 
     ops          barrier, all_reduce, new_group and its all_reduce, shutdown; rank 0 prints how
                  many store connections it served, each node's leader how many ranks its proxy did
-    leader_dies  node 1's leader is killed after init: node 1's other ranks' store calls fail
-                 with a RendezvousError naming the proxy within their deadline; node 2's go on
+    leader_dies  node 1's leader is killed after init: node 1's other rank's parked wait and its
+                 next call fail with a RendezvousError naming the proxy within about a heartbeat
+                 interval; node 2's go on
+    proxy_mismatch  rank 3's [cluster] store_proxy differs from its leader's (and everyone's):
+                 every rank fails init with the config digest error naming rank 3
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 import numpy as np
 
 import commrt
+from commrt.runtime import store_proxy
 from commrt.runtime.errors import RendezvousError
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -54,24 +58,48 @@ def ops() -> None:
     commrt.destroy_process_group()
 
 
+def _probe(what: str, call) -> None:
+    start = time.monotonic()
+    try:
+        call()
+        print(f"PROBE rank {RANK} {what} ok", flush=True)
+    except RendezvousError as exc:
+        print(f"PROBE rank {RANK} {what} failed after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+
+
 def leader_dies() -> None:
     commrt.init_process_group()
     commrt.barrier()
     rt = commrt.distributed._rt()
+    rt.store.timeout_s = 5.0  # the calls' own deadline (init ran under the job's longer one)
     if NODE == 1 and LOCAL == 0:
+        time.sleep(0.3)  # its node's other rank parks a wait first (or calls after the death: as prompt)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(1.0)  # the leader is gone by now
-    if NODE in (1, 2) and LOCAL == 1:
-        rt.store.timeout_s = 3.0  # this call's deadline (init ran under the job's longer one)
-        start = time.monotonic()
-        try:
-            rt.store.add("probe", 1)
-            print(f"PROBE rank {RANK} ok", flush=True)
-        except RendezvousError as exc:
-            print(f"PROBE rank {RANK} failed after {time.monotonic() - start:.1f}s: {exc}", flush=True)
-    time.sleep(5.0)  # rank 0 keeps serving until the probes are done
+    if NODE == 1:  # a wait parked through the proxy when its leader dies, then a call made after
+        _probe("wait", lambda: rt.store.wait(["never"], None, 20.0))
+        _probe("add", lambda: rt.store.add("probe", 1))
+    elif NODE == 2 and LOCAL == 1:
+        _probe("add", lambda: rt.store.add("probe", 1))
+    else:  # rank 0 serves the store, rank 4 node 2's proxy, until rank 5's probe is answered
+        rt.store.wait_count("probe", 1, None, 20.0)
+        # rank 4's proxy passes rank 5's answer on; rank 0 outlives node 1's leader, so that
+        # rank 3 sees its proxy go, not the store behind it
+        time.sleep(2.0 if RANK == 0 else 0.5)
     os._exit(0)  # a world with a dead rank: no orderly shutdown to test here
 
 
+def proxy_mismatch() -> None:
+    """Rank 3 runs with [cluster] store_proxy = true, the rest (its leader too) with false."""
+    store_proxy.ABSENT_S = 1.0  # the wait for a proxy before dialling the store (10 s): kept short
+    if RANK == 3:
+        os.environ["COMMRT_CLUSTER_STORE_PROXY"] = "true"
+    try:
+        commrt.init_process_group()
+    except RendezvousError as exc:
+        print(f"CAUGHT RendezvousError: {exc}", flush=True)
+        return
+    raise AssertionError(f"rank {RANK}: init succeeded with rank 3's store_proxy unlike the others'")
+
+
 if __name__ == "__main__":
-    {"ops": ops, "leader_dies": leader_dies}[sys.argv[1]]()
+    {"ops": ops, "leader_dies": leader_dies, "proxy_mismatch": proxy_mismatch}[sys.argv[1]]()
