@@ -7,8 +7,10 @@ the rates are recomputed whenever a flow starts or ends. A flow that crosses sev
 at its bottleneck's share. First come, first served (``simulate._transmit``, the default) lets
 the first message on a busy link leave at full rate and the next wait; here both go at half.
 
-Only the flows connected to a change (through shared links, transitively) are recomputed; their
-rates are exact max-min for that component, the others' do not change.
+The rates are recomputed once per instant at which flows start or end (every rank of a lockstep
+step starts its flow at the same time: one recomputation, not one per flow), and only for the
+flows connected to the change through shared links, transitively: exact max-min for that
+component; the others' rates do not change.
 
 A node link with a token bucket (``Network.nic_burst``, tc's tbf) goes at the port's speed
 (``intra_bw``) while its bucket holds at least a frame, and at ``nic_bw`` once it is empty; the
@@ -44,6 +46,7 @@ class Fluid:
         self.on: dict[Link, set] = defaultdict(set)
         self.events: list = []  # (time, seq, key, version): key a flow id, or ("bucket", link)
         self.seq = 0
+        self.dirty: set = set()  # links whose flows changed at ``now``: rates recomputed once per instant
         # bucket link -> [tokens, when counted, bytes/s it sends, version]; a link never used is full
         self.bucket: dict[Link, list] = {}
 
@@ -52,31 +55,38 @@ class Fluid:
     def start(self, now: float, fid, links: tuple, size: float) -> None:
         """Flow ``fid`` of ``size`` bytes over ``links`` from ``now`` (not before the last event)."""
         assert now >= self.now - 1e-12 and fid not in self.flows, (now, self.now, fid)
-        self.now = max(now, self.now)
+        self._advance(now)
         self.flows[fid] = _Flow(links, size, self.now)
         for link in links:
             self.on[link].add(fid)
-        self._recompute(links)
+        self.dirty.update(links)
 
-    def next_time(self) -> float:
-        """When the next flow ends or a bucket empties (inf: nothing in flight)."""
+    def next_time(self, horizon: float = math.inf) -> float:
+        """When the next flow ends or a bucket empties (inf: nothing in flight). Asked only about
+        the present (``horizon`` <= now), it answers without bringing the rates up to date: the
+        flows that start or end now change no rate before now."""
+        if self.dirty and horizon > self.now:
+            self._recompute()
         while self.events and not self._valid(self.events[0]):
             heapq.heappop(self.events)
         return self.events[0][0] if self.events else math.inf
 
     def step(self) -> tuple[float, list]:
         """Let the next event happen: (its time, the flows that ended then)."""
-        if self.next_time() == math.inf:
+        when = self.next_time(self.now)
+        if when > self.now:
+            when = self.next_time()
+        if when == math.inf:
             raise ValueError("Fluid.step: nothing in flight")
-        when, _, key, _ = heapq.heappop(self.events)
-        self.now = max(when, self.now)
+        _, _, key, _ = heapq.heappop(self.events)
+        self._advance(when)
         if isinstance(key, tuple) and key and key[0] == "bucket":
-            self._recompute((key[1],))
+            self.dirty.add(key[1])
             return self.now, []
         flow = self.flows.pop(key)
         for link in flow.links:
             self.on[link].discard(key)
-        self._recompute(flow.links, gone=flow)
+        self.dirty.update(flow.links)
         return self.now, [key]
 
     # -- the model --
@@ -122,11 +132,17 @@ class Fluid:
         state[1] = self.now
         return state[0]
 
-    def _recompute(self, links, gone: _Flow | None = None) -> None:
-        """Max-min rates for the flows connected to ``links``; their ends (and buckets) rescheduled."""
-        flows, touched = self._component(links)
-        if gone is not None:
-            touched.update(gone.links)
+    def _advance(self, now: float) -> None:
+        """Time moves on: the rates of the instant before are brought up to date first."""
+        if now > self.now:
+            if self.dirty:
+                self._recompute()
+            self.now = now
+
+    def _recompute(self) -> None:
+        """Max-min rates for the flows connected to the changed links; ends (and buckets) rescheduled."""
+        flows, touched = self._component(self.dirty)
+        self.dirty = set()
         buckets = [link for link in touched if link[0] in _NIC] if self.net.nic_burst else []
         for link in buckets:
             self._tokens(link)  # count what the old rates sent
@@ -147,22 +163,25 @@ class Fluid:
 
 def _max_min(flows: dict, capacity) -> dict:
     """Progressive filling: {flow: links} -> {flow: rate}. The link whose remaining capacity per
-    unfixed flow is least fixes its flows at that share; repeat with what is left."""
+    unfixed flow is least fixes its flows at that share; repeat with what is left (a heap of the
+    links' shares: a link's share only grows as flows elsewhere are fixed below it)."""
     left: dict = {}
     count: dict = defaultdict(int)
-    for links in flows.values():
+    on: dict = defaultdict(list)
+    for fid, links in flows.items():
         for link in links:
             if link not in left:
                 left[link] = capacity(link)
             count[link] += 1
-    on: dict = defaultdict(list)
-    for fid, links in flows.items():
-        for link in links:
             on[link].append(fid)
+    version = dict.fromkeys(left, 0)
+    heap = [(left[link] / count[link], 0, link) for link in left]
+    heapq.heapify(heap)
     rates: dict = {}
-    while len(rates) < len(flows):
-        link = min((lk for lk in count if count[lk]), key=lambda lk: left[lk] / count[lk])
-        share = left[link] / count[link]
+    while heap:
+        share, ver, link = heapq.heappop(heap)
+        if ver != version[link] or not count[link]:
+            continue
         for fid in on[link]:
             if fid in rates:
                 continue
@@ -170,4 +189,7 @@ def _max_min(flows: dict, capacity) -> dict:
             for other in flows[fid]:
                 left[other] = max(0.0, left[other] - share)
                 count[other] -= 1
+                version[other] += 1
+                if count[other] and other != link:
+                    heapq.heappush(heap, (left[other] / count[other], version[other], other))
     return rates

@@ -98,7 +98,8 @@ class _Replay:
     def run(self) -> tuple[float, dict, int, int]:
         heap, fluid = self.heap, self.fluid
         while heap or (fluid is not None and fluid.next_time() < math.inf):
-            if fluid is not None and fluid.next_time() <= (heap[0][0] if heap else math.inf):
+            top = heap[0][0] if heap else math.inf
+            if fluid is not None and fluid.next_time(top) <= top:
                 when, ended = fluid.step()
                 for r in ended:
                     self._left(r, when)
@@ -107,10 +108,11 @@ class _Replay:
         assert not self.waiting and all(p == len(st) for p, st in zip(self.pos, self.ranks)), "schedule deadlocked"
         return max(self.clock, default=0.0), dict(self.load), self.messages, self.sent
 
-    def _next(self) -> float:
-        """When the next thing happens to another rank or a link."""
-        t = self.heap[0][0] if self.heap else math.inf
-        return t if self.fluid is None else min(t, self.fluid.next_time())
+    def _before(self, t: float) -> bool:
+        """Whether something happens to another rank or a link before ``t``."""
+        if self.heap and self.heap[0][0] < t:
+            return True
+        return self.fluid is not None and self.fluid.next_time(t) < t
 
     def _walk(self, r: int) -> None:
         """Rank r's steps from where it stands, until it waits or another event comes first."""
@@ -127,14 +129,14 @@ class _Replay:
                         self.waiting[s.recv_from, r] = r
                         return
                     self.got[r] = max(done, queue.popleft())
-                    if self.net.cores and self._next() < self.got[r]:  # cores shared: take them in time order
+                    if self.net.cores and self._before(self.got[r]):  # cores shared: take them in time order
                         heapq.heappush(self.heap, (self.got[r], r))
                         return
                 recv = _range_bytes(self.prefix, self.parts, s.recv, self.itemsize)
                 done = self.cpu.run(r, self.got[r], _recv_cpu(self.net, s, recv))
             self.clock[r], self.sent_at[r], self.got[r] = done, None, None
             self.pos[r] += 1
-            if self._next() < done:  # keep sends in time order: let the earlier ranks go first
+            if self._before(done):  # keep sends in time order: let the earlier ranks go first
                 heapq.heappush(self.heap, (done, r))
                 return
 
@@ -144,7 +146,7 @@ class _Replay:
         links, lat, bw = net.route(r, s.send_to)
         if self.ready_at[r] is None:
             self.ready_at[r] = self.cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
-            if self.fluid is not None and self._next() < self.ready_at[r]:  # a flow starts in time order
+            if self.fluid is not None and self._before(self.ready_at[r]):  # a flow starts in time order
                 heapq.heappush(self.heap, (self.ready_at[r], r))
                 return False
         for link in links:

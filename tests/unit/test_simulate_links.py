@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 
+from commrt.plan import fit_cpu
 from commrt.plan.links import Fluid
 from commrt.plan.network import Network
 from commrt.plan.simulate import _transmit, simulate
@@ -96,3 +97,21 @@ def test_fair_sharing_replays_every_schedule_to_the_end_with_the_same_bytes():
 def test_an_unknown_discipline_is_refused():
     with pytest.raises(ValueError, match="sharing"):
         Network(world=2, sharing="lifo")
+
+
+def test_a_leafs_uplink_carries_its_nodes_flows_at_once_only_when_shared():
+    # 2 leaves of 2 nodes, one rank each: doubling's second step sends 0 -> 2 and 1 -> 3 over
+    # leaf 0's uplink (2 NICs' worth). Fair: both at NIC rate, 2 S/BW in all. First come, first
+    # served takes the whole uplink for one message at the path's NIC rate: 3 S/BW (why the
+    # fat-tree predictions need "fair").
+    net = Network(world=4, per_node=1, nodes_per_leaf=2, intra_latency=0.0, nic_latency=0.0, spine_latency=0.0,
+                  intra_bw=1e15, nic_bw=BW)
+    assert simulate(net, "all_reduce", "recursive_doubling", S).seconds == pytest.approx(3 * S / BW)
+    fair = simulate(dataclasses.replace(net, sharing="fair"), "all_reduce", "recursive_doubling", S)
+    assert fair.seconds == pytest.approx(2 * S / BW)
+
+
+def test_the_fit_builds_its_networks_with_the_discipline_it_was_given():
+    p = fit_cpu.Params(1e-6, 1e9, 1e-5, 0.0, 1e9, 2, "fair")
+    assert fit_cpu.network(p, 8, 2, 100e6).sharing == "fair" and fit_cpu.network(p, 4).sharing == "fair"
+    assert fit_cpu.network(p._replace(sharing="fcfs"), 8, 2, 100e6).sharing == "fcfs"
