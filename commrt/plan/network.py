@@ -9,7 +9,10 @@ node has one NIC, a link each way to its leaf switch (``nic_bw``). Leaves hold
 A message pays the latencies of the levels it crosses once (alpha) and its bytes over the
 slowest link of its path (beta). Concurrent messages on one link are serialised, first come
 first served (``sharing = "fcfs"``, ``simulate._transmit``), or share it max-min fairly as TCP
-flows do (``"fair"``, ``plan.links``).
+flows do (``"fair"``, ``plan.links``). First come, first served holds every link of the path for
+the message's time at its bottleneck rate, so an aggregate link (a leaf's uplink, ``nodes_per_leaf``
+NICs wide) carries one NIC-rate message at a time: predictions whose messages cross the spine
+need ``"fair"`` (docs/PERFORMANCE.md, issue 32.4).
 
 The CPU (off by default: every ``cpu_*`` 0 and ``cores`` 0 keep the network-only model): a message
 costs its sender and its receiver ``cpu_msg`` seconds plus ``cpu_byte`` per byte (system calls,

@@ -4,7 +4,9 @@ The schedules are the ones the executors run (``collectives/schedules.py``, whic
 ``algorithms.py``'s ring and chain as steps), not a formula. Every rank walks its steps: a
 step's send leaves when the rank reaches it and takes every link of its path at once for
 bytes / bottleneck bandwidth, after whatever the links already carry (first come, first served,
-in time order); it arrives a path latency later. The step ends when its send has left and its
+in time order); or, with ``Network.sharing = "fair"``, becomes a flow that shares each link
+max-min fairly with the others in flight (``plan/links.py``) and leaves when its bytes are through.
+It arrives a path latency later. The step ends when its send has left and its
 receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set. With the
 network's CPU term (``Network.cpu_msg``, ``cpu_byte``, ``cores``) a send first takes its CPU
 time, a receive its own after arrival, on the host's shared cores (``_Cores``).
