@@ -20,6 +20,9 @@ each side, the reduction, N cores shared by the ranks) to every row of the given
 median of the repetitions of each row; ``--check`` files are then predicted, not fitted (another
 run), and ``--emulated`` files (``commrt launch --nnodes N -n G --emulate-network RATE``: give
 ``--per-node G --mbit RATE``) with the same figures and the node links at the shaped rate.
+``--sharing fair`` replays the links max-min fair instead of first come, first served
+(``Network.sharing``); the fitted figures come out the same on loopback, where a rank's port
+carries one message at a time.
 """
 from __future__ import annotations
 
