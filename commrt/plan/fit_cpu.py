@@ -45,10 +45,12 @@ class Params(NamedTuple):
     cpu_byte: float    # CPU seconds per byte, each side
     reduce_bw: float   # bytes/s reduced
     cores: int         # the host's cores (0: one per rank)
+    sharing: str = "fcfs"  # how a link serves concurrent messages (Network.sharing), not fitted
 
     def describe(self) -> str:
         return (f"alpha {self.alpha * 1e6:.1f} us, beta {self.beta / 1e9:.3f} GB/s, cpu_msg {self.cpu_msg * 1e6:.1f} us, "
-                f"cpu_byte {self.cpu_byte * 1e9:.3f} ns/B, reduce {self.reduce_bw / 1e9:.3f} GB/s, cores {self.cores}")
+                f"cpu_byte {self.cpu_byte * 1e9:.3f} ns/B, reduce {self.reduce_bw / 1e9:.3f} GB/s, cores {self.cores}, "
+                f"links {self.sharing}")
 
 
 class Case(NamedTuple):
@@ -66,7 +68,7 @@ class Case(NamedTuple):
 def network(p: Params, world: int, per_node: int = 0, nic_bps: float = 0.0, rested: bool = True) -> Network:
     """``rested``: the node links' buckets start full (a link idle for longer than its bucket
     takes to fill, 10 ms of the rate); else empty."""
-    cpu = dict(cpu_msg=p.cpu_msg, cpu_byte=p.cpu_byte, reduce_bw=p.reduce_bw, cores=p.cores)
+    cpu = dict(cpu_msg=p.cpu_msg, cpu_byte=p.cpu_byte, reduce_bw=p.reduce_bw, cores=p.cores, sharing=p.sharing)
     if not per_node or per_node >= world:
         return Network(world=world, per_node=world, intra_latency=p.alpha, intra_bw=p.beta, **cpu)
     if nic_bps <= 0:
@@ -124,9 +126,9 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: Sequence[float], step: flo
     return simplex[int(np.argmin(values))]
 
 
-def _params(x: np.ndarray, cores: int) -> Params:
+def _params(x: np.ndarray, cores: int, sharing: str = "fcfs") -> Params:
     alpha, inv_beta, msg, byte, inv_reduce = np.exp(x)
-    return Params(alpha, 1 / inv_beta, msg, byte, 1 / inv_reduce, cores)
+    return Params(alpha, 1 / inv_beta, msg, byte, 1 / inv_reduce, cores, sharing)
 
 
 def error(p: Params, cases: Sequence[Case], seconds: Sequence[float], back_to_back: bool = True) -> float:
@@ -136,12 +138,12 @@ def error(p: Params, cases: Sequence[Case], seconds: Sequence[float], back_to_ba
 
 
 def fit(cases: Sequence[Case], seconds: Sequence[float], cores: int, start: Params | None = None,
-        rounds: int = 3, back_to_back: bool = True) -> Params:
-    """The Params (``cores`` given) whose replay is closest to the measured ``seconds``."""
+        rounds: int = 3, back_to_back: bool = True, sharing: str = "fcfs") -> Params:
+    """The Params (``cores`` and the links' ``sharing`` given) whose replay is closest to the measured ``seconds``."""
     if len(cases) < 5:
         raise ValueError(f"fitting 5 figures needs >= 5 measured rows, got {len(cases)}")
     s = start or Params(20e-6, 1e9, 20e-6, 0.5e-9, 1e9, cores)
     x = np.log([s.alpha, 1 / s.beta, s.cpu_msg, s.cpu_byte, 1 / s.reduce_bw])
     for _ in range(rounds):  # restarts: a simplex can collapse before it reaches the minimum
-        x = nelder_mead(lambda v: error(_params(v, cores), cases, seconds, back_to_back), x)
-    return _params(x, cores)
+        x = nelder_mead(lambda v: error(_params(v, cores, sharing), cases, seconds, back_to_back), x)
+    return _params(x, cores, sharing)

@@ -7,8 +7,12 @@ node has one NIC, a link each way to its leaf switch (``nic_bw``). Leaves hold
 ``nodes_per_leaf * nic_bw / oversubscription`` (a two-level fat tree: 1.0 is full bisection).
 
 A message pays the latencies of the levels it crosses once (alpha) and its bytes over the
-slowest link of its path (beta); concurrent messages on one link are serialised, first come
-first served (``simulate.replay``).
+slowest link of its path (beta). Concurrent messages on one link are serialised, first come
+first served (``sharing = "fcfs"``, ``simulate._transmit``), or share it max-min fairly as TCP
+flows do (``"fair"``, ``plan.links``). First come, first served holds every link of the path for
+the message's time at its bottleneck rate, so an aggregate link (a leaf's uplink, ``nodes_per_leaf``
+NICs wide) carries one NIC-rate message at a time: predictions whose messages cross the spine
+need ``"fair"`` (docs/PERFORMANCE.md, issue 32.4).
 
 The CPU (off by default: every ``cpu_*`` 0 and ``cores`` 0 keep the network-only model): a message
 costs its sender and its receiver ``cpu_msg`` seconds plus ``cpu_byte`` per byte (system calls,
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SHARING = ("fcfs", "fair")
 Link = tuple[str, int]  # (kind, index): ("out"|"in", rank), ("nic_up"|"nic_down", node), ("leaf_up"|"leaf_down", leaf)
 
 
@@ -53,6 +58,8 @@ class Network:
     """ranks sharing a host's cores (0: a node's; an emulated cluster puts every node on one host)"""
     nic_burst: float = 0.0
     """bytes a node link sends at its port's speed after idling (a token bucket, as tc's tbf; 0: none)"""
+    sharing: str = "fcfs"
+    """how a link serves concurrent messages: "fcfs" (one after another) or "fair" (max-min shares)"""
 
     def __post_init__(self):
         if self.world < 1 or self.per_node < 1 or self.nodes_per_leaf < 1:
@@ -61,6 +68,8 @@ class Network:
             raise ValueError(f"bandwidths and oversubscription must be > 0: {self}")
         if min(self.cpu_msg, self.cpu_byte, self.reduce_bw, self.cores, self.ranks_per_host, self.nic_burst) < 0:
             raise ValueError(f"CPU costs, reduce_bw, cores, ranks_per_host and nic_burst must be >= 0: {self}")
+        if self.sharing not in SHARING:
+            raise ValueError(f"sharing {self.sharing!r} is not one of {SHARING}")
 
     @property
     def cpu_modelled(self) -> bool:

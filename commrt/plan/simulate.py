@@ -4,7 +4,9 @@ The schedules are the ones the executors run (``collectives/schedules.py``, whic
 ``algorithms.py``'s ring and chain as steps), not a formula. Every rank walks its steps: a
 step's send leaves when the rank reaches it and takes every link of its path at once for
 bytes / bottleneck bandwidth, after whatever the links already carry (first come, first served,
-in time order); it arrives a path latency later. The step ends when its send has left and its
+in time order); or, with ``Network.sharing = "fair"``, becomes a flow that shares each link
+max-min fairly with the others in flight (``plan/links.py``) and leaves when its bytes are through.
+It arrives a path latency later. The step ends when its send has left and its
 receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set. With the
 network's CPU term (``Network.cpu_msg``, ``cpu_byte``, ``cores``) a send first takes its CPU
 time, a receive its own after arrival, on the host's shared cores (``_Cores``).
@@ -18,11 +20,13 @@ away), so the per-step cost is steady. ``Result.replayed`` says how much was rep
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict, deque
 from typing import NamedTuple
 
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.schedules import ALGORITHMS, REDUCE, Schedule, Step, schedule
+from commrt.plan.links import Fluid
 from commrt.plan.network import Network
 
 MAX_RANK_STEPS = 60_000  # beyond this, steady-state extension (~20 us of Python per rank-step)
@@ -72,52 +76,105 @@ class _Cores:
 
 def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tuple[float, dict, int, int]:
     """(seconds until the last rank finishes, link -> bytes, messages, bytes sent)."""
-    parts, ranks = sched
-    prefix = [0]
-    for a, b in chunk_bounds(numel, parts):
-        prefix.append(prefix[-1] + b - a)
-    free, load, cpu = defaultdict(float), defaultdict(float), _Cores(net)
-    chan, waiting = defaultdict(deque), {}
-    n = len(ranks)
-    pos, clock, sent_at, got = [0] * n, [0.0] * n, [None] * n, [None] * n
-    heap = [(0.0, r) for r in range(n)]
-    messages = sent = 0
-    while heap:
-        _, r = heapq.heappop(heap)
-        steps = ranks[r]
-        while pos[r] < len(steps):
-            s, t = steps[pos[r]], clock[r]
-            if s.send_to is not None and sent_at[r] is None:
-                size = _range_bytes(prefix, parts, s.send, itemsize)
-                links, lat, bw = net.route(r, s.send_to)
-                ready = cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
-                sent_at[r] = _transmit(net, free, links, ready, size, bw)
-                for link in links:
-                    load[link] += size
-                chan[r, s.send_to].append(sent_at[r] + lat)
-                messages, sent = messages + 1, sent + size
-                woken = waiting.pop((r, s.send_to), None)
-                if woken is not None:
-                    heapq.heappush(heap, (clock[woken], woken))
-            done = t if sent_at[r] is None else sent_at[r]
+    return _Replay(net, sched, numel, itemsize).run()
+
+
+class _Replay:
+    """Every rank walking its steps, in time order. First come, first served: a send's end is
+    known when it starts (``_transmit``). Fair sharing: it is known when the flow ends (``Fluid``),
+    so the sender waits for that event, and the links' events interleave with the ranks'."""
+
+    def __init__(self, net: Network, sched: Schedule, numel: int, itemsize: int):
+        self.net, (self.parts, self.ranks), self.itemsize = net, sched, itemsize
+        self.prefix = [0]
+        for a, b in chunk_bounds(numel, self.parts):
+            self.prefix.append(self.prefix[-1] + b - a)
+        self.free, self.load, self.cpu = defaultdict(float), defaultdict(float), _Cores(net)
+        self.fluid = Fluid(net) if net.sharing == "fair" else None
+        self.chan, self.waiting, self.flying = defaultdict(deque), {}, {}
+        n = len(self.ranks)
+        self.pos, self.clock, self.sent_at, self.got, self.ready_at = [0] * n, [0.0] * n, [None] * n, [None] * n, [None] * n
+        self.heap = [(0.0, r) for r in range(n)]
+        self.messages = self.sent = 0
+
+    def run(self) -> tuple[float, dict, int, int]:
+        heap, fluid = self.heap, self.fluid
+        while heap or (fluid is not None and fluid.next_time() < math.inf):
+            top = heap[0][0] if heap else math.inf
+            if fluid is not None and fluid.next_time(top) <= top:
+                when, ended = fluid.step()
+                for r in ended:
+                    self._left(r, when)
+                continue
+            self._walk(heapq.heappop(heap)[1])
+        assert not self.waiting and all(p == len(st) for p, st in zip(self.pos, self.ranks)), "schedule deadlocked"
+        return max(self.clock, default=0.0), dict(self.load), self.messages, self.sent
+
+    def _before(self, t: float) -> bool:
+        """Whether something happens to another rank or a link before ``t``."""
+        if self.heap and self.heap[0][0] < t:
+            return True
+        return self.fluid is not None and self.fluid.next_time(t) < t
+
+    def _walk(self, r: int) -> None:
+        """Rank r's steps from where it stands, until it waits or another event comes first."""
+        steps = self.ranks[r]
+        while self.pos[r] < len(steps):
+            s, t = steps[self.pos[r]], self.clock[r]
+            if s.send_to is not None and self.sent_at[r] is None and not self._send(r, s, t):
+                return  # fair sharing: in flight until its flow ends
+            done = t if self.sent_at[r] is None else self.sent_at[r]
             if s.recv_from is not None:
-                if got[r] is None:
-                    queue = chan[s.recv_from, r]
+                if self.got[r] is None:
+                    queue = self.chan[s.recv_from, r]
                     if not queue:
-                        waiting[s.recv_from, r] = r
-                        break
-                    got[r] = max(done, queue.popleft())
-                    if net.cores and heap and heap[0][0] < got[r]:  # cores shared: take them in time order
-                        heapq.heappush(heap, (got[r], r))
-                        break
-                done = cpu.run(r, got[r], _recv_cpu(net, s, _range_bytes(prefix, parts, s.recv, itemsize)))
-            clock[r], sent_at[r], got[r] = done, None, None
-            pos[r] += 1
-            if heap and heap[0][0] < done:  # keep sends in time order: let the earlier ranks go first
-                heapq.heappush(heap, (done, r))
-                break
-    assert not waiting and all(p == len(st) for p, st in zip(pos, ranks)), "schedule deadlocked"
-    return max(clock, default=0.0), dict(load), messages, sent
+                        self.waiting[s.recv_from, r] = r
+                        return
+                    self.got[r] = max(done, queue.popleft())
+                    if self.net.cores and self._before(self.got[r]):  # cores shared: take them in time order
+                        heapq.heappush(self.heap, (self.got[r], r))
+                        return
+                recv = _range_bytes(self.prefix, self.parts, s.recv, self.itemsize)
+                done = self.cpu.run(r, self.got[r], _recv_cpu(self.net, s, recv))
+            self.clock[r], self.sent_at[r], self.got[r] = done, None, None
+            self.pos[r] += 1
+            if self._before(done):  # keep sends in time order: let the earlier ranks go first
+                heapq.heappush(self.heap, (done, r))
+                return
+
+    def _send(self, r: int, s: Step, t: float) -> bool:
+        """Start step s's send at ``t``; True if its end is known (first come, first served)."""
+        net, size = self.net, _range_bytes(self.prefix, self.parts, s.send, self.itemsize)
+        links, lat, bw = net.route(r, s.send_to)
+        if self.ready_at[r] is None:
+            self.ready_at[r] = self.cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
+            if self.fluid is not None and self._before(self.ready_at[r]):  # a flow starts in time order
+                heapq.heappush(self.heap, (self.ready_at[r], r))
+                return False
+        for link in links:
+            self.load[link] += size
+        self.messages, self.sent = self.messages + 1, self.sent + size
+        if self.fluid is not None:
+            self.fluid.start(self.ready_at[r], r, links, size)
+            self.flying[r] = (s.send_to, lat)
+            return False
+        self.sent_at[r] = _transmit(net, self.free, links, self.ready_at[r], size, bw)
+        self.ready_at[r] = None
+        self._deliver(r, s.send_to, self.sent_at[r] + lat)
+        return True
+
+    def _left(self, r: int, when: float) -> None:
+        """Rank r's flow has left at ``when``: its step goes on, its message arrives."""
+        dst, lat = self.flying.pop(r)
+        self.sent_at[r], self.ready_at[r] = when, None
+        self._deliver(r, dst, when + lat)
+        heapq.heappush(self.heap, (when, r))
+
+    def _deliver(self, src: int, dst: int, arrival: float) -> None:
+        self.chan[src, dst].append(arrival)
+        woken = self.waiting.pop((src, dst), None)
+        if woken is not None:
+            heapq.heappush(self.heap, (self.clock[woken], woken))
 
 
 def _transmit(net: Network, free: dict, links: tuple, ready: float, size: int, bw: float) -> float:

@@ -8,7 +8,7 @@ import json
 
 from commrt.collectives.schedules import ALGORITHMS
 from commrt.collectives.selection import choose
-from commrt.plan.network import Network
+from commrt.plan.network import SHARING, Network
 from commrt.plan.simulate import Result, load_by_kind, simulate
 from commrt.runtime.errors import ConfigError
 
@@ -29,6 +29,9 @@ def add_arguments(ep) -> None:
     g.add_argument("--cpu-byte", type=float, default=0.0, help="CPU seconds per byte each side")
     g.add_argument("--reduce-bw", default="0", help="a rank's reduction speed, e.g. 2.4GB/s (0: free)")
     g.add_argument("--cores", type=int, default=0, help="cores per node shared by its ranks (0: one per rank)")
+    g.add_argument("--sharing", choices=SHARING, default="fcfs",
+                   help="how a link serves concurrent messages: fcfs (one after another) or fair (max-min shares, "
+                        "as TCP; needed where an aggregate link carries several NICs' flows: the spine)")
 
 
 def _list(text: str, kind, what: str) -> list:
@@ -51,7 +54,7 @@ def results(args, parse_size, parse_bandwidth) -> list[Result]:
                       intra_bw=parse_bandwidth(args.intra_bw), nic_latency=args.inter_latency,
                       nic_bw=parse_bandwidth(args.inter_bw), nodes_per_leaf=args.nodes_per_leaf,
                       spine_latency=args.spine_latency, oversubscription=args.oversubscription,
-                      cpu_msg=args.cpu_msg, cpu_byte=args.cpu_byte, cores=args.cores,
+                      cpu_msg=args.cpu_msg, cpu_byte=args.cpu_byte, cores=args.cores, sharing=args.sharing,
                       reduce_bw=parse_bandwidth(args.reduce_bw) if args.reduce_bw.strip() not in ("", "0") else 0.0)
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             out += [simulate(net, args.collective, a, size) for a in algos]
@@ -89,7 +92,7 @@ def render(args, parse_size, parse_bandwidth) -> str:
     res = results(args, parse_size, parse_bandwidth)
     if args.json:
         keys = ("per_node", "intra_bw", "inter_bw", "intra_latency", "inter_latency", "spine_latency",
-                "nodes_per_leaf", "oversubscription", "cpu_msg", "cpu_byte", "reduce_bw", "cores")
+                "nodes_per_leaf", "oversubscription", "cpu_msg", "cpu_byte", "reduce_bw", "cores", "sharing")
         return to_json(res, {k: getattr(args, k) for k in keys})
     partial = [r for r in res if r.replayed < 1]
     note = (f"\n# {len(partial)} result(s) replayed in part (ring/pairwise: the first steps of each phase, "

@@ -20,6 +20,9 @@ each side, the reduction, N cores shared by the ranks) to every row of the given
 median of the repetitions of each row; ``--check`` files are then predicted, not fitted (another
 run), and ``--emulated`` files (``commrt launch --nnodes N -n G --emulate-network RATE``: give
 ``--per-node G --mbit RATE``) with the same figures and the node links at the shaped rate.
+``--sharing fair`` replays the links max-min fair instead of first come, first served
+(``Network.sharing``); the fitted figures come out the same on loopback, where a rank's port
+carries one message at a time.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from commrt.collectives import ops
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.selection import choose, table_from
 from commrt.plan import fit_cpu
-from commrt.plan.network import Network
+from commrt.plan.network import SHARING, Network
 from commrt.plan.simulate import simulate
 
 
@@ -121,7 +124,7 @@ def run_cpu(args) -> tuple[list[dict], fit_cpu.Params]:
     """``--cores``: fit the CPU model on the positional files, predict the --check and --emulated ones."""
     fit_rows = medians(measured(args.json))
     cases = sorted(fit_rows)
-    p = fit_cpu.fit(cases, [statistics.median(fit_rows[c]) for c in cases], cores=args.cores)
+    p = fit_cpu.fit(cases, [statistics.median(fit_rows[c]) for c in cases], cores=args.cores, sharing=args.sharing)
     entries = compare_cpu(fit_rows, p, "fit")
     if args.check:
         entries += compare_cpu(medians(measured(args.check)), p, "check")
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulated", nargs="*", default=[], help="with --cores: emulated-cluster files predicted")
     ap.add_argument("--per-node", type=int, default=0, help="ranks per node of the --emulated runs")
     ap.add_argument("--mbit", type=float, default=0.0, help="the --emulated runs' link rate, Mbit/s")
+    ap.add_argument("--sharing", choices=SHARING, default="fcfs",
+                    help="with --cores: how a link serves concurrent messages (first come first served, or max-min fair)")
     args = ap.parse_args(argv)
     if args.cores:
         entries, p = run_cpu(args)

@@ -45,3 +45,12 @@ def test_the_cpu_term_from_the_command_line():
     (shared,) = json.loads(command.render(_args(*base, "--cpu-msg", "1e-3", "--cores", "1")).text)["results"]
     assert off["seconds"] < 1e-6  # the default stays without CPU
     assert own["seconds"] == pytest.approx(2e-3) and shared["seconds"] == pytest.approx(4e-3)
+
+
+def test_sharing_picks_the_link_discipline():
+    # 2 leaves of 2 nodes (one rank each): doubling's cross-leaf step shares leaf 0's uplink
+    argv = ("--json", "--worlds", "4", "--sizes", "1M", "--algorithms", "recursive_doubling", "--per-node", "1",
+            "--nodes-per-leaf", "2", "--inter-bw", "1GB/s")
+    fcfs, fair = (json.loads(command.render(_args(*argv, *extra)).text) for extra in ((), ("--sharing", "fair")))
+    assert fcfs["network"]["sharing"] == "fcfs" and fair["network"]["sharing"] == "fair"
+    assert fair["results"][0]["seconds"] < fcfs["results"][0]["seconds"] * 0.8
