@@ -264,7 +264,11 @@ class Engine:
         # prefetch the next units in execution order, up to stage3_prefetch_bucket_size elements
         # (at least one unit when prefetch is on), as DeepSpeed's setting means
         budget, nxt = self.cfg.zero.stage3_prefetch_bucket_size, ahead.get(id(u))
+        settle_ahead = True  # zero_defer: the next unit steps now, so its gather overlaps this compute
         while nxt is not None and budget > 0:
+            if nxt.step_due is not None and settle_ahead:
+                self.zero.settle(nxt)  # local work only: every rank still issues the same gathers
+                settle_ahead = False
             self.prefetched += nxt.full is None and nxt.gathering is None and nxt.step_due is None
             if not self.zero.start_gather(nxt):
                 break  # its step is due first (zero_defer): gathered at its use
