@@ -85,6 +85,9 @@ def test_two_by_two_cluster_counts_and_shapes_inter_node_traffic(emulated_cluste
         # node 0 received as much as it sent: its ACKs went in the small-packet class, ahead of its
         # data (one FIFO queued them behind it and slowed the peer), and the data in the other
         for ns in net.namespaces:
+            cc = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+                                capture_output=True, text=True, timeout=30).stdout.strip()
+            assert cc == emulate.CONGESTION_CONTROL, (ns, cc)  # the node's own, not the host's
             small, bulk = _tc_class_sent(ns, "eth0", "20:1"), _tc_class_sent(ns, "eth0", "20:2")
             assert small[1] > 100 and small[0] / small[1] < emulate.SMALL_PACKET, (small, bulk)
             assert bulk[0] >= inter / 2 and bulk[0] / bulk[1] > 1000, (small, bulk)

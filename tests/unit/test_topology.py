@@ -94,6 +94,9 @@ def test_plan_names_everything_per_run_and_shapes_both_directions():
     acks = [c for c in cmds if c[0] == "tc" and "filter" in c]
     assert len(acks) == 4 and all(c[-1] == "20:1" and "0xff80" in c for c in acks)
     assert all(c[c.index("parent") + 1] == "1:1" for c in cmds if "htb" in c and "qdisc" in c)
+    # each node's TCP congestion control is set, not the host's (BBR idled the links)
+    cc = [c[3] for c in cmds if c[:3] == ["ip", "netns", "exec"] and "tcp_congestion_control" in c[-1]]
+    assert cc == names[1:] and all(emulate.CONGESTION_CONTROL in c[-1] for c in cmds if c[:3] == ["ip", "netns", "exec"])
     _, cmds = emulate.plan("1-a", 1, emulate.parse_shape("1gbit,2ms"))
     assert sum("netem" in c for c in cmds) == 2
     assert all(c[c.index("parent") + 1] == "10:1" for c in cmds if "htb" in c and "qdisc" in c)
