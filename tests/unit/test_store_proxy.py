@@ -57,6 +57,22 @@ def transport():
     t.close()
 
 
+def _park(client, timeout_s: float):
+    """A wait that nothing will satisfy, parked in a thread through ``client``: (the thread, the
+    list its RendezvousError's text lands in), once the wait has had time to reach the store."""
+    got = []
+
+    def parked():
+        try:
+            client.wait(["never"], None, timeout_s)
+        except RendezvousError as exc:
+            got.append(str(exc))
+    waiter = threading.Thread(target=parked)
+    waiter.start()
+    time.sleep(0.3)
+    return waiter, got
+
+
 def _node(transport, port, timeout_s=20.0):
     """Node 1's leader (rank 2, serving the proxy) and rank 3, both through the proxy."""
     (lead, proxy), (other, none) = (connect(transport, "127.0.0.1", port, 2 + h[1], timeout_s, h) for h in NODE1)
@@ -88,16 +104,7 @@ def test_a_proxy_whose_store_is_gone_fails_its_calls_naming_store_and_op(transpo
     server = StoreServer(transport, "127.0.0.1", port)
     proxy, lead, other = _node(transport, port)
     try:
-        got = []
-
-        def parked():
-            try:
-                lead.wait(["never"], None, 60.0)
-            except RendezvousError as exc:
-                got.append(str(exc))
-        waiter = threading.Thread(target=parked)
-        waiter.start()
-        time.sleep(0.3)
+        waiter, got = _park(lead, 60.0)
         start = time.monotonic()
         server.close()  # rank 0 exits: the proxy's connection drops
         waiter.join(30)
@@ -135,16 +142,7 @@ def test_ranks_whose_proxy_is_gone_fail_with_a_typed_error_within_a_heartbeat(tr
     proxy, lead, other = _node(transport, port, timeout_s=20.0)
     try:
         assert other.add("k", 1) == 1
-        got = []
-
-        def parked():
-            try:
-                lead.wait(["never"], None, 20.0)
-            except RendezvousError as exc:
-                got.append(str(exc))
-        waiter = threading.Thread(target=parked)
-        waiter.start()
-        time.sleep(0.3)
+        waiter, got = _park(lead, 20.0)
         start = time.monotonic()
         proxy.close()  # the node's leader died
         waiter.join(30)
