@@ -317,6 +317,9 @@ class Engine:
             params += sum(u.full.numel() * u.full.element_size() for u in z.units)
         params += sum(u.secondary.numel() * u.secondary.element_size() for u in z.units if u.secondary is not None)
         grads = sum(u.grad.numel() * u.grad.element_size() for u in z.units)
+        # zero_defer: reduced shards not yet added into u.grad (in flight or held) are live too
+        grads += sum(t.numel() * t.element_size() for t in
+                     [u.landing.args[1] for u in z.units if u.landing is not None] + [out for _, out in z.held])
         state = sum(t.numel() * t.element_size() for u in z.units for t in u.state.values())
         frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
         return {"parameters": params + frozen, "gradients": grads, "optimizer_state": state,

@@ -110,6 +110,8 @@ class Zero(Gathering, Deferring):
                       and self.stream is None and s.overlap and s.optimizer.kind != "lamb")
         self.late: dict[int, int] = {}  # held units (id) -> their place in forward order
         self.held: list = []            # held units' (unit, reduced shard) until issue_backward
+        self.holding = False            # a held unit was reduced in this backward: hold every later one
+        self.due_spec = s.optimizer     # the OptimSpec of the step that is due (defer_update)
         self.deferred_steps = self.steps_in_forward = 0
         self.units: list[UnitState] = []
         for idx in make_units(model, params, s.stage, s.bucket_size, self.world,

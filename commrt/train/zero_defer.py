@@ -16,10 +16,13 @@ crosses first):
   so does the prefetch of the one unit after it (``Engine._use``), whose gather then overlaps
   the unit's compute (without it, 10 Gbit steps took 3-4% longer).
 
-Every rank issues the same collectives in the same order (the held units' all-reduces after the
-last reduce-scatter of backward, in the forward order the engine learnt), and each unit's
-arithmetic is the one ``zero_step.update`` does: the values are bit for bit those of the
-unoverlapped step. Gradient clipping (a global norm before any unit steps), LAMB (its trust
+Every rank issues the same collectives in the same order: the held units' all-reduces after the
+last reduce-scatter of backward, in the forward order the engine learnt, and behind them, in the
+order they were reduced, any unit reduced after a held one (the engine's flush of a unit with an
+unused parameter: chained, its all-reduce would start before or after ``issue_backward``'s
+depending on each rank's timing). Each unit steps with the step number and optimizer settings of
+the ``step()`` that made it due, with ``zero_step.update``'s arithmetic: the values are bit for
+bit those of the unoverlapped step. Gradient clipping (a global norm before any unit steps), LAMB (its trust
 ratios all-reduce every unit's norms) and the ZeRO++ comm stream keep the unoverlapped step.
 """
 from __future__ import annotations
@@ -60,7 +63,11 @@ class Deferring:
         """A unit's reduce-scatter, and its replica all-reduce at once (``Chained``) unless it is
         held; neither enters the queue that the end of backward waits for."""
         self.settle_landing(u)  # accumulation: the previous micro-step's sum lands first
-        if id(u) in self.late:
+        if id(u) in self.late or self.holding:
+            # once a held unit is reduced, every later one is held too: a chained one whose
+            # reduce-scatter ends after the last held one's would start its replica all-reduce
+            # from the executor thread before or after issue_backward's, differently per rank
+            self.holding = True
             work = self._issue(name, self._start_reduce_scatter, out, flat, u)
             self._track(work, self.shard_held, u, out)
             return
@@ -78,7 +85,10 @@ class Deferring:
         before this), then the held units' replica all-reduces in forward order."""
         run_all(self.works, self.clock)
         self.fence()
-        for u, out in sorted(self.held, key=lambda held: self.late[id(held[0])]):
+        self.holding = False
+        # held units in forward order; those held only for coming after one (not in late) last, in
+        # the order they were reduced (the same on every rank; sorted is stable)
+        for u, out in sorted(self.held, key=lambda held: self.late.get(id(held[0]), len(self.late))):
             work = self._start_replica_all_reduce(out)
             u.landing = Followup(work, self.replica_reduced, (u, out), time.perf_counter())
         self.held.clear()
@@ -87,13 +97,18 @@ class Deferring:
         """``Engine.step``: each unit steps when it is next gathered (or ``settle_all``)."""
         zero_step.drop_prefetches(self)
         for u in self.units:
+            if u.step_due is not None:  # step() again before the unit was gathered: that step first
+                self.settle(u)
             u.step_due = (step, clip_coef)
+        self.due_spec = self.spec  # the optimizer settings of this step, whatever changes them before settle
         self.deferred_steps += 1
 
     def settle_landing(self, u: UnitState) -> None:
         if u.landing is not None:
-            landing, u.landing = u.landing, None
-            landing.finish(self.clock)
+            # kept until it succeeds: a failed all-reduce (a lost peer) raises again at every later
+            # settle instead of letting the unit's due step run on a gradient that never arrived
+            u.landing.finish(self.clock)
+            u.landing = None
 
     def settle(self, u: UnitState) -> None:
         """Before ``u``'s values are read: its replica all-reduce has landed, its due step taken."""
@@ -102,7 +117,7 @@ class Deferring:
             step, coef = u.step_due
             u.step_due = None
             with self.clock.span("optimizer"):
-                zero_step.step_unit(self, u, step, coef)
+                zero_step.step_unit(self, u, step, coef, self.due_spec)
             self.steps_in_forward += 1
 
     def settle_all(self) -> None:

@@ -55,13 +55,13 @@ def update(z, step: int, clip_coef: float) -> None:
             u.reduced, u.grad_zero = False, True
 
 
-def step_unit(z, u, step: int, clip_coef: float) -> None:
+def step_unit(z, u, step: int, clip_coef: float, spec=None) -> None:
     """``update``'s arithmetic for one unit of a stage-3 model (``zero_defer``: the step of a unit
     taken just before the next forward gathers it; SGD and AdamW only, which are element-wise)."""
     g = z.own_grad(u)
     if clip_coef < 1.0:
         g.mul_(clip_coef)
-    _step_in_chunks(u.master, g, u.state, z.spec, step)
+    _step_in_chunks(u.master, g, u.state, spec or z.spec, step)
     u.fresh = False  # as publish: the next gather reads the new primary shards
     u.grad.zero_()
     u.reduced, u.grad_zero = False, True

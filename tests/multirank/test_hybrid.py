@@ -34,3 +34,20 @@ def test_every_strategy_equals_single_process(tmp_path, backend):
     _, out = run_ranks(4, "hybrid_job", "strategies", timeout_s=600,
                        env={"COMMRT_COMM_BACKEND": backend, "COMMRT_TEST_TMP": str(tmp_path)})
     _check(out, GRID)
+
+
+DEFER = ["a unit reduced after the held ones (spare 16)", "a unit reduced after the held ones (spare 8)",
+         "step() twice", "learning rate changed after step()", "non-finite gradients, skip",
+         "non-finite gradients, raise", "settle, state_dict, checkpoint, full_state_dict mid-run",
+         "memory_report's gradients after step()"]
+
+
+def test_overlap_step_equals_the_unoverlapped_step_where_its_order_could_go_wrong(tmp_path):
+    """programs/defer_job.py: overlap_step on and off, bit for bit, in the cases a review found
+    wrong (a unit reduced after the held ones, step() twice, a learning rate set after step(), a
+    landing's memory) and around settle, checkpoints and non-finite gradients."""
+    _, out = run_ranks(4, "defer_job", timeout_s=120,
+                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)})
+    assert "FAIL " not in out, "\n".join(line for line in out.splitlines() if "FAIL " in line)
+    for case in DEFER:
+        assert out.count(f"OK {case}") == 4, f"{case!r} missing:\n{out[-4000:]}"
