@@ -56,6 +56,7 @@ class ZmqBackend:
                  members: list[int] | None = None):
         """``members``: the global rank of each group rank (the names their keys carry)."""
         self.rank, self.size, self.group_id, self.cfg = rank, size, group_id, cfg
+        self._members = members
         c, cl = cfg.comm, cfg.cluster
         if c.keep_freed_memory:
             keep_freed_memory()
@@ -224,6 +225,8 @@ class ZmqBackend:
         elif isinstance(exc, PeerLost):
             # seen here: to every peer; heard: over this rank's connections only (issue 32.5)
             self._coll.tell_peers(ctx.seq, lost=exc.rank, connected_only=exc.reported_by is not None)
+            if self._members is not None:  # the peers are told group ranks; the user reads global ones
+                exc = exc.in_group(self._members, self.group_id)
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
             self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
         self._broken = exc

@@ -29,6 +29,21 @@ class PeerLost(CommError):
         who = role if rank < 0 else f"{role} {rank}"  # rank -1: a receive from any source
         super().__init__(f"lost {who} during {op} (seq {seq}): {reason}")
 
+    def in_group(self, members: list[int], group: int) -> PeerLost:
+        """The same loss named by global ranks, for a group whose rank r is global rank
+        ``members[r]``: a subgroup's transport numbers its peers by group rank, which a user
+        reading "lost peer rank 1" in an HSDP replica group of global ranks [0, 2] would take for
+        the wrong process. The reason's own numbers stay the group's, and it says so."""
+        if not 0 <= self.rank < len(members):
+            return self  # -1: a receive from any source
+        by = self.reported_by
+        by = members[by] if by is not None and 0 <= by < len(members) else by
+        if members[self.rank] == self.rank and by == self.reported_by:
+            return self  # the group numbers these ranks as the world does
+        return PeerLost(members[self.rank], self.op, self.seq,
+                        f"{self.reason} [rank {self.rank} of group {group}; the ranks in this reason are the group's]",
+                        self.role, by)
+
 
 class RequestRejected(CommError):
     """A parameter server refused a request (unknown key, wrong shape or dtype, stale step),

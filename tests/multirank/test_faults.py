@@ -38,3 +38,15 @@ def test_survivors_name_the_lost_rank(mode, nproc, intra):
         assert f"lost peer rank 1 during all_reduce (seq {seq})" in message, out
         assert float(seconds) < TIMEOUT_S, out  # noticed through liveness, not the op timeout
     assert not [pid for pid in result.pids if alive(pid)], "processes left running"
+
+
+def test_a_subgroup_names_the_lost_rank_by_its_global_rank():
+    """Global rank 2 dies in an all_reduce of the group [0, 2], where it is rank 1: rank 0's
+    PeerLost names rank 2 (and says which group rank that is), not the group's number for it."""
+    _, out = run_ranks(4, "faults", "sigkill", "subgroup", env=ENV, timeout_s=40, stop_on_failure=False,
+                       expect_fail=True)
+    caught = re.findall(r"CAUGHT PeerLost: (.*) \(rank attribute (\d+)\)", out)
+    assert len(caught) == 1, out
+    message, rank = caught[0]
+    assert message.startswith("lost peer rank 2 during all_reduce") and rank == "2", out
+    assert "[rank 1 of group" in message, out

@@ -171,8 +171,30 @@ def test_a_backend_passes_on_what_it_heard_only_over_its_connections():
     from commrt.backends.zmq_backend import ZmqBackend
     from commrt.runtime.errors import PeerLost
     calls = []
-    stub = SimpleNamespace(_coll=SimpleNamespace(tell_peers=lambda seq, **kw: calls.append(kw)), _broken=None)
+    stub = SimpleNamespace(_coll=SimpleNamespace(tell_peers=lambda seq, **kw: calls.append(kw)), _broken=None,
+                           _members=None, group_id=0)
     ctx = SimpleNamespace(seq=5)
     ZmqBackend._give_up(stub, PeerLost(3, "all_reduce", 5, "connection lost 1.0s ago"), ctx)
     ZmqBackend._give_up(stub, PeerLost(3, "all_reduce", 5, "rank 0 reported it lost", reported_by=0), ctx)
     assert calls == [{"lost": 3, "connected_only": False}, {"lost": 3, "connected_only": True}]
+
+
+def test_a_subgroup_tells_its_peers_group_ranks_and_its_caller_global_ones():
+    """Group [0, 2, 5]: the peers' ABORT carries the group rank (their transport's numbering);
+    the PeerLost raised to the caller names the global rank and which group rank that is."""
+    from types import SimpleNamespace
+
+    from commrt.backends.zmq_backend import ZmqBackend
+    from commrt.runtime.errors import PeerLost
+    calls = []
+    stub = SimpleNamespace(_coll=SimpleNamespace(tell_peers=lambda seq, **kw: calls.append(kw)), _broken=None,
+                           _members=[0, 2, 5], group_id=7)
+    exc = ZmqBackend._give_up(stub, PeerLost(1, "all_reduce", 5, "rank 2 reported it lost", reported_by=2),
+                              SimpleNamespace(seq=5))
+    assert calls == [{"lost": 1, "connected_only": True}]
+    assert (exc.rank, exc.reported_by, exc.op, exc.seq) == (2, 5, "all_reduce", 5) and stub._broken is exc
+    assert str(exc).startswith("lost peer rank 2 during all_reduce (seq 5): rank 2 reported it lost [rank 1 of group 7")
+    same = PeerLost(1, "recv", 3, "timeout")
+    assert same.in_group([0, 1, 4], 7) is same  # numbered as the world numbers them: unchanged
+    anyone = PeerLost(-1, "recv", 3, "no message from any rank")
+    assert anyone.in_group([0, 2], 7) is anyone

@@ -2,6 +2,8 @@
 PeerLost naming it, the op and the sequence number (and report how long that took).
 
     faults MODE   with MODE in exit0 | exit1 | abort | sigkill | sigterm | sigstop
+    faults MODE subgroup   4 ranks: global rank 2 dies in an all_reduce of the group [0, 2],
+                           where it is rank 1; rank 0 must name rank 2
 """
 from __future__ import annotations
 
@@ -35,8 +37,30 @@ def die(mode: str) -> None:
     time.sleep(10)
 
 
+def subgroup(mode: str) -> int:
+    commrt.init_process_group()
+    groups = [commrt.new_group([0, 2]), commrt.new_group([1, 3])]
+    group = groups[RANK % 2]
+    commrt.all_reduce(torch.ones(10), group=group)
+    if RANK % 2:
+        return 0
+    big = torch.ones(16 << 20)
+    if RANK == 2:
+        commrt.all_reduce(big, group=group, async_op=True)
+        time.sleep(0.01)
+        die(mode)
+    try:
+        commrt.all_reduce(big, group=group)
+        print("NOT CAUGHT: the collective completed without the victim", flush=True)
+    except commrt.PeerLost as exc:
+        print(f"CAUGHT PeerLost: {exc} (rank attribute {exc.rank})", flush=True)
+    return 0
+
+
 def main() -> int:
     mode = sys.argv[1]
+    if sys.argv[2:] == ["subgroup"]:
+        return subgroup(mode)
     commrt.init_process_group()
     commrt.all_reduce(torch.ones(10))  # seq 2 (the init barrier was seq 1)
     big = torch.ones(64 << 20)  # 256 MiB: well over 0.1 s of ring traffic even on a quiet machine
