@@ -64,12 +64,31 @@ class Chained(Work):
 
     Order: ``first``s of one group finish in issue order, so their callbacks start the second
     collectives in issue order on every rank (a first already finished when chained starts its
-    second here, before the caller can issue anything later)."""
+    second here, before the caller can issue anything later). A backend whose works finish
+    only when asked (gloo's) finishes them in the training thread that polls or waits, in its
+    program order, the same on every rank."""
 
     def __init__(self, name: str, first: Work, then: Callable[[], Work | None]):
         super().__init__(name)
-        self._then = then
+        self._then, self._first, self._second = then, first, None
         first.add_done_callback(self._first_done)
+
+    # A Work that learns of its completion only when asked (gloo's, commrt/integrations/
+    # torch_backend.TorchWork) runs its callbacks in the thread that asks: polling or waiting on
+    # the chain asks both halves, or the second would never start and a wait would never end.
+    def is_completed(self) -> bool:
+        if not self._done.is_set():
+            self._first.is_completed()
+            if self._second is not None:
+                self._second.is_completed()
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done.is_set():
+            self._first.wait(timeout)  # raises the first's error, as the chain would
+            if self._second is not None:
+                self._second.wait(timeout)
+        return super().wait(timeout)
 
     def _first_done(self, first: Work) -> None:
         if first.exception() is not None:
@@ -83,4 +102,5 @@ class Chained(Work):
         if second is None:
             self._finish(None, None)
         else:
+            self._second = second
             second.add_done_callback(lambda w: self._finish(None, w.exception()))

@@ -28,6 +28,14 @@ def test_hybrid_and_hpz_equal_single_process(tmp_path):
     _check(out, FAST)
 
 
+def test_overlap_step_over_gloo(tmp_path):
+    """gloo's works learn of their completion only when asked (torch_backend.TorchWork): the
+    chained replica all-reduce must still start and its landing end (it waited forever)."""
+    _, out = run_ranks(4, "hybrid_job", "overlap", timeout_s=60,
+                       env={"COMMRT_COMM_BACKEND": "gloo", "COMMRT_TEST_TMP": str(tmp_path)})
+    _check(out, ["HYBRID_SHARD overlap_step micro 1", "HYBRID_SHARD overlap_step micro 2"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["zmq", "gloo"])
 def test_every_strategy_equals_single_process(tmp_path, backend):

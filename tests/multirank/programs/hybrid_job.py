@@ -195,6 +195,8 @@ def main() -> int:
     if "hybrid" in which:  # the fast tier: the layouts with groups, one optimizer
         strategy_cases(rank, world, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "MiCS", "hpZ"], ("adamw",))
         overlap_step_case(rank, world)
+    if "overlap" in which:
+        overlap_step_case(rank, world)
     if "errors" in which:
         error_cases(rank, world)
         memory_case(rank, world)
