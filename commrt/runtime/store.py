@@ -73,7 +73,7 @@ class StoreServer:
 
 # incarnations of stores this process has finished with, per address: a re-initialising rank
 # must not rejoin the previous store while rank 0 has not yet replaced it (issue 13.4)
-_retired: dict[str, set[int]] = {}
+retired: dict[str, set[int]] = {}
 HELLO_TRY_S = 1.0  # one handshake attempt: short, so a request lost in a closing store is retried
 
 
@@ -105,7 +105,7 @@ class StoreClient:
     def _handshake(self, absent_s: float | None) -> int:
         start = time.monotonic()
         deadline = start + self.timeout_s
-        old = _retired.get(self.where, set())
+        old = retired.get(self.where, set())
         stale = None  # the last answer came from a store this process has finished with
         while True:
             left = deadline - time.monotonic()
@@ -187,7 +187,7 @@ class StoreClient:
         return self._call("add_wait_count", key, amount, target, abort_key, timeout_s, wait_s=timeout_s)
 
     def close(self) -> None:
-        _retired.setdefault(self.where, set()).add(self.incarnation)
+        retired.setdefault(self.where, set()).add(self.incarnation)
         self._rpc.close()
 
 

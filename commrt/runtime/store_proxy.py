@@ -36,7 +36,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from commrt.runtime.errors import ProtocolError, RendezvousError
-from commrt.runtime.store import NoProxy, StoreClient
+from commrt.runtime.store import NoProxy, StoreClient, retired
 from commrt.runtime.store_core import MAX_FRAME, MAX_WAIT_S
 from commrt.transport.rpc import ERROR, MAX_REQ_ID, REQUEST, SLICE_S, Envelope, decode, encode
 
@@ -80,7 +80,15 @@ def connect(transport, host: str, port: int, rank: int, timeout_s: float,
     to the proxy its local rank 0 serves, that rank included."""
     if node is None or node[0] == 0:
         return StoreClient(transport, host, port, timeout_s), None
-    proxy = StoreProxy(transport, host, port, node[0], rank, timeout_s) if node[1] == 0 else None
+    proxy = None
+    if node[1] == 0:
+        try:
+            proxy = StoreProxy(transport, host, port, node[0], rank, timeout_s)
+        except RendezvousError as exc:
+            # its name is taken (under curve it is public: a local process may squat on it);
+            # the node's ranks find no proxy and dial the store themselves (NoProxy below)
+            log.warning("rank %d: %s; connecting to the rendezvous store at %s:%d directly", rank, exc, host, port)
+            return StoreClient(transport, host, port, timeout_s), None
     leader = rank - node[1]  # a node's ranks are contiguous (the rendezvous checks it)
     address = f"ipc://@{proxy_name(transport.guard.secret, host, port, node[0])}"
     absent_s = min(ABSENT_S, timeout_s / 2)
@@ -137,8 +145,15 @@ class StoreProxy:
         self._pending: dict[int, _Pending] = {}
         self._routes: set[bytes] = set()
         self._lost = False  # the upstream connection dropped and is not back
+        self.incarnation = None  # the store's, from the first hello answered: a later store's is refused
         self.forwarded = self.failed = self.discarded = 0
         self._stop = threading.Event()
+        first = next(self._ids) & MAX_REQ_ID
+        try:
+            self._up.send_multipart([encode(Envelope(REQUEST, first, "hello", []))], zmq.NOBLOCK)
+            self._pending[first] = _Pending(b"", 0, "hello", forward_deadline("hello", [], time.monotonic(), timeout_s))
+        except zmq.Again:
+            pass
         self._thread = threading.Thread(target=self._serve, name=f"commrt-store-proxy{node}", daemon=True)
         self._thread.start()
 
@@ -197,9 +212,13 @@ class StoreProxy:
             return
         up_id = next(self._ids) & MAX_REQ_ID
         deadline = forward_deadline(env.method, env.body, time.monotonic(), self.timeout_s)
+        request = encode(Envelope(REQUEST, up_id, env.method, env.body))
+        if len(request) > MAX_FRAME:
+            self._answer(route, env.req_id, env.method, f"{env.method}: a request of {len(request)} bytes exceeds the "
+                         f"limit of {MAX_FRAME}")
+            return
         try:
-            self._up.send_multipart([encode(Envelope(REQUEST, up_id, env.method, env.body)), *frames[2:]],
-                                    zmq.NOBLOCK)
+            self._up.send_multipart([request, *frames[2:]], zmq.NOBLOCK)
         except zmq.Again:  # no connection to queue on, or its queue is full
             self._answer(route, env.req_id, env.method,
                          f"{self.who} could not pass {env.method} on to the rendezvous store at {self.upstream}")
@@ -216,7 +235,19 @@ class StoreProxy:
         if p is None:  # malformed, or late: its client was already answered
             self.discarded += 1
             return
-        self._send([p.route, encode(Envelope(env.kind, p.req_id, p.method, env.body)), *frames[1:]])
+        if p.method == "hello" and env.kind != ERROR and isinstance(env.body, list) and len(env.body) > 1:
+            if env.body[1] in retired.get(self.upstream, ()):
+                pass  # a store this process has finished with: its client refuses it anyway
+            elif self.incarnation is None:
+                self.incarnation = env.body[1]
+            elif env.body[1] != self.incarnation:
+                # our upstream reconnected to the store of a later init_process_group (rank 0
+                # re-initialised while this proxy's leader is still shutting down): its ranks
+                # must wait for the leader's next proxy, not park requests in this one
+                self._answer(p.route, p.req_id, p.method, f"{self.who} serves an earlier store at {self.upstream}")
+                return
+        if p.route:
+            self._send([p.route, encode(Envelope(env.kind, p.req_id, p.method, env.body)), *frames[1:]])
 
     def _on_events(self) -> None:
         while self._events.poll(0):
@@ -243,6 +274,8 @@ class StoreProxy:
                          f"(forwarded by {self.who}): rank 0 is overloaded or gone")
 
     def _answer(self, route: bytes, req_id: int, method: str, error: str) -> None:
+        if not route:  # the proxy's own hello
+            return
         self.failed += 1
         self._send([route, encode(Envelope(ERROR, req_id, method, error[:1000]))])
 

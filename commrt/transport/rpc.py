@@ -117,6 +117,7 @@ class _Link:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.up_once = False
         self.down_since: float | None = None
+        self.drops = 0  # connections lost: a reply owed on one of them never comes
 
     def read(self) -> None:
         while True:
@@ -126,8 +127,10 @@ class _Link:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up_once, self.down_since = True, None
-            elif self.down_since is None:
-                self.down_since = time.monotonic()
+            else:
+                self.drops += 1
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
 
     def lost_for(self, now: float) -> float | None:
         """How long the connection has been down, once that exceeds the grace (a reconnect
@@ -145,9 +148,16 @@ class RpcClient:
                  lost_after_s: float | None = None):
         self.address, self.peer, self.name = address, peer, name or f"{peer} at {address}"
         self.max_frame = max_frame
-        self._sock = transport.dial(zmq.DEALER, address, peer, max_frame=max_frame,
-                                    send_slice_ms=int(SLICE_S * 1000))
-        self._link = _Link(self._sock, lost_after_s) if lost_after_s is not None else None
+        links: list[_Link] = []
+        watch = (lambda sock: links.append(_Link(sock, lost_after_s))) if lost_after_s is not None else None
+        try:  # the monitor before connect: over ipc the handshake may complete before it otherwise
+            self._sock = transport.dial(zmq.DEALER, address, peer, max_frame=max_frame,
+                                        send_slice_ms=int(SLICE_S * 1000), before_connect=watch)
+        except BaseException:
+            for link in links:
+                link.monitor.close(linger=0)
+            raise
+        self._link = links[0] if links else None
         self._counters = transport.counters.peer(peer)
         # ids start at a random point so a restarted client cannot reuse a recent id
         self._ids = itertools.count(int.from_bytes(os.urandom(6), "little"))
@@ -162,9 +172,10 @@ class RpcClient:
             req_id = next(self._ids) & MAX_REQ_ID
             deadline = time.monotonic() + timeout_s
             self._check_link(method, req_id)
+            drops = self._link.drops if self._link is not None else 0
             self._send([encode(Envelope(REQUEST, req_id, method, body)), *frames], method, req_id,
                        deadline, timeout_s)
-            env = self._await(req_id, method, deadline, timeout_s)
+            env = self._await(req_id, method, deadline, timeout_s, drops)
         if env.kind == ERROR:
             raise RpcRejected(self.name, method, str(env.body))
         return env.body
@@ -181,11 +192,15 @@ class RpcClient:
                 if time.monotonic() >= deadline:
                     raise RpcTimeout(self.name, method, req_id, timeout_s, "send") from None
 
-    def _await(self, req_id: int, method: str, deadline: float, timeout_s: float) -> Envelope:
+    def _await(self, req_id: int, method: str, deadline: float, timeout_s: float, drops: int = 0) -> Envelope:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(min(left, SLICE_S) * 1000) + 1):
                 self._check_link(method, req_id)
+                if self._link is not None and self._link.drops != drops and self._link.up_once:
+                    # the connection this request went out on closed: its reply went with it,
+                    # even if a new connection came up within the grace
+                    raise RpcLost(self.name, method, req_id, time.monotonic() - (self._link.down_since or time.monotonic()))
                 if time.monotonic() >= deadline:
                     raise RpcTimeout(self.name, method, req_id, timeout_s, "reply")
                 continue
@@ -264,6 +279,10 @@ class RpcServer:
         env = Envelope(ERROR if error is not None else REPLY, call.req_id, call.method,
                        error if error is not None else value)
         frames = [call.route, encode(env)]
+        if len(frames[1]) > self.max_frame - 64:  # (a proxy re-encodes it with its own id)
+            frames[1] = encode(Envelope(ERROR, call.req_id, call.method,
+                                        f"the reply to {call.method} ({len(frames[1])} bytes) exceeds the frame "
+                                        f"limit of {self.max_frame}: ask for less at once"))
         if threading.current_thread() is self._thread:
             self._send(frames)
         else:  # only the serving thread touches the socket

@@ -143,7 +143,8 @@ class Transport:
         return sock, address
 
     def dial(self, kind: int, address: str, peer: str, *, max_frame: int | None = None,
-             send_slice_ms: int | None = SLICE_MS, handshake_s: float | None = None) -> zmq.Socket:
+             send_slice_ms: int | None = SLICE_MS, handshake_s: float | None = None,
+             before_connect=None) -> zmq.Socket:
         """A socket connected to ``address``, authenticating as us and (under CURVE) checking it
         is ``peer``. Sends wait at most ``send_slice_ms`` (a refused handshake leaves a socket
         with nowhere to queue: without the bound a send would block for ever)."""
@@ -153,6 +154,8 @@ class Transport:
             if send_slice_ms is not None:
                 sock.setsockopt(zmq.SNDTIMEO, send_slice_ms)
             self.guard.client(sock, peer)
+            if before_connect is not None:  # e.g. a monitor, so it sees the first handshake
+                before_connect(sock)
             sock.connect(address)
         except BaseException:
             sock.close(linger=0)
