@@ -82,31 +82,30 @@ def unused_case(rank: int, spare: int) -> None:
     report(f"a unit reduced after the held ones (spare {spare})", same(states[True], states[False]))
 
 
-def double_step_case(rank: int) -> None:
-    """step() twice without a backward between: the second steps on zero gradients."""
+def three_steps_on_and_off(rank: int, after_step) -> str:
+    """Three steps with overlap_step on and off, ``after_step(engine, step)`` after each
+    ``step()``; '' when the two end bit for bit alike."""
     states = {}
     for overlap in (True, False):
         e = engine(overlap)
         for step in range(3):
             one(e, rank, step)
             e.step()
-            if step == 1:
-                e.step()
+            after_step(e, step)
         states[overlap] = e.full_state_dict()
-    report("step() twice", same(states[True], states[False]))
+    return same(states[True], states[False])
+
+
+def double_step_case(rank: int) -> None:
+    """step() twice without a backward between: the second steps on zero gradients."""
+    report("step() twice", three_steps_on_and_off(rank, lambda e, step: e.step() if step == 1 else None))
 
 
 def lr_case(rank: int) -> None:
     """A schedule that sets the next step's learning rate after step(): the step due keeps its own."""
-    states = {}
-    for overlap in (True, False):
-        e = engine(overlap)
-        for step in range(3):
-            one(e, rank, step)
-            e.step()
-            e.zero.spec = dataclasses.replace(e.zero.spec, lr=e.zero.spec.lr * 0.5)
-        states[overlap] = e.full_state_dict()
-    report("learning rate changed after step()", same(states[True], states[False]))
+    def halve(e, _step):
+        e.zero.spec = dataclasses.replace(e.zero.spec, lr=e.zero.spec.lr * 0.5)
+    report("learning rate changed after step()", three_steps_on_and_off(rank, halve))
 
 
 def nonfinite_case(rank: int, policy: str) -> None:
