@@ -286,6 +286,10 @@ class ZmqBackend:
         check_same_dtype(out, inp, "all_to_all_single")
         out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
         in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")
+        (lo, hi), (olo, ohi) = in_b[self.rank], out_b[self.rank]
+        if hi - lo != ohi - olo:  # the block a rank sends itself: checked here, where it is known
+            raise ValueError(f"all_to_all_single: rank {self.rank} sends itself {hi - lo} elements but "
+                             f"expects {ohi - olo} from itself (input and output split sizes at {self.rank})")
         return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
                                 lambda ctx: self._ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
                                 nbytes=max(numel(inp), numel(out)) * out.dtype.itemsize)

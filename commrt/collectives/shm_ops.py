@@ -280,31 +280,62 @@ def reduce(ctx: ShmContext, flat, dst: int, op: ReduceOp) -> None:
 
 def all_to_all(ctx: ShmContext, out, inp,
                out_bounds: list[tuple[int, int]], in_bounds: list[tuple[int, int]]) -> None:
-    """Blocks move in rounds of ``w`` elements per destination; the number of rounds comes
-    from the longest block any rank sends (each rank's ``aux`` of the first step)."""
+    """Blocks move in rounds of ``w`` elements per destination; the first step also publishes
+    every rank's block lengths (``_blocks``), so ranks that disagree about a block's length
+    fail alike instead of reading a truncated or stale block, and the number of rounds comes
+    from the longest block any rank sends or receives."""
     n, me = ctx.size, ctx.rank
     copy_(out[out_bounds[me][0]:out_bounds[me][1]], inp[in_bounds[me][0]:in_bounds[me][1]])
-    w = max(1, ctx.slot_elems // n)
-    longest = max(hi - lo for lo, hi in list(in_bounds) + list(out_bounds))
+    w = max(1, (ctx.chan.slot_bytes - _table_bytes(n)) // ctx.itemsize // n)
     rounds, r = 1, 0
     while r < rounds:
-        slot = ctx.begin(longest)
+        slot = ctx.begin()
+        if r == 0:
+            _blocks(ctx, me, slot)[:] = [hi - lo for lo, hi in [*in_bounds, *out_bounds]]
         for j, (lo, hi) in enumerate(in_bounds):
             a, b = min(hi, lo + r * w), min(hi, lo + (r + 1) * w)
             if j != me and b > a:
                 copy_(ctx.view(me, slot, j * w, b - a), inp[a:b])
                 ctx.sent(j, b - a)
-        aux = ctx.exchange()
+        ctx.exchange()
         if r == 0:
-            if any(not 0 <= x <= MAX_AUX for x in aux):
-                raise ProtocolError(f"rank {me}, all_to_all (seq {ctx.seq}): a peer published an "
-                                    f"impossible block length {max(aux, key=abs)}")
-            rounds = max(1, -(-max(aux) // w))
+            rounds = max(1, -(-_check_blocks(ctx, slot) // w))
         for p, (lo, hi) in enumerate(out_bounds):
             a, b = min(hi, lo + r * w), min(hi, lo + (r + 1) * w)
             if p != me and b > a:
                 copy_(out[a:b], ctx.view(p, slot, me * w, b - a))
         r += 1
+
+
+def _table_bytes(n: int) -> int:
+    return 16 * n  # per rank: n lengths sent, n expected, as int64
+
+
+def _blocks(ctx: ShmContext, p: int, slot: int) -> np.ndarray:
+    """Rank p's all_to_all block lengths in ``slot``: the n it sends (to rank 0, 1, ...), then
+    the n it expects (from rank 0, 1, ...); the last words of the slot, past the blocks."""
+    end = (slot + 1) * ctx.chan.slot_bytes
+    return ctx.chan.raw[p][end - _table_bytes(ctx.size):end].view(np.int64)
+
+
+def _check_blocks(ctx: ShmContext, slot: int) -> int:
+    """Every rank reads the whole table, so all raise the same error: the first pair (p, q) where
+    p sends q another length than q expects (the TCP path sees the same as a piece's size).
+    Returns the longest block."""
+    n = ctx.size
+    table = np.stack([_blocks(ctx, p, slot) for p in range(n)])
+    if table.min() < 0 or table.max() > MAX_AUX:
+        p = int(np.argwhere((table < 0) | (table > MAX_AUX))[0][0])
+        raise ProtocolError(f"rank {ctx.rank}, all_to_all (seq {ctx.seq}): rank {p} published an "
+                            f"impossible block length")
+    sends, expects = table[:, :n], table[:, n:]
+    bad = np.argwhere(sends != expects.T)
+    if len(bad):
+        p, q = (int(x) for x in bad[0])
+        mine = {**_describe(ctx.header(0, 0)), "expects from rank %d" % p: int(expects[q, p])}
+        theirs = {**_describe(ctx.header(0, 0)), "sends to rank %d" % q: int(sends[p, q])}
+        raise CollectiveMismatch(ctx.name, ctx.seq, mine, theirs, peer=p, rank=q)
+    return int(table.max())
 
 
 def barrier(ctx: ShmContext) -> None:

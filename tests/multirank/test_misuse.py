@@ -13,11 +13,19 @@ def test_misuse(backend, mode):
 
 
 @pytest.mark.parametrize("case", ["max_vs_sum", "avg_vs_sum_ring", "reduce_scatter_min", "reduce_max",
-                                  "broadcast_roots", "reduce_roots"])
+                                  "broadcast_roots", "reduce_roots", "all_to_all_lengths"])
 def test_reduce_op_and_root_mismatch_is_named(case):
     """Our backend checks op and root in every header (gloo checks nothing: not run there).
     On TCP, where a sender-only rank cannot see it; shared memory (every rank reads every
     header) is covered in test_shm.py."""
     _, out = run_ranks(2, "misuse", "mismatch", case, env={"COMMRT_COMM_BACKEND": "zmq",
                                                             "COMMRT_COMM_INTRA_NODE": "tcp"}, timeout_s=90)
+    assert out.count("misuse mismatch ok") == 2
+
+
+def test_all_to_all_block_lengths_that_disagree_are_named_on_shared_memory():
+    """Rank 1 sends rank 0 fewer elements than rank 0 expects: every rank names both (shared
+    memory used to read a stale element; TCP sees the piece's size)."""
+    _, out = run_ranks(2, "misuse", "mismatch", "all_to_all_lengths",
+                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "shm"}, timeout_s=90)
     assert out.count("misuse mismatch ok") == 2
