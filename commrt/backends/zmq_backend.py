@@ -227,8 +227,9 @@ class ZmqBackend:
             self._coll.tell_peers(ctx.seq, lost=exc.rank, connected_only=exc.reported_by is not None)
             if self._members is not None:  # the peers are told group ranks; the user reads global ones
                 exc = exc.in_group(self._members, self.group_id)
-        elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and self._coll.last is not None:
-            self._coll.tell_peers(ctx.seq, report=encode_report(ctx.header(0, 0), self._coll.last))
+        elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and ctx.refused is not None:
+            # what this rank ran at the refused message's seq, and what arrived
+            self._coll.tell_peers(ctx.seq, report=encode_report(*ctx.refused))
         self._broken = exc
         return exc
 

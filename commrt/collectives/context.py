@@ -56,6 +56,8 @@ class OpContext(OpShape):
     _code: int = field(init=False)
     _sent: list = field(init=False)
     _recvd: list = field(init=False)
+    # (what this rank ran, what arrived) once a message did not match: the report its peers get
+    refused: tuple[Header, Header] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._derive()
@@ -99,8 +101,10 @@ class OpContext(OpShape):
         if h.seq < self.seq and self.journal is not None and self.journal.find(h.seq) is not None:
             # a stray left over from an earlier op that src ran differently: name that op
             earlier = self.journal.find(h.seq)
+            self.refused = (earlier.header(0, 0), h)
             mine = {**_describe(earlier.header(0, 0)), "noticed at": f"seq {self.seq} ({self.name})"}
             return CollectiveMismatch(earlier.name, h.seq, mine, _describe(h), peer=src, rank=self.rank)
+        self.refused = (want._replace(src=self.rank), h)
         mine, theirs = _describe(want), _describe(h)
         if mine == theirs:  # same op, other piece boundaries: show them
             mine.update(step=want.step, bytes=want.nbytes)

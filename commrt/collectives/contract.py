@@ -32,6 +32,7 @@ class StepContext(Protocol):
     size: int
     seq: int
     itemsize: int
+    refused: tuple[Header, Header] | None  # after a mismatch: (what this rank ran, what it read)
 
     def header(self, nbytes: int, step: int, src: int | None = None) -> Header: ...
 
@@ -101,15 +102,25 @@ def describe(h: Header) -> dict:
 
 
 def restate_report(report: MismatchReport, ctx: StepContext) -> CollectiveMismatch:
-    """A peer saw ranks disagree. Name the side that differs from what this rank runs (the
-    culprit), against this rank's own op; if neither side matches, pass the report on as is."""
+    """A peer saw ranks disagree: ``report.mine`` is what the reporter ran, ``report.theirs``
+    what it received from rank ``theirs.src``. The error names the side that differs from what
+    this rank runs (the culprit), against this rank's own op. The rank whose message was refused
+    is told the reporter's side (its own header is not the culprit, even when it matches its
+    current op: the same op with other piece sizes, or an op it ran before). If neither side
+    matches, the report is passed on as is."""
     own = ctx.header(0, 0)
     key = lambda h: (h.seq, h.op, h.dtype, h.count, h.reduce, h.root)
     same = lambda h: key(h) == key(own)
     a, b = report.mine, report.theirs
-    if same(a) or same(b):
+    if b.src == ctx.rank:
+        mine, culprit, rank = b, a, ctx.rank
+    elif same(a) != same(b):
         mine, culprit, rank = own, (b if same(a) else a), ctx.rank
     else:
         mine, culprit, rank = a, b, a.src
-    return CollectiveMismatch(ctx.name, ctx.seq, describe(mine), describe(culprit),
-                              peer=culprit.src, rank=rank, reported_by=report.reporter)
+    ours, theirs = describe(mine), describe(culprit)
+    if ours == theirs:  # the same op, other piece boundaries: show them (as OpContext does)
+        ours.update(step=mine.step, bytes=mine.nbytes)
+        theirs.update(step=culprit.step, bytes=culprit.nbytes)
+    return CollectiveMismatch(ctx.name, ctx.seq, ours, theirs, peer=culprit.src, rank=rank,
+                              reported_by=report.reporter)

@@ -53,6 +53,7 @@ class ShmContext(OpShape):
     _words: tuple = field(init=False)
     _header: array = field(init=False)  # step, *_words, aux: what begin() publishes
     _slot: int = field(init=False)
+    refused: tuple | None = field(init=False, default=None)  # (ours, theirs) of a mismatch: as OpContext
 
     def __post_init__(self) -> None:
         self._derive()
@@ -95,6 +96,7 @@ class ShmContext(OpShape):
 
     def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch:
         theirs = Header(COLL, self.group, h[1], p, h[2], h[3], h[4], 0, 0, h[5], h[6])
+        self.refused = (self.header(0, 0), theirs)
         mine, other = _describe(self.header(0, 0)), _describe(theirs)
         if h[0] != self.chan.t and mine == other:
             mine["step"], other["step"] = self.chan.t, h[0]
