@@ -33,10 +33,10 @@ def all_reduce(intra, inter, flat, op: ReduceOp, segments: int = 1) -> None:
     reduce-scatter of piece i+1 runs while piece i crosses the nodes (the groups have their own
     executors), so the slow link is not left idle during the node-local steps."""
     m, n = intra.size(), numel(flat)
-    if n == 0:
-        return
-    per = -(-n // max(1, segments) // m) * m  # a multiple of M: no padding but in the last piece
-    pieces = [_Piece(flat[a:min(a + per, n)], m) for a in range(0, n, per)]
+    per = max(m, -(-n // max(1, segments) // m) * m)  # a multiple of M: no padding but in the last piece
+    # an empty buffer is one empty piece: its ops still run, so a rank whose buffer is not empty
+    # meets a mismatch, not a peer that skipped the op (ops.py)
+    pieces = [_Piece(flat[a:min(a + per, n)], m) for a in range(0, n, per)] or [_Piece(flat, m)]
     works: list = []
     try:
         for p in pieces:  # issue order is the same on every rank: all RS, then AR and AG in turn

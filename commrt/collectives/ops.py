@@ -10,6 +10,10 @@ reducing overlap and the whole reduce-scatter + all-gather of an all-reduce flow
 reduce_scatter keeps a direct exchange up to small_bytes (it is not in the table yet).
 Every schedule reduces so that all ranks compute bit-identical results.
 
+An empty buffer still runs its schedule, of empty messages (the ring's as steps; reduce_scatter
+its direct exchange): a rank that skipped an op its peers run with elements let them wait for
+it until the deadline, then blamed it as lost, instead of the mismatch its header shows.
+
 Buffer rule: ZeroMQ reads large payloads after ``send`` returns, so a buffer that was sent is
 not written again until ``ctx.flush()`` (or until causality proves the peer received it).
 
@@ -78,9 +82,9 @@ def _reduce_own_in_order(ctx: OpContext, out, own, got: dict, op: ReduceOp) -> N
 
 def all_reduce(ctx: OpContext, flat, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
-    if n > 1 and numel:
+    if n > 1:
         algorithm = ctx.algorithm("all_reduce", numel * ctx.itemsize)
-        if algorithm == "ring":
+        if algorithm == "ring" and numel:
             _ring_all_reduce(ctx, flat, op)
         else:
             _scheduled(ctx, "all_reduce", algorithm, flat, op)
@@ -109,14 +113,15 @@ def reduce_scatter(ctx: OpContext, out, inp, op: ReduceOp) -> None:
     n, m = ctx.size, numel_of(out)
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
-    if n == 1 or m == 0:
+    if n == 1:
         copy_(out, inp)
     elif n * m * ctx.itemsize <= ctx.small_bytes:
         for dst in range(n):
             if dst != ctx.rank:
                 ctx.send(dst, inp[chunks[dst][0]:chunks[dst][1]])
         got = {src: ctx.recv_buffer(src, m) for src in range(n) if src != ctx.rank}
-        _reduce_own_in_order(ctx, out, inp[own:own + m], got, op)
+        if m:  # (torch cannot view an empty frame)
+            _reduce_own_in_order(ctx, out, inp[own:own + m], got, op)
     else:
         scratch = empty_like(inp)  # intermediate sums; inp stays untouched
         last = n - 2
@@ -138,9 +143,9 @@ def all_gather(ctx: OpContext, out, inp) -> None:
     mine = out[chunks[ctx.rank][0]:chunks[ctx.rank][1]]
     if m and address(mine) != address(inp):  # not the in-place form
         copy_(mine, inp)
-    if n > 1 and m:
+    if n > 1:
         algorithm = ctx.algorithm("all_gather", n * m * ctx.itemsize)
-        if algorithm == "ring":
+        if algorithm == "ring" and m:
             def handle(k, a, b, incoming):
                 copy_(out[a:b], incoming)
                 return out[a:b]
@@ -152,10 +157,10 @@ def all_gather(ctx: OpContext, out, inp) -> None:
 
 def broadcast(ctx: OpContext, flat, src: int) -> None:
     n, numel = ctx.size, numel_of(flat)
-    if n == 1 or numel == 0:
+    if n == 1:
         return
     algorithm = ctx.algorithm("broadcast", numel * ctx.itemsize)
-    if algorithm != "chain":
+    if algorithm != "chain" or not numel:
         _scheduled(ctx, "broadcast", algorithm, flat, root=src)
     else:
         chain = chain_order(src, n)
@@ -173,9 +178,9 @@ def broadcast(ctx: OpContext, flat, src: int) -> None:
 def reduce(ctx: OpContext, flat, dst: int, op: ReduceOp) -> None:
     """Only ``dst``'s tensor receives the result; the others are left unchanged."""
     n, numel = ctx.size, numel_of(flat)
-    if n > 1 and numel:
+    if n > 1:
         algorithm = ctx.algorithm("reduce", numel * ctx.itemsize)
-        if algorithm == "ring":
+        if algorithm == "ring" and numel:
             _ring_reduce_to(ctx, flat, dst, op)
         else:
             steps, _ = _steps("reduce", algorithm, ctx.rank, n, dst)

@@ -145,6 +145,8 @@ def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
             else:
                 for a, b in _rounds(numel, per):
                     _all_reduce_round(ctx, flat[a:b], op)
+    elif n > 1:  # empty: one step of headers, so a peer with elements sees the mismatch (ops.py)
+        barrier(ctx)
     if op == ReduceOp.AVG:
         finish_avg_(flat, n)
 
@@ -213,6 +215,8 @@ def reduce_scatter(ctx: ShmContext, out, inp, op: ReduceOp) -> None:
     n, m, me = ctx.size, numel_of(out), ctx.rank
     if n == 1 or m == 0:
         copy_(out, inp)
+        if n > 1:  # empty: one step of headers (all_reduce)
+            barrier(ctx)
     else:
         w = max(1, ctx.slot_elems // n)
         for x, y in _rounds(m, w):
@@ -235,6 +239,8 @@ def all_gather(ctx: ShmContext, out, inp) -> None:
     in_place = m and address(mine) == address(inp)
     if n == 1 or m == 0:
         copy_(mine, inp)
+        if n > 1:  # empty: one step of headers (all_reduce)
+            barrier(ctx)
         return
     for x, y in _rounds(m, ctx.slot_elems):
         slot = ctx.begin()

@@ -29,3 +29,12 @@ def test_all_to_all_block_lengths_that_disagree_are_named_on_shared_memory():
     _, out = run_ranks(2, "misuse", "mismatch", "all_to_all_lengths",
                        env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "shm"}, timeout_s=90)
     assert out.count("misuse mismatch ok") == 2
+
+
+def test_an_empty_op_against_a_full_one_is_named_not_waited_out():
+    """One rank with no elements (3 ranks over TCP, where the hang needs a third rank): every
+    rank names the counts at once; it used to skip the op and leave the others to the deadline,
+    which then blamed a live rank as lost (the harness's deadline here is 30 s)."""
+    _, out = run_ranks(3, "misuse", "mismatch", "empty_reduce",
+                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "tcp"}, timeout_s=90)
+    assert out.count("misuse mismatch ok") == 3

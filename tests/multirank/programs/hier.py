@@ -51,7 +51,7 @@ def check_mesh(k: int, m: int) -> None:
 def check_matrix(flat_world) -> None:
     rank, world = commrt.get_rank(), commrt.get_world_size()
     for seed, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
-        for numel in (1, 7, 3 * world + 1, 20_001):  # below, around and above the padding
+        for numel in (0, 1, 7, 3 * world + 1, 20_001):  # empty, below, around and above the padding
             parts = [values(numel, r, dtype, op, seed) for r in range(world)]
             want = reference(parts, op)
             t = parts[rank].clone()
@@ -59,7 +59,8 @@ def check_matrix(flat_world) -> None:
             if work is not None:
                 work.wait()
             assert torch.equal(t, want), f"all_reduce {dtype} {op} {numel}: {t[:8]} vs {want[:8]}"
-            _same_everywhere(flat_world, t, f"all_reduce {dtype} {op} {numel}")
+            if numel:
+                _same_everywhere(flat_world, t, f"all_reduce {dtype} {op} {numel}")
             chunk = numel
             full = [values(chunk * world, r, dtype, op, seed + 7) for r in range(world)]
             out = torch.empty(chunk, dtype=dtype)

@@ -89,6 +89,14 @@ def _split_lengths(rank: int) -> None:
     commrt.barrier()
 
 
+def _empty_reduce(rank: int) -> None:
+    """Rank 1 reduces no elements, the others 8: it sent nothing, went on to the barrier and
+    waited there on rank 0, which waited in the reduce on it: both blamed the other as lost at
+    the deadline (3 ranks). Rank 1 only sends in the reduce: the barrier hears the report."""
+    commrt.reduce(torch.ones(0 if rank == 1 else 8), dst=0)
+    commrt.barrier()
+
+
 # case -> (what each rank runs; rank 1 is the one that disagrees, what the error must name)
 MISMATCHES = {
     "max_vs_sum": (lambda r: commrt.all_reduce(torch.ones(8), op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
@@ -100,6 +108,7 @@ MISMATCHES = {
     "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "broadcast", "noticed at")),
     "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "reduce", "noticed at")),
     "all_to_all_lengths": (_split_lengths, ("all_to_all", "rank 0 runs", "rank 1 runs")),
+    "empty_reduce": (_empty_reduce, ("op=reduce", "count=0", "count=8", "rank 0 runs", "rank 1 runs")),
 }
 
 
