@@ -83,7 +83,13 @@ def _rule(collective: str, entry) -> Rule:
     rng = {k: entry[k] for k in _RANGE_KEYS if entry.get(k) is not None}
     if any(not isinstance(v, int) or v < 0 for v in rng.values()):
         raise ConfigError(f"[comm] algorithm for {collective}: {rng} must be non-negative integers")
-    return Rule(collective, algo, **rng)
+    rule = Rule(collective, algo, **rng)
+    if (rule.max_bytes is not None and rule.max_bytes <= rule.min_bytes) or \
+            (rule.max_world is not None and rule.max_world < rule.min_world):
+        # a rule no op can match: pinned, yet never run (max_bytes is exclusive, max_world inclusive)
+        raise ConfigError(f"[comm] algorithm {algo} for {collective}: the range {rng} is empty "
+                          f"(bytes in [min_bytes, max_bytes), ranks in [min_world, max_world])")
+    return rule
 
 
 def table_from(overrides: dict | None, base: tuple[Rule, ...] = DEFAULT_TABLE) -> tuple[Rule, ...]:

@@ -32,6 +32,8 @@ def test_overrides_pin_an_algorithm_for_a_range():
     assert sel.choose("all_reduce", 512, 8, table) == "ring"
     assert sel.choose("all_reduce", 512, 2, table) == "recursive_doubling"   # outside the world range
     assert sel.choose("all_reduce", 2048, 8, table) == "recursive_doubling"  # outside the byte range
+    assert [sel.choose("all_reduce", b, w, table) for b, w in ((1023, 4), (1024, 4), (0, 3))] == \
+        ["ring", "recursive_doubling", "recursive_doubling"]  # max_bytes excluded, min_world included
     assert sel.choose("all_gather", 1, 8, table) == "ring"
     assert "ring" in sel.format_table(table).splitlines()[0]
 
@@ -42,6 +44,10 @@ def test_overrides_pin_an_algorithm_for_a_range():
     ({"all_reduce": [{"algorithm": "ring", "max_size": 3}]}, "unknown keys ['max_size']"),
     ({"all_reduce": [{"algorithm": "ring", "max_bytes": -1}]}, "non-negative"),
     ({"all_reduce": 3}, "expected a name or a table"),
+    # a range nothing matches (max_bytes is exclusive): pinned, yet silently never run
+    ({"all_reduce": [{"algorithm": "ring", "min_bytes": 4096, "max_bytes": 1024}]}, "is empty"),
+    ({"all_reduce": [{"algorithm": "ring", "min_bytes": 1024, "max_bytes": 1024}]}, "is empty"),
+    ({"all_reduce": [{"algorithm": "ring", "min_world": 5, "max_world": 4}]}, "is empty"),
 ])
 def test_bad_overrides_name_what_is_valid(overrides, says):
     with pytest.raises(ConfigError, match=None) as err:
@@ -79,6 +85,8 @@ def test_comm_algorithms_pins_through_the_table():
     ("all_reduce", "expected collective=algorithm"),
     ("all_reduce=ring@1MiB", "MIN-MAX"),
     ("all_reduce=ring@1XB-", "expected an integer with an optional unit"),
+    ("all_reduce=ring@1MiB-1KiB", "is empty"),
+    ("all_reduce=ring@1KiB-1KiB", "is empty"),
 ])
 def test_bad_comm_algorithms_fail_at_load_naming_what_is_valid(text, says):
     from commrt.runtime.config import load_config

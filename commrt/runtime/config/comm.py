@@ -57,6 +57,8 @@ def parse_algorithms(text: str) -> dict[str, list[dict]]:
             if not dash:
                 raise invalid("comm", "algorithms", entry, "a size range is MIN-MAX (either may be empty)")
             rule.update(min_bytes=_bytes(low, entry) or 0, max_bytes=_bytes(high, entry))
+            if rule["max_bytes"] is not None and rule["max_bytes"] <= rule["min_bytes"]:
+                raise invalid("comm", "algorithms", entry, "the size range MIN-MAX (MAX excluded) is empty")
         out.setdefault(collective, []).append(rule)
     return out
 
