@@ -230,6 +230,8 @@ class ZmqBackend:
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and ctx.refused is not None:
             # what this rank ran at the refused message's seq, and what arrived
             self._coll.tell_peers(ctx.seq, report=encode_report(*ctx.refused))
+        if self._members is not None and isinstance(exc, CollectiveMismatch):
+            exc = exc.in_group(self._members, self.group_id)  # as PeerLost: the caller reads global ranks
         self._broken = exc
         return exc
 

@@ -68,6 +68,17 @@ class CollectiveMismatch(CommError):
             other = f"but a header attributed to rank {peer} says {_fmt(theirs)} (corrupt, or not from this job)"
         super().__init__(f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, {other}{seen}")
 
+    def in_group(self, members: list[int], group: int) -> CollectiveMismatch:
+        """The same mismatch named by global ranks, for a group whose rank r is global rank
+        ``members[r]`` (as ``PeerLost.in_group``: "rank 1" of the group [0, 2] is global rank 2)."""
+        g = lambda r: members[r] if r is not None and 0 <= r < len(members) else r  # noqa: E731
+        if (g(self.rank), g(self.peer), g(self.reported_by)) == (self.rank, self.peer, self.reported_by):
+            return self
+        out = CollectiveMismatch(self.op, self.seq, self.mine, self.theirs, g(self.peer), g(self.rank),
+                                 g(self.reported_by))
+        out.args = (f"{out} [ranks {self.rank} and {self.peer} of group {group}]",)
+        return out
+
 
 class GroupClosed(CommError):
     """The group was destroyed while this operation was queued or running; it was cancelled

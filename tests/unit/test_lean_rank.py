@@ -198,3 +198,20 @@ def test_a_subgroup_tells_its_peers_group_ranks_and_its_caller_global_ones():
     assert same.in_group([0, 1, 4], 7) is same  # numbered as the world numbers them: unchanged
     anyone = PeerLost(-1, "recv", 3, "no message from any rank")
     assert anyone.in_group([0, 2], 7) is anyone
+
+
+def test_a_subgroups_mismatch_names_global_ranks():
+    """Group [0, 2, 5]: a mismatch between group ranks 1 and 2 (reported by group rank 1) is
+    raised naming global ranks 2 and 5 (it named the group's 1 and 2, other processes)."""
+    from types import SimpleNamespace
+
+    from commrt.backends.zmq_backend import ZmqBackend
+    from commrt.runtime.errors import CollectiveMismatch
+    stub = SimpleNamespace(_coll=None, _broken=None, _members=[0, 2, 5], group_id=7)
+    seen = CollectiveMismatch("all_reduce", 4, {"count": 8}, {"count": 9}, peer=2, rank=1, reported_by=1)
+    exc = ZmqBackend._give_up(stub, seen, SimpleNamespace(seq=4))
+    assert (exc.rank, exc.peer, exc.reported_by, exc.seq, stub._broken) == (2, 5, 2, 4, exc)
+    assert str(exc).startswith("collective mismatch at seq 4: rank 2 runs {count=8}, rank 5 runs {count=9}")
+    assert str(exc).endswith("(reported by rank 2) [ranks 1 and 2 of group 7]"), exc
+    same = CollectiveMismatch("barrier", 1, {}, {"op": "broadcast"}, peer=1, rank=0)
+    assert same.in_group([0, 1, 4], 7) is same  # numbered as the world numbers them: unchanged
