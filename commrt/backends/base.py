@@ -40,7 +40,10 @@ def flat_view(obj, what: str = "tensor") -> tuple[object, Callable[[], None] | N
         flat = np.ascontiguousarray(t).reshape(-1)
         return flat, lambda: np.copyto(t, flat.reshape(t.shape))
     if t.is_cpu and t.is_contiguous():  # the common case first: no torch.device object per call
-        return (t if t.dim() == 1 else t.reshape(-1)), None
+        flat = t if t.dim() == 1 else t.reshape(-1)
+        if flat.numel() == 1 and flat.stride(0) != 1:  # "contiguous" whatever its stride, as torch
+            flat = flat.as_strided((1,), (1,))  # sees one element; a byte view needs stride 1
+        return flat, None
     if t.device.type == "cuda":
         from commrt.backends.staging import host_copy
         return host_copy(t)

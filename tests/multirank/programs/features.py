@@ -103,6 +103,13 @@ def check_numpy_and_layout(rank: int, n: int) -> None:
     scalar = torch.tensor(float(rank))
     commrt.all_reduce(scalar, op=commrt.ReduceOp.MAX)
     assert scalar.item() == n - 1
+    # one element with stride 2: torch calls it contiguous, yet it cannot be viewed as bytes
+    grid = torch.full((4, 2), float(rank))
+    commrt.all_reduce(grid[1:2, 1])
+    gathered = torch.zeros(n)
+    commrt.all_gather_into_tensor(gathered, grid[2:3, 0])
+    assert grid[1, 1].item() == sum(range(n)) and grid[0, 0].item() == rank, grid
+    assert gathered.tolist() == [float(r) for r in range(n)], gathered
 
 
 def check_bad_local_input(rank: int, n: int) -> None:
