@@ -205,3 +205,28 @@ def test_comm_stats_counts_messages_per_op():
     out = split_by_node(sent, [True, True, False], msgs)
     assert out["by_op"]["all_reduce"] == {"intra_node_bytes": 40, "inter_node_bytes": 0, "messages": 5}
     assert "messages" not in split_by_node(sent, [True, True, False])["by_op"]["all_reduce"]
+
+
+EMPTY_PINS = [("all_reduce", a) for a in ("recursive_doubling", "rabenseifner", "ring")] + \
+    [("broadcast", "binomial"), ("broadcast", "chain"), ("reduce", "binomial"), ("reduce", "ring"),
+     ("all_gather", "bruck"), ("all_gather", "ring")]
+
+
+@pytest.mark.parametrize("collective,algorithm", EMPTY_PINS)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_an_empty_op_sends_its_schedules_messages(collective, algorithm, n):
+    """No elements still runs the schedule, of empty messages: a rank that skipped the op left
+    peers holding elements waiting for it until the deadline (ops.py). reduce_scatter (not in the
+    table) sends its direct exchange's n - 1."""
+    root = n - 1
+    run = {"all_reduce": lambda c, t: ops.all_reduce(c, t, ReduceOp.SUM),
+           "broadcast": lambda c, t: ops.broadcast(c, t, root),
+           "reduce": lambda c, t: ops.reduce(c, t, root, ReduceOp.SUM),
+           "all_gather": lambda c, t: ops.all_gather(c, t, t)}[collective]
+    want = schedule(collective, algorithm, n, root).ranks
+    for r, (_, sent) in enumerate(run_ranks(n, torch.float32, table_from({collective: algorithm}),
+                                            lambda ctx: run(ctx, torch.empty(0)))):
+        assert sent == messages_sent(want[r]), (r, sent)
+    for _, sent in run_ranks(n, torch.float32, table_from(None),
+                             lambda ctx: ops.reduce_scatter(ctx, torch.empty(0), torch.empty(0), ReduceOp.SUM)):
+        assert sent == n - 1
