@@ -11,6 +11,7 @@ loss the accumulated gradients equal the full batch's. Gradients accumulate in `
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,21 @@ class _Slot:
     extra: dict = field(default_factory=dict)  # what a subclass keeps per micro-batch
 
 
-LOST = 1 << 39  # metadata (LOST, rank) in place of (stage, micro-batch): "rank is gone, stop"
+LOST = 1 << 39  # metadata (LOST, rank) in place of a micro-batch's: "rank is gone, stop"
+FAILED = LOST + 1  # (FAILED, rank) and the error's text: "rank's step raised, stop"
+NOTE_BYTES = 512  # of that text
+
+
+class StageFailed(CommError):
+    """Another rank's pipeline step raised while its process lives on (its user caught the
+    error): names that rank (``rank``), what it ran and its error (``reason``), the action this
+    rank was at (``op``) and the neighbour that passed the notice on (``reported_by``; None when
+    the failed rank told this one itself)."""
+
+    def __init__(self, rank: int, op: str, reason: str, reported_by: int | None = None):
+        self.rank, self.op, self.reason, self.reported_by = rank, op, reason, reported_by
+        via = "" if reported_by is None else f" (reported by rank {reported_by})"
+        super().__init__(f"pipeline rank {rank} failed: {reason}; seen during {op}{via}")
 
 
 def _tag(dst_stage: int, forward: bool) -> int:
@@ -70,6 +85,12 @@ class PipelineSchedule:
             data_parallel.check(st.module)
         self._recv_plan = [(self._peer_rank(a), _tag(a.stage, a.kind == S.RECV_F))
                            for a in self.rank_actions if a.kind in (S.RECV_F, S.RECV_B)]
+        self._send_plan = collections.Counter(self._send_dst(a) for a in self.rank_actions
+                                              if a.kind in (S.SEND_F, S.SEND_B))
+        # in every message: a peer built with other counts fails on its first receive (ConfigError)
+        # instead of waiting for a micro-batch this rank never sends
+        self._config = (num_microbatches, self.num_stages, self._batches)
+        self._current: S.Action | None = None  # the action running, for a failure's notice
         self._backwards = {s: sum(1 for a in self.rank_actions if a.stage == s and a.kind == S.B) for s in self.stages}
         self.timeline = Timeline()
         self._chan = Channels(self.group)  # remembers each message's layout from step to step
@@ -80,26 +101,35 @@ class PipelineSchedule:
         """Global rank of the stage a receive action takes its message from."""
         return self.stages[a.stage].rank_of(a.stage - 1 if a.kind == S.RECV_F else a.stage + 1)
 
+    def _send_dst(self, a: S.Action) -> tuple[int, int]:
+        """(global rank, tag) a send action posts to."""
+        fwd = a.kind == S.SEND_F
+        dst = a.stage + 1 if fwd else a.stage - 1
+        return self.stages[a.stage].rank_of(dst), _tag(dst, fwd)
+
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
         """Run every action of this rank; returns the last stage's outputs, concatenated."""
-        self._inputs = self._chunks(args, 0, "inputs")
-        self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
-        self._rows = None if target is None else target.shape[0]
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._sends, self._outs, self._losses = [], {}, losses
         self.peak_in_flight = {s: 0 for s in self.stages}
         self._backwards_left = dict(self._backwards)
         self.timeline = Timeline()
-        failed = None
+        self._current, failed = None, None
         try:
+            # receives first: a neighbour's sends of this step then complete over gloo (which sends
+            # only into a posted receive) even when this rank's inputs are refused just below
             self._chan.begin(self._recv_plan)
+            self._inputs = self._chunks(args, 0, "inputs")
+            self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
+            self._rows = None if target is None else target.shape[0]
             for a in self.rank_actions:
+                self._current = a
                 self._run(a)
         except BaseException as exc:
             failed = exc
-            if isinstance(exc, PeerLost):
-                self._abort(exc)
+            if isinstance(exc, Exception):
+                self._tell_neighbours(exc)
             self._chan.forget()
             raise
         finally:
@@ -112,8 +142,13 @@ class PipelineSchedule:
     def _wait_sends(self, failed: BaseException | None) -> None:
         """Wait for this step's sends. After a failure a send often fails too (the peer went
         away with it); raising that from step()'s ``finally`` would hide the cause, so it is
-        attached to the original error as a note and logged instead."""
+        attached to the original error as a note and logged instead. A send still pending then
+        is left to the transport (which holds its memory): its reader may have stopped too and
+        never take it, and over gloo, which sends only into a posted receive, waiting for it
+        would last the whole deadline."""
         for h in self._sends:
+            if failed is not None and not h.is_completed():
+                continue  # its reader may never take it (it stopped too); the transport keeps its memory
             try:
                 h.wait()
             except Exception as err:
@@ -156,10 +191,8 @@ class PipelineSchedule:
     def _send(self, a: S.Action) -> None:
         fwd = a.kind == S.SEND_F
         slot = self._slots[(a.stage, a.mb)]
-        dst = a.stage + 1 if fwd else a.stage - 1
         data = slot.outputs if fwd else slot.grads_in
-        rank = self.stages[a.stage].rank_of(dst)
-        self._sends.append(self._chan.send(data, rank, _tag(dst, fwd), (a.stage, a.mb)))
+        self._sends.append(self._chan.send(data, *self._send_dst(a), (a.stage, a.mb, *self._config)))
         if not fwd:
             del self._slots[(a.stage, a.mb)]  # the micro-batch is done on this stage
 
@@ -169,30 +202,60 @@ class PipelineSchedule:
         t0 = time.perf_counter()
         meta, tensors = self._chan.take(src_rank, _tag(a.stage, fwd))
         self.timeline.add(WAIT, a.stage, a.mb, t0, time.perf_counter())
-        if len(meta) == 2 and meta[0] == LOST:
-            raise PeerLost(meta[1], f"pipeline {a}", 0, f"reported by rank {src_rank}")
-        if meta != (src, a.mb):
+        if len(meta) == 2 and meta[0] in (LOST, FAILED):
+            raise self._notice(a, src_rank, meta, tensors)
+        if tuple(meta[2:]) != self._config:
+            raise ConfigError(f"rank {dist.get_rank()} runs {_describe(self._config)} a step, but stage {src} "
+                              f"on rank {src_rank} sent micro-batch {meta[1]} of {_describe(meta[2:])}: every "
+                              f"rank's schedule must be built with the same counts")
+        if tuple(meta[:2]) != (src, a.mb):
             raise ProtocolError(f"stage {a.stage} ({a}) expected micro-batch {a.mb} from stage {src}, got "
-                                f"stage {meta[0] if meta else '?'} micro-batch {meta[1] if len(meta) > 1 else '?'}")
+                                f"stage {meta[0]} micro-batch {meta[1]}")
         slot = self._slots.setdefault((a.stage, a.mb), _Slot())
         if fwd:
             slot.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
         else:
             slot.grads_out = tensors
 
-    def _abort(self, exc: PeerLost) -> None:
-        """Tell the neighbouring stages' ranks (not the lost one, nor the one that told us) that
-        ``exc.rank`` is gone, on every channel they may be waiting on, so each names it too: the
-        relay the collectives do with their ABORT header. Best effort."""
-        told_by = getattr(exc, "reason", "").rpartition("reported by rank ")[2]
-        skip = {exc.rank, int(told_by) if told_by.isdigit() else -1, dist.get_rank()}
-        for st in self.stages.values():
-            for dst, fwd in ((st.stage_index + 1, True), (st.stage_index - 1, False)):
-                if 0 <= dst < self.num_stages and st.rank_of(dst) not in skip:
-                    try:
-                        self._chan.send([], st.rank_of(dst), _tag(dst, fwd), (LOST, exc.rank)).wait()
-                    except CommError as err:  # that neighbour is gone as well
-                        log.warning("could not tell rank %d that rank %d is lost: %s", st.rank_of(dst), exc.rank, err)
+    @staticmethod
+    def _notice(a: S.Action, src_rank: int, meta: tuple, tensors: list) -> CommError:
+        """The error a neighbour's notice (LOST or FAILED) names."""
+        rank, op = meta[1], f"pipeline {a} on rank {dist.get_rank()}"
+        if meta[0] == LOST:
+            return PeerLost(rank, op, 0, f"reported by rank {src_rank}", reported_by=src_rank)
+        text = bytes(tensors[0].numpy()).decode("utf-8", "replace") if tensors else "(no reason given)"
+        return StageFailed(rank, op, text, None if src_rank == rank else src_rank)
+
+    def _tell_neighbours(self, exc: Exception) -> None:
+        """Tell every rank still owed a message this step why none will come, on the channel it
+        waits on, so it raises at once (and tells its own neighbours) instead of waiting out its
+        deadline: the relay the collectives do with their ABORT header. A lost rank is named as
+        lost (PeerLost), a failed one with its error (StageFailed); neither the rank named nor the
+        one that told this one is told. A channel owed nothing more gets nothing: the neighbour
+        is not waiting there, and a notice would be the first message of its next step. Best
+        effort: a neighbour that is gone too is only logged."""
+        named = exc.rank if isinstance(exc, (PeerLost, StageFailed)) else None
+        skip = {named, getattr(exc, "reported_by", None)}
+        owed = [chan for chan, n in self._send_plan.items() if chan[0] not in skip and self._chan.sent(*chan) < n]
+        if not owed:
+            return
+        if named is None:
+            meta, reason = (FAILED, dist.get_rank()), f"{self._current or 'step()'} raised {type(exc).__name__}: {exc}"
+        else:
+            meta, reason = (LOST if isinstance(exc, PeerLost) else FAILED, named), getattr(exc, "reason", "")
+        note = [torch.frombuffer(bytearray(reason.encode()[:NOTE_BYTES]), dtype=torch.uint8)] if meta[0] == FAILED else []
+        posted = []
+        for dst, tag in owed:  # all posted before any is waited: a neighbour reads only the first it meets
+            try:
+                posted.append((dst, self._chan.send(note, dst, tag, meta)))
+            except Exception as err:  # that neighbour is gone as well (gloo raises RuntimeError)
+                log.warning("could not tell rank %d that the pipeline step failed (%r): %r", dst, exc, err)
+        for dst, handle in posted:
+            self._sends.append(handle)
+            try:  # its first message lands in a receive posted at the step's start; over gloo, which
+                handle.works[0].wait()  # sends only into a posted receive, the rest waits for the reader
+            except Exception as err:
+                log.warning("could not tell rank %d that the pipeline step failed (%r): %r", dst, exc, err)
 
     # -- computation -------------------------------------------------------------------------
     def _forward(self, stage: int, mb: int) -> None:
@@ -233,6 +296,13 @@ class PipelineSchedule:
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:
             del self._slots[(stage, mb)]
+
+
+def _describe(config) -> str:
+    """``(micro-batches, stages, batches)`` in words."""
+    config = tuple(config) + ("?",) * (3 - len(config))
+    return (f"{config[0]} micro-batches over {config[1]} stages"
+            + ("" if config[2] == 1 else f" in {config[2]} batches"))
 
 
 def _check_grads(stage: int, mb: int, outputs: list, grads: list) -> None:

@@ -78,3 +78,37 @@ def test_pipeline_by_data_parallel_trains_like_a_single_process():
             for m in (3, 4):
                 assert out.count(f"OK twod {kind} {wrap} m={m}\n") == 4, f"{kind} {wrap} m={m}:\n{out[-3000:]}"
     assert out.count("OK twod interleaved ddp m=4\n") == 4, out[-3000:]
+
+
+def test_layouts_that_change_in_every_way_train_like_a_single_process():
+    """Stage 0 sends 2 to 4 tensors whose rows, dtype, count, requires_grad and size (past
+    COMBINE_MAX and back) change between steps and, in one step, between micro-batches; stage 1
+    ignores one and uses another only sometimes (an empty gradient back). Outputs, losses and
+    parameters equal a single process's after every step, and no returned output changes later."""
+    _, out = run_ranks(2, "pipeline_edges", "layouts", env=_env("zmq"), timeout_s=120)
+    for case in ("gpipe m=4", "1f1b m=3"):
+        assert out.count(f"OK layouts {case}\n") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_a_stage_that_raises_is_named_on_the_others_at_once(backend):
+    """A rank whose step raises (its forward, its loss, its backward, its inputs refused) and
+    that stays alive tells the ranks still waiting on it, which tell theirs: each raises
+    StageFailed naming the rank and its error. Before, they waited out the whole deadline and
+    then blamed a silent peer; with a 60 s deadline a regression fails the harness's 45 s."""
+    env = {**_env(backend), "COMMRT_COMM_TIMEOUT_S": "60"}
+    _, out = run_ranks(2, "pipeline_edges", "fails", "1:loss", "0:forward", "0:input", env=env, timeout_s=45)
+    for case in ("1 loss", "0 forward", "0 input"):
+        assert out.count(f"OK fails {case}\n") == 2, out[-3000:]
+    _, out = run_ranks(3, "pipeline_edges", "fails", "1:backward", "2:forward", env=env, timeout_s=45)
+    for case in ("1 backward", "2 forward"):
+        assert out.count(f"OK fails {case}\n") == 3, out[-3000:]
+
+
+def test_schedules_built_with_other_micro_batch_counts_are_a_config_error():
+    """Rank 0 built for 4 micro-batches, rank 1 for 3: rank 1's first receive raises ConfigError
+    naming both counts and rank 0 gets it as StageFailed (before: rank 1 finished its step and
+    rank 0 waited out its deadline for a gradient that never came)."""
+    _, out = run_ranks(2, "pipeline_edges", "mismatch", env={**_env("zmq"), "COMMRT_COMM_TIMEOUT_S": "60"},
+                       timeout_s=45)
+    assert out.count("OK mismatch\n") == 2, out[-3000:]

@@ -45,6 +45,9 @@ def test_matching_and_empty_gradients_still_run_backward():
 
 
 class _FailingSend:
+    def is_completed(self):
+        return True
+
     def wait(self):
         raise ProtocolError("send to rank 2 failed: peer closed")
 
@@ -62,7 +65,7 @@ def _middle_stage_schedule(monkeypatch, run):
     sched = PipelineSchedule.__new__(PipelineSchedule)
     sched._chan = _NoChannels()
     sched.stages, sched.num_stages, sched.num_microbatches, sched.group = {1: None}, 3, 1, None
-    sched._recv_plan, sched._backwards, sched.rank_actions = [], {}, ["an action"]
+    sched._recv_plan, sched._send_plan, sched._backwards, sched.rank_actions = [], {}, {}, ["an action"]
     monkeypatch.setattr(sched, "_run", lambda a: run(sched, a), raising=False)
     return sched
 
