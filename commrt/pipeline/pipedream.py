@@ -41,6 +41,7 @@ class PipeDream(PipelineSchedule):
             raise ConfigError("PipeDream does not take a DataParallel or engine-wrapped stage (its weight "
                               "versions bypass the wrapper's gradient hooks); use GPipe, OneFOneB or Interleaved1F1B")
         self._batches = num_batches
+        self._copy_inputs = not stash_weights  # its backward may recompute the forward on them
         self.micro, self.num_batches, self.lr, self.stash = num_microbatches, num_batches, lr, stash_weights
         self.staleness = max(1, math.ceil((stage.num_stages - 1) / num_microbatches))
         super().__init__([stage], num_microbatches * num_batches, loss_fn,

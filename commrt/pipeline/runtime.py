@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     """One micro-batch on one stage, from its forward until its backward has sent its gradients."""
-    inputs: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)  # as the module gets them (_entries)
+    received: list = field(default_factory=list)  # the activations as received
+    cells: list = field(default_factory=list)  # per received tensor, its gradient once backward ran
     outputs: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     grads_out: list | None = None  # gradients of the outputs, received from the next stage
@@ -67,6 +69,7 @@ def _tag(dst_stage: int, forward: bool) -> int:
 class PipelineSchedule:
     """Runs one rank's actions of ``actions`` (one list per group rank) over its ``stages``."""
     _batches = 1
+    _copy_inputs = False  # True: the module gets copies of what was received (a recompute needs it intact)
 
     def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn, actions):
         self.stages = {s.stage_index: s for s in stages}
@@ -213,7 +216,7 @@ class PipelineSchedule:
                                 f"stage {meta[0]} micro-batch {meta[1]}")
         slot = self._slots.setdefault((a.stage, a.mb), _Slot())
         if fwd:
-            slot.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+            slot.received = tensors
         else:
             slot.grads_out = tensors
 
@@ -262,6 +265,8 @@ class PipelineSchedule:
         slot = self._slots.setdefault((stage, mb), _Slot())
         if stage == 0:
             slot.inputs = list(self._inputs[mb])
+        else:
+            slot.inputs, slot.cells = _entries(slot.received, self._copy_inputs)
         out = self._call(stage, mb, slot)
         slot.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         if stage == self.num_stages - 1:
@@ -292,10 +297,34 @@ class PipelineSchedule:
             pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel()]
             if pairs:  # the stage's last backward also reduces over its data-parallel replicas
                 data_parallel.backward(module, [o for o, _ in pairs], [g for _, g in pairs], sync=left == 0)
-        slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
+        slot.grads_in = [cell[0] if cell else torch.empty(0) for cell in slot.cells]
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:
             del self._slots[(stage, mb)]
+
+
+def _entries(received: list, copy: bool) -> tuple[list, list]:
+    """The received activations as the stage's module gets them, and per tensor a cell that
+    its backward fills with the tensor's gradient (for the previous stage).
+
+    As an autograd leaf, a received tensor could not be modified in place (RuntimeError from an
+    ``nn.ReLU(inplace=True)`` first in the stage), which a single process allows. So a float
+    tensor enters the graph as a non-leaf: an in-place subtraction of a zero leaf (exact for
+    every value, -0.0 and NaN included; no copy, unlike ``clone()``, so the activation is not
+    held twice while it waits for its backward), and its gradient is taken by a hook registered
+    before the module runs, which autograd calls with the gradient of the values as received
+    even when the module changes them in place. ``copy``: enter a copy, leaving ``received``
+    intact for a later recompute (PipeDream without weight stashing)."""
+    inputs, cells = [], []
+    for t in received:
+        cell: list = []
+        if t.is_floating_point():
+            t = (t.clone() if copy else t).detach()
+            t.sub_(torch.zeros((), dtype=t.dtype, requires_grad=True))
+            t.register_hook(cell.append)
+        inputs.append(t)
+        cells.append(cell)
+    return inputs, cells
 
 
 def _describe(config) -> str:

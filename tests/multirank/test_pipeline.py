@@ -112,3 +112,11 @@ def test_schedules_built_with_other_micro_batch_counts_are_a_config_error():
     _, out = run_ranks(2, "pipeline_edges", "mismatch", env={**_env("zmq"), "COMMRT_COMM_TIMEOUT_S": "60"},
                        timeout_s=45)
     assert out.count("OK mismatch\n") == 2, out[-3000:]
+
+
+def test_a_stage_that_modifies_its_received_input_in_place_trains_like_a_single_process():
+    """Stage 1 starts with nn.ReLU(inplace=True): the received activation was an autograd leaf,
+    and in-place on a leaf that requires grad is a RuntimeError that one process never meets."""
+    _, out = run_ranks(2, "pipeline_edges", "inplace", env=_env("zmq"), timeout_s=60)
+    for kind in ("gpipe", "1f1b"):
+        assert out.count(f"OK inplace {kind}\n") == 2, out[-3000:]

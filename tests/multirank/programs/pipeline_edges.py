@@ -122,6 +122,35 @@ def layouts(rank: int, kind: str, m: int) -> None:
     print(f"OK layouts {kind} m={m}", flush=True)
 
 
+def inplace_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                         nn.Linear(16, 4))
+
+
+def inplace(rank: int, kind: str) -> None:
+    """Stage 1 starts with ``nn.ReLU(inplace=True)`` (a cut where a torchvision-style model often
+    has one): it modifies the activation it received in place, which a single process allows.
+    Parameters after two steps equal a single process's."""
+    module = inplace_model()[:1] if rank == 0 else inplace_model()[1:]
+    sched = {"gpipe": GPipe, "1f1b": OneFOneB}[kind](PipelineStage(module, rank, 2), 3, nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    ref = inplace_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for s in range(2):
+        x, y = data(s)
+        opt.zero_grad()
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    want = dict(ref.named_parameters())
+    for name, p in module.named_parameters():
+        assert_equal(p.detach(), want[name].detach(), f"inplace {kind} {name}")
+    print(f"OK inplace {kind}", flush=True)
+
+
 class _Boom(torch.autograd.Function):
     """Identity whose backward raises: a stage that fails in its backward."""
 
@@ -203,6 +232,9 @@ def main() -> int:
     if mode == "layouts":
         for kind, m in (("gpipe", 4), ("1f1b", 3)):
             layouts(rank, kind, m)
+    elif mode == "inplace":
+        for kind in ("gpipe", "1f1b"):
+            inplace(rank, kind)
     elif mode == "fails":
         for case in sys.argv[2:]:
             bad, where = case.split(":")
