@@ -6,14 +6,15 @@ schedules disagree.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 from torch import nn
 
 import commrt
-from commrt.pipeline import GPipe, OneFOneB, PipelineStage, StageFailed
-from commrt.runtime.errors import ConfigError
+from commrt.pipeline import GPipe, OneFOneB, PipelineStage, StageFailed, recv_tensors
+from commrt.runtime.errors import ConfigError, PeerLost
 from tests.multirank.programs.common import assert_equal, init
 
 LR = 0.1
@@ -226,6 +227,28 @@ def mismatch(rank: int) -> None:
     print("OK mismatch", flush=True)
 
 
+def die_in_subgroup(rank: int) -> None:
+    """A pipeline on ranks [0, 2] of 3 (a subgroup, as a device mesh's "pp" groups are): rank 2
+    dies mid-step; rank 0's PeerLost must name global rank 2 (its group rank is 1, another rank)."""
+    group = commrt.new_group([0, 2])
+    if rank == 1:  # not in the pipeline: alive until rank 0 is done, then gone without a goodbye
+        commrt.recv(torch.zeros(1), src=0)
+        os._exit(0)
+    stage = PipelineStage(nn.Linear(6, 6), rank // 2, 2, group=group)
+    sched = OneFOneB(stage, 4, nn.functional.mse_loss)
+    if rank == 2:
+        recv_tensors(0, group, 2)  # die once the first activation is in (the channels' first message is split)
+        os._exit(3)
+    try:
+        sched.step(torch.randn(8, 6))
+    except PeerLost as exc:
+        assert exc.rank == 2, exc
+        print(f"OK subgroup peer lost {exc.rank}", flush=True)
+    finally:
+        commrt.send(torch.zeros(1), dst=1)
+    os._exit(0)  # no OK printed if the step finished although stage 1 died
+
+
 def main() -> int:
     rank, world = init()
     mode = sys.argv[1]
@@ -239,6 +262,8 @@ def main() -> int:
         for case in sys.argv[2:]:
             bad, where = case.split(":")
             fails(rank, world, int(bad), where)
+    elif mode == "die_in_subgroup":
+        die_in_subgroup(rank)
     elif mode == "mismatch":
         mismatch(rank)
     commrt.destroy_process_group()
