@@ -76,6 +76,8 @@ class PipelineSchedule:
         self.num_microbatches, self.loss_fn, self.actions = num_microbatches, loss_fn, actions
         any_stage = stages[0]
         self.num_stages, self.group = any_stage.num_stages, any_stage.group
+        if loss_fn is None and self.num_stages - 1 in self.stages:
+            raise ConfigError(f"stage {self.num_stages - 1} is the last: its schedule needs a loss_fn(output, target)")
         if len(actions) != any_stage.group_size:
             raise ConfigError(f"schedule has {len(actions)} ranks, the group {any_stage.group_size}")
         validate(actions)
@@ -165,6 +167,9 @@ class PipelineSchedule:
             return None
         if not tensors:
             raise ConfigError(f"stage {stage} needs its {what} in step()")
+        if len({t.shape[0] if t.dim() else -1 for t in tensors}) > 1 or not tensors[0].dim():
+            raise ConfigError(f"{what}: every tensor needs the same number of rows (dimension 0) to be cut into "
+                              f"micro-batches alike; got shapes {[tuple(t.shape) for t in tensors]}")
         per = self.num_microbatches // self._batches  # PipeDream: several batches, each split alike
         parts = [[q for b in torch.tensor_split(t, self._batches) for q in torch.tensor_split(b, per)]
                  for t in tensors]
@@ -269,6 +274,10 @@ class PipelineSchedule:
             slot.inputs, slot.cells = _entries(slot.received, self._copy_inputs)
         out = self._call(stage, mb, slot)
         slot.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        bad = next((i for i, o in enumerate(slot.outputs) if not isinstance(o, torch.Tensor)), None)
+        if bad is not None and stage < self.num_stages - 1:  # said here, not as an AttributeError in the send
+            raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is {type(slot.outputs[bad]).__name__}, "
+                              f"not a tensor; a stage that sends returns a tensor or a tuple of tensors")
         if stage == self.num_stages - 1:
             self._outs[mb] = slot.outputs[0].detach()
             (tgt,) = self._targets[mb]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from commrt.pipeline.runtime import PipelineSchedule, _Slot
-from commrt.runtime.errors import ProtocolError
+from commrt.runtime.errors import ConfigError, ProtocolError
 
 
 class _Stage:
@@ -86,3 +86,43 @@ def test_a_failing_send_alone_is_still_raised(monkeypatch):
     sched = _middle_stage_schedule(monkeypatch, lambda s, a: s._sends.append(_FailingSend()))
     with pytest.raises(ProtocolError, match="peer closed"):
         sched.step()
+
+
+def _first_stage_schedule(module, num_microbatches=2):
+    """Stage 0 of 2, as step() leaves it before its first action."""
+    sched = PipelineSchedule.__new__(PipelineSchedule)
+    sched.stages, sched.num_stages, sched.num_microbatches, sched._batches = {0: _Stage(module)}, 2, num_microbatches, 1
+    sched._slots, sched.peak_in_flight, sched._copy_inputs = {}, {0: 0}, False
+    return sched
+
+
+@pytest.mark.parametrize("tensors,shapes", [
+    ((torch.ones(8, 3), torch.ones(6, 3)), r"\[\(8, 3\), \(6, 3\)\]"),  # the mask was cut at other rows
+    ((torch.ones(8, 3), torch.tensor(2.0)), r"\[\(8, 3\), \(\)\]"),  # a scalar has no rows to cut
+])
+def test_step_inputs_with_different_rows_are_a_config_error(tensors, shapes):
+    """A second input of other rows was cut silently: micro-batch i of x went with rows of the
+    other tensor that belong to micro-batch j."""
+    sched = _first_stage_schedule(torch.nn.Identity())
+    with pytest.raises(ConfigError, match=r"inputs: every tensor needs the same number of rows .*" + shapes):
+        sched._chunks(tensors, 0, "inputs")
+
+
+@pytest.mark.parametrize("bad,kind", [(None, "NoneType"), (3, "int")])
+def test_a_stage_output_that_is_not_a_tensor_is_a_config_error_naming_stage_and_micro_batch(bad, kind):
+    """It failed later, in the send, as an AttributeError ('NoneType' object has no attribute 'detach')."""
+    sched = _first_stage_schedule(lambda x: (x * 2, bad))
+    sched._inputs = sched._chunks((torch.ones(4, 3),), 0, "inputs")
+    with pytest.raises(ConfigError, match=rf"stage 0, micro-batch 1: output 1 is {kind}, not a tensor"):
+        sched._forward(0, 1)
+
+
+def test_a_schedule_holding_the_last_stage_needs_a_loss_fn(monkeypatch):
+    """Without one, the first forward of the last stage failed with 'NoneType' object is not callable."""
+    from commrt.pipeline import runtime, schedules
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda group=None: 1)
+
+    class Stage:
+        stage_index, num_stages, group, group_size, module = 1, 2, None, 2, torch.nn.Identity()
+    with pytest.raises(ConfigError, match="stage 1 is the last: its schedule needs a loss_fn"):
+        PipelineSchedule([Stage()], 2, None, schedules.gpipe_actions(2, 2))
