@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from commrt import distributed as dist
-from commrt.runtime.errors import CommError, ConfigError, PeerLost, ProtocolError
-from commrt.pipeline import data_parallel
+from commrt.runtime.errors import ConfigError, ProtocolError
+from commrt.pipeline import data_parallel, notices
 from commrt.pipeline import schedules as S
 from commrt.pipeline.channels import Channels
 from commrt.pipeline.timeline import WAIT, Timeline
@@ -41,23 +41,6 @@ class _Slot:
     grads_out: list | None = None  # gradients of the outputs, received from the next stage
     grads_in: list | None = None  # gradients of the inputs, for the previous stage
     extra: dict = field(default_factory=dict)  # what a subclass keeps per micro-batch
-
-
-LOST = 1 << 39  # metadata (LOST, rank) in place of a micro-batch's: "rank is gone, stop"
-FAILED = LOST + 1  # (FAILED, rank) and the error's text: "rank's step raised, stop"
-NOTE_BYTES = 512  # of that text
-
-
-class StageFailed(CommError):
-    """Another rank's pipeline step raised while its process lives on (its user caught the
-    error): names that rank (``rank``), what it ran and its error (``reason``), the action this
-    rank was at (``op``) and the neighbour that passed the notice on (``reported_by``; None when
-    the failed rank told this one itself)."""
-
-    def __init__(self, rank: int, op: str, reason: str, reported_by: int | None = None):
-        self.rank, self.op, self.reason, self.reported_by = rank, op, reason, reported_by
-        via = "" if reported_by is None else f" (reported by rank {reported_by})"
-        super().__init__(f"pipeline rank {rank} failed: {reason}; seen during {op}{via}")
 
 
 def _tag(dst_stage: int, forward: bool) -> int:
@@ -133,8 +116,8 @@ class PipelineSchedule:
                 self._run(a)
         except BaseException as exc:
             failed = exc
-            if isinstance(exc, Exception):
-                self._tell_neighbours(exc)
+            if isinstance(exc, Exception):  # the ranks waiting on this one raise now, not at their deadline
+                notices.tell(self._chan, self._send_plan, exc, self._current, self._sends)
             self._chan.forget()
             raise
         finally:
@@ -210,11 +193,11 @@ class PipelineSchedule:
         t0 = time.perf_counter()
         meta, tensors = self._chan.take(src_rank, _tag(a.stage, fwd))
         self.timeline.add(WAIT, a.stage, a.mb, t0, time.perf_counter())
-        if len(meta) == 2 and meta[0] in (LOST, FAILED):
-            raise self._notice(a, src_rank, meta, tensors)
+        if notices.is_notice(meta):
+            raise notices.error_of(a, src_rank, meta, tensors)
         if tuple(meta[2:]) != self._config:
-            raise ConfigError(f"rank {dist.get_rank()} runs {_describe(self._config)} a step, but stage {src} "
-                              f"on rank {src_rank} sent micro-batch {meta[1]} of {_describe(meta[2:])}: every "
+            raise ConfigError(f"rank {dist.get_rank()} runs {notices.describe(self._config)} a step, but stage {src} "
+                              f"on rank {src_rank} sent micro-batch {meta[1]} of {notices.describe(meta[2:])}: every "
                               f"rank's schedule must be built with the same counts")
         if tuple(meta[:2]) != (src, a.mb):
             raise ProtocolError(f"stage {a.stage} ({a}) expected micro-batch {a.mb} from stage {src}, got "
@@ -224,46 +207,6 @@ class PipelineSchedule:
             slot.received = tensors
         else:
             slot.grads_out = tensors
-
-    @staticmethod
-    def _notice(a: S.Action, src_rank: int, meta: tuple, tensors: list) -> CommError:
-        """The error a neighbour's notice (LOST or FAILED) names."""
-        rank, op = meta[1], f"pipeline {a} on rank {dist.get_rank()}"
-        if meta[0] == LOST:
-            return PeerLost(rank, op, 0, f"reported by rank {src_rank}", reported_by=src_rank)
-        text = bytes(tensors[0].numpy()).decode("utf-8", "replace") if tensors else "(no reason given)"
-        return StageFailed(rank, op, text, None if src_rank == rank else src_rank)
-
-    def _tell_neighbours(self, exc: Exception) -> None:
-        """Tell every rank still owed a message this step why none will come, on the channel it
-        waits on, so it raises at once (and tells its own neighbours) instead of waiting out its
-        deadline: the relay the collectives do with their ABORT header. A lost rank is named as
-        lost (PeerLost), a failed one with its error (StageFailed); neither the rank named nor the
-        one that told this one is told. A channel owed nothing more gets nothing: the neighbour
-        is not waiting there, and a notice would be the first message of its next step. Best
-        effort: a neighbour that is gone too is only logged."""
-        named = exc.rank if isinstance(exc, (PeerLost, StageFailed)) else None
-        skip = {named, getattr(exc, "reported_by", None)}
-        owed = [chan for chan, n in self._send_plan.items() if chan[0] not in skip and self._chan.sent(*chan) < n]
-        if not owed:
-            return
-        if named is None:
-            meta, reason = (FAILED, dist.get_rank()), f"{self._current or 'step()'} raised {type(exc).__name__}: {exc}"
-        else:
-            meta, reason = (LOST if isinstance(exc, PeerLost) else FAILED, named), getattr(exc, "reason", "")
-        note = [torch.frombuffer(bytearray(reason.encode()[:NOTE_BYTES]), dtype=torch.uint8)] if meta[0] == FAILED else []
-        posted = []
-        for dst, tag in owed:  # all posted before any is waited: a neighbour reads only the first it meets
-            try:
-                posted.append((dst, self._chan.send(note, dst, tag, meta)))
-            except Exception as err:  # that neighbour is gone as well (gloo raises RuntimeError)
-                log.warning("could not tell rank %d that the pipeline step failed (%r): %r", dst, exc, err)
-        for dst, handle in posted:
-            self._sends.append(handle)
-            try:  # its first message lands in a receive posted at the step's start; over gloo, which
-                handle.works[0].wait()  # sends only into a posted receive, the rest waits for the reader
-            except Exception as err:
-                log.warning("could not tell rank %d that the pipeline step failed (%r): %r", dst, exc, err)
 
     # -- computation -------------------------------------------------------------------------
     def _forward(self, stage: int, mb: int) -> None:
@@ -334,13 +277,6 @@ def _entries(received: list, copy: bool) -> tuple[list, list]:
         inputs.append(t)
         cells.append(cell)
     return inputs, cells
-
-
-def _describe(config) -> str:
-    """``(micro-batches, stages, batches)`` in words."""
-    config = tuple(config) + ("?",) * (3 - len(config))
-    return (f"{config[0]} micro-batches over {config[1]} stages"
-            + ("" if config[2] == 1 else f" in {config[2]} batches"))
 
 
 def _check_grads(stage: int, mb: int, outputs: list, grads: list) -> None:
