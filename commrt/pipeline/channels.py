@@ -17,9 +17,9 @@ Both ends remember that layout, so both know the next message's exact size befor
   payloads on the side tag, posted as soon as the header is in (``pump``).
 
 Each (peer, tag) is first-in-first-out in both transports, the side tag too, and both ends open
-a channel's messages in order, so the two agree on which message index they are at. The memory
-is one step's: a step that fails forgets it on this rank (``forget``); the ranks of a failed
-step are not expected to carry on together.
+a channel's messages in order, so the two agree on which message index they are at. A step that
+fails leaves receives posted and messages in flight, which no later step could tell from its
+own: the schedule refuses to run another (runtime.py).
 """
 from __future__ import annotations
 
@@ -108,10 +108,6 @@ class Channels:
         self._queue: dict[tuple[int, int], list[_Msg]] = {}
         self._opened: dict[tuple[int, int], int] = {}
         self._spare: list[tuple[object, torch.Tensor]] = []  # (send's work, its packed buffer)
-
-    def forget(self) -> None:
-        self._sent.clear()
-        self._got.clear()
 
     def begin(self, plan: list[tuple[int, int]]) -> None:
         """Start a step: post every receive of ``plan`` ((source, tag) in the order taken)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from commrt import distributed as dist
-from commrt.runtime.errors import ConfigError, ProtocolError
+from commrt.runtime.errors import CommError, ConfigError, ProtocolError
 from commrt.pipeline import data_parallel, notices
 from commrt.pipeline import schedules as S
 from commrt.pipeline.channels import Channels
@@ -79,6 +79,7 @@ class PipelineSchedule:
         # instead of waiting for a micro-batch this rank never sends
         self._config = (num_microbatches, self.num_stages, self._batches)
         self._current: S.Action | None = None  # the action running, for a failure's notice
+        self._failed: BaseException | None = None  # what stopped a step: no step runs after it
         self._backwards = {s: sum(1 for a in self.rank_actions if a.stage == s and a.kind == S.B) for s in self.stages}
         self.timeline = Timeline()
         self._chan = Channels(self.group)  # remembers each message's layout from step to step
@@ -98,6 +99,10 @@ class PipelineSchedule:
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
         """Run every action of this rank; returns the last stage's outputs, concatenated."""
+        if self._failed is not None:
+            raise CommError(f"an earlier step failed ({self._failed!r}); its receives are still posted and its "
+                            "messages in flight on this group, so a later step would take them for its own: "
+                            "build the schedule on a new group (commrt.new_group) to go on")
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._sends, self._outs, self._losses = [], {}, losses
         self.peak_in_flight = {s: 0 for s in self.stages}
@@ -118,7 +123,7 @@ class PipelineSchedule:
             failed = exc
             if isinstance(exc, Exception):  # the ranks waiting on this one raise now, not at their deadline
                 notices.tell(self._chan, self._send_plan, exc, self._current, self._sends)
-            self._chan.forget()
+            self._failed = exc
             raise
         finally:
             self._wait_sends(failed)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from commrt.pipeline.runtime import PipelineSchedule, _Slot
-from commrt.runtime.errors import ConfigError, ProtocolError
+from commrt.runtime.errors import CommError, ConfigError, ProtocolError
 
 
 class _Stage:
@@ -56,14 +56,11 @@ class _NoChannels:
     def begin(self, plan):
         pass
 
-    def forget(self):
-        pass
-
 
 def _middle_stage_schedule(monkeypatch, run):
     """Stage 1 of 3 (no inputs, no target), no receives; ``run(sched, action)`` is each action."""
     sched = PipelineSchedule.__new__(PipelineSchedule)
-    sched._chan = _NoChannels()
+    sched._chan, sched._failed = _NoChannels(), None
     sched.stages, sched.num_stages, sched.num_microbatches, sched.group = {1: None}, 3, 1, None
     sched._recv_plan, sched._send_plan, sched._backwards, sched.rank_actions = [], {}, {}, ["an action"]
     monkeypatch.setattr(sched, "_run", lambda a: run(sched, a), raising=False)
@@ -80,6 +77,23 @@ def test_a_failing_send_does_not_replace_the_steps_original_error(monkeypatch):
     with pytest.raises(ValueError, match="the stage's forward failed") as info:
         sched.step()
     assert any("a pipeline send also failed" in n and "peer closed" in n for n in info.value.__notes__)
+
+
+def test_no_step_runs_after_a_failed_one(monkeypatch):
+    """The failed step's receives stay posted and its messages in flight: a later step took them
+    for its own ('expected micro-batch 0 from stage 0, got stage 0 micro-batch 1' with real ranks)."""
+    ran = []
+
+    def run(sched, a):
+        ran.append(a)
+        raise ValueError("the stage's forward failed")
+    sched = _middle_stage_schedule(monkeypatch, run)
+    with pytest.raises(ValueError):
+        sched.step()
+    with pytest.raises(CommError, match=r"an earlier step failed \(ValueError\(\"the stage's forward failed"
+                                        r"\"\)\).*new group"):
+        sched.step()
+    assert len(ran) == 1
 
 
 def test_a_failing_send_alone_is_still_raised(monkeypatch):

@@ -14,7 +14,7 @@ from torch import nn
 
 import commrt
 from commrt.pipeline import GPipe, OneFOneB, PipelineStage, StageFailed, recv_tensors
-from commrt.runtime.errors import ConfigError, PeerLost
+from commrt.runtime.errors import CommError, ConfigError, PeerLost
 from tests.multirank.programs.common import assert_equal, init
 
 LR = 0.1
@@ -207,6 +207,11 @@ def fails(rank: int, world: int, bad: int, where: str) -> None:
         told_by = rank + 1 if rank < bad else rank - 1  # its neighbour on the way to the failed rank
         assert rank != bad and exc.rank == bad and want in str(exc), exc
         assert exc.reported_by == (None if told_by == bad else told_by), (exc, exc.reported_by)
+    try:  # the failed step's receives stay posted and its messages in flight: no step after it
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        raise AssertionError(f"rank {rank}: a step ran after a failed one")
+    except CommError as exc:
+        assert "an earlier step failed" in str(exc) and ("exploded" in str(exc) or "rows" in str(exc)), exc
     commrt.barrier()  # the failing rank stays until every other has seen the failure
     print(f"OK fails {bad} {where}", flush=True)
 
