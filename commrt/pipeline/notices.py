@@ -54,8 +54,10 @@ def tell(chan, send_plan: dict, exc: Exception, current, sends: list) -> None:
     the step sends there) that ``chan`` (channels.Channels) has not sent them all on, except to
     the rank it names and the one that told this one; ``current``: the action that raised.
     The handles go to ``sends``. Best effort: a neighbour gone too is only logged."""
+    if not send_plan:
+        return
     named = exc.rank if isinstance(exc, (PeerLost, StageFailed)) else None
-    skip = {named, getattr(exc, "reported_by", None)}
+    skip = {named, getattr(exc, "reported_by", None), dist.get_rank()}
     owed = [ch for ch, n in send_plan.items() if ch[0] not in skip and chan.sent(*ch) < n]
     if not owed:
         return
