@@ -1,8 +1,8 @@
-"""Pipeline edges with real ranks (2 stages): layouts that change between steps and between
-micro-batches, against a single-process reference; a stage that raises mid-step; ranks whose
-schedules disagree.
+"""Pipeline edges with real ranks: layouts that change between steps and between micro-batches,
+and a stage that modifies its input in place, against a single-process reference; a stage that
+raises mid-step; ranks whose schedules disagree; a dead stage of a pipeline subgroup.
 
-``pipeline_edges [layouts|raise|mismatch] ...``; every check prints 'OK <case>' or raises.
+``pipeline_edges <case> [<case> ...]`` (see main); every check prints 'OK <case>' or raises.
 """
 from __future__ import annotations
 
@@ -255,22 +255,26 @@ def die_in_subgroup(rank: int) -> None:
 
 
 def main() -> int:
+    """Runs each case named on the command line, in order: ``layouts``, ``inplace``, ``mismatch``,
+    ``fails=<rank>:<where>``, ``die_in_subgroup`` (one launch for several: each costs seconds)."""
     rank, world = init()
-    mode = sys.argv[1]
-    if mode == "layouts":
-        for kind, m in (("gpipe", 4), ("1f1b", 3)):
-            layouts(rank, kind, m)
-    elif mode == "inplace":
-        for kind in ("gpipe", "1f1b"):
-            inplace(rank, kind)
-    elif mode == "fails":
-        for case in sys.argv[2:]:
-            bad, where = case.split(":")
+    for case in sys.argv[1:]:
+        mode, _, arg = case.partition("=")
+        if mode == "layouts":
+            for kind, m in (("gpipe", 4), ("1f1b", 3)):
+                layouts(rank, kind, m)
+        elif mode == "inplace":
+            for kind in ("gpipe", "1f1b"):
+                inplace(rank, kind)
+        elif mode == "fails":
+            bad, where = arg.split(":")
             fails(rank, world, int(bad), where)
-    elif mode == "die_in_subgroup":
-        die_in_subgroup(rank)
-    elif mode == "mismatch":
-        mismatch(rank)
+        elif mode == "die_in_subgroup":
+            die_in_subgroup(rank)
+        elif mode == "mismatch":
+            mismatch(rank)
+        else:
+            raise ValueError(f"unknown case {case!r}")
     commrt.destroy_process_group()
     return 0
 
