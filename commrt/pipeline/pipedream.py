@@ -63,7 +63,7 @@ class PipeDream(PipelineSchedule):
         return out
 
     def _chunks(self, tensors, stage: int, what: str):
-        if stage in self.stages and tensors and tensors[0].shape[0] % self.num_batches:
+        if stage in self.stages and tensors and tensors[0].dim() and tensors[0].shape[0] % self.num_batches:
             raise ConfigError(f"PipeDream: {what} has {tensors[0].shape[0]} rows, not {self.num_batches} "
                               f"equal batches")
         return super()._chunks(tensors, stage, what)
