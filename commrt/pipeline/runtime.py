@@ -98,7 +98,8 @@ class PipelineSchedule:
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
-        """Run every action of this rank; returns the last stage's outputs, concatenated."""
+        """Run every action of this rank; returns the last stage's outputs, concatenated (stacked
+        when each micro-batch's is a scalar)."""
         if self._failed is not None:
             raise CommError(f"an earlier step failed ({self._failed!r}); its receives are still posted and its "
                             "messages in flight on this group, so a later step would take them for its own: "
@@ -128,8 +129,9 @@ class PipelineSchedule:
         finally:
             self._wait_sends(failed)
             self.timeline.finish()
-        if self._outs:
-            return torch.cat([self._outs[m] for m in sorted(self._outs)])
+        if self._outs:  # one value per micro-batch (a last stage computing its own loss) is stacked
+            outs = [self._outs[m] for m in sorted(self._outs)]
+            return torch.cat(outs) if outs[0].dim() else torch.stack(outs)
         return None
 
     def _wait_sends(self, failed: BaseException | None) -> None:

@@ -140,3 +140,25 @@ def test_a_schedule_holding_the_last_stage_needs_a_loss_fn(monkeypatch):
         stage_index, num_stages, group, group_size, module = 1, 2, None, 2, torch.nn.Identity()
     with pytest.raises(ConfigError, match="stage 1 is the last: its schedule needs a loss_fn"):
         PipelineSchedule([Stage()], 2, None, schedules.gpipe_actions(2, 2))
+
+
+def test_a_last_stage_returning_a_scalar_per_micro_batch_returns_them_stacked(monkeypatch):
+    """A last stage that computes its own loss (loss_fn passes it on) returns a 0-dim tensor per
+    micro-batch; step() trained, then failed in torch.cat ('zero-dimensional tensor ... cannot
+    be concatenated') after every gradient was in."""
+    from commrt.pipeline import runtime, schedules
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda group=None: 0)
+    model = torch.nn.Linear(3, 1)
+
+    class Stage:
+        stage_index, num_stages, group, group_size = 0, 1, None, 1
+        module = staticmethod(lambda x, model=model: model(x).pow(2).mean())
+
+        def rank_of(self, stage):
+            return 0
+    sched = PipelineSchedule([Stage()], 2, lambda out, target: out, schedules.gpipe_actions(1, 2))
+    x = torch.arange(12.0).reshape(4, 3)
+    out = sched.step(x, target=torch.zeros(4))
+    want = torch.stack([model(x[:2]).pow(2).mean(), model(x[2:]).pow(2).mean()]).detach()
+    assert out.shape == (2,) and torch.allclose(out, want), (out, want)
+    assert model.weight.grad is not None
