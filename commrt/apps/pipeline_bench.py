@@ -18,7 +18,7 @@ import torch
 
 import commrt
 from commrt.runtime.errors import ConfigError
-from commrt.apps.pipeline_model import batch, build, make_model
+from commrt.apps.pipeline_model import batch, build, loss, make_model
 from commrt.pipeline.timeline import theory_bubble
 
 KINDS = ("gpipe", "1f1b", "interleaved", "pipedream")
@@ -28,7 +28,7 @@ def _single(model, opt, data) -> None:
     """The reference: the unsplit model on the whole batch, in this process alone."""
     for x, y in data:
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
 
 

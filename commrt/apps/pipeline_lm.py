@@ -93,7 +93,7 @@ def train(args, log) -> None:
 
     def data(step):
         x, y = batch(step, args.rows, args.seq, args.vocab)
-        return x.chunk(args.dp)[replica], y.view(args.rows, -1).chunk(args.dp)[replica].reshape(-1)
+        return x.chunk(args.dp)[replica], y.chunk(args.dp)[replica]
     if args.schedule == "pipedream":
         train_pipedream(args, log, sched, data, first, last)
         if args.timeline:

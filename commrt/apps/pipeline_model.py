@@ -31,10 +31,18 @@ def make_model(vocab: int, dim: int, blocks: int) -> nn.Sequential:
 
 
 def batch(step: int, rows: int, seq: int, vocab: int):
+    """(tokens, next tokens), both [rows, seq]: the target keeps its rows so a schedule cuts it into
+    micro-batches where it cuts the tokens (flattened, it was cut at other rows whenever the
+    micro-batches do not divide the rows; ``loss`` flattens it)."""
     g = torch.Generator().manual_seed(step)
     start = torch.randint(0, vocab, (rows, 1), generator=g)
     tokens = (start + torch.arange(seq + 1)) % vocab
-    return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``Flat``'s [rows * seq, vocab] logits against [rows, seq] tokens."""
+    return nn.functional.cross_entropy(logits, target.reshape(-1))
 
 
 def wrap_replicas(part: nn.Module, args, dp_group):
@@ -58,12 +66,11 @@ def build(args, schedule: str, pp_group=None, dp_group=None, num_batches: int = 
     if how == "time":  # one micro-batch of the first batch, the loss on the last layer
         x, y = batch(0, args.rows, args.seq, args.vocab)
         rows = max(1, args.rows // args.microbatches)
-        parts = split(model, n, by="time", sample=x[:rows], loss_fn=nn.functional.cross_entropy,
-                      target=y[:rows * args.seq])
+        parts = split(model, n, by="time", sample=x[:rows], loss_fn=loss, target=y[:rows])
     else:
         parts = split(model, n, by=how)
     stages = [PipelineStage(wrap_replicas(parts[s], args, dp_group), s, n, pp_group) for s in range(rank, n, ranks)]
-    loss_fn = nn.functional.cross_entropy
+    loss_fn = loss
     if schedule == "pipedream":
         sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=num_batches)
     else:

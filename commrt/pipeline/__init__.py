@@ -9,8 +9,9 @@ __all__ = ["Action", "format_grid", "gpipe_actions", "one_f_one_b_actions", "int
            "pipedream_actions", "ScheduleError", "validate"]
 from commrt.pipeline.p2p import P2POp, batch_isend_irecv, isend_tensors, recv_tensors
 from commrt.pipeline.pipedream import PipeDream
+from commrt.pipeline.notices import StageFailed
 from commrt.pipeline.runtime import GPipe, Interleaved1F1B, OneFOneB, PipelineSchedule
 from commrt.pipeline.stage import PipelineStage, split
 
 __all__ += ["P2POp", "batch_isend_irecv", "isend_tensors", "recv_tensors", "PipeDream", "GPipe",
-            "Interleaved1F1B", "OneFOneB", "PipelineSchedule", "PipelineStage", "split"]
+            "Interleaved1F1B", "OneFOneB", "PipelineSchedule", "PipelineStage", "StageFailed", "split"]

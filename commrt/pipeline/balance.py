@@ -19,7 +19,24 @@ from commrt import distributed as dist
 def layer_times(model: nn.Sequential, sample: torch.Tensor, loss_fn: Callable | None = None,
                 target: torch.Tensor | None = None, reps: int = 3) -> list[float]:
     """Median seconds of each layer's forward plus backward on ``sample`` (the last layer's
-    with ``loss_fn(output, target)`` when given); a warm-up pass first. Leaves no gradients."""
+    with ``loss_fn(output, target)`` when given); a warm-up pass first. Leaves no gradients, and
+    the model's buffers (BatchNorm's running statistics) and torch's random stream (dropout) as
+    they were: the timing passes must not make the training that follows differ from a run
+    that never timed."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        return _timed(model, sample, loss_fn, target, reps)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+        for p in model.parameters():
+            p.grad = None
+
+
+def _timed(model, sample, loss_fn, target, reps: int) -> list[float]:
     times: list[list[float]] = [[] for _ in model]
     last = len(model) - 1
     for rep in range(reps + 1):
@@ -36,8 +53,6 @@ def layer_times(model: nn.Sequential, sample: torch.Tensor, loss_fn: Callable | 
             if rep:
                 times[i].append(time.perf_counter() - start)
             x = out.detach()
-    for p in model.parameters():
-        p.grad = None
     return [statistics.median(t) for t in times]
 
 

@@ -8,7 +8,7 @@ a channel (peer, tag) in step s has, in a training loop, the layout message i ha
 Both ends remember that layout, so both know the next message's exact size before it is sent:
 
 * layout known on both ends (and at most ``COMBINE_MAX`` bytes): ONE message of exactly
-  ``frame_bytes(layout)``: a 64-byte prefix (flag, two metadata integers) and the payloads at
+  ``frame_bytes(layout)``: a 64-byte prefix (flag, up to six metadata integers) and the payloads at
   64-byte aligned offsets, which the receiver posted for the whole step at its start and reads
   as views, with no header to decode and no second receive;
 * the sender's layout differs from the remembered one (a batch of other rows): a message of the
@@ -17,9 +17,9 @@ Both ends remember that layout, so both know the next message's exact size befor
   payloads on the side tag, posted as soon as the header is in (``pump``).
 
 Each (peer, tag) is first-in-first-out in both transports, the side tag too, and both ends open
-a channel's messages in order, so the two agree on which message index they are at. The memory
-is one step's: a step that fails forgets it on this rank (``forget``); the ranks of a failed
-step are not expected to carry on together.
+a channel's messages in order, so the two agree on which message index they are at. A step that
+fails leaves receives posted and messages in flight, which no later step could tell from its
+own: the schedule refuses to run another (runtime.py).
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ from commrt import distributed as dist
 from commrt.runtime.errors import ProtocolError
 from commrt.pipeline.p2p import HEADER_BYTES, SendHandle, _bytes, decode_header, encode_header
 
-PREFIX = 64  # flag, reserved, two int64 metadata; payloads start 64-byte aligned
-_PREFIX = struct.Struct("<IIqq")
+PREFIX = 64  # flag, metadata count, up to six int64 metadata; payloads start 64-byte aligned
+META_MAX = 6
+_PREFIX = struct.Struct("<II6q")
 DATA, FALLBACK = 1, 2
 # up to one ring piece (chunk_bytes): packing 1 MiB (~24 us) costs less than a second message (~63 us
 # of the sender's, plus the receiver's header decode and late payload posting; issue 29)
@@ -53,12 +54,14 @@ def frame_bytes(layout: tuple) -> int:
     return PREFIX + sum(_align(torch.Size(shape).numel() * dtype.itemsize) for dtype, shape in layout)
 
 
-def pack_frame(tensors: list[torch.Tensor], meta: tuple[int, int], size: int, flag: int = DATA,
+def pack_frame(tensors: list[torch.Tensor], meta: tuple[int, ...], size: int, flag: int = DATA,
                buf: torch.Tensor | None = None) -> torch.Tensor:
     """One message of ``size`` bytes: the prefix, then (flag DATA) every tensor at its offset;
     written into ``buf`` (``size`` bytes, no longer in use) when given."""
+    if len(meta) > META_MAX:
+        raise ValueError(f"a pipeline message carries at most {META_MAX} metadata integers, got {len(meta)}")
     buf = torch.empty(size, dtype=torch.uint8) if buf is None else buf
-    _PREFIX.pack_into(buf.numpy(), 0, flag, 0, *meta)
+    _PREFIX.pack_into(buf.numpy(), 0, flag, len(meta), *meta, *(0,) * (META_MAX - len(meta)))
     off = PREFIX
     for t in tensors if flag == DATA else ():
         n = t.numel() * t.element_size()
@@ -68,17 +71,19 @@ def pack_frame(tensors: list[torch.Tensor], meta: tuple[int, int], size: int, fl
     return buf
 
 
-def unpack_frame(buf: torch.Tensor, layout: tuple) -> tuple[int, tuple[int, int], list[torch.Tensor]]:
+def unpack_frame(buf: torch.Tensor, layout: tuple) -> tuple[int, tuple[int, ...], list[torch.Tensor]]:
     """(flag, meta, tensors as views of ``buf``) of a message ``pack_frame`` wrote for ``layout``."""
-    flag, _, m0, m1 = _PREFIX.unpack_from(buf.numpy(), 0)
+    flag, count, *meta = _PREFIX.unpack_from(buf.numpy(), 0)
     if flag not in (DATA, FALLBACK):
         raise ProtocolError(f"pipeline message with unknown flag {flag}")
+    if count > META_MAX:
+        raise ProtocolError(f"pipeline message with {count} metadata integers (at most {META_MAX})")
     out, off = [], PREFIX
     for dtype, shape in layout if flag == DATA else ():
         n = torch.Size(shape).numel() * dtype.itemsize
         out.append(buf[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype))
         off += _align(n)
-    return flag, (m0, m1), out
+    return flag, tuple(meta[:count]), out
 
 
 class _Msg:
@@ -104,10 +109,6 @@ class Channels:
         self._opened: dict[tuple[int, int], int] = {}
         self._spare: list[tuple[object, torch.Tensor]] = []  # (send's work, its packed buffer)
 
-    def forget(self) -> None:
-        self._sent.clear()
-        self._got.clear()
-
     def begin(self, plan: list[tuple[int, int]]) -> None:
         """Start a step: post every receive of ``plan`` ((source, tag) in the order taken)."""
         self._out = {}
@@ -121,7 +122,7 @@ class Channels:
             q.append(_Msg(len(q), buf, dist.irecv(buf, src, self.group, tag), None if size == HEADER_BYTES else layout))
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, meta: tuple[int, int]) -> SendHandle:
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, meta: tuple[int, ...]) -> SendHandle:
         """Post the channel's next message; returns at once."""
         i = self._out.get((dst, tag), 0)
         self._out[(dst, tag)] = i + 1
@@ -139,6 +140,10 @@ class Channels:
             rest = self._split(sent, dst, tag + SIDE_TAG, tag + SIDE_TAG, meta)
             return SendHandle([work, *rest.works], [buf, *rest._keep])
         return self._split(sent, dst, tag, tag + SIDE_TAG, meta)
+
+    def sent(self, dst: int, tag: int) -> int:
+        """Messages posted on (dst, tag) this step."""
+        return self._out.get((dst, tag), 0)
 
     def _reuse(self, size: int) -> torch.Tensor | None:
         """A packed buffer of ``size`` bytes whose send is complete (its bytes are in the ring or

@@ -41,6 +41,7 @@ class PipeDream(PipelineSchedule):
             raise ConfigError("PipeDream does not take a DataParallel or engine-wrapped stage (its weight "
                               "versions bypass the wrapper's gradient hooks); use GPipe, OneFOneB or Interleaved1F1B")
         self._batches = num_batches
+        self._copy_inputs = not stash_weights  # its backward may recompute the forward on them
         self.micro, self.num_batches, self.lr, self.stash = num_microbatches, num_batches, lr, stash_weights
         self.staleness = max(1, math.ceil((stage.num_stages - 1) / num_microbatches))
         super().__init__([stage], num_microbatches * num_batches, loss_fn,
@@ -62,7 +63,7 @@ class PipeDream(PipelineSchedule):
         return out
 
     def _chunks(self, tensors, stage: int, what: str):
-        if stage in self.stages and tensors and tensors[0].shape[0] % self.num_batches:
+        if stage in self.stages and tensors and tensors[0].dim() and tensors[0].shape[0] % self.num_batches:
             raise ConfigError(f"PipeDream: {what} has {tensors[0].shape[0]} rows, not {self.num_batches} "
                               f"equal batches")
         return super()._chunks(tensors, stage, what)

@@ -11,6 +11,7 @@ loss the accumulated gradients equal the full batch's. Gradients accumulate in `
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from commrt import distributed as dist
-from commrt.runtime.errors import CommError, ConfigError, PeerLost, ProtocolError
-from commrt.pipeline import data_parallel
+from commrt.runtime.errors import CommError, ConfigError, ProtocolError
+from commrt.pipeline import data_parallel, notices
 from commrt.pipeline import schedules as S
 from commrt.pipeline.channels import Channels
 from commrt.pipeline.timeline import WAIT, Timeline
@@ -32,15 +33,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Slot:
     """One micro-batch on one stage, from its forward until its backward has sent its gradients."""
-    inputs: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)  # as the module gets them (_entries)
+    received: list = field(default_factory=list)  # the activations as received
+    cells: list = field(default_factory=list)  # per received tensor, its gradient once backward ran
     outputs: list = field(default_factory=list)
     loss: torch.Tensor | None = None
     grads_out: list | None = None  # gradients of the outputs, received from the next stage
     grads_in: list | None = None  # gradients of the inputs, for the previous stage
     extra: dict = field(default_factory=dict)  # what a subclass keeps per micro-batch
-
-
-LOST = 1 << 39  # metadata (LOST, rank) in place of (stage, micro-batch): "rank is gone, stop"
 
 
 def _tag(dst_stage: int, forward: bool) -> int:
@@ -52,12 +52,15 @@ def _tag(dst_stage: int, forward: bool) -> int:
 class PipelineSchedule:
     """Runs one rank's actions of ``actions`` (one list per group rank) over its ``stages``."""
     _batches = 1
+    _copy_inputs = False  # True: the module gets copies of what was received (a recompute needs it intact)
 
     def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn, actions):
         self.stages = {s.stage_index: s for s in stages}
         self.num_microbatches, self.loss_fn, self.actions = num_microbatches, loss_fn, actions
         any_stage = stages[0]
         self.num_stages, self.group = any_stage.num_stages, any_stage.group
+        if loss_fn is None and self.num_stages - 1 in self.stages:
+            raise ConfigError(f"stage {self.num_stages - 1} is the last: its schedule needs a loss_fn(output, target)")
         if len(actions) != any_stage.group_size:
             raise ConfigError(f"schedule has {len(actions)} ranks, the group {any_stage.group_size}")
         validate(actions)
@@ -70,6 +73,13 @@ class PipelineSchedule:
             data_parallel.check(st.module)
         self._recv_plan = [(self._peer_rank(a), _tag(a.stage, a.kind == S.RECV_F))
                            for a in self.rank_actions if a.kind in (S.RECV_F, S.RECV_B)]
+        self._send_plan = collections.Counter(self._send_dst(a) for a in self.rank_actions
+                                              if a.kind in (S.SEND_F, S.SEND_B))
+        # in every message: a peer built with other counts fails on its first receive (ConfigError)
+        # instead of waiting for a micro-batch this rank never sends
+        self._config = (num_microbatches, self.num_stages, self._batches)
+        self._current: S.Action | None = None  # the action running, for a failure's notice
+        self._failed: BaseException | None = None  # what stopped a step: no step runs after it
         self._backwards = {s: sum(1 for a in self.rank_actions if a.stage == s and a.kind == S.B) for s in self.stages}
         self.timeline = Timeline()
         self._chan = Channels(self.group)  # remembers each message's layout from step to step
@@ -80,40 +90,60 @@ class PipelineSchedule:
         """Global rank of the stage a receive action takes its message from."""
         return self.stages[a.stage].rank_of(a.stage - 1 if a.kind == S.RECV_F else a.stage + 1)
 
+    def _send_dst(self, a: S.Action) -> tuple[int, int]:
+        """(global rank, tag) a send action posts to."""
+        fwd = a.kind == S.SEND_F
+        dst = a.stage + 1 if fwd else a.stage - 1
+        return self.stages[a.stage].rank_of(dst), _tag(dst, fwd)
+
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
-        """Run every action of this rank; returns the last stage's outputs, concatenated."""
-        self._inputs = self._chunks(args, 0, "inputs")
-        self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
-        self._rows = None if target is None else target.shape[0]
+        """Run every action of this rank; returns the last stage's outputs, concatenated (stacked
+        when each micro-batch's is a scalar)."""
+        if self._failed is not None:
+            raise CommError(f"an earlier step failed ({self._failed!r}); its receives are still posted and its "
+                            "messages in flight on this group, so a later step would take them for its own: "
+                            "build the schedule on a new group (commrt.new_group) to go on")
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._sends, self._outs, self._losses = [], {}, losses
         self.peak_in_flight = {s: 0 for s in self.stages}
         self._backwards_left = dict(self._backwards)
         self.timeline = Timeline()
-        failed = None
+        self._current, failed = None, None
         try:
+            # receives first: a neighbour's sends of this step then complete over gloo (which sends
+            # only into a posted receive) even when this rank's inputs are refused just below
             self._chan.begin(self._recv_plan)
+            self._inputs = self._chunks(args, 0, "inputs")
+            self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
+            self._rows = None if target is None else target.shape[0]
             for a in self.rank_actions:
+                self._current = a
                 self._run(a)
         except BaseException as exc:
             failed = exc
-            if isinstance(exc, PeerLost):
-                self._abort(exc)
-            self._chan.forget()
+            if isinstance(exc, Exception):  # the ranks waiting on this one raise now, not at their deadline
+                notices.tell(self._chan, self._send_plan, exc, self._current, self._sends)
+            self._failed = exc
             raise
         finally:
             self._wait_sends(failed)
             self.timeline.finish()
-        if self._outs:
-            return torch.cat([self._outs[m] for m in sorted(self._outs)])
+        if self._outs:  # one value per micro-batch (a last stage computing its own loss) is stacked
+            outs = [self._outs[m] for m in sorted(self._outs)]
+            return torch.cat(outs) if outs[0].dim() else torch.stack(outs)
         return None
 
     def _wait_sends(self, failed: BaseException | None) -> None:
         """Wait for this step's sends. After a failure a send often fails too (the peer went
         away with it); raising that from step()'s ``finally`` would hide the cause, so it is
-        attached to the original error as a note and logged instead."""
+        attached to the original error as a note and logged instead. A send still pending then
+        is left to the transport (which holds its memory): its reader may have stopped too and
+        never take it, and over gloo, which sends only into a posted receive, waiting for it
+        would last the whole deadline."""
         for h in self._sends:
+            if failed is not None and not h.is_completed():
+                continue  # its reader may never take it (it stopped too); the transport keeps its memory
             try:
                 h.wait()
             except Exception as err:
@@ -127,6 +157,9 @@ class PipelineSchedule:
             return None
         if not tensors:
             raise ConfigError(f"stage {stage} needs its {what} in step()")
+        if len({t.shape[0] if t.dim() else -1 for t in tensors}) > 1 or not tensors[0].dim():
+            raise ConfigError(f"{what}: every tensor needs the same number of rows (dimension 0) to be cut into "
+                              f"micro-batches alike; got shapes {[tuple(t.shape) for t in tensors]}")
         per = self.num_microbatches // self._batches  # PipeDream: several batches, each split alike
         parts = [[q for b in torch.tensor_split(t, self._batches) for q in torch.tensor_split(b, per)]
                  for t in tensors]
@@ -156,10 +189,8 @@ class PipelineSchedule:
     def _send(self, a: S.Action) -> None:
         fwd = a.kind == S.SEND_F
         slot = self._slots[(a.stage, a.mb)]
-        dst = a.stage + 1 if fwd else a.stage - 1
         data = slot.outputs if fwd else slot.grads_in
-        rank = self.stages[a.stage].rank_of(dst)
-        self._sends.append(self._chan.send(data, rank, _tag(dst, fwd), (a.stage, a.mb)))
+        self._sends.append(self._chan.send(data, *self._send_dst(a), (a.stage, a.mb, *self._config)))
         if not fwd:
             del self._slots[(a.stage, a.mb)]  # the micro-batch is done on this stage
 
@@ -169,38 +200,34 @@ class PipelineSchedule:
         t0 = time.perf_counter()
         meta, tensors = self._chan.take(src_rank, _tag(a.stage, fwd))
         self.timeline.add(WAIT, a.stage, a.mb, t0, time.perf_counter())
-        if len(meta) == 2 and meta[0] == LOST:
-            raise PeerLost(meta[1], f"pipeline {a}", 0, f"reported by rank {src_rank}")
-        if meta != (src, a.mb):
+        if notices.is_notice(meta):
+            raise notices.error_of(a, src_rank, meta, tensors)
+        if tuple(meta[2:]) != self._config:
+            raise ConfigError(f"rank {dist.get_rank()} runs {notices.describe(self._config)} a step, but stage {src} "
+                              f"on rank {src_rank} sent micro-batch {meta[1]} of {notices.describe(meta[2:])}: every "
+                              f"rank's schedule must be built with the same counts")
+        if tuple(meta[:2]) != (src, a.mb):
             raise ProtocolError(f"stage {a.stage} ({a}) expected micro-batch {a.mb} from stage {src}, got "
-                                f"stage {meta[0] if meta else '?'} micro-batch {meta[1] if len(meta) > 1 else '?'}")
+                                f"stage {meta[0]} micro-batch {meta[1]}")
         slot = self._slots.setdefault((a.stage, a.mb), _Slot())
         if fwd:
-            slot.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+            slot.received = tensors
         else:
             slot.grads_out = tensors
-
-    def _abort(self, exc: PeerLost) -> None:
-        """Tell the neighbouring stages' ranks (not the lost one, nor the one that told us) that
-        ``exc.rank`` is gone, on every channel they may be waiting on, so each names it too: the
-        relay the collectives do with their ABORT header. Best effort."""
-        told_by = getattr(exc, "reason", "").rpartition("reported by rank ")[2]
-        skip = {exc.rank, int(told_by) if told_by.isdigit() else -1, dist.get_rank()}
-        for st in self.stages.values():
-            for dst, fwd in ((st.stage_index + 1, True), (st.stage_index - 1, False)):
-                if 0 <= dst < self.num_stages and st.rank_of(dst) not in skip:
-                    try:
-                        self._chan.send([], st.rank_of(dst), _tag(dst, fwd), (LOST, exc.rank)).wait()
-                    except CommError as err:  # that neighbour is gone as well
-                        log.warning("could not tell rank %d that rank %d is lost: %s", st.rank_of(dst), exc.rank, err)
 
     # -- computation -------------------------------------------------------------------------
     def _forward(self, stage: int, mb: int) -> None:
         slot = self._slots.setdefault((stage, mb), _Slot())
         if stage == 0:
             slot.inputs = list(self._inputs[mb])
+        else:
+            slot.inputs, slot.cells = _entries(slot.received, self._copy_inputs)
         out = self._call(stage, mb, slot)
         slot.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        bad = next((i for i, o in enumerate(slot.outputs) if not isinstance(o, torch.Tensor)), None)
+        if bad is not None and stage < self.num_stages - 1:  # said here, not as an AttributeError in the send
+            raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is {type(slot.outputs[bad]).__name__}, "
+                              f"not a tensor; a stage that sends returns a tensor or a tuple of tensors")
         if stage == self.num_stages - 1:
             self._outs[mb] = slot.outputs[0].detach()
             (tgt,) = self._targets[mb]
@@ -229,10 +256,34 @@ class PipelineSchedule:
             pairs = [(o, g) for o, g in zip(slot.outputs, slot.grads_out) if o.requires_grad and g.numel()]
             if pairs:  # the stage's last backward also reduces over its data-parallel replicas
                 data_parallel.backward(module, [o for o, _ in pairs], [g for _, g in pairs], sync=left == 0)
-        slot.grads_in = [t.grad if getattr(t, "grad", None) is not None else torch.empty(0) for t in slot.inputs]
+        slot.grads_in = [cell[0] if cell else torch.empty(0) for cell in slot.cells]
         slot.outputs, slot.loss, slot.grads_out = [], None, None  # free the activations now
         if stage == 0:
             del self._slots[(stage, mb)]
+
+
+def _entries(received: list, copy: bool) -> tuple[list, list]:
+    """The received activations as the stage's module gets them, and per tensor a cell that
+    its backward fills with the tensor's gradient (for the previous stage).
+
+    As an autograd leaf, a received tensor could not be modified in place (RuntimeError from an
+    ``nn.ReLU(inplace=True)`` first in the stage), which a single process allows. So a float
+    tensor enters the graph as a non-leaf: an in-place subtraction of a zero leaf (exact for
+    every value, -0.0 and NaN included; no copy, unlike ``clone()``, so the activation is not
+    held twice while it waits for its backward), and its gradient is taken by a hook registered
+    before the module runs, which autograd calls with the gradient of the values as received
+    even when the module changes them in place. ``copy``: enter a copy, leaving ``received``
+    intact for a later recompute (PipeDream without weight stashing)."""
+    inputs, cells = [], []
+    for t in received:
+        cell: list = []
+        if t.is_floating_point():
+            t = (t.clone() if copy else t).detach()
+            t.sub_(torch.zeros((), dtype=t.dtype, requires_grad=True))
+            t.register_hook(cell.append)
+        inputs.append(t)
+        cells.append(cell)
+    return inputs, cells
 
 
 def _check_grads(stage: int, mb: int, outputs: list, grads: list) -> None:

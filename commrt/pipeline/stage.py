@@ -58,6 +58,9 @@ class PipelineStage:
         if not 0 <= stage_index < num_stages or num_stages % self.group_size:
             raise ConfigError(f"stage {stage_index} of {num_stages} does not fit a group of {self.group_size} "
                               f"ranks (num_stages must be a multiple of it)")
+        if self.group_size == 1 and num_stages > 1:
+            raise ConfigError(f"{num_stages} stages on a group of 1 rank would send to itself, which the transports "
+                              f"refuse: run the model whole, or on a group of 2 or more ranks")
         if self.rank_of(stage_index) != dist.get_rank():
             raise ConfigError(f"stage {stage_index} belongs on rank {self.rank_of(stage_index)}, "
                               f"not rank {dist.get_rank()}")

@@ -59,3 +59,33 @@ def test_a_time_split_follows_measured_cost_not_parameters():
     assert all(p.grad is None for p in model.parameters())  # timing leaves no gradients behind
     with pytest.raises(ConfigError, match="needs a sample"):
         split(model, 2, by="time")
+
+
+def test_several_stages_on_a_group_of_one_rank_are_a_config_error(monkeypatch):
+    """Every transfer would be to the rank itself, which the transports refuse mid-step
+    ('recv: peer rank 0 is invalid (rank 0 of 1)'); one stage on one rank sends nothing."""
+    from commrt.pipeline import stage as st
+
+    class Group:
+        ranks = [0]
+    monkeypatch.setattr(st.dist, "get_world_group", lambda: Group())
+    monkeypatch.setattr(st.dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(st.dist, "get_rank", lambda group=None: 0)
+    st.PipelineStage(nn.Linear(2, 2), 0, 1)
+    with pytest.raises(ConfigError, match="2 stages on a group of 1 rank would send to itself"):
+        st.PipelineStage(nn.Linear(2, 2), 1, 2)
+
+
+def test_a_time_split_leaves_the_model_and_the_random_stream_as_they_were():
+    """Timing runs the layers forward and backward: BatchNorm's running statistics moved four
+    times and dropout drew four masks, so training after split(by="time") differed from the same
+    model trained in one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    sample = torch.randn(6, 4)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    split(model, 2, by="time", sample=sample)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers()), dict(model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
