@@ -57,7 +57,10 @@ class Sender:
     def progress(self, now: float) -> None:
         for queue in self._queues.values():
             while queue and self._push(queue[0], now):
-                self._draining.append(queue.popleft())
+                op = queue.popleft()
+                self._draining.append(op)
+                if queue and not op.work._done.is_set():  # the pipe moved: the next one waits from now
+                    queue[0].since = max(queue[0].since, now)
         self._draining = [op for op in self._draining if not self._drained(op, now)]
 
     def take(self, peer: int | None) -> tuple[list[Send], list[Send]]:
