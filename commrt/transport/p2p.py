@@ -263,8 +263,11 @@ class P2PEngine(CallerProgress):
         return Message(h._replace(nbytes=len(region), root=0), region)
 
     def _check_recvs(self, now: float) -> None:
-        for op, error in self._match.overdue(now, self._timeout_s, self._ep.live):
+        overdue = self._match.overdue(now, self._timeout_s, self._ep.live)
+        for op, error in overdue:
             op.work._finish(None, error)
+        if overdue:
+            self._reader.landed()  # a waiter queued for the socket sees its receive is done
 
     def _fail(self, op, error: BaseException) -> None:
         if not op.work._done.is_set():
@@ -286,6 +289,7 @@ class P2PEngine(CallerProgress):
                 queue.remove(op)
         for op in draining + posted:
             self._fail(op, error(op))
+        self._reader.landed()  # waiters queued for the socket (that the engine may never give back)
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self, timeout_s: float) -> bool:

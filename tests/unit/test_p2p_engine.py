@@ -1,0 +1,75 @@
+"""The point-to-point engine (transport/p2p.py) on real sockets in one process: two Endpoints on
+two Transports (two ZeroMQ contexts, as two processes would have), a PointToPoint on each."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from commrt.backends.zmq_p2p import PointToPoint
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import GroupClosed
+from commrt.transport import Endpoint, Transport
+from commrt.transport.p2p import P2PEngine
+from commrt.transport.progress import ENGINE
+
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def pair():
+    """(engine, PointToPoint) of ranks 0 and 1 of one group, connected; closed afterwards."""
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    names = ["rank0", "rank1"]
+    transports = [Transport(cfg, n) for n in names]
+    eps = [Endpoint(t, 0, r, names, "127.0.0.1", "", 1 << 20, 1.0, TIMEOUT_S) for r, t in enumerate(transports)]
+    for ep in eps:
+        ep.connect({r: e.address for r, e in enumerate(eps)})
+    engines = [P2PEngine(ep, TIMEOUT_S) for ep in eps]
+    yield [(e, PointToPoint(e, 0, r, 2, 1 << 20)) for r, e in enumerate(engines)]
+    for e in engines:
+        e.close(5.0)
+    for t in transports:
+        t.close()
+
+
+def _until(cond, what: str, limit_s: float = 10.0) -> None:
+    end = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} within {limit_s}s")
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("how", ["fails", "closes"])
+def test_a_waiter_queued_for_the_socket_wakes_when_the_engine_stops(pair, how):
+    """A receive's wait() asks the engine for the socket; the engine stops first (a bug in its
+    loop, or the group closed in that instant) and fails every transfer: the waiter must get
+    that error, not sleep for ever on the socket it asked for."""
+    (engine, p2p), _ = pair
+    work = p2p.irecv(np.zeros(4, np.float32), 1)
+    progress = engine._out.progress
+
+    def stop_with_a_waiter(now):
+        if engine._reader.holder == ENGINE:
+            _until(lambda: engine._reader.wanted, "the waiter asks for the socket")
+            if how == "fails":
+                raise RuntimeError("a bug in the engine's loop")
+            engine._closing = True  # close()'s first step, from another thread
+        progress(now)
+    engine._out.progress = stop_with_a_waiter
+    _until(lambda: engine._reader.holder == ENGINE, "the engine reads for the unwatched receive")
+    raised = []
+
+    def wait():
+        try:
+            work.wait()
+        except BaseException as exc:
+            raised.append(exc)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "the waiter still sleeps on the socket"
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError if how == "fails" else GroupClosed), raised
