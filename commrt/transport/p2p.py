@@ -302,9 +302,11 @@ class P2PEngine(CallerProgress):
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if thread is None:  # never started: this thread owns the sockets
+        if thread is None:  # never started: this thread owns the sockets, and the rings
             self._ep.close()
             self._wake_rx.close(linger=0)
+            if self._rings is not None:
+                self._rings.close()
             stopped = True
         else:
             thread.join(timeout_s)
