@@ -68,6 +68,15 @@ class CollectiveMismatch(CommError):
             other = f"but a header attributed to rank {peer} says {_fmt(theirs)} (corrupt, or not from this job)"
         super().__init__(f"collective mismatch at seq {seq}: rank {rank} runs {_fmt(mine)}, {other}{seen}")
 
+    def in_group(self, members: list[int], group: int) -> CollectiveMismatch:
+        """The same mismatch named by global ranks, for a group whose rank r is global rank
+        ``members[r]`` (as ``PeerLost.in_group``; what each side runs names no rank)."""
+        glob = lambda r: members[r] if r is not None and 0 <= r < len(members) else r
+        if (glob(self.peer), glob(self.rank), glob(self.reported_by)) == (self.peer, self.rank, self.reported_by):
+            return self
+        return CollectiveMismatch(self.op, self.seq, self.mine, self.theirs, glob(self.peer), glob(self.rank),
+                                  glob(self.reported_by))
+
 
 class GroupClosed(CommError):
     """The group was destroyed while this operation was queued or running; it was cancelled

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import zmq
 
-from commrt.runtime.errors import GroupClosed, ProtocolError
+from commrt.runtime.errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
 from commrt.transport.wire import P2P, P2P_DOORBELL
 from commrt.transport import shm, shm_p2p
 from commrt.transport.endpoint import Endpoint, Message
@@ -43,8 +43,10 @@ class P2PEngine(CallerProgress):
     """The engine thread's half; the caller's half (drive/test/kick) is progress.CallerProgress,
     the send path p2p_send.Sender."""
 
-    def __init__(self, ep: Endpoint, timeout_s: float):
-        self._ep, self._timeout_s = ep, timeout_s
+    def __init__(self, ep: Endpoint, timeout_s: float, members: list[int] | None = None):
+        """``members``: the global rank of each group rank (None: the group numbers ranks as
+        the world does); a failed transfer's PeerLost or CollectiveMismatch names those."""
+        self._ep, self._timeout_s, self._members = ep, timeout_s, members
         # sends (PUSH sockets, out rings, _out's queues), _posted, the wake socket's sending
         # end and the endpoint's monitors; re-entrant: a Work callback may post from under it
         self._tx = threading.RLock()
@@ -68,6 +70,12 @@ class P2PEngine(CallerProgress):
         self._inboxes = self._rings.inboxes
         crowded = len(peers) + 1 > shm._cores()  # ranks outnumber cores: a spinner takes a peer's turn
         self._spin_s = shm.CROWDED_YIELD_S if crowded else SPIN_S
+
+    def named(self, error: BaseException) -> BaseException:
+        """``error`` naming global ranks, as a subgroup's collectives do (ZmqBackend._give_up)."""
+        if self._members is not None and isinstance(error, (PeerLost, CollectiveMismatch)):
+            return error.in_group(self._members, self._ep.group)
+        return error
 
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""

@@ -96,6 +96,11 @@ class P2PWork(Work):
         super().__init__(name)
         self._engine, self._receive = engine, receive
 
+    def _finish(self, result, error) -> None:
+        if error is not None:  # the transport names group ranks; the caller reads global ones
+            error = self._engine.named(error)
+        super()._finish(result, error)
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._receive and not self._done.is_set():
             deadline = None if timeout is None else time.monotonic() + timeout
