@@ -24,8 +24,9 @@ def test_a_mismatched_receive_names_global_ranks_and_loses_nothing_after_it(intr
     assert "the next messages arrived intact" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("mode,intra", [("sigkill", "tcp"), ("sigkill", "shm"), ("sigstop", "shm"),
-                                        pytest.param("sigstop", "tcp", marks=pytest.mark.slow)])
+# a freeze holds the run for its 6 s (the launcher waits for the frozen rank): under -m slow
+@pytest.mark.parametrize("mode,intra", [("sigkill", "tcp"), ("sigkill", "shm"),
+                                        *(pytest.param("sigstop", i, marks=pytest.mark.slow) for i in ("shm", "tcp"))])
 def test_a_lost_sender_is_named_by_its_global_rank(mode, intra):
     _, out = run_ranks(3, "p2p_faults", mode, env={**ENV, "COMMRT_COMM_INTRA_NODE": intra}, timeout_s=120,
                        stop_on_failure=False, expect_fail=mode == "sigkill")
