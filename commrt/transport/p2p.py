@@ -159,6 +159,7 @@ class P2PEngine(CallerProgress):
                         self._read_all()
                     self._check_if_due(now)
                 with self._tx:
+                    self._ep.live.watch_if_due(now)  # sends to a lost peer fail by it too
                     self._out.progress(now)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)

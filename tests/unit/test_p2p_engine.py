@@ -73,3 +73,20 @@ def test_a_waiter_queued_for_the_socket_wakes_when_the_engine_stops(pair, how):
     waiter.join(10.0)
     assert not waiter.is_alive(), "the waiter still sleeps on the socket"
     assert len(raised) == 1 and isinstance(raised[0], RuntimeError if how == "fails" else GroupClosed), raised
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 64])
+def test_a_receive_into_a_non_contiguous_tensor_gets_every_value_in_its_layout(pair, chunk):
+    """The receive lands in a contiguous copy and writes it back (one piece, and in pieces);
+    what lies between the view's elements is untouched."""
+    torch = pytest.importorskip("torch")
+    (e0, _), (e1, _) = pair
+    send, recv = PointToPoint(e0, 0, 0, 2, chunk), PointToPoint(e1, 0, 1, 2, chunk)
+    sent = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5) + 1
+    base = torch.zeros(5, 12)
+    view = base[:, ::2].t()  # 6 x 5, strided both ways
+    work = recv.irecv(view, 0, tag=3)
+    send.isend(sent, 1, tag=3).wait(TIMEOUT_S)
+    assert work.wait(TIMEOUT_S) and torch.equal(view, sent)
+    assert torch.equal(base[:, 1::2], torch.zeros(5, 6))
+

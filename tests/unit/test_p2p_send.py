@@ -3,6 +3,7 @@ takes nothing until told (a full pipe), against the deadline each send is given.
 import zmq
 
 from commrt.runtime.errors import PeerLost
+from commrt.transport.liveness import Liveness
 from commrt.transport.p2p_send import Send, Sender
 from commrt.transport.wire import P2P, Header
 
@@ -26,6 +27,7 @@ class Ep:
 
     def __init__(self):
         self.pipe = Pipe()
+        self.live = Liveness(slice_s=0.1, grace_s=1.0, timeout_s=30.0)
 
     def socket_to(self, dst):
         return self.pipe
@@ -68,3 +70,20 @@ def test_a_send_queued_behind_another_waits_from_when_the_one_before_it_went():
     assert not failed, failed
     out.progress(9.5)
     assert [seq for seq, _ in failed] == [2] and isinstance(failed[0][1], PeerLost)
+
+
+def test_sends_to_a_peer_whose_connection_is_lost_fail_naming_it():
+    """Queued sends and new ones to a peer lost by liveness fail at once (ZeroMQ would hold or
+    drop them until the deadline); a peer down for less than the grace is still waited for."""
+    ep = Ep()
+    failed = []
+    out = Sender(ep, 30.0, lambda op, error: failed.append((op.seq, error)))
+    queued = send(1, 0.0)
+    out.post(queued)
+    ep.live.down[1] = 1.0  # its connection dropped at 1.0; the grace is 1 s
+    out.progress(1.5)
+    assert not failed
+    out.progress(2.5)
+    assert [seq for seq, _ in failed] == [1] and failed[0][1].rank == 1 and failed[0][1].op == "send"
+    assert out.post(send(2, 3.0)) == (True, False) and [seq for seq, _ in failed] == [1, 2]
+    assert not ep.pipe.sent and not out.busy()

@@ -8,7 +8,10 @@ after it. Three ranks; the group is global ranks [1, 2], where global rank 1 is 
       sigkill   rank 1 dies while rank 2 waits for its message: a PeerLost naming rank 1
       sigstop   rank 1 freezes (6 s, then exits) while rank 2 waits: a PeerLost naming rank 1,
                 through the missed heartbeats, long before the op timeout
-Rank 2 prints what it caught and when; rank 0 (outside the group) waits for rank 2's word."""
+      sendlost  rank 2 dies; rank 1 sends it 1 MiB messages until one fails: a PeerLost naming
+                rank 2, through liveness too (ZeroMQ holds what a dead peer cannot take)
+The survivor in the group prints what it caught and when; rank 0 (outside the group) waits for
+its word."""
 from __future__ import annotations
 
 import os
@@ -66,6 +69,20 @@ def lost(rank: int, group, mode: str) -> None:
         print(f"CAUGHT PeerLost: {exc} (rank {exc.rank}, after {time.monotonic() - start:.1f}s)", flush=True)
 
 
+def send_lost(rank: int, group) -> None:
+    if rank == 2:
+        commrt.recv(torch.empty(1), 1, group=group)  # rank 1's socket to us is up
+        os.kill(os.getpid(), signal.SIGKILL)
+    commrt.send(torch.ones(1), 2, group=group)
+    start = time.monotonic()
+    try:
+        for _ in range(100000):  # 100 GiB: a ring and a socket's worth are taken at once
+            commrt.send(torch.ones(1 << 18), 2, group=group)
+        print("NOT CAUGHT: every send to a lost rank completed", flush=True)
+    except commrt.PeerLost as exc:
+        print(f"CAUGHT PeerLost: {exc} (rank {exc.rank}, after {time.monotonic() - start:.1f}s)", flush=True)
+
+
 def main() -> int:
     mode = sys.argv[1]
     commrt.init_process_group()
@@ -78,17 +95,18 @@ def main() -> int:
         commrt.destroy_process_group()
         return 0
     if rank:
-        lost(rank, group, mode)
-    if rank == 2:  # rank 0 stays until we leave (a send is buffered; the last to go loses nothing)
+        send_lost(rank, group) if mode == "sendlost" else lost(rank, group, mode)
+    survivor = 1 if mode == "sendlost" else 2
+    if rank == survivor:  # rank 0 stays until we leave (a send is buffered; the last to go loses nothing)
         commrt.send(torch.ones(1), 0, tag=9)
         commrt.recv(torch.empty(1), 0, tag=10)
     elif rank == 0:
-        commrt.recv(torch.empty(1), 2, tag=9)
-        commrt.send(torch.ones(1), 2, tag=10)
+        commrt.recv(torch.empty(1), survivor, tag=9)
+        commrt.send(torch.ones(1), survivor, tag=10)
         try:
-            commrt.recv(torch.empty(1), 2, tag=11)
+            commrt.recv(torch.empty(1), survivor, tag=11)
         except commrt.PeerLost:
-            pass  # rank 2 left, which it does only after our word
+            pass  # the survivor left, which it does only after our word
     os._exit(0)  # the world's teardown would wait on the lost rank
 
 
