@@ -207,6 +207,7 @@ class P2PEngine(CallerProgress):
             posted, self._posted = self._posted, collections.deque()
         for op in posted:
             self._match_recv(op)
+        self._reader.landed()  # one may have met a kept message: its poster may wait for the socket
 
     def _match_recv(self, op: Recv) -> None:
         for peer in (self._ep.all_peers("a receive from any source") if op.src == ANY_SOURCE else ()):

@@ -90,3 +90,24 @@ def test_a_receive_into_a_non_contiguous_tensor_gets_every_value_in_its_layout(p
     assert work.wait(TIMEOUT_S) and torch.equal(view, sent)
     assert torch.equal(base[:, 1::2], torch.zeros(5, 6))
 
+
+def test_a_waiter_whose_receive_another_reader_matched_from_kept_messages_wakes(pair):
+    """Thread A reads the socket for its own receive; thread B's receive, posted meanwhile, is
+    matched by A against a message kept earlier: B must wake then, not when A's receive ends."""
+    (engine, p2p0), (_, p2p1) = pair
+    p2p1.isend(np.full(4, 2.0, np.float32), 0, tag=2).wait(TIMEOUT_S)
+    mine = p2p0.irecv(np.zeros(4, np.float32), 1, tag=1)
+    a = threading.Thread(target=mine.wait, daemon=True)
+    a.start()
+    _until(lambda: engine._match.early_bytes[1], "thread A reads and keeps the tag-2 message")
+    got = np.zeros(4, np.float32)
+    theirs = p2p0.irecv(got, 1, tag=2)
+    b = threading.Thread(target=theirs.wait, daemon=True)
+    b.start()
+    b.join(5.0)
+    try:
+        assert not b.is_alive(), "thread B sleeps while its receive is done"
+        assert (got == 2.0).all()
+    finally:
+        p2p1.isend(np.ones(4, np.float32), 0, tag=1).wait(TIMEOUT_S)
+        a.join(TIMEOUT_S)
