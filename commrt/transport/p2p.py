@@ -158,8 +158,12 @@ class P2PEngine(CallerProgress):
                     if self._ep.inbound in events:
                         self._read_all()
                     self._check_if_due(now)
+                elif not self._reader.wanted and self._reader.try_take(ENGINE):
+                    try:  # nobody reads: the peers' liveness is still watched (sends to a lost one fail)
+                        self._check_if_due(now)
+                    finally:
+                        self._reader.release()
                 with self._tx:
-                    self._ep.live.watch_if_due(now)  # sends to a lost peer fail by it too
                     self._out.progress(now)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)
@@ -216,6 +220,8 @@ class P2PEngine(CallerProgress):
         self._match.post(op)
 
     def _check_if_due(self, now: float) -> None:
+        """Once a slice: the liveness monitors (their owner is the reader: Matching reads what
+        they found) and the receives' deadlines."""
         if now - self._checked_at >= self._ep.live.slice_s:
             self._checked_at = now
             with self._tx:
