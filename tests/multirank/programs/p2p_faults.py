@@ -10,6 +10,7 @@ after it. Three ranks; the group is global ranks [1, 2], where global rank 1 is 
                 through the missed heartbeats, long before the op timeout
       sendlost  rank 2 dies; rank 1 sends it 1 MiB messages until one fails: a PeerLost naming
                 rank 2, through liveness too (ZeroMQ holds what a dead peer cannot take)
+      sendstop  the same with rank 2 frozen (6 s, then exits): its missed heartbeats tell
 The survivor in the group prints what it caught and when; rank 0 (outside the group) waits for
 its word."""
 from __future__ import annotations
@@ -54,10 +55,8 @@ def lost(rank: int, group, mode: str) -> None:
     if rank == 1:
         commrt.send(torch.ones(4), 2, group=group)  # rank 2's receive waits on us: dialled
         commrt.recv(torch.empty(1), 2, group=group, tag=9)  # rank 2 has it: now go
-        if mode == "sigstop":  # frozen: the sockets stay open, and only the heartbeats tell
-            subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"], start_new_session=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
-            os._exit(0)
+        if mode == "sigstop":  # frozen: only the heartbeats tell
+            freeze()
         os.kill(os.getpid(), signal.SIGKILL)
     commrt.recv(torch.empty(4), 1, group=group)
     commrt.send(torch.ones(1), 1, group=group, tag=9)
@@ -69,10 +68,17 @@ def lost(rank: int, group, mode: str) -> None:
         print(f"CAUGHT PeerLost: {exc} (rank {exc.rank}, after {time.monotonic() - start:.1f}s)", flush=True)
 
 
-def send_lost(rank: int, group) -> None:
+def freeze() -> None:
+    """SIGSTOP this process, SIGCONT it 6 s later (it then exits): the sockets stay open meanwhile."""
+    subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+
+
+def send_lost(rank: int, group, mode: str) -> None:
     if rank == 2:
         commrt.recv(torch.empty(1), 1, group=group)  # rank 1's socket to us is up
-        os.kill(os.getpid(), signal.SIGKILL)
+        freeze() if mode == "sendstop" else os.kill(os.getpid(), signal.SIGKILL)
     commrt.send(torch.ones(1), 2, group=group)
     start = time.monotonic()
     try:
@@ -95,8 +101,8 @@ def main() -> int:
         commrt.destroy_process_group()
         return 0
     if rank:
-        send_lost(rank, group) if mode == "sendlost" else lost(rank, group, mode)
-    survivor = 1 if mode == "sendlost" else 2
+        send_lost(rank, group, mode) if mode.startswith("send") else lost(rank, group, mode)
+    survivor = 1 if mode.startswith("send") else 2
     if rank == survivor:  # rank 0 stays until we leave (a send is buffered; the last to go loses nothing)
         commrt.send(torch.ones(1), 0, tag=9)
         commrt.recv(torch.empty(1), 0, tag=10)
