@@ -11,16 +11,15 @@ import pytest
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import GroupClosed
-from commrt.transport import Endpoint, Transport
+from commrt.transport import Endpoint, Transport, segments, shm_p2p
+from commrt.transport.mailbox import W_MHEAD
 from commrt.transport.p2p import P2PEngine
 from commrt.transport.progress import ENGINE
 
 TIMEOUT_S = 20.0
 
 
-@pytest.fixture
-def pair():
-    """(engine, PointToPoint) of ranks 0 and 1 of one group, connected; closed afterwards."""
+def _pair(rings: bool):
     cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
     names = ["rank0", "rank1"]
     transports = [Transport(cfg, n) for n in names]
@@ -28,6 +27,19 @@ def pair():
     for ep in eps:
         ep.connect({r: e.address for r, e in enumerate(eps)})
     engines = [P2PEngine(ep, TIMEOUT_S) for ep in eps]
+    if rings:  # each rank's ring to the other, mapped by both as a shared-memory group's setup does
+        made = [shm_p2p.make_ring() for _ in engines]
+        for r, e in enumerate(engines):
+            fd = made[1 - r][0]
+            e.use_shm({1 - r: (shm_p2p.OutRing(*made[r]), shm_p2p.InRing(segments.attach(fd, shm_p2p.RING_SLOT)))})
+    return transports, engines
+
+
+@pytest.fixture(params=[False])
+def pair(request):
+    """(engine, PointToPoint) of ranks 0 and 1 of one group, connected (with shared-memory
+    rings when the parameter says so); closed afterwards."""
+    transports, engines = _pair(request.param)
     yield [(e, PointToPoint(e, 0, r, 2, 1 << 20)) for r, e in enumerate(engines)]
     for e in engines:
         e.close(5.0)
@@ -111,3 +123,25 @@ def test_a_waiter_whose_receive_another_reader_matched_from_kept_messages_wakes(
     finally:
         p2p1.isend(np.ones(4, np.float32), 0, tag=1).wait(TIMEOUT_S)
         a.join(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("pair", [True], indirect=True)
+def test_a_corrupt_mailbox_fails_its_peer_once_and_the_pair_goes_on_over_the_socket(pair, caplog):
+    """A mailbox record that breaks the rules is a ProtocolError against its sender, once: the
+    mailbox is not read again (its sender, seeing nobody spin on it, takes the socket), where
+    it was read and failed again on every turn of the engine."""
+    (engine, p2p0), (other, p2p1) = pair
+    p2p1.isend(np.ones(4, np.float32), 0).wait(TIMEOUT_S)  # both sides' rings in place
+    p2p0.irecv(np.zeros(4, np.float32), 1).wait(TIMEOUT_S)
+    box = other._rings._out[0]._ctl
+    box[W_MHEAD] = box[W_MHEAD] + (1 << 40)  # a head no mailbox reaches
+    failed = p2p0.irecv(np.zeros(4, np.float32), 1, tag=5)
+    with pytest.raises(Exception, match="mailbox head"):
+        failed.wait(TIMEOUT_S)
+    time.sleep(0.5)  # the engine's turns
+    got = np.zeros(4, np.float32)
+    work = p2p0.irecv(got, 1, tag=6)
+    p2p1.isend(np.full(4, 6.0, np.float32), 0, tag=6).wait(TIMEOUT_S)
+    assert work.wait(TIMEOUT_S) and (got == 6.0).all()
+    warned = [r for r in caplog.records if "mailbox head" in r.getMessage()]
+    assert len(warned) == 1, len(warned)
