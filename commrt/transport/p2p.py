@@ -221,11 +221,14 @@ class P2PEngine(CallerProgress):
 
     def _check_if_due(self, now: float) -> None:
         """Once a slice: the liveness monitors (their owner is the reader: Matching reads what
-        they found) and the receives' deadlines."""
+        they found), the mailboxes (a doorbell a full pipe did not take: mailbox.py rule 3) and
+        the receives' deadlines."""
         if now - self._checked_at >= self._ep.live.slice_s:
             self._checked_at = now
             with self._tx:
                 self._ep.live.watch()
+            if self._inboxes:
+                self.drain_mail()
             self._check_recvs(now)
 
     def _read_all(self) -> None:

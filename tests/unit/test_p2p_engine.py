@@ -12,7 +12,7 @@ from commrt.backends.zmq_p2p import PointToPoint
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import GroupClosed
 from commrt.transport import Endpoint, Transport, segments, shm_p2p
-from commrt.transport.mailbox import W_MHEAD
+from commrt.transport.mailbox import W_MHEAD, W_SPIN
 from commrt.transport.p2p import P2PEngine
 from commrt.transport.progress import ENGINE
 
@@ -145,3 +145,32 @@ def test_a_corrupt_mailbox_fails_its_peer_once_and_the_pair_goes_on_over_the_soc
     assert work.wait(TIMEOUT_S) and (got == 6.0).all()
     warned = [r for r in caplog.records if "mailbox head" in r.getMessage()]
     assert len(warned) == 1, len(warned)
+
+
+@pytest.mark.parametrize("pair", [True], indirect=True)
+def test_a_message_left_in_the_mailbox_without_a_doorbell_is_read_within_a_slice(pair):
+    """A sender that saw the receiver spinning writes into its mailbox and rings no doorbell;
+    should the receiver have stopped spinning meanwhile and the doorbell be lost (a full pipe),
+    a reader still looks at the mailboxes once a slice (mailbox.py rule 3), also a caller
+    blocked on the socket, not only the engine thread."""
+    (engine, p2p0), (other, p2p1) = pair
+    p2p1.isend(np.ones(4, np.float32), 0).wait(TIMEOUT_S)  # both sides' rings in place
+    p2p0.irecv(np.zeros(4, np.float32), 1).wait(TIMEOUT_S)
+    got = np.zeros(4, np.float32)
+    work = p2p0.irecv(got, 1, tag=7)
+    waiter = threading.Thread(target=work.wait, daemon=True)
+    waiter.start()
+    ctl = other._rings._out[0]._ctl
+    _until(lambda: engine._reader.holder not in (None, ENGINE), "the caller reads the socket")
+    time.sleep(0.1)  # its 2 ms of spinning are over: it blocks on the socket
+    assert not ctl[W_SPIN]
+    ctl[W_SPIN] = 1  # as the sender saw it an instant before the receiver stopped spinning
+    p2p1.isend(np.full(4, 7.0, np.float32), 0, tag=7).wait(TIMEOUT_S)
+    ctl[W_SPIN] = 0
+    assert other._rings.mailed >= 1  # it went into the mailbox, no doorbell rung
+    waiter.join(5.0)
+    try:
+        assert not waiter.is_alive() and (got == 7.0).all(), "the message waits in the mailbox"
+    finally:
+        if waiter.is_alive():
+            p2p1.isend(np.zeros(0, np.float32), 0, tag=8).wait(TIMEOUT_S)
