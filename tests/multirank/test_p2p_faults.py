@@ -14,7 +14,8 @@ ENV = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": str(TIMEOUT_S), "C
        "COMMRT_COMM_CHUNK_BYTES": str(64 << 10)}
 
 
-@pytest.mark.parametrize("intra", ["tcp", "shm"])
+# CI time: by default each check on one path (the naming and the matching are the same on both)
+@pytest.mark.parametrize("intra", [pytest.param("tcp", marks=pytest.mark.slow), "shm"])
 def test_a_mismatched_receive_names_global_ranks_and_loses_nothing_after_it(intra):
     _, out = run_ranks(3, "p2p_faults", "mismatch", env={**ENV, "COMMRT_COMM_INTRA_NODE": intra}, timeout_s=120)
     caught = re.findall(r"CAUGHT CollectiveMismatch: (.*) \(rank (\d+), peer (\d+)\)", out)
@@ -25,7 +26,7 @@ def test_a_mismatched_receive_names_global_ranks_and_loses_nothing_after_it(intr
 
 
 # a freeze holds the run for its 6 s (the launcher waits for the frozen rank): under -m slow
-@pytest.mark.parametrize("mode,intra", [("sigkill", "tcp"), ("sigkill", "shm"),
+@pytest.mark.parametrize("mode,intra", [("sigkill", "tcp"), pytest.param("sigkill", "shm", marks=pytest.mark.slow),
                                         *(pytest.param("sigstop", i, marks=pytest.mark.slow) for i in ("shm", "tcp"))])
 def test_a_lost_sender_is_named_by_its_global_rank(mode, intra):
     _, out = run_ranks(3, "p2p_faults", mode, env={**ENV, "COMMRT_COMM_INTRA_NODE": intra}, timeout_s=120,
