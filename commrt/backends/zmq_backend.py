@@ -64,7 +64,7 @@ class ZmqBackend:
         make = lambda: Endpoint(transport, group_id, rank, names, cl.bind_host, cl.advertise_host,
                                 c.max_frame_bytes, c.heartbeat_s, c.timeout_s)
         self._coll, p2p = make(), make()
-        self._p2p = P2PEngine(p2p, c.timeout_s)
+        self._p2p = P2PEngine(p2p, c.timeout_s, members)
         self._pt = PointToPoint(self._p2p, group_id, rank, size, c.chunk_bytes)
         self._p2p_address = p2p.address
         self._p2p_ep = p2p

@@ -209,11 +209,16 @@ def fetch(address: str, key: bytes, rank: int, peer: int, deadline: float, watch
     """Connect to ``peer``'s handoff socket, prove the secret, check its proof; its descriptors."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
+        # a full backlog (a frozen peer never accepting, or a flood) blocks connect(): bounded too
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             sock.connect("\0" + address)
         except (ConnectionRefusedError, FileNotFoundError):
             raise PeerLost(peer, "connect", 0, "its shared-memory socket is gone (process ended or gave "
                            "up setup)") from None
+        except (socket.timeout, BlockingIOError):
+            raise PeerLost(peer, "connect", 0, "its shared-memory socket took no connection before the "
+                           "deadline") from None
         if peer_uid(sock) != os.getuid():
             raise ProtocolError(f"rank {peer}'s shared-memory socket belongs to another user")
         hello, stray = _recv(sock, peer, deadline, watch)

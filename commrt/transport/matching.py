@@ -6,16 +6,24 @@ receive from any source posted before that one is waiting (MPI's matching order)
 then belongs to the sender, at the front of its queue, and takes this message and the rest of
 its pieces. A message no receive wants is kept with its arrival number, so a later receive from
 any source takes the earliest. Receive sequence numbers count completed receives per (source,
-tag), which is what the sender's numbering of its sends to us means. The progress engine
-(p2p.py) owns one of these; only its thread touches it.
+tag), which is what the sender's numbering of its sends to us means: a failed or expired
+receive keeps its number, so a message numbered at or below the receives already done is the
+rest of one that failed (a receive too small for it fails on its first piece) or one that came
+after its receive expired, and goes to nobody (it would fail the next receive, and that one's
+message the next). A receive waits ``timeout_s`` from when it became the first of its queue
+with a message for the one before it. The progress engine (p2p.py) owns one of these; only its
+thread touches it.
 """
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from commrt.runtime.errors import CollectiveMismatch, PeerLost
+
+log = logging.getLogger("commrt.transport.p2p")
 
 ANY_SOURCE = -1  # Recv.src of a receive from any peer, until a message binds it to one
 
@@ -49,6 +57,7 @@ class Matching:
         self.early_bytes: collections.Counter = collections.Counter()  # kept per source
         self._arrivals = self._posts = 0
         self._removed: collections.Counter = collections.Counter()  # receives done per (src, tag)
+        self._dropped: tuple | None = None  # (src, tag, seq) of the last message dropped
 
     def post(self, op) -> None:
         """A new receive (``Recv``); takes what was kept for it."""
@@ -66,10 +75,15 @@ class Matching:
         """Land ``msg`` in the receive it belongs to; False when none is posted (keep or drop it)."""
         h = msg.header
         key = (h.src, h.op)
+        if h.seq <= self._removed[key]:
+            self._drop(msg)
+            return True
         waiting = self.recvs.get(key)
         anyq = self.any.get(h.op)
         if anyq and not (waiting and (waiting[0].got or waiting[0].order < anyq[0].order)):
             self._bind(anyq.popleft(), h.src)
+            if anyq:  # a message with this tag came: the next receive from any waits from now
+                anyq[0].since = max(anyq[0].since, self._clock())
             waiting = self.recvs[key]
         if not waiting:
             return False
@@ -91,10 +105,25 @@ class Matching:
         self.early_bytes[src] = 0
 
     def pop(self, waiting: collections.deque):
-        """Remove a (source, tag) queue's first receive: done, failed or expired."""
+        """Remove a (source, tag) queue's first receive: done, failed or expired. Its number is
+        used: what is kept of its message goes (the rest of it is dropped as it comes)."""
         op = waiting.popleft()
-        self._removed[(op.src, op.tag)] += 1
+        key = (op.src, op.tag)
+        self._removed[key] += 1
+        early = self.early.get(key)
+        while early and early[0][1].header.seq <= self._removed[key]:
+            self.early_bytes[op.src] -= early[0][1].header.nbytes
+            self._drop(early.popleft()[1])
         return op
+
+    def _drop(self, msg) -> None:
+        """A piece of a message whose receive failed or expired (its number is used)."""
+        h = msg.header
+        if self._dropped != (h.src, h.op, h.seq):  # once a message, not once a piece
+            self._dropped = (h.src, h.op, h.seq)
+            log.warning("rank %d: dropped (what is left of) message %d from rank %d with tag %d: its receive "
+                        "failed or expired", self._rank, h.seq, h.src, h.op)
+        self._release(msg)
 
     def overdue(self, now: float, timeout_s: float, live) -> list:
         """Remove and return [(receive, PeerLost)] for the first receive of each queue whose sender
@@ -153,22 +182,32 @@ class Matching:
         op, h = waiting[0], msg.header
         op.seq = self._removed[(op.src, op.tag)] + 1
         want = (op.seq, op.code, op.count, op.got, op.pieces[op.got].nbytes if op.got < len(op.pieces) else -1)
+        error = None
         try:
             if (h.seq, h.dtype, h.count, h.step, h.nbytes) != want:
-                raise CollectiveMismatch("recv", op.seq, {"tag": op.tag, "seq": op.seq, "dtype code": op.code,
-                                                         "count": op.count, "step": op.got},
-                                         {"tag": h.op, "seq": h.seq, "dtype code": h.dtype,
-                                          "count": h.count, "step": h.step}, peer=op.src, rank=self._rank)
-            op.land(op.pieces[op.got], msg.payload)
-            op.got += 1
-            op.since = self._clock()
-            if op.got == len(op.pieces):
-                self.pop(waiting)
-                if op.done is not None:
-                    op.done()
-                op.work._finish(op.src, None)  # the result: who sent it (a receive from any source asks)
-        except BaseException as exc:
-            self.pop(waiting)
-            op.work._finish(None, exc)
+                error = CollectiveMismatch("recv", op.seq, {"tag": op.tag, "seq": op.seq, "dtype code": op.code,
+                                                           "count": op.count, "step": op.got},
+                                           {"tag": h.op, "seq": h.seq, "dtype code": h.dtype,
+                                            "count": h.count, "step": h.step}, peer=op.src, rank=self._rank)
+            else:
+                op.land(op.pieces[op.got], msg.payload)
+                op.got += 1
+        except BaseException as exc:  # it fails this receive only
+            error = exc
         finally:
             self._release(msg)
+        op.since = self._clock()
+        if error is None and op.got < len(op.pieces):
+            return
+        self.pop(waiting)  # once, before anything of the caller's runs
+        if waiting:  # its sender moved: the next receive waits from now
+            waiting[0].since = max(waiting[0].since, op.since)
+        if error is None and op.done is not None:
+            try:
+                op.done()  # the write-back into a non-contiguous or device tensor
+            except BaseException as exc:
+                error = exc
+        try:  # the result: who sent it (a receive from any source asks)
+            op.work._finish(None if error is not None else op.src, error)
+        except Exception:  # a done-callback's own failure (torch's futures log theirs too)
+            log.exception("rank %d: a done-callback of a receive from rank %d failed", self._rank, op.src)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import zmq
 
-from commrt.runtime.errors import GroupClosed, ProtocolError
+from commrt.runtime.errors import CollectiveMismatch, GroupClosed, PeerLost, ProtocolError
 from commrt.transport.wire import P2P, P2P_DOORBELL
 from commrt.transport import shm, shm_p2p
 from commrt.transport.endpoint import Endpoint, Message
@@ -43,8 +43,10 @@ class P2PEngine(CallerProgress):
     """The engine thread's half; the caller's half (drive/test/kick) is progress.CallerProgress,
     the send path p2p_send.Sender."""
 
-    def __init__(self, ep: Endpoint, timeout_s: float):
-        self._ep, self._timeout_s = ep, timeout_s
+    def __init__(self, ep: Endpoint, timeout_s: float, members: list[int] | None = None):
+        """``members``: the global rank of each group rank (None: the group numbers ranks as
+        the world does); a failed transfer's PeerLost or CollectiveMismatch names those."""
+        self._ep, self._timeout_s, self._members = ep, timeout_s, members
         # sends (PUSH sockets, out rings, _out's queues), _posted, the wake socket's sending
         # end and the endpoint's monitors; re-entrant: a Work callback may post from under it
         self._tx = threading.RLock()
@@ -68,6 +70,12 @@ class P2PEngine(CallerProgress):
         self._inboxes = self._rings.inboxes
         crowded = len(peers) + 1 > shm._cores()  # ranks outnumber cores: a spinner takes a peer's turn
         self._spin_s = shm.CROWDED_YIELD_S if crowded else SPIN_S
+
+    def named(self, error: BaseException) -> BaseException:
+        """``error`` naming global ranks, as a subgroup's collectives do (ZmqBackend._give_up)."""
+        if self._members is not None and isinstance(error, (PeerLost, CollectiveMismatch)):
+            return error.in_group(self._members, self._ep.group)
+        return error
 
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""
@@ -150,6 +158,11 @@ class P2PEngine(CallerProgress):
                     if self._ep.inbound in events:
                         self._read_all()
                     self._check_if_due(now)
+                elif not self._reader.wanted and self._reader.try_take(ENGINE):
+                    try:  # nobody reads: the peers' liveness is still watched (sends to a lost one fail)
+                        self._check_if_due(now)
+                    finally:
+                        self._reader.release()
                 with self._tx:
                     self._out.progress(now)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
@@ -198,6 +211,7 @@ class P2PEngine(CallerProgress):
             posted, self._posted = self._posted, collections.deque()
         for op in posted:
             self._match_recv(op)
+        self._reader.landed()  # one may have met a kept message: its poster may wait for the socket
 
     def _match_recv(self, op: Recv) -> None:
         for peer in (self._ep.all_peers("a receive from any source") if op.src == ANY_SOURCE else ()):
@@ -206,10 +220,15 @@ class P2PEngine(CallerProgress):
         self._match.post(op)
 
     def _check_if_due(self, now: float) -> None:
+        """Once a slice: the liveness monitors (their owner is the reader: Matching reads what
+        they found), the mailboxes (a doorbell a full pipe did not take: mailbox.py rule 3) and
+        the receives' deadlines."""
         if now - self._checked_at >= self._ep.live.slice_s:
             self._checked_at = now
             with self._tx:
                 self._ep.live.watch()
+            if self._inboxes:
+                self.drain_mail()
             self._check_recvs(now)
 
     def _read_all(self) -> None:
@@ -263,8 +282,11 @@ class P2PEngine(CallerProgress):
         return Message(h._replace(nbytes=len(region), root=0), region)
 
     def _check_recvs(self, now: float) -> None:
-        for op, error in self._match.overdue(now, self._timeout_s, self._ep.live):
+        overdue = self._match.overdue(now, self._timeout_s, self._ep.live)
+        for op, error in overdue:
             op.work._finish(None, error)
+        if overdue:
+            self._reader.landed()  # a waiter queued for the socket sees its receive is done
 
     def _fail(self, op, error: BaseException) -> None:
         if not op.work._done.is_set():
@@ -286,6 +308,7 @@ class P2PEngine(CallerProgress):
                 queue.remove(op)
         for op in draining + posted:
             self._fail(op, error(op))
+        self._reader.landed()  # waiters queued for the socket (that the engine may never give back)
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self, timeout_s: float) -> bool:
@@ -298,9 +321,11 @@ class P2PEngine(CallerProgress):
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if thread is None:  # never started: this thread owns the sockets
+        if thread is None:  # never started: this thread owns the sockets, and the rings
             self._ep.close()
             self._wake_rx.close(linger=0)
+            if self._rings is not None:
+                self._rings.close()
             stopped = True
         else:
             thread.join(timeout_s)

@@ -40,7 +40,13 @@ class Sender:
         self._draining: list[Send] = []
 
     def post(self, op: Send) -> tuple[bool, bool]:
-        """Send what goes out now; (done, wake): the Work is complete, or the engine has the rest."""
+        """Send what goes out now; (done, wake): the Work is complete, or the engine has the rest.
+        To a peer whose connection is lost (liveness.py) nothing goes: ZeroMQ would take it and
+        drop it, or hold it, and the send fail only at its deadline (a receive fails at once)."""
+        live = self._ep.live
+        if live.down and live.is_lost(op.dst, op.since):
+            self._fail(op, live.lost(op.dst, "send", op.seq, op.since))
+            return True, False
         queue = self._queues[op.dst]
         if queue or not self._push(op, op.since):
             queue.append(op)  # behind the queued ones (send order), or the rest of its pieces
@@ -55,9 +61,17 @@ class Sender:
         return bool(self._draining) or any(list(self._queues.values()))
 
     def progress(self, now: float) -> None:
+        live = self._ep.live
+        for dst in [d for d in live.down if live.is_lost(d, now)]:  # what waits for it never goes
+            queued, draining = self.take(dst)
+            for op in queued + draining:
+                self._fail(op, live.lost(dst, "send", op.seq, now))
         for queue in self._queues.values():
             while queue and self._push(queue[0], now):
-                self._draining.append(queue.popleft())
+                op = queue.popleft()
+                self._draining.append(op)
+                if queue and not op.work._done.is_set():  # the pipe moved: the next one waits from now
+                    queue[0].since = max(queue[0].since, now)
         self._draining = [op for op in self._draining if not self._drained(op, now)]
 
     def take(self, peer: int | None) -> tuple[list[Send], list[Send]]:

@@ -96,6 +96,11 @@ class P2PWork(Work):
         super().__init__(name)
         self._engine, self._receive = engine, receive
 
+    def _finish(self, result, error) -> None:
+        if error is not None:  # the transport names group ranks; the caller reads global ones
+            error = self._engine.named(error)
+        super()._finish(result, error)
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._receive and not self._done.is_set():
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -181,7 +186,7 @@ class CallerProgress:
     def drain_mail(self) -> bool:
         """Land what the mailboxes hold (the reader calls this); whether there was anything."""
         got = False
-        for inbox in self._inboxes.values():
+        for inbox in list(self._inboxes.values()):  # _drain may drop one
             if inbox.pending():
                 self._drain(inbox)
                 got = True
@@ -192,7 +197,11 @@ class CallerProgress:
             msgs = inbox.take()
         except ProtocolError as exc:
             error = exc  # the except clause's name goes when it ends
-            log.warning("rank %d: %s", self._ep.rank, error)
+            log.warning("rank %d: %s; its mailbox is not read again", self._ep.rank, error)
+            # read no more (it would fail the peer again on every turn): with nobody spinning on
+            # it, its sender takes the socket (mailbox.py rule 1)
+            self._inboxes.pop(inbox.src, None)
+            inbox.spin(False)
             self._fail_all(lambda op: error, peer=inbox.src)
             return
         for msg in msgs:

@@ -143,9 +143,6 @@ def test_a_stage_that_raises_over_gloo_is_named_at_once():
         assert out.count(f"OK {case}\n") == 2, out[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="transport: a point-to-point PeerLost in a subgroup names the group rank "
-                   "(here rank 1, alive and outside the pipeline); collectives map it (PeerLost.in_group), p2p "
-                   "does not. Remove this marker with that fix (backends/zmq_p2p.py)")
 def test_a_dead_stage_of_a_pipeline_subgroup_is_named_by_its_global_rank(edges_at_three_ranks):
     """A pipeline on ranks [0, 2] of 3, as a device mesh's "pp" groups are; rank 2 dies mid-step."""
     assert "OK subgroup peer lost 2\n" in edges_at_three_ranks, edges_at_three_ranks[-3000:]

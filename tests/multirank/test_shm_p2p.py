@@ -52,3 +52,10 @@ def test_small_messages_take_the_mailbox_in_order_with_the_socket_and_the_ring()
     assert len(counts) == 2 and all(mailed > 0 for mailed, _ in counts), counts
     assert any(sock > 0 for _, sock in counts), counts  # the socket path was taken too
     assert not _left_in_dev_shm(out)
+
+
+def test_a_destroyed_group_leaves_no_ring_open_or_mapped():
+    """Whether or not a group's point-to-point engine ever ran, destroying it closes its rings."""
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "shm"}
+    _, out = run_ranks(2, "shm_p2p", "groups", env=env, timeout_s=120)
+    assert out.count("p2p groups passed") == 2, out[-3000:]

@@ -130,3 +130,80 @@ def test_overdue_receives_name_the_lost_sender_or_time_out_and_leave_the_rest():
     assert out[id(anyone)].rank == 2 and "from any source (tag 5)" in str(out[id(anyone)])
     assert list(m.recvs[(3, 0)]) == [fresh] and not m.recvs[(1, 0)] and not m.any[5]
     assert m.overdue(105.5, timeout_s=5.0, live=live) == []  # each reported once
+
+
+def test_the_rest_of_a_mismatched_message_in_pieces_goes_to_no_later_receive():
+    """A receive too small for the sender's message fails on its first piece; the pieces still
+    coming belong to that failed receive, not to the next ones, which take the sender's next
+    messages (posted before the rest arrives, after it, and from any source)."""
+    for when in ("before", "after", "any"):
+        m, _ = matching()
+        small = recv(1)
+        m.post(small)
+        m.arrive(msg(1, 1, 1.0, step=0, pieces=2))  # two pieces of 2 where the receive holds 2
+        assert isinstance(small.work.error, CollectiveMismatch), when
+        nxt = recv(ANY_SOURCE) if when == "any" else recv(1)
+        if when == "before":
+            m.post(nxt)
+        if not m.arrive(msg(1, 1, 1.5, step=1, pieces=2)):
+            m.keep(msg(1, 1, 1.5, step=1, pieces=2))
+        if when != "before":
+            m.post(nxt)
+        assert not nxt.work.finished, (when, nxt.work.error)
+        assert m.arrive(msg(1, 2, 7.0))
+        assert nxt.work.finished and nxt.work.error is None and nxt.pieces[0][0] == 7.0, (when, nxt.work.error)
+        assert not m.early_bytes[1], when  # nothing of the failed message is kept
+
+
+def test_a_message_that_comes_after_its_receive_expired_goes_to_no_later_receive():
+    m, _ = matching()
+    m.post(recv(1))
+    m.pop(m.recvs[(1, 0)])  # expired: the sender's first message was its
+    nxt = recv(1)
+    m.post(nxt)
+    assert m.arrive(msg(1, 1, 5.0))  # late: dropped, not landed in the next receive
+    assert not nxt.work.finished, nxt.work.error
+    m.arrive(msg(1, 2, 6.0))
+    assert nxt.pieces[0][0] == 6.0 and nxt.work.error is None
+
+
+def test_a_receive_queued_behind_another_waits_from_when_it_became_first():
+    """Receives posted ahead (a pipeline's irecvs) wait for their turn: the deadline of each
+    counts from the message of the one before it, not from its own posting."""
+    from commrt.transport.liveness import Liveness
+    now = [0.0]
+    m = Matching(0, lambda src: None, lambda msg: None, lambda: now[0])
+    live = Liveness(slice_s=0.1, grace_s=1.0, timeout_s=30.0)
+    first, second = recv(1), recv(1)
+    any_first, any_second = recv(ANY_SOURCE, tag=5), recv(ANY_SOURCE, tag=5)
+    for op in (first, second, any_first, any_second):
+        m.post(op)
+        op.since = 0.0
+    now[0] = 4.0
+    m.arrive(msg(1, 1, 1.0))
+    m.arrive(msg(2, 1, 2.0, tag=5))
+    assert first.work.result == 1 and any_first.work.result == 2
+    assert m.overdue(6.0, timeout_s=5.0, live=live) == []  # 2 s since each became first
+    late = dict((id(op), e) for op, e in m.overdue(9.5, timeout_s=5.0, live=live))
+    assert set(late) == {id(second), id(any_second)}
+
+
+def test_a_failing_done_callback_takes_no_other_receive_with_it():
+    """A receive's Work calls its done-callbacks as it finishes; one that raises must not make
+    the matching remove the next receive too (which then would never finish: a hang)."""
+    class Raises(Done):
+        def _finish(self, result, error):
+            first = not self.finished
+            super()._finish(result, error)
+            if first:
+                raise RuntimeError("callback failed")
+    m, _ = matching()
+    first, second = recv(1), recv(1)
+    first.work = Raises()
+    m.post(first)
+    m.post(second)
+    m.arrive(msg(1, 1, 1.0))
+    assert first.work.result == 1 and first.work.error is None
+    assert list(m.recvs[(1, 0)]) == [second]
+    m.arrive(msg(1, 2, 2.0))
+    assert second.work.result == 1 and second.work.error is None and second.pieces[0][0] == 2.0

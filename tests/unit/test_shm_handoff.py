@@ -77,3 +77,39 @@ def test_a_peer_that_never_fetches_is_a_peer_lost_at_the_deadline():
     finally:
         a.close()
         os.close(fa[0])
+
+
+def test_a_peer_whose_socket_takes_no_connection_is_a_peer_lost_at_the_deadline():
+    """A peer's listening socket with a full backlog (a frozen peer that never accepts, or one
+    flooded with connections) makes connect() block: fetch must end at its deadline all the same."""
+    import socket
+    name = f"commrt-test-{os.getpid()}-{time.monotonic_ns()}"
+    full = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    full.bind("\0" + name)
+    full.listen(0)
+    queued = []
+    try:
+        while True:  # fill the backlog
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect("\0" + name)
+            except BlockingIOError:
+                break
+        out = {}
+
+        def fetch():
+            try:
+                out["got"] = handoff.fetch(name, KEY, 0, 4, time.monotonic() + 0.5, lambda w: None)
+            except BaseException as exc:
+                out["got"] = exc
+        t = threading.Thread(target=fetch, daemon=True)
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "fetch still blocks in connect"
+        assert isinstance(out["got"], PeerLost) and out["got"].rank == 4, out
+    finally:
+        for c in queued:
+            c.close()
+        full.close()

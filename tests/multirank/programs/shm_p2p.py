@@ -9,6 +9,8 @@
              mailbox, the socket and the ring, in order (transport/mailbox.py)
       unreceived  rank 1 puts a large message in its ring that rank 0 never receives, then is
              SIGKILLed
+      groups  groups made and destroyed, with and without a transfer: each leaves no shared
+             memory open or mapped in this process
 Every rank prints its pid, each ring when first used, and whether transfers went through rings."""
 from __future__ import annotations
 
@@ -145,13 +147,41 @@ def unreceived(rank: int, n: int) -> None:
             print(f"CAUGHT PeerLost: {exc}", flush=True)
 
 
+def _memfds() -> tuple[int, int]:
+    """(descriptors, mappings) of anonymous memory files in this process: segments and rings."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    with open("/proc/self/maps") as f:
+        return fds, sum("/memfd:" in line for line in f)
+
+
+def groups(rank: int, n: int) -> None:
+    commrt.barrier()
+    before = _memfds()
+    for i in range(3):
+        group = commrt.new_group(list(range(n)))
+        if i == 2:  # its point-to-point engine ran, and the rings carried a payload
+            if rank == 0:
+                commrt.send(torch.ones(1 << 16), 1, group=group)
+            elif rank == 1:
+                commrt.recv(torch.empty(1 << 16), 0, group=group)
+            commrt.barrier(group=group)  # not gone before its message arrived (1 s of linger)
+        commrt.destroy_process_group(group)
+        after = _memfds()
+        assert after == before, f"group {i}: memory files (open, mapped) {before} before, {after} after"
+
+
 def main() -> int:
     mode = sys.argv[1]
     print(f"pid: {os.getpid()}", flush=True)
     _announce_rings()
     commrt.init_process_group()
     rank, n = commrt.get_rank(), commrt.get_world_size()
-    {"data": data, "kill": kill, "unreceived": unreceived, "mixed": mixed}[mode](rank, n)
+    {"data": data, "kill": kill, "unreceived": unreceived, "mixed": mixed, "groups": groups}[mode](rank, n)
     engine = commrt.distributed._rt().world.backend._p2p
     rings = engine._rings
     used = bool(rings and rings.used())

@@ -1,0 +1,176 @@
+"""The point-to-point engine (transport/p2p.py) on real sockets in one process: two Endpoints on
+two Transports (two ZeroMQ contexts, as two processes would have), a PointToPoint on each."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from commrt.backends.zmq_p2p import PointToPoint
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import GroupClosed
+from commrt.transport import Endpoint, Transport, segments, shm_p2p
+from commrt.transport.mailbox import W_MHEAD, W_SPIN
+from commrt.transport.p2p import P2PEngine
+from commrt.transport.progress import ENGINE
+
+TIMEOUT_S = 20.0
+
+
+def _pair(rings: bool):
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    names = ["rank0", "rank1"]
+    transports = [Transport(cfg, n) for n in names]
+    eps = [Endpoint(t, 0, r, names, "127.0.0.1", "", 1 << 20, 1.0, TIMEOUT_S) for r, t in enumerate(transports)]
+    for ep in eps:
+        ep.connect({r: e.address for r, e in enumerate(eps)})
+    engines = [P2PEngine(ep, TIMEOUT_S) for ep in eps]
+    if rings:  # each rank's ring to the other, mapped by both as a shared-memory group's setup does
+        made = [shm_p2p.make_ring() for _ in engines]
+        for r, e in enumerate(engines):
+            fd = made[1 - r][0]
+            e.use_shm({1 - r: (shm_p2p.OutRing(*made[r]), shm_p2p.InRing(segments.attach(fd, shm_p2p.RING_SLOT)))})
+    return transports, engines
+
+
+@pytest.fixture(params=[False])
+def pair(request):
+    """(engine, PointToPoint) of ranks 0 and 1 of one group, connected (with shared-memory
+    rings when the parameter says so); closed afterwards."""
+    transports, engines = _pair(request.param)
+    yield [(e, PointToPoint(e, 0, r, 2, 1 << 20)) for r, e in enumerate(engines)]
+    for e in engines:
+        e.close(5.0)
+    for t in transports:
+        t.close()
+
+
+def _until(cond, what: str, limit_s: float = 10.0) -> None:
+    end = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} within {limit_s}s")
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("how", ["fails", "closes"])
+def test_a_waiter_queued_for_the_socket_wakes_when_the_engine_stops(pair, how):
+    """A receive's wait() asks the engine for the socket; the engine stops first (a bug in its
+    loop, or the group closed in that instant) and fails every transfer: the waiter must get
+    that error, not sleep for ever on the socket it asked for."""
+    (engine, p2p), _ = pair
+    work = p2p.irecv(np.zeros(4, np.float32), 1)
+    progress = engine._out.progress
+
+    def stop_with_a_waiter(now):
+        if engine._reader.holder == ENGINE:
+            _until(lambda: engine._reader.wanted, "the waiter asks for the socket")
+            if how == "fails":
+                raise RuntimeError("a bug in the engine's loop")
+            engine._closing = True  # close()'s first step, from another thread
+        progress(now)
+    engine._out.progress = stop_with_a_waiter
+    _until(lambda: engine._reader.holder == ENGINE, "the engine reads for the unwatched receive")
+    raised = []
+
+    def wait():
+        try:
+            work.wait()
+        except BaseException as exc:
+            raised.append(exc)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "the waiter still sleeps on the socket"
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError if how == "fails" else GroupClosed), raised
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 64])
+def test_a_receive_into_a_non_contiguous_tensor_gets_every_value_in_its_layout(pair, chunk):
+    """The receive lands in a contiguous copy and writes it back (one piece, and in pieces);
+    what lies between the view's elements is untouched."""
+    torch = pytest.importorskip("torch")
+    (e0, _), (e1, _) = pair
+    send, recv = PointToPoint(e0, 0, 0, 2, chunk), PointToPoint(e1, 0, 1, 2, chunk)
+    sent = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5) + 1
+    base = torch.zeros(5, 12)
+    view = base[:, ::2].t()  # 6 x 5, strided both ways
+    work = recv.irecv(view, 0, tag=3)
+    send.isend(sent, 1, tag=3).wait(TIMEOUT_S)
+    assert work.wait(TIMEOUT_S) and torch.equal(view, sent)
+    assert torch.equal(base[:, 1::2], torch.zeros(5, 6))
+
+
+def test_a_waiter_whose_receive_another_reader_matched_from_kept_messages_wakes(pair):
+    """Thread A reads the socket for its own receive; thread B's receive, posted meanwhile, is
+    matched by A against a message kept earlier: B must wake then, not when A's receive ends."""
+    (engine, p2p0), (_, p2p1) = pair
+    p2p1.isend(np.full(4, 2.0, np.float32), 0, tag=2).wait(TIMEOUT_S)
+    mine = p2p0.irecv(np.zeros(4, np.float32), 1, tag=1)
+    a = threading.Thread(target=mine.wait, daemon=True)
+    a.start()
+    _until(lambda: engine._match.early_bytes[1], "thread A reads and keeps the tag-2 message")
+    got = np.zeros(4, np.float32)
+    theirs = p2p0.irecv(got, 1, tag=2)
+    b = threading.Thread(target=theirs.wait, daemon=True)
+    b.start()
+    b.join(5.0)
+    try:
+        assert not b.is_alive(), "thread B sleeps while its receive is done"
+        assert (got == 2.0).all()
+    finally:
+        p2p1.isend(np.ones(4, np.float32), 0, tag=1).wait(TIMEOUT_S)
+        a.join(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("pair", [True], indirect=True)
+def test_a_corrupt_mailbox_fails_its_peer_once_and_the_pair_goes_on_over_the_socket(pair, caplog):
+    """A mailbox record that breaks the rules is a ProtocolError against its sender, once: the
+    mailbox is not read again (its sender, seeing nobody spin on it, takes the socket), where
+    it was read and failed again on every turn of the engine."""
+    (engine, p2p0), (other, p2p1) = pair
+    p2p1.isend(np.ones(4, np.float32), 0).wait(TIMEOUT_S)  # both sides' rings in place
+    p2p0.irecv(np.zeros(4, np.float32), 1).wait(TIMEOUT_S)
+    box = other._rings._out[0]._ctl
+    box[W_MHEAD] = box[W_MHEAD] + (1 << 40)  # a head no mailbox reaches
+    failed = p2p0.irecv(np.zeros(4, np.float32), 1, tag=5)
+    with pytest.raises(Exception, match="mailbox head"):
+        failed.wait(TIMEOUT_S)
+    time.sleep(0.5)  # the engine's turns
+    got = np.zeros(4, np.float32)
+    work = p2p0.irecv(got, 1, tag=6)
+    p2p1.isend(np.full(4, 6.0, np.float32), 0, tag=6).wait(TIMEOUT_S)
+    assert work.wait(TIMEOUT_S) and (got == 6.0).all()
+    warned = [r for r in caplog.records if "mailbox head" in r.getMessage()]
+    assert len(warned) == 1, len(warned)
+
+
+@pytest.mark.parametrize("pair", [True], indirect=True)
+def test_a_message_left_in_the_mailbox_without_a_doorbell_is_read_within_a_slice(pair):
+    """A sender that saw the receiver spinning writes into its mailbox and rings no doorbell;
+    should the receiver have stopped spinning meanwhile and the doorbell be lost (a full pipe),
+    a reader still looks at the mailboxes once a slice (mailbox.py rule 3), also a caller
+    blocked on the socket, not only the engine thread."""
+    (engine, p2p0), (other, p2p1) = pair
+    p2p1.isend(np.ones(4, np.float32), 0).wait(TIMEOUT_S)  # both sides' rings in place
+    p2p0.irecv(np.zeros(4, np.float32), 1).wait(TIMEOUT_S)
+    got = np.zeros(4, np.float32)
+    work = p2p0.irecv(got, 1, tag=7)
+    waiter = threading.Thread(target=work.wait, daemon=True)
+    waiter.start()
+    ctl = other._rings._out[0]._ctl
+    _until(lambda: engine._reader.holder not in (None, ENGINE), "the caller reads the socket")
+    time.sleep(0.1)  # its 2 ms of spinning are over: it blocks on the socket
+    assert not ctl[W_SPIN]
+    ctl[W_SPIN] = 1  # as the sender saw it an instant before the receiver stopped spinning
+    p2p1.isend(np.full(4, 7.0, np.float32), 0, tag=7).wait(TIMEOUT_S)
+    ctl[W_SPIN] = 0
+    assert other._rings.mailed >= 1  # it went into the mailbox, no doorbell rung
+    waiter.join(5.0)
+    try:
+        assert not waiter.is_alive() and (got == 7.0).all(), "the message waits in the mailbox"
+    finally:
+        if waiter.is_alive():
+            p2p1.isend(np.zeros(0, np.float32), 0, tag=8).wait(TIMEOUT_S)
