@@ -112,6 +112,7 @@ class ReplicaFT:
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
         self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
+        self.incarnation = 0  # which start of this replica (``start``): a replaced one is refused
         global _active
         _active = self
 
@@ -119,12 +120,19 @@ class ReplicaFT:
     def start(self) -> int:
         """Join the job: the first generation if it is forming, else the running job (as a
         replica without state). Returns the step to compute first."""
-        raw = (self.store.mget([P + "cur"])[0] if self.group is None
-               else self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s))
+        if self.group is None:
+            self.incarnation = self.store.add(rv.incarnation_key(self.replica), 1)
+            raw = self.store.mget([P + "cur"])[0]
+        else:
+            raw = self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s)
+            self.incarnation = self.group.incarnation
         if raw is None:
-            return self._armed(self._enter(0, q.Registration(self.replica, 0, False), end=None))
+            return self._armed(self._enter(0, self._reg(0, False), end=None))
         cur = int(raw)
-        return self._armed(self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur))
+        return self._armed(self._enter(cur + 1, self._reg(-1, False), end=cur))
+
+    def _reg(self, applied: int, grad: bool, suspects: tuple[int, ...] = ()) -> q.Registration:
+        return q.Registration(self.replica, applied, grad, suspects, self.incarnation)
 
     def _armed(self, step: int) -> int:
         """The next backward's buckets all-reduce in this generation's world as they fill."""
@@ -137,6 +145,8 @@ class ReplicaFT:
         previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
         while True:
             alive, self._alive = self._alive, None  # a hint about the generation that just ended only
+            # replaced while frozen: leave before registering or ending a generation (StaleReplica)
+            rv.check_current(self.store, self.replica, self.incarnation, f"generation {gen}")
             if self.group is not None:
                 self.group.check()  # a group that lost a rank must not register (GroupBroken)
             if self.shard == 0:  # a group registers (and leads) through its first rank
@@ -149,10 +159,10 @@ class ReplicaFT:
             raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
                            f"replica {self.replica}: the plan of generation {gen}")[0]
             plan = q.Plan.unpack(msgpack.unpackb(raw))
-            if self.replica not in plan.members:  # left out (too slow): come back without state
+            if not plan.includes(self.replica, self.incarnation):  # left out (too slow): come back without state
                 log.warning("replica %d: left out of generation %d (members %s); rejoining",
                             self.replica, gen, list(plan.members))
-                self.applied, reg, end, previous, gen = -1, q.Registration(self.replica, -1, False), gen, plan.members, gen + 1
+                self.applied, reg, end, previous, gen = -1, self._reg(-1, False), gen, plan.members, gen + 1
                 continue
             self._note(previous if self.plan is not None else plan.members, plan)
             nxt, reg = self._run(plan, reg)
@@ -199,7 +209,7 @@ class ReplicaFT:
         suspects = ()
         if isinstance(exc, PeerLost) and 0 <= exc.rank < len(plan.members):
             suspects = (plan.members[exc.rank],)
-        return q.Registration(self.replica, self.applied, grad and self.applied >= 0, suspects)
+        return self._reg(self.applied, grad and self.applied >= 0, suspects)
 
     def _open(self, plan: q.Plan, me: int) -> None:
         spec = RendezvousSpec(self.host, self.port, me, len(plan.members))

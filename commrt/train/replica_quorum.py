@@ -55,13 +55,18 @@ class Registration:
     """It holds its own gradient of step ``applied`` (to be averaged in the new generation)."""
     suspects: tuple[int, ...] = ()
     """Replicas its failed collective named as lost: the leader does not wait for them."""
+    incarnation: int = 0
+    """Which start of the replica registers (``stale``): a process that was replaced while it
+    was frozen must not take part beside its replacement under the same replica id."""
 
     def pack(self) -> dict:
-        return {"replica": self.replica, "applied": self.applied, "grad": self.grad, "suspects": list(self.suspects)}
+        return {"replica": self.replica, "applied": self.applied, "grad": self.grad, "suspects": list(self.suspects),
+                "incarnation": self.incarnation}
 
     @classmethod
     def unpack(cls, raw: dict) -> "Registration":
-        return cls(int(raw["replica"]), int(raw["applied"]), bool(raw["grad"]), tuple(int(s) for s in raw["suspects"]))
+        return cls(int(raw["replica"]), int(raw["applied"]), bool(raw["grad"]), tuple(int(s) for s in raw["suspects"]),
+                   int(raw.get("incarnation", 0)))
 
 
 @dataclass(frozen=True)
@@ -76,15 +81,24 @@ class Plan:
     contributors: tuple[int, ...]
     source: int
     fresh: tuple[int, ...]
+    incarnations: tuple[int, ...] = ()
+    """Per member, the incarnation that registered: only that process takes the member's place."""
 
     def pack(self) -> dict:
         return {"gen": self.gen, "members": list(self.members), "step": self.step,
-                "contributors": list(self.contributors), "source": self.source, "fresh": list(self.fresh)}
+                "contributors": list(self.contributors), "source": self.source, "fresh": list(self.fresh),
+                "incarnations": list(self.incarnations)}
 
     @classmethod
     def unpack(cls, raw: dict) -> "Plan":
         return cls(int(raw["gen"]), tuple(raw["members"]), int(raw["step"]), tuple(raw["contributors"]),
-                   int(raw["source"]), tuple(raw["fresh"]))
+                   int(raw["source"]), tuple(raw["fresh"]), tuple(raw.get("incarnations", ())))
+
+    def includes(self, replica: int, incarnation: int) -> bool:
+        """Whether this start of ``replica`` is a member (an earlier or later start is not)."""
+        if replica not in self.members:
+            return False
+        return not self.incarnations or self.incarnations[self.members.index(replica)] == incarnation
 
 
 def awaited(previous: tuple[int, ...], regs: dict[int, Registration]) -> set[int]:
@@ -92,6 +106,18 @@ def awaited(previous: tuple[int, ...], regs: dict[int, Registration]) -> set[int
     named lost by a member that did register."""
     suspects = {s for r in regs.values() for s in r.suspects}
     return {m for m in previous if m not in regs and m not in suspects}
+
+
+def stale(incarnation: int, current: int | None) -> bool:
+    """Whether a replica's start ``incarnation`` has been replaced: ``current`` is the newest
+    start's (the store's counter; None before any)."""
+    return current is not None and current > incarnation
+
+
+def current_only(regs: dict[int, Registration], currents: dict[int, int | None]) -> dict[int, Registration]:
+    """The registrations of replicas' newest starts: a frozen process that wakes after it was
+    replaced registers under the same key as its replacement, possibly after it."""
+    return {r: reg for r, reg in regs.items() if not stale(reg.incarnation, currents.get(r))}
 
 
 def plan(gen: int, regs: dict[int, Registration]) -> Plan:
@@ -106,5 +132,7 @@ def plan(gen: int, regs: dict[int, Registration]) -> Plan:
     if len(steps) != 1:
         raise RuntimeError(f"generation {gen}: replicas with state disagree on the step: "
                            f"{ {r: regs[r].applied for r in with_state} }")
-    return Plan(gen, tuple(sorted(regs)), steps.pop(), tuple(r for r in with_state if regs[r].grad),
-                with_state[0], tuple(sorted(r for r in regs if regs[r].applied < 0)))
+    members = tuple(sorted(regs))
+    return Plan(gen, members, steps.pop(), tuple(r for r in with_state if regs[r].grad),
+                with_state[0], tuple(sorted(r for r in regs if regs[r].applied < 0)),
+                tuple(regs[r].incarnation for r in members))

@@ -10,12 +10,32 @@ import time
 
 import msgpack
 
+from commrt.runtime.errors import CommError
 from commrt.runtime.store import wait_for
 from commrt.runtime.store_core import OK
 from commrt.train import replica_quorum as q
 
 log = logging.getLogger(__name__)
 P = "ft/"  # the store's keys for replica fault tolerance
+
+
+class StaleReplica(CommError):
+    """This process was replaced: a newer start of the same replica (its supervisor took it for
+    dead while it was frozen) has joined; it must leave, not take part beside it."""
+
+
+def incarnation_key(replica: int) -> str:
+    """The counter of a replica's starts (a group's: set by its first rank)."""
+    return f"{P}inc/{replica}"
+
+
+def check_current(store, replica: int, incarnation: int, where: str) -> None:
+    """``StaleReplica`` if a newer start of ``replica`` exists (one store read)."""
+    raw = store.mget([incarnation_key(replica)])[0]
+    current = None if raw is None else int(raw)
+    if q.stale(incarnation, current):
+        raise StaleReplica(f"replica {replica} ({where}): this process (start {incarnation}) was replaced by start "
+                           f"{current} of the same replica while it was not answering; it leaves")
 
 
 def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: float,
@@ -60,10 +80,13 @@ def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: fl
     that many members had voted: once that many have registered, the rest (silent for the whole
     vote timeout after their all-reduce completed) are not waited for. A live one left out
     rejoins (without its gradient of that step)."""
-    keys = [f"{P}reg/{gen}/{r}" for r in range(replicas)]
+    keys = [f"{P}reg/{gen}/{r}" for r in range(replicas)] + [incarnation_key(r) for r in range(replicas)]
     deadline = time.monotonic() + within_s
     while True:
-        regs = {r: q.Registration.unpack(msgpack.unpackb(v)) for r, v in enumerate(store.mget(keys)) if v is not None}
+        raw = store.mget(keys)  # registrations and starts read together: a replaced one's is left out
+        currents = {r: int(v) for r, v in enumerate(raw[replicas:]) if v is not None}
+        regs = q.current_only({r: q.Registration.unpack(msgpack.unpackb(v))
+                               for r, v in enumerate(raw[:replicas]) if v is not None}, currents)
         missing = q.awaited(previous, regs)
         enough = alive is not None and len(set(previous) & set(regs)) >= max(alive, 1)
         if not missing or enough or time.monotonic() >= deadline:

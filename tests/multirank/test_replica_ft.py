@@ -30,9 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference(history: list) -> dict:
+def reference(history: list, width: int = 64) -> dict:
     """One process: each step's gradient is the mean of the contributors' gradients on their data."""
-    model = job.make_model()
+    model = job.make_model(width)
     opt = job.make_optimizer(model)
     for step, contributors in history:
         grads = []

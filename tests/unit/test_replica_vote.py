@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import msgpack
+import pytest
 
 from commrt.runtime.store_core import OK, TIMEOUT
 from commrt.train import replica_quorum as q
@@ -78,3 +79,19 @@ def test_without_the_count_the_leader_waits_its_deadline():
     t0 = time.monotonic()
     rv.lead(store, 2, 3, (0, 1, 2), 0.3, 0)
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_a_replaced_replica_is_left_out_and_refused():
+    """A frozen replica that wakes after its replacement started registers under the same key:
+    the leader must plan with the newest start only, and the old one must be told to leave."""
+    store = Store()
+    _register(store, 3, 0)
+    store.set(f"{rv.P}reg/3/1", msgpack.packb(q.Registration(1, 7, True, (), 1).pack()))  # the old start
+    store.add(rv.incarnation_key(1), 2)  # starts 1 and 2 of replica 1 happened
+    rv.lead(store, 3, 2, (0, 1), 0.05, 0)
+    plan = q.Plan.unpack(msgpack.unpackb(store.kv[f"{rv.P}mem/3"]))
+    assert plan.members == (0,) and not plan.includes(1, 1)
+    rv.check_current(store, 1, 2, "here")  # the newest start goes on
+    with pytest.raises(rv.StaleReplica, match=r"replica 1 .*start 1\) was replaced by start 2"):
+        rv.check_current(store, 1, 1, "here")
+    assert q.Plan(3, (0, 1), 7, (0,), 0, (), (1, 2)).includes(1, 2)

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
     p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
+    p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
+                   "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, or sync")
     a = p.parse_args()
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
@@ -74,6 +76,8 @@ def main() -> None:
         opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
                    shard=a.shard, shards=a.shards, overlap=not a.no_overlap)
+    if a.fault:
+        inject_fault(ft, a.fault, a.out)
     data = a.replica * a.shards + a.shard  # the batch's index: every rank of a group reads its own
     started = time.time()
     step, times = ft.start(), {}
@@ -101,6 +105,54 @@ def main() -> None:
         json.dump({"history": [[s, list(c)] for s, c in ft.history], "counts": ft.stats(), "times": times,
                    "started": started, "joined_at": joined_at}, fh)
     ft.close()
+
+
+def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
+    """SIGKILL (``kill``) or SIGSTOP (``stop``: the test continues it) this process at a point of
+    step STEP: ``all_reduce`` when the step's second gradient bucket is about to go out (the first
+    is in flight), ``vote`` after the all-reduce before its vote, ``apply`` after the vote
+    committed before the optimizer step, ``sync`` as the source of a state transfer to a replica
+    (re)joining at step STEP or later, after a third of the tensors went out. Writes OUT.fault
+    (the time) first."""
+    what, where, at = spec.split(":")
+    at, sig = int(at), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[what]
+    fired = []
+
+    def fire() -> None:
+        if fired:
+            return
+        fired.append(1)
+        with open(out + ".fault", "w") as fh:
+            fh.write(str(time.time()))
+        os.kill(os.getpid(), sig)
+
+    if where == "all_reduce":
+        overlap, start = ft.grads.overlap, ft.grads.overlap._start
+        overlap._start = lambda b: (fire() if b == 1 and ft.applied == at else None, start(b))[1]
+    elif where == "vote":
+        votes = ft._votes
+        ft._votes = lambda ok: (fire() if ft.applied == at else None, votes(ok))[1]
+    elif where == "apply":
+        apply = ft.grads.apply
+        ft.grads.apply = lambda *args: (fire() if ft.applied == at else None, apply(*args))[1]
+    elif where == "sync":
+        sync = ft._sync
+
+        def wrapped(plan):
+            if plan.fresh and plan.step >= at and plan.source == ft.replica:
+                cast, sent = ft.rt.world.backend.broadcast, []
+                total = len(list(ft.model.parameters()))
+
+                def broadcast(t, src, async_op):
+                    sent.append(1)
+                    if len(sent) > total // 3:
+                        fire()
+                    return cast(t, src, async_op)
+                ft.rt.world.backend.broadcast = broadcast
+            return sync(plan)
+        ft._sync = wrapped
+    else:
+        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply or sync")
 
 
 def _off(model: nn.Module, opt: torch.optim.Optimizer, a) -> None:
