@@ -39,7 +39,7 @@ import torch
 from commrt.obs import stats
 from commrt.runtime import bootstrap, world
 from commrt.runtime.config import Config, load_config
-from commrt.runtime.errors import CommError, PeerLost
+from commrt.runtime.errors import CommError, ConfigError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import StoreClient, StoreServer, wait_for
 from commrt.collectives.reduce_ops import ReduceOp
@@ -90,6 +90,11 @@ class ReplicaFT:
         ``overlap`` (data parallel): all-reduce buckets from the gradient hooks during backward
         (replica_overlap.py); then each step must run exactly one backward (False to accumulate
         gradients over several)."""
+        if not (0 <= replica < replicas and 0 <= shard < shards):
+            # a replica id outside 0..replicas-1 is never in a plan: it would rejoin, and end the
+            # generation it was left out of, for ever (no step would commit again)
+            raise ConfigError(f"replica {replica} of {replicas}, shard rank {shard} of {shards}: the replica must be "
+                              f"in 0..{replicas - 1} and the shard rank in 0..{shards - 1}")
         self.model, self.replica, self.replicas = model, replica, replicas
         self.shard, self.shards = shard, shards
         self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
