@@ -12,7 +12,8 @@ The protocol is a handful of keys:
   address and port for a rank 0, a per-agent id and a sequence number). A node whose beat has not
   changed for ``dead_after_s`` is gone: its launcher was killed, its host died or its link is down.
 - ``plan/<g>``: generation ``g``: the member nodes in rank order, where rank 0 meets, and why it
-  was formed; or an abort (too few nodes, or too many failures) with the exit code to end with.
+  was formed; or an abort (too few nodes, too many failures, or a rank that failed after another
+  node's had finished) with the exit code to end with.
 - ``stop/<g>``: why generation ``g`` ends: every member stops its ranks and asks for ``g + 1``.
 - ``latest``: the newest plan, so an agent that (re)starts asks for the one after it.
 - ``finished``: every member's ranks exited 0; agents end.
@@ -114,6 +115,13 @@ class Membership:
         g = self.gen
         done = [n for n in self.members if self.alive(n, now) and self._state(n) == (DONE, g)]
         if done:  # the job is ending: members finish or vanish, nobody re-forms
+            failed = [n for n in self.members if self.alive(n, now) and self._state(n) == (FAILED, g)]
+            if failed:  # ... or fail: the job ends with the rank's code (the finished cannot run again)
+                self.finished = True
+                b = self.seen[failed[0]].beat
+                return [("plan", g + 1, {"abort": f"node {failed[0]}: rank {b.get('rank')} exited with code "
+                                         f"{b.get('code')} after node(s) {done} had finished",
+                                         "code": int(b.get("code") or 1)})]
             if all(n in done or not self.alive(n, now) for n in self.members):
                 self.finished = True
                 return [("finish",)]

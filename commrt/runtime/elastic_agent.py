@@ -143,8 +143,7 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
             return None
         if all(_exited(p) for p in procs):
             beater.set(state=DONE, gen=g)
-            _await_finish(client, policy)
-            return Outcome(0, f"generation {g} finished")
+            return _await_finish(client, g, policy)
         now = time.monotonic()
         if end is not None and now >= end:
             _stop_everything(procs)
@@ -168,16 +167,22 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
 
 
 def _await_stop(client, g: int, policy: Policy) -> None:
-    """The coordinator has seen our failure once it ends the generation (bounded)."""
+    """The coordinator has seen our failure once it ends the generation, or the job (plan
+    ``g + 1``, an abort, when another node had finished: node 0 may leave soon after). Bounded."""
     try:
-        client.wait([f"stop/{g}"], "finished", policy.dead_after_s + policy.settle_s)
+        client.wait([f"plan/{g + 1}"], f"stop/{g}", policy.dead_after_s + policy.settle_s)
     except RendezvousError:
         pass
 
 
-def _await_finish(client, policy: Policy) -> None:
-    """Our ranks are done; node 0 announces when every node's are (bounded: ours are done either way)."""
+def _await_finish(client, g: int, policy: Policy) -> Outcome:
+    """Our ranks are done; node 0 announces when every node's are, or ends the job when another
+    node's rank failed meanwhile (plan ``g + 1`` is then an abort with its code). Bounded: ours
+    are done either way."""
+    finished = Outcome(0, f"generation {g} finished")
     try:
-        client.wait(["finished"], None, policy.join_timeout_s)
+        status, value = client.wait([f"plan/{g + 1}"], "finished", policy.join_timeout_s)
     except RendezvousError:
-        pass
+        return finished
+    plan = unpack(value[0]) if status == OK else {}
+    return Outcome(int(plan["code"]), plan["abort"]) if "abort" in plan else finished

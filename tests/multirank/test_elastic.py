@@ -181,3 +181,23 @@ def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(
     outs = [p.communicate(timeout=90)[0] for p in procs]
     assert procs[0].returncode == 3 and "only 1 node(s) [0] ready within 5s" in outs[0], outs
     assert procs[1].returncode == 4 and "did not answer within 5s" in outs[1], outs
+
+
+def test_a_rank_failing_after_the_other_node_finished_ends_both_launchers_with_its_code(tmp_path):
+    """Node 0's rank exits 0 at once, node 1's with 7 a moment later: both launchers end with 7,
+    saying why, within seconds (before: node 0 exited 0 after the join deadline, node 1 with 4,
+    EXIT_LOST, after another)."""
+    port, secret = _free_port(), new_secret()
+    rank = "import os, sys, time; n = os.environ['COMMRT_NODE_ID']; time.sleep(2.0 * (n == '1')); sys.exit(7 * (n == '1'))"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2:2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "30",
+               "--max-restarts", "2", "--timeout", "90", "--", sys.executable, "-c", rank]
+        procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT, "COMMRT_JOB_SECRET": secret},
+                                      cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      preexec_fn=default_signals))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    why = "node 1: rank 0 exited with code 7 after node(s) [0] had finished"
+    assert [p.returncode for p in procs] == [7, 7], outs
+    assert all(why in out for out in outs), outs

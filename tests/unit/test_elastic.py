@@ -147,3 +147,21 @@ def test_members_that_finish_end_the_job_and_a_finishing_job_does_not_re_form():
     c2.beat(0, DONE, 0)
     got = [c2.tick(silent=(1,)) for _ in range(4)]  # node 1 leaves after node 0 finished
     assert ("finish",) in sum(got, []) and not any(a[0] == "stop" for a in sum(got, []))
+
+
+def test_a_rank_failing_after_another_node_finished_ends_the_job_with_its_code():
+    """Node 0's ranks are done; node 1's rank then fails: nobody can re-run node 0's ranks, so
+    the job ends with the failure's code (before: node 0 exited 0 after the join deadline, node 1 4,
+    EXIT_LOST, after another)."""
+    c = Cluster(Policy(1, 2, max_restarts=3))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1], 0)
+    c.beat(0, DONE, 0)
+    assert c.tick() == []  # node 1 still running
+    c.beat(1, FAILED, 0, rank=0, code=7)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 1 and plan[2]["code"] == 7, plan
+    assert "node 1: rank 0 exited with code 7 after node(s) [0] had finished" in plan[2]["abort"]
+    assert c.tick() == []
