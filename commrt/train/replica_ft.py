@@ -50,13 +50,16 @@ from commrt.train.replica_vote import P
 from commrt.train.replica_group import GroupBroken, ShardedGroup
 from commrt.train.replica_overlap import Replicated
 from commrt.transport import Transport
+from commrt.transport.security import check_bind
 
 log = logging.getLogger(__name__)
 PHASES = ("copy", "all_reduce", "vote", "apply")
 
 
 def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
-    """A store for the replicas, in a process that is not one of them (the launcher's)."""
+    """A store for the replicas, in a process that is not one of them (the launcher's). Like
+    every commrt store, not off this host unencrypted unless ``allow_insecure`` (check_bind)."""
+    check_bind(cfg, [host])
     transport = Transport(cfg, "ft-store")
     return transport, StoreServer(transport, host, port)
 
@@ -106,6 +109,8 @@ class ReplicaFT:
         self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
         self.host, port = store.rsplit(":", 1)
         self.port = int(port)
+        if serve_store:  # before any socket: as every commrt store, not off the host unencrypted
+            check_bind(self.cfg, [self.host])
         self._ctl = Transport(self.cfg, f"replica{replica}-ft")
         self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
         self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)

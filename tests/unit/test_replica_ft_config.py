@@ -7,7 +7,8 @@ import torch
 
 from commrt.runtime.errors import ConfigError
 from commrt.train.config import TrainConfig
-from commrt.train.replica_ft import ReplicaFT
+from commrt.runtime.config import load_config
+from commrt.train.replica_ft import ReplicaFT, serve
 from commrt.train.replica_group import group_size, layout
 from commrt.train.replica_state import make_optimizer
 from commrt.optim.rules import OptimSpec
@@ -80,3 +81,14 @@ def test_a_replica_outside_the_job_is_refused_before_it_joins(replica, replicas,
     with pytest.raises(ConfigError, match=f"replica {replica} of {replicas}, shard rank {shard} of {shards}"):
         ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), replica, replicas, "127.0.0.1:1",
                   shard=shard, shards=shards)
+
+
+def test_the_replicas_store_is_not_served_off_the_host_unencrypted():
+    """As every commrt store (bootstrap, parameter server, elastic rendezvous): the job secret
+    would cross the network in the clear, and whoever read it could register as a replica."""
+    with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
+        serve(load_config(environ={}), "192.0.2.1", 1)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
+        ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 2, "192.0.2.1:1", load_config(environ={}),
+                  serve_store=True)
