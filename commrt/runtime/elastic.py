@@ -9,7 +9,10 @@ node that holds their rank 0.
 The protocol is a handful of keys:
 
 - ``beat/<node>``: each agent's heartbeat, rewritten every ``BEAT_S`` (state, generation,
-  address and port for a rank 0, a per-agent id and a sequence number). A node whose beat has not
+  address and port for a rank 0, a per-agent id, its ``start`` and a sequence number).
+- ``agent/<node>``: a counter of the node's launcher starts; a launcher whose start is no longer
+  the newest (replaced while frozen or cut off) stops its ranks and leaves (``EXIT_REPLACED``),
+  and the coordinator ignores its beats. A node whose beat has not
   changed for ``dead_after_s`` is gone: its launcher was killed, its host died or its link is down.
 - ``plan/<g>``: generation ``g``: the member nodes in rank order, where rank 0 meets, and why it
   was formed; or an abort (too few nodes, too many failures, or a rank that failed after another
@@ -40,6 +43,7 @@ DEAD_AFTER_S = 5.0  # ten missed beats: a loaded host is slow, not dead
 SETTLE_S = 2.0  # below MAX nodes: how long a forming generation waits for more to arrive
 EXIT_TOO_FEW = 3  # fewer than MIN nodes came within the join deadline
 EXIT_LOST = 4  # this node could not reach the rendezvous (node 0) within the join deadline
+EXIT_REPLACED = 5  # a newer launcher of this node id joined while this one was frozen or cut off
 
 IDLE, RUNNING, FAILED, DONE = "idle", "running", "failed", "done"
 
@@ -94,6 +98,8 @@ class Membership:
             if beat is None:
                 continue
             old = self.seen.get(node)
+            if old is not None and beat.get("start", 0) < old.beat.get("start", 0):
+                continue  # a replaced launcher of this node woke (it leaves: elastic_agent.replaced)
             if old is None or (old.beat.get("id"), old.beat.get("seq")) != (beat.get("id"), beat.get("seq")):
                 self.seen[node] = _Seen(beat, now)
 

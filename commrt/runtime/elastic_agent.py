@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, FAILED, IDLE, RUNNING, Policy, pack, unpack)
+from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, EXIT_REPLACED, FAILED, IDLE, RUNNING, Policy, pack,
+                                    unpack)
 from commrt.runtime.errors import RendezvousError
 from commrt.runtime.processes import _exited, _stop_everything
 from commrt.runtime.store_core import ABORT, OK
@@ -72,6 +73,7 @@ def run_node(client, beater: Beater, policy: Policy, start: Callable[[dict, int]
     end = None if timeout_s is None else time.monotonic() + timeout_s
     latest = _latest(client, policy)
     want = latest + 1
+    beater.set(start=client.add(f"agent/{beater.node}", 1))
     while True:
         # a fresh port for each generation's rank 0: the last one's may still be closing
         beater.set(state=IDLE, gen=want - 1, rank=None, code=None, port=beater.pick_port())
@@ -117,10 +119,13 @@ def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | Non
             return Outcome(124, "the launch's --timeout passed while waiting for a generation")
         try:
             status, value = client.wait([f"plan/{g}"], "finished", BEAT_S)
+            why = replaced(client, beater)
         except RendezvousError as exc:
             if beater.lost_since is not None and now - beater.lost_since > policy.join_timeout_s:
                 return Outcome(EXIT_LOST, f"lost the rendezvous: {exc}")
             continue
+        if why is not None:
+            return Outcome(EXIT_REPLACED, why)
         if status == ABORT:
             return Outcome(0, "the job finished")
         if status == OK:
@@ -156,14 +161,29 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
         if now >= next_check:
             next_check = now + BEAT_S
             try:
-                reason = client.mget([f"stop/{g}"])[0]
+                reason, newest = client.mget([f"stop/{g}", f"agent/{beater.node}"])
             except RendezvousError:
-                reason = None  # the beater counts how long the store has been gone
+                reason = newest = None  # the beater counts how long the store has been gone
+            if newest is not None and int(newest) > beater.state.get("start", 0):
+                _stop_everything(procs)
+                return Outcome(EXIT_REPLACED, _replaced_why(beater, int(newest)))
             if reason is not None:
                 say(f"generation {g} ends: {bytes(reason).decode(errors='replace')}; stopping this node's ranks")
                 _stop_everything(procs)
                 return None
         time.sleep(0.05)
+
+
+def replaced(client, beater: Beater) -> str | None:
+    """Why this launcher must leave, or None: a newer one of its node id has started (this one
+    was frozen or cut off meanwhile); the coordinator ignores its beats from then on."""
+    newest = client.mget([f"agent/{beater.node}"])[0]
+    return None if newest is None or int(newest) <= beater.state.get("start", 0) else _replaced_why(beater, int(newest))
+
+
+def _replaced_why(beater: Beater, newest: int) -> str:
+    return (f"replaced: launcher start {newest} of node {beater.node} joined while this one (start "
+            f"{beater.state.get('start')}) was not answering; this one leaves")
 
 
 def _await_stop(client, g: int, policy: Policy) -> None:

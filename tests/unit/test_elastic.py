@@ -24,7 +24,7 @@ class Cluster:
         self.now += dt
         for n, b in list(self.beats.items()):
             if n not in silent:
-                self.beat(n, b["state"], b["gen"], b["id"][0], **{k: b[k] for k in ("rank", "code") if k in b})
+                self.beat(n, b["state"], b["gen"], b["id"][0], **{k: b[k] for k in ("rank", "code", "start") if k in b})
         return self.m.tick(self.now, {n: (None if n in silent else b) for n, b in self.beats.items()})
 
 
@@ -165,3 +165,32 @@ def test_a_rank_failing_after_another_node_finished_ends_the_job_with_its_code()
     assert plan[1] == 1 and plan[2]["code"] == 7, plan
     assert "node 1: rank 0 exited with code 7 after node(s) [0] had finished" in plan[2]["abort"]
     assert c.tick() == []
+
+
+def test_a_replaced_launcher_that_wakes_is_not_heard():
+    """Node 1's launcher freezes, the generation re-forms without it, a new launcher of node 1
+    (start 2) joins; the old one (start 1) wakes and beats again: its beats must not count (they
+    kept node 1 alive after its new launcher died)."""
+    c = Cluster(Policy(1, 2, settle_s=0.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1, start=1)
+    c.tick()
+    c.beat(0, RUNNING, 0)
+    c.beat(1, RUNNING, 0, start=1)
+    got = sum((c.tick(silent=(1,)) for _ in range(12)), [])
+    assert got[0][:2] == ("stop", 0) and "node 1 stopped beating" in got[0][2]
+    c.beat(0, IDLE, 0)
+    (plan,) = plans(c.tick(silent=(1,)))
+    assert plan[2]["members"] == [0]
+    _running(c, [0], 1)
+    c.beat(1, IDLE, 0, agent="b", start=2)  # the new launcher
+    assert c.tick()[0] == ("stop", 1, "node 1 joined")
+    c.beat(0, IDLE, 1)
+    (plan,) = plans(c.tick())
+    assert plan[2]["members"] == [0, 1]
+    c.beat(0, RUNNING, 2)
+    c.beat(1, RUNNING, 2, agent="b", start=2)
+    c.tick()
+    c.beat(1, IDLE, 0, agent="a", start=1)  # the old one wakes and beats; the new one dies
+    got = sum((c.tick() for _ in range(12)), [])  # (Cluster.tick beats again as the last beat: the old one)
+    assert got and got[0][:2] == ("stop", 2) and "node 1 stopped beating" in got[0][2], got
