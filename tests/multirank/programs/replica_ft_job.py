@@ -47,6 +47,28 @@ def local_backward(model: nn.Module, replica: int, step: int) -> None:
     nn.functional.mse_loss(model(x), y).backward()
 
 
+class Twin(nn.Module):
+    """Two 600 x 600 layers: one gradient bucket each, of the same size (replica_overlap's
+    first-bucket cap is 256 Ki elements). Replica 1 leaves ``b`` out of its forward, as a branch
+    a batch does not take: ``b``'s bucket fills on the other replicas only."""
+
+    def __init__(self, seed: int | None = SEED):
+        super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.a, self.b = nn.Linear(600, 600, bias=False), nn.Linear(600, 600, bias=False)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def twin_backward(model: Twin, replica: int, step: int) -> None:
+    g = torch.Generator().manual_seed(7919 * step + replica)
+    x, y = torch.randn(8, 600, generator=g), torch.randn(8, 600, generator=g)
+    nn.functional.mse_loss(model(x, replica != 1), y).backward()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("replica", type=int)
@@ -63,12 +85,15 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
     p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
+    p.add_argument("--twin", action="store_true", help="the Twin model: a parameter unused on replica 1")
     p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
                    "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, or sync")
     a = p.parse_args()
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
-    model = make_model(a.width, SEED if a.replica == 0 else None)
+    seed = SEED if a.replica == 0 else None
+    model = Twin(seed) if a.twin else make_model(a.width, seed)
+    backward = twin_backward if a.twin else local_backward
     opt = make_optimizer(model)
     if a.off:
         return _off(model, opt, a)
@@ -84,7 +109,7 @@ def main() -> None:
     joined_at = step
     while step < a.steps:
         t0 = time.perf_counter()
-        local_backward(model, data, step)
+        backward(model, data, step)
         if step == a.die_at:
             with open(a.out + ".killed", "w") as fh:
                 fh.write(str(time.time()))
