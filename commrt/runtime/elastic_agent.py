@@ -21,6 +21,8 @@ from commrt.runtime.errors import RendezvousError
 from commrt.runtime.processes import _exited, _stop_everything
 from commrt.runtime.store_core import ABORT, OK
 
+RETRY_S = BEAT_S / 5  # between store requests that failed at once
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -107,6 +109,7 @@ def _latest(client, policy: Policy) -> int:
         except RendezvousError:
             if time.monotonic() >= deadline:
                 raise
+            time.sleep(RETRY_S)
 
 
 def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | None):
@@ -123,6 +126,7 @@ def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | Non
         except RendezvousError as exc:
             if beater.lost_since is not None and now - beater.lost_since > policy.join_timeout_s:
                 return Outcome(EXIT_LOST, f"lost the rendezvous: {exc}")
+            time.sleep(RETRY_S)  # a store that refuses (node 0 restarted: another incarnation) answers at once
             continue
         if why is not None:
             return Outcome(EXIT_REPLACED, why)

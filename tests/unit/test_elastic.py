@@ -2,10 +2,14 @@
 and heartbeats in, generations out. The multi-process behaviour is tests/multirank/test_elastic.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from commrt.runtime.elastic import (DONE, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
+from commrt.runtime import elastic_agent
+from commrt.runtime.elastic import (DONE, EXIT_LOST, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
                                     parse_nnodes)
+from commrt.runtime.errors import RendezvousError
 
 
 class Cluster:
@@ -194,3 +198,29 @@ def test_a_replaced_launcher_that_wakes_is_not_heard():
     c.beat(1, IDLE, 0, agent="a", start=1)  # the old one wakes and beats; the new one dies
     got = sum((c.tick() for _ in range(12)), [])  # (Cluster.tick beats again as the last beat: the old one)
     assert got and got[0][:2] == ("stop", 2) and "node 1 stopped beating" in got[0][2], got
+
+
+class Refusing:
+    """A rendezvous client whose store refuses every request at once (node 0's launcher came back
+    with another store: every request names the old one's incarnation)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _refuse(self, *args, **kw):
+        self.calls += 1
+        raise RendezvousError("rendezvous store refused wait: request for store incarnation 1, this is 2")
+
+    wait = mget = _refuse
+
+
+def test_a_refusing_rendezvous_is_retried_at_the_beat_not_in_a_busy_loop():
+    client = Refusing()
+    beater = type("B", (), {"lost_since": time.monotonic(), "node": 1, "state": {}})()
+    got = elastic_agent._await_plan(client, beater, 3, Policy(1, 2, join_timeout_s=0.5), None)
+    assert got.code == EXIT_LOST and "refused" in got.why
+    assert client.calls <= 10, f"{client.calls} requests in 0.5 s"
+    client.calls = 0
+    with pytest.raises(RendezvousError):
+        elastic_agent._latest(client, Policy(1, 2, join_timeout_s=0.5))
+    assert client.calls <= 10, f"{client.calls} requests in 0.5 s"
