@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.train.layout import buckets
 
 CAP_ELEMS, FIRST_ELEMS = (25 << 20) // 4, (1 << 20) // 4  # torch DDP's 25 MiB buckets, 1 MiB first
@@ -42,6 +42,8 @@ class Overlap:
         self.backend = None  # armed: the generation's backend
         self._pending: list[int] = []
         self._next = 0  # the bucket whose all-reduce starts next (they start in index order)
+        self._seen: set[int] = set()  # parameters whose gradient hook fired since arm
+        self._twice: str | None = None  # a parameter's second gradient in one step (two backwards)
         self._works: list = []
         self._error: CommError | None = None
         for p in params:
@@ -49,6 +51,7 @@ class Overlap:
 
     def arm(self, backend) -> None:
         self.backend, self._works, self._error, self._next = backend, [], None, 0
+        self._seen, self._twice = set(), None
         self._pending = [n for _, _, n in self.spans]
 
     def disarm(self) -> None:
@@ -61,6 +64,10 @@ class Overlap:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if self.backend is None or id(p) not in self.bucket_of:
             return
+        if id(p) in self._seen:  # its bucket may have gone out with the first backward's part only
+            self._twice = self._twice or f"a parameter of shape {tuple(p.shape)}"
+            return
+        self._seen.add(id(p))
         self._pending[self.bucket_of[id(p)]] -= 1
         # in index order only, as torch DDP does: every replica's n-th all-reduce must be the same
         # bucket whatever order its hooks fired in (a parameter a replica's forward left out fills
@@ -82,7 +89,13 @@ class Overlap:
 
     def finish(self) -> CommError | None:
         """After backward: start the buckets no hook completed (parameters without a gradient),
-        wait for every all-reduce; the first failure, or None. Disarms."""
+        wait for every all-reduce; the first failure, or None. Disarms. ``ConfigError`` when a
+        step ran more than one backward: the all-reduces may have carried the first one's part."""
+        if self._twice is not None:
+            self.backend = None
+            raise ConfigError(f"replica fault tolerance with overlap=True: {self._twice} got a second gradient in "
+                              "one step (more than one backward before step()); its bucket may have been averaged "
+                              "without it. Accumulate gradients with ReplicaFT(overlap=False)")
         while self._next < len(self.spans):
             self._start(self._next)
         for work in self._works:

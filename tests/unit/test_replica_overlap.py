@@ -5,10 +5,11 @@ parameter to its gradient's place, and that a failure inside a hook is reported 
 not raised into backward."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from commrt.runtime.errors import PeerLost
+from commrt.runtime.errors import ConfigError, PeerLost
 from commrt.train import replica_overlap
 from commrt.train.replica_overlap import Overlap
 from tests.multirank.programs.replica_ft_job import Twin, twin_backward
@@ -110,3 +111,21 @@ def test_buckets_start_in_one_order_when_a_parameter_is_unused_on_one_replica():
     (the first) fills there only in finish. Starting a's bucket first there summed it with
     replica 0's b bucket, without an error (tests/multirank/test_replica_ft.py: the average)."""
     assert _order(0) == _order(1) == [0, 600 * 600]
+
+
+def test_two_backwards_in_one_step_are_refused_not_averaged_in_part(monkeypatch):
+    """overlap=True takes one backward per step: a second one's gradients came after their
+    buckets went out (the average would lack them); finish says so instead."""
+    monkeypatch.setattr(replica_overlap, "FIRST_ELEMS", 1000)
+    monkeypatch.setattr(replica_overlap, "CAP_ELEMS", 40000)
+    model = _model()
+    ov = Overlap(list(model.parameters()), 5.0)
+    ov.arm(Triple())
+    _backward(model)
+    _backward(model)
+    with pytest.raises(ConfigError, match="second gradient in one step .*overlap=False"):
+        ov.finish()
+    ov.arm(Triple())  # the next step, with one backward, is fine
+    model.zero_grad(set_to_none=True)
+    _backward(model)
+    assert ov.finish() is None
