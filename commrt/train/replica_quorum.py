@@ -33,6 +33,15 @@ def outcome(value: int, target: int) -> str:
     return ABORT if units < target else UNKNOWN
 
 
+def own_vote(added: int, target: int) -> str:
+    """What the counter right after this replica's own vote for the step with ``target`` says:
+    a vote that came after the generation's end (a BIG) means ABORT, whatever came later, since
+    the step needed every vote, this one included, before the first BIG (no replica votes for
+    the next step before this one commits). Needs no ``k_first``: an ender that died before
+    writing it leaves this voter an answer."""
+    return ABORT if added >= BIG else outcome(added, target)
+
+
 def first_big(after_add: int) -> int | None:
     """``k_first`` if the add of BIG that returned ``after_add`` was the generation's first
     (the unit votes before it), else None: an earlier one has written it."""

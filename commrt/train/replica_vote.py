@@ -48,8 +48,8 @@ def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: fl
     if ok:
         # one round trip: the add, and the wait for the rest when it was not the last vote
         status, value, added = store.add_wait_count(key, 1, target, None, vote_timeout_s)
-        result = q.outcome(added, target)
-        if result == q.UNKNOWN and added < q.BIG:  # not every vote was in at our add
+        result = q.own_vote(added, target)
+        if result == q.UNKNOWN:  # not every vote was in at our add
             if status == OK:
                 result = q.outcome(value, target)
             else:

@@ -95,3 +95,13 @@ def test_a_replaced_replica_is_left_out_and_refused():
     with pytest.raises(rv.StaleReplica, match=r"replica 1 .*start 1\) was replaced by start 2"):
         rv.check_current(store, 1, 1, "here")
     assert q.Plan(3, (0, 1), 7, (0,), 0, (), (1, 2)).includes(1, 2)
+
+
+def test_a_vote_after_the_end_aborts_without_the_enders_record():
+    """Our vote lands after a BIG (the generation ended, e.g. by a joiner) but completes the
+    count: the step cannot have committed (it needed our vote before the first BIG). The ender
+    died before writing dec/: the answer must not depend on it (it waited, then raised)."""
+    store = Store()
+    store.kv[f"{rv.P}v/4"] = q.BIG + 3 * 6 - 1  # every other vote of step 5 is in, after the BIG
+    assert rv.vote(store, 4, 3 * 6, 3, True, 0.01, 0.05) == (False, None)
+    assert f"{rv.P}dec/4" not in store.kv
