@@ -163,6 +163,11 @@ class Membership:
 
     def _while_forming(self, now: float) -> list[tuple]:
         p, waited = self.policy, now - self.forming_since
+        done = [n for n in self.last_members if self.alive(n, now) and self._state(n) == (DONE, self.gen)]
+        if done and self.failed is not None:  # a member's ranks finished as another's failed: the
+            self.finished = True  # job ends with the failure (the finished cannot run again)
+            return [("plan", self.gen + 1, {"abort": f"{self.failed[0]}, as node(s) {done} finished",
+                                            "code": self.failed[1]})]
         ready = self._ready(now)
         busy = [n for n in self.seen if self.alive(n, now) and n not in ready]  # still stopping ranks
         enough = len(ready) >= p.min_nodes

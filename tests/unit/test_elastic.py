@@ -224,3 +224,19 @@ def test_a_refusing_rendezvous_is_retried_at_the_beat_not_in_a_busy_loop():
     with pytest.raises(RendezvousError):
         elastic_agent._latest(client, Policy(1, 2, join_timeout_s=0.5))
     assert client.calls <= 10, f"{client.calls} requests in 0.5 s"
+
+
+def test_a_member_finishing_just_after_another_failed_ends_the_job_with_the_failure():
+    """The failure is seen first (the generation ends), then node 0's DONE: the job ends with the
+    rank's code, not a restart of node 1 alone after the join deadline (node 0 stayed busy)."""
+    c = Cluster(Policy(1, 2, max_restarts=3, join_timeout_s=10.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1], 0)
+    c.beat(1, FAILED, 0, rank=0, code=7)
+    assert c.tick() == [("stop", 0, "node 1: rank 0 exited with code 7")]
+    c.beat(0, DONE, 0)
+    c.beat(1, IDLE, 0)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 1 and plan[2]["code"] == 7 and "as node(s) [0] finished" in plan[2]["abort"], plan
