@@ -81,7 +81,7 @@ def test_a_replica_killed_at_each_point_of_a_step(tmp_path, where):
     assert history[-1][1] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("where", ["all_reduce", "vote"])
+@pytest.mark.parametrize("where", ["all_reduce", "vote", "apply"])
 def test_a_replica_frozen_at_a_point_of_a_step_comes_back_by_itself(tmp_path, where):
     port = base._free_port()
     transport, server = serve(load_config(), "127.0.0.1", port)
@@ -102,7 +102,7 @@ def test_a_replica_frozen_at_a_point_of_a_step_comes_back_by_itself(tmp_path, wh
         transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out, 600)
-    assert [FAULT_AT, [0, 2]] in history
+    assert [FAULT_AT + (where == "apply"), [0, 2]] in history  # after the commit, the next step goes without it
     assert history[-1][1] == [0, 1, 2]
 
 
@@ -155,3 +155,29 @@ def test_a_frozen_replica_restarted_elsewhere_is_refused_when_it_wakes(tmp_path)
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert stale.returncode not in (0, None, -9)
     _check(out)
+
+
+def test_the_source_frozen_during_a_state_transfer_comes_back_by_itself(tmp_path):
+    """As above, but replica 0 freezes while sending the state (SIGSTOP), and is continued 8 s later."""
+    port = base._free_port()
+    transport, server = serve(load_config(), "127.0.0.1", port)
+    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
+    try:
+        procs = [base._spawn(port, 0, out[0], "--fault", f"stop:sync:{FAULT_AT}"),
+                 base._spawn(port, 1, out[1]),
+                 base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+        procs[2].wait(timeout=DEADLINE_S)
+        procs[2] = base._spawn(port, 2, out[2])
+        _await_file(out[0] + ".fault", procs, DEADLINE_S)
+        time.sleep(8.0)
+        os.kill(procs[0].pid, signal.SIGCONT)
+        base._wait_all(procs, DEADLINE_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        server.close()
+        transport.close()
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    history = _check(out)
+    assert history[-1][1] == [0, 1, 2]
