@@ -24,7 +24,8 @@ gradient and the optimizer state inside itself and is dropped and rejoins as a w
 The store must outlive the replicas: run it in the launcher (``serve_store``; ``commrt.train.
 replica_ft.serve``), not in a replica. If replica 0 serves it (``commrt.apps.train_lm`` without
 ``COMMRT_FT_STORE``), replica 0's death ends the job. A second failure while the survivors are
-forming the next generation (the leader's own death) ends it too, with an error, not a hang.
+forming the next generation (the leader's death before it writes the plan) costs a few vote
+timeouts: the others skip that generation and form the next without it (``replica_vote.plan_of``).
 """
 from __future__ import annotations
 
@@ -159,16 +160,20 @@ class ReplicaFT:
             rv.check_current(self.store, self.replica, self.incarnation, f"generation {gen}")
             if self.group is not None:
                 self.group.check()  # a group that lost a rank must not register (GroupBroken)
+            within, follower = self.join_timeout_s if gen == 0 else self.vote_timeout_s, False
             if self.shard == 0:  # a group registers (and leads) through its first rank
                 self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
                 if end is not None:
                     rv.end(self.store, end)  # a joiner: the running generation stops at its current step
-                if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
-                    rv.lead(self.store, gen, self.replicas, previous,
-                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica, alive)
-            raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
-                           f"replica {self.replica}: the plan of generation {gen}")[0]
-            plan = q.Plan.unpack(msgpack.unpackb(raw))
+                if reg.applied >= 0:
+                    follower = self.store.add(f"{P}lead/{gen}", 1) > 1
+                    if not follower:
+                        rv.lead(self.store, gen, self.replicas, previous, within, self.replica, alive)
+            plan = rv.plan_of(self.store, gen, within + 2 * self.vote_timeout_s, follower,
+                              max(self.join_timeout_s, within + 2 * self.vote_timeout_s), self.replica)
+            if plan is None:  # its leader died or froze in lead(): the next generation, without it
+                end, gen = None, gen + 1
+                continue
             if not plan.includes(self.replica, self.incarnation):  # left out (too slow): come back without state
                 log.warning("replica %d: left out of generation %d (members %s); rejoining",
                             self.replica, gen, list(plan.members))

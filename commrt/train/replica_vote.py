@@ -10,9 +10,9 @@ import time
 
 import msgpack
 
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, RendezvousError
 from commrt.runtime.store import wait_for
-from commrt.runtime.store_core import OK
+from commrt.runtime.store_core import ABORT, OK
 from commrt.train import replica_quorum as q
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,28 @@ def end(store, gen: int, target: int = 0) -> str:
         return q.UNKNOWN
     store.set(f"{P}dec/{gen}", str(k).encode())
     return q.COMMIT if target and q.committed(k, target) else q.ABORT
+
+
+def plan_of(store, gen: int, leader_s: float, follower: bool, timeout_s: float, me: int) -> q.Plan | None:
+    """Generation ``gen``'s plan; None when its leader died or froze before writing it: then
+    every member goes on to ``gen + 1`` together (``skip/<gen>``; a late plan of ``gen`` is not
+    used by those who skipped, and those who took it fail to form it and follow). A ``follower``
+    (registered with state after the leader had begun) declares the leader lost after
+    ``leader_s`` (its own deadline, with room); the others wait up to ``timeout_s`` for either."""
+    key, skip = f"{P}mem/{gen}", f"{P}skip/{gen}"
+    status, value = store.wait([key], skip, leader_s if follower else timeout_s)
+    if status == OK:
+        return q.Plan.unpack(msgpack.unpackb(value[0]))
+    if status != ABORT:
+        if not follower:
+            raise RendezvousError(f"replica {me}: the plan of generation {gen} still missing after {timeout_s:g}s")
+        late = store.mget([key])[0]
+        if late is not None:
+            return q.Plan.unpack(msgpack.unpackb(late))
+        log.warning("replica %d: generation %d has no plan after %gs: its leader died or stopped answering; "
+                    "the members go on to generation %d", me, gen, leader_s, gen + 1)
+        store.set(skip, b"the leader is lost")
+    return None
 
 
 def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: float, me: int,

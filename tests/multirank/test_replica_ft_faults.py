@@ -181,3 +181,38 @@ def test_the_source_frozen_during_a_state_transfer_comes_back_by_itself(tmp_path
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out)
     assert history[-1][1] == [0, 1, 2]
+
+
+def test_the_leader_killed_while_it_forms_the_next_generation(tmp_path):
+    """Replica 2 dies; the survivors' leader of generation 1 dies before writing the plan (a
+    second failure). The last survivor must go on alone (it used to wait for the plan, then end
+    with RendezvousError), and both come back."""
+    port = base._free_port()
+    transport, server = serve(load_config(), "127.0.0.1", port)
+    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
+    try:
+        procs = [base._spawn(port, 0, out[0], "--fault", "kill:lead:1"), base._spawn(port, 1, out[1], "--fault",
+                 "kill:lead:1"), base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+        procs[2].wait(timeout=DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while procs[0].poll() is None and procs[1].poll() is None:
+            assert time.monotonic() < deadline, "no leader died"
+            time.sleep(0.05)
+        leader = 0 if procs[0].poll() is not None else 1
+        assert procs[leader].returncode == -9 and os.path.exists(out[leader] + ".fault")
+        _await_full_less(out[1 - leader] + ".json", procs[1 - leader])
+        procs[2], procs[leader] = base._spawn(port, 2, out[2]), base._spawn(port, leader, out[leader])
+        base._wait_all(procs, DEADLINE_S)
+    finally:
+        server.close()
+        transport.close()
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    history = _check(out)
+    assert [FAULT_AT, [1 - leader]] in history and history[-1][1] == [0, 1, 2], history
+
+
+def _await_full_less(done: str, proc) -> None:
+    """A moment for the survivor to go on alone (its plan wait is 3 vote timeouts, 9 s here)."""
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(done):
+        time.sleep(0.1)

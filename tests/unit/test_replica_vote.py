@@ -9,7 +9,8 @@ import time
 import msgpack
 import pytest
 
-from commrt.runtime.store_core import OK, TIMEOUT
+from commrt.runtime.errors import RendezvousError
+from commrt.runtime.store_core import ABORT, OK, TIMEOUT
 from commrt.train import replica_quorum as q
 from commrt.train import replica_vote as rv
 
@@ -37,6 +38,8 @@ class Store:
         return [*self.wait_count(key, target, abort_key, timeout_s), added]
 
     def wait(self, keys, abort_key, timeout_s):
+        if abort_key is not None and abort_key in self.kv:
+            return [ABORT, self.kv[abort_key]]
         values = self.mget(keys)
         return [OK, values] if None not in values else [TIMEOUT, [k for k, v in zip(keys, values) if v is None]]
 
@@ -105,3 +108,18 @@ def test_a_vote_after_the_end_aborts_without_the_enders_record():
     store.kv[f"{rv.P}v/4"] = q.BIG + 3 * 6 - 1  # every other vote of step 5 is in, after the BIG
     assert rv.vote(store, 4, 3 * 6, 3, True, 0.01, 0.05) == (False, None)
     assert f"{rv.P}dec/4" not in store.kv
+
+
+def test_a_follower_skips_a_generation_whose_leader_never_wrote_its_plan():
+    """The leader of generation 5 died in lead(): a follower (with state, registered after the
+    leader began) gives up on it after its deadline and marks it skipped, so that every other
+    waiter (a fresh replica, a group's other ranks) goes on to 6 with it; a plan, when there is
+    one, is taken as ever."""
+    store = Store()
+    with pytest.raises(RendezvousError, match="plan of generation 5 still missing"):
+        rv.plan_of(store, 5, 0.01, False, 0.01, 2)  # not a follower: no skip of its own
+    assert rv.plan_of(store, 5, 0.01, True, 1.0, 1) is None and f"{rv.P}skip/5" in store.kv
+    assert rv.plan_of(store, 5, 0.01, False, 1.0, 2) is None  # the others follow the skip
+    plan = q.Plan(6, (1, 2), 9, (1,), 1, (2,), (1, 1))
+    store.set(f"{rv.P}mem/6", msgpack.packb(plan.pack()))
+    assert rv.plan_of(store, 6, 0.01, True, 1.0, 1) == plan

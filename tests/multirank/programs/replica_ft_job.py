@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from commrt.train import replica_vote as rv
 from commrt.train.replica_ft import ReplicaFT
 
 SEED = 0
@@ -137,8 +138,8 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
     step STEP: ``all_reduce`` when the step's second gradient bucket is about to go out (the first
     is in flight), ``vote`` after the all-reduce before its vote, ``apply`` after the vote
     committed before the optimizer step, ``sync`` as the source of a state transfer to a replica
-    (re)joining at step STEP or later, after a third of the tensors went out. Writes OUT.fault
-    (the time) first."""
+    (re)joining at step STEP or later, after a third of the tensors went out, ``lead`` as the
+    leader of generation STEP before it writes the plan. Writes OUT.fault (the time) first."""
     what, where, at = spec.split(":")
     at, sig = int(at), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[what]
     fired = []
@@ -176,8 +177,11 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
                 ft.rt.world.backend.broadcast = broadcast
             return sync(plan)
         ft._sync = wrapped
+    elif where == "lead":  # as the leader of generation STEP (the number is a generation here)
+        lead = rv.lead
+        rv.lead = lambda store, gen, *args: (fire() if gen == at else None, lead(store, gen, *args))[1]
     else:
-        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply or sync")
+        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply, sync or lead")
 
 
 def _off(model: nn.Module, opt: torch.optim.Optimizer, a) -> None:
