@@ -184,11 +184,11 @@ def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(
 
 
 def test_a_rank_failing_after_the_other_node_finished_ends_both_launchers_with_its_code(tmp_path):
-    """Node 0's rank exits 0 at once, node 1's with 7 a moment later: both launchers end with 7,
+    """Node 0's rank exits 0 at once, node 1's with 7 half a second later: both launchers end with 7,
     saying why, within seconds (before: node 0 exited 0 after the join deadline, node 1 with 4,
     EXIT_LOST, after another)."""
     port, secret = _free_port(), new_secret()
-    rank = "import os, sys, time; n = os.environ['COMMRT_NODE_ID']; time.sleep(2.0 * (n == '1')); sys.exit(7 * (n == '1'))"
+    rank = "import os, sys, time; n = os.environ['COMMRT_NODE_ID']; time.sleep(0.5 * (n == '1')); sys.exit(7 * (n == '1'))"
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2:2", "--node-rank", str(node),
