@@ -18,7 +18,8 @@ def add_arguments(lp: argparse.ArgumentParser) -> None:
     lp.add_argument("--nnodes", default="1", help="nodes in the job (torchrun's --nnodes); MIN:MAX makes it elastic: "
                     "node 0's launcher keeps a rendezvous on --master-port, a lost node's generation ends, the "
                     "job re-forms with the nodes present (>= MIN) and the ranks restart from your checkpoint "
-                    "(exit 3: fewer than MIN nodes within --rdzv-timeout; 4: node 0 unreachable); default 1")
+                    "(exit 3: fewer than MIN nodes within --rdzv-timeout; 4: node 0 unreachable; 5: a newer "
+                    "launcher of this --node-rank joined while this one was frozen or cut off); default 1")
     lp.add_argument("--rdzv-timeout", type=float, default=120.0,
                     help="with --nnodes MIN:MAX: how long a forming generation waits for MIN nodes, and a node "
                          "for an unreachable node 0, in seconds; default 120")

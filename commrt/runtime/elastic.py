@@ -9,10 +9,14 @@ node that holds their rank 0.
 The protocol is a handful of keys:
 
 - ``beat/<node>``: each agent's heartbeat, rewritten every ``BEAT_S`` (state, generation,
-  address and port for a rank 0, a per-agent id and a sequence number). A node whose beat has not
+  address and port for a rank 0, a per-agent id, its ``start`` and a sequence number).
+- ``agent/<node>``: a counter of the node's launcher starts; a launcher whose start is no longer
+  the newest (replaced while frozen or cut off) stops its ranks and leaves (``EXIT_REPLACED``),
+  and the coordinator ignores its beats. A node whose beat has not
   changed for ``dead_after_s`` is gone: its launcher was killed, its host died or its link is down.
 - ``plan/<g>``: generation ``g``: the member nodes in rank order, where rank 0 meets, and why it
-  was formed; or an abort (too few nodes, or too many failures) with the exit code to end with.
+  was formed; or an abort (too few nodes, too many failures, or a rank that failed after another
+  node's had finished) with the exit code to end with.
 - ``stop/<g>``: why generation ``g`` ends: every member stops its ranks and asks for ``g + 1``.
 - ``latest``: the newest plan, so an agent that (re)starts asks for the one after it.
 - ``finished``: every member's ranks exited 0; agents end.
@@ -39,6 +43,7 @@ DEAD_AFTER_S = 5.0  # ten missed beats: a loaded host is slow, not dead
 SETTLE_S = 2.0  # below MAX nodes: how long a forming generation waits for more to arrive
 EXIT_TOO_FEW = 3  # fewer than MIN nodes came within the join deadline
 EXIT_LOST = 4  # this node could not reach the rendezvous (node 0) within the join deadline
+EXIT_REPLACED = 5  # a newer launcher of this node id joined while this one was frozen or cut off
 
 IDLE, RUNNING, FAILED, DONE = "idle", "running", "failed", "done"
 
@@ -93,6 +98,8 @@ class Membership:
             if beat is None:
                 continue
             old = self.seen.get(node)
+            if old is not None and beat.get("start", 0) < old.beat.get("start", 0):
+                continue  # a replaced launcher of this node woke (it leaves: elastic_agent.replaced)
             if old is None or (old.beat.get("id"), old.beat.get("seq")) != (beat.get("id"), beat.get("seq")):
                 self.seen[node] = _Seen(beat, now)
 
@@ -114,6 +121,13 @@ class Membership:
         g = self.gen
         done = [n for n in self.members if self.alive(n, now) and self._state(n) == (DONE, g)]
         if done:  # the job is ending: members finish or vanish, nobody re-forms
+            failed = [n for n in self.members if self.alive(n, now) and self._state(n) == (FAILED, g)]
+            if failed:  # ... or fail: the job ends with the rank's code (the finished cannot run again)
+                self.finished = True
+                b = self.seen[failed[0]].beat
+                return [("plan", g + 1, {"abort": f"node {failed[0]}: rank {b.get('rank')} exited with code "
+                                         f"{b.get('code')} after node(s) {done} had finished",
+                                         "code": int(b.get("code") or 1)})]
             if all(n in done or not self.alive(n, now) for n in self.members):
                 self.finished = True
                 return [("finish",)]
@@ -149,6 +163,11 @@ class Membership:
 
     def _while_forming(self, now: float) -> list[tuple]:
         p, waited = self.policy, now - self.forming_since
+        done = [n for n in self.last_members if self.alive(n, now) and self._state(n) == (DONE, self.gen)]
+        if done and self.failed is not None:  # a member's ranks finished as another's failed: the
+            self.finished = True  # job ends with the failure (the finished cannot run again)
+            return [("plan", self.gen + 1, {"abort": f"{self.failed[0]}, as node(s) {done} finished",
+                                            "code": self.failed[1]})]
         ready = self._ready(now)
         busy = [n for n in self.seen if self.alive(n, now) and n not in ready]  # still stopping ranks
         enough = len(ready) >= p.min_nodes

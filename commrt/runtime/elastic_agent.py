@@ -15,10 +15,13 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, FAILED, IDLE, RUNNING, Policy, pack, unpack)
+from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, EXIT_REPLACED, FAILED, IDLE, RUNNING, Policy, pack,
+                                    unpack)
 from commrt.runtime.errors import RendezvousError
 from commrt.runtime.processes import _exited, _stop_everything
 from commrt.runtime.store_core import ABORT, OK
+
+RETRY_S = BEAT_S / 5  # between store requests that failed at once
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ def run_node(client, beater: Beater, policy: Policy, start: Callable[[dict, int]
     end = None if timeout_s is None else time.monotonic() + timeout_s
     latest = _latest(client, policy)
     want = latest + 1
+    beater.set(start=client.add(f"agent/{beater.node}", 1))
     while True:
         # a fresh port for each generation's rank 0: the last one's may still be closing
         beater.set(state=IDLE, gen=want - 1, rank=None, code=None, port=beater.pick_port())
@@ -105,6 +109,7 @@ def _latest(client, policy: Policy) -> int:
         except RendezvousError:
             if time.monotonic() >= deadline:
                 raise
+            time.sleep(RETRY_S)
 
 
 def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | None):
@@ -117,10 +122,14 @@ def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | Non
             return Outcome(124, "the launch's --timeout passed while waiting for a generation")
         try:
             status, value = client.wait([f"plan/{g}"], "finished", BEAT_S)
+            why = replaced(client, beater)
         except RendezvousError as exc:
             if beater.lost_since is not None and now - beater.lost_since > policy.join_timeout_s:
                 return Outcome(EXIT_LOST, f"lost the rendezvous: {exc}")
+            time.sleep(RETRY_S)  # a store that refuses (node 0 restarted: another incarnation) answers at once
             continue
+        if why is not None:
+            return Outcome(EXIT_REPLACED, why)
         if status == ABORT:
             return Outcome(0, "the job finished")
         if status == OK:
@@ -143,8 +152,7 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
             return None
         if all(_exited(p) for p in procs):
             beater.set(state=DONE, gen=g)
-            _await_finish(client, policy)
-            return Outcome(0, f"generation {g} finished")
+            return _await_finish(client, g, policy)
         now = time.monotonic()
         if end is not None and now >= end:
             _stop_everything(procs)
@@ -157,9 +165,12 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
         if now >= next_check:
             next_check = now + BEAT_S
             try:
-                reason = client.mget([f"stop/{g}"])[0]
+                reason, newest = client.mget([f"stop/{g}", f"agent/{beater.node}"])
             except RendezvousError:
-                reason = None  # the beater counts how long the store has been gone
+                reason = newest = None  # the beater counts how long the store has been gone
+            if newest is not None and int(newest) > beater.state.get("start", 0):
+                _stop_everything(procs)
+                return Outcome(EXIT_REPLACED, _replaced_why(beater, int(newest)))
             if reason is not None:
                 say(f"generation {g} ends: {bytes(reason).decode(errors='replace')}; stopping this node's ranks")
                 _stop_everything(procs)
@@ -167,17 +178,35 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
         time.sleep(0.05)
 
 
+def replaced(client, beater: Beater) -> str | None:
+    """Why this launcher must leave, or None: a newer one of its node id has started (this one
+    was frozen or cut off meanwhile); the coordinator ignores its beats from then on."""
+    newest = client.mget([f"agent/{beater.node}"])[0]
+    return None if newest is None or int(newest) <= beater.state.get("start", 0) else _replaced_why(beater, int(newest))
+
+
+def _replaced_why(beater: Beater, newest: int) -> str:
+    return (f"replaced: launcher start {newest} of node {beater.node} joined while this one (start "
+            f"{beater.state.get('start')}) was not answering; this one leaves")
+
+
 def _await_stop(client, g: int, policy: Policy) -> None:
-    """The coordinator has seen our failure once it ends the generation (bounded)."""
+    """The coordinator has seen our failure once it ends the generation, or the job (plan
+    ``g + 1``, an abort, when another node had finished: node 0 may leave soon after). Bounded."""
     try:
-        client.wait([f"stop/{g}"], "finished", policy.dead_after_s + policy.settle_s)
+        client.wait([f"plan/{g + 1}"], f"stop/{g}", policy.dead_after_s + policy.settle_s)
     except RendezvousError:
         pass
 
 
-def _await_finish(client, policy: Policy) -> None:
-    """Our ranks are done; node 0 announces when every node's are (bounded: ours are done either way)."""
+def _await_finish(client, g: int, policy: Policy) -> Outcome:
+    """Our ranks are done; node 0 announces when every node's are, or ends the job when another
+    node's rank failed meanwhile (plan ``g + 1`` is then an abort with its code). Bounded: ours
+    are done either way."""
+    finished = Outcome(0, f"generation {g} finished")
     try:
-        client.wait(["finished"], None, policy.join_timeout_s)
+        status, value = client.wait([f"plan/{g + 1}"], "finished", policy.join_timeout_s)
     except RendezvousError:
-        pass
+        return finished
+    plan = unpack(value[0]) if status == OK else {}
+    return Outcome(int(plan["code"]), plan["abort"]) if "abort" in plan else finished

@@ -24,7 +24,8 @@ gradient and the optimizer state inside itself and is dropped and rejoins as a w
 The store must outlive the replicas: run it in the launcher (``serve_store``; ``commrt.train.
 replica_ft.serve``), not in a replica. If replica 0 serves it (``commrt.apps.train_lm`` without
 ``COMMRT_FT_STORE``), replica 0's death ends the job. A second failure while the survivors are
-forming the next generation (the leader's own death) ends it too, with an error, not a hang.
+forming the next generation (the leader's death before it writes the plan) costs a few vote
+timeouts: the others skip that generation and form the next without it (``replica_vote.plan_of``).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 from commrt.obs import stats
 from commrt.runtime import bootstrap, world
 from commrt.runtime.config import Config, load_config
-from commrt.runtime.errors import CommError, PeerLost
+from commrt.runtime.errors import CommError, ConfigError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import StoreClient, StoreServer, wait_for
 from commrt.collectives.reduce_ops import ReduceOp
@@ -50,13 +51,16 @@ from commrt.train.replica_vote import P
 from commrt.train.replica_group import GroupBroken, ShardedGroup
 from commrt.train.replica_overlap import Replicated
 from commrt.transport import Transport
+from commrt.transport.security import check_bind
 
 log = logging.getLogger(__name__)
 PHASES = ("copy", "all_reduce", "vote", "apply")
 
 
 def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
-    """A store for the replicas, in a process that is not one of them (the launcher's)."""
+    """A store for the replicas, in a process that is not one of them (the launcher's). Like
+    every commrt store, not off this host unencrypted unless ``allow_insecure`` (check_bind)."""
+    check_bind(cfg, [host])
     transport = Transport(cfg, "ft-store")
     return transport, StoreServer(transport, host, port)
 
@@ -90,6 +94,11 @@ class ReplicaFT:
         ``overlap`` (data parallel): all-reduce buckets from the gradient hooks during backward
         (replica_overlap.py); then each step must run exactly one backward (False to accumulate
         gradients over several)."""
+        if not (0 <= replica < replicas and 0 <= shard < shards):
+            # a replica id outside 0..replicas-1 is never in a plan: it would rejoin, and end the
+            # generation it was left out of, for ever (no step would commit again)
+            raise ConfigError(f"replica {replica} of {replicas}, shard rank {shard} of {shards}: the replica must be "
+                              f"in 0..{replicas - 1} and the shard rank in 0..{shards - 1}")
         self.model, self.replica, self.replicas = model, replica, replicas
         self.shard, self.shards = shard, shards
         self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
@@ -101,6 +110,8 @@ class ReplicaFT:
         self.vote_timeout_s, self.join_timeout_s = vote_timeout_s, join_timeout_s
         self.host, port = store.rsplit(":", 1)
         self.port = int(port)
+        if serve_store:  # before any socket: as every commrt store, not off the host unencrypted
+            check_bind(self.cfg, [self.host])
         self._ctl = Transport(self.cfg, f"replica{replica}-ft")
         self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
         self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)
@@ -112,6 +123,7 @@ class ReplicaFT:
         self.history: list[tuple[int, tuple[int, ...]]] = []
         self.counts = Counts()
         self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
+        self.incarnation = 0  # which start of this replica (``start``): a replaced one is refused
         global _active
         _active = self
 
@@ -119,12 +131,19 @@ class ReplicaFT:
     def start(self) -> int:
         """Join the job: the first generation if it is forming, else the running job (as a
         replica without state). Returns the step to compute first."""
-        raw = (self.store.mget([P + "cur"])[0] if self.group is None
-               else self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s))
+        if self.group is None:
+            self.incarnation = self.store.add(rv.incarnation_key(self.replica), 1)
+            raw = self.store.mget([P + "cur"])[0]
+        else:
+            raw = self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s)
+            self.incarnation = self.group.incarnation
         if raw is None:
-            return self._armed(self._enter(0, q.Registration(self.replica, 0, False), end=None))
+            return self._armed(self._enter(0, self._reg(0, False), end=None))
         cur = int(raw)
-        return self._armed(self._enter(cur + 1, q.Registration(self.replica, -1, False), end=cur))
+        return self._armed(self._enter(cur + 1, self._reg(-1, False), end=cur))
+
+    def _reg(self, applied: int, grad: bool, suspects: tuple[int, ...] = ()) -> q.Registration:
+        return q.Registration(self.replica, applied, grad, suspects, self.incarnation)
 
     def _armed(self, step: int) -> int:
         """The next backward's buckets all-reduce in this generation's world as they fill."""
@@ -137,22 +156,28 @@ class ReplicaFT:
         previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
         while True:
             alive, self._alive = self._alive, None  # a hint about the generation that just ended only
+            # replaced while frozen: leave before registering or ending a generation (StaleReplica)
+            rv.check_current(self.store, self.replica, self.incarnation, f"generation {gen}")
             if self.group is not None:
                 self.group.check()  # a group that lost a rank must not register (GroupBroken)
+            within, follower = self.join_timeout_s if gen == 0 else self.vote_timeout_s, False
             if self.shard == 0:  # a group registers (and leads) through its first rank
                 self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
                 if end is not None:
                     rv.end(self.store, end)  # a joiner: the running generation stops at its current step
-                if reg.applied >= 0 and self.store.add(f"{P}lead/{gen}", 1) == 1:
-                    rv.lead(self.store, gen, self.replicas, previous,
-                           self.join_timeout_s if gen == 0 else self.vote_timeout_s, self.replica, alive)
-            raw = wait_for(self.store, [f"{P}mem/{gen}"], self.join_timeout_s,
-                           f"replica {self.replica}: the plan of generation {gen}")[0]
-            plan = q.Plan.unpack(msgpack.unpackb(raw))
-            if self.replica not in plan.members:  # left out (too slow): come back without state
+                if reg.applied >= 0:
+                    follower = self.store.add(f"{P}lead/{gen}", 1) > 1
+                    if not follower:
+                        rv.lead(self.store, gen, self.replicas, previous, within, self.replica, alive)
+            plan = rv.plan_of(self.store, gen, within + 2 * self.vote_timeout_s, follower,
+                              max(self.join_timeout_s, within + 2 * self.vote_timeout_s), self.replica)
+            if plan is None:  # its leader died or froze in lead(): the next generation, without it
+                end, gen = None, gen + 1
+                continue
+            if not plan.includes(self.replica, self.incarnation):  # left out (too slow): come back without state
                 log.warning("replica %d: left out of generation %d (members %s); rejoining",
                             self.replica, gen, list(plan.members))
-                self.applied, reg, end, previous, gen = -1, q.Registration(self.replica, -1, False), gen, plan.members, gen + 1
+                self.applied, reg, end, previous, gen = -1, self._reg(-1, False), gen, plan.members, gen + 1
                 continue
             self._note(previous if self.plan is not None else plan.members, plan)
             nxt, reg = self._run(plan, reg)
@@ -199,7 +224,7 @@ class ReplicaFT:
         suspects = ()
         if isinstance(exc, PeerLost) and 0 <= exc.rank < len(plan.members):
             suspects = (plan.members[exc.rank],)
-        return q.Registration(self.replica, self.applied, grad and self.applied >= 0, suspects)
+        return self._reg(self.applied, grad and self.applied >= 0, suspects)
 
     def _open(self, plan: q.Plan, me: int) -> None:
         spec = RendezvousSpec(self.host, self.port, me, len(plan.members))

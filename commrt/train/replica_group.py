@@ -25,7 +25,7 @@ from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError, ConfigError
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import wait_for
-from commrt.train.replica_vote import P
+from commrt.train.replica_vote import P, incarnation_key
 
 
 def group_size(zero, local_world_size: int) -> int:
@@ -70,6 +70,7 @@ class ShardedGroup:
         self.shard_param = torch.nn.Parameter(torch.zeros(self.size))
         self.optimizer = make_optimizer([self.shard_param])
         self.rt = None
+        self.incarnation = 0  # which start of the group (``join``)
         self._shard: torch.Tensor | None = None  # the step's reduce-scattered gradient, until applied
 
     def join(self, cfg: Config, host: str, port: int, store, timeout_s: float) -> bytes | None:
@@ -78,6 +79,9 @@ class ShardedGroup:
         (the store's ``cur``, None before the first): every rank of a (re)started group enters
         the same one."""
         inc = (store.add(f"{P}grp{self.replica}/starts", 1) - 1) // self.shards
+        self.incarnation = inc + 1
+        if self.shard == 0:  # the group's start, as a rank's (replica_vote.check_current)
+            store.set(incarnation_key(self.replica), str(self.incarnation).encode())
         spec = RendezvousSpec(host, port, self.shard, self.shards)
         env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
         self.rt = bootstrap.init_world(cfg, spec, env, store=(store, None), namespace=f"{P}grp{self.replica}/i{inc}/")

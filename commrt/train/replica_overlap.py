@@ -1,7 +1,8 @@
 """Replica fault tolerance, a replica that is one rank (data parallel): its gradients, and the
 healthy step's all-reduce overlapped with backward (issue 33 item 5, the <= 3% overhead): as
 DataParallel does, gradients go into buckets (reverse registration order, the first one small)
-from the gradient hooks, and each bucket's all-reduce starts as soon as it is full. Unlike
+from the gradient hooks, and each bucket's all-reduce starts as soon as it and every bucket
+before it are full (one order on every replica). Unlike
 DataParallel, the buckets are *copies*: ``p.grad`` keeps this replica's own gradient until the
 step commits, so a step that fails is redone from it.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.train.layout import buckets
 
 CAP_ELEMS, FIRST_ELEMS = (25 << 20) // 4, (1 << 20) // 4  # torch DDP's 25 MiB buckets, 1 MiB first
@@ -40,13 +41,17 @@ class Overlap:
         self.flat = torch.zeros(off)
         self.backend = None  # armed: the generation's backend
         self._pending: list[int] = []
+        self._next = 0  # the bucket whose all-reduce starts next (they start in index order)
+        self._seen: set[int] = set()  # parameters whose gradient hook fired since arm
+        self._twice: str | None = None  # a parameter's second gradient in one step (two backwards)
         self._works: list = []
         self._error: CommError | None = None
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def arm(self, backend) -> None:
-        self.backend, self._works, self._error = backend, [], None
+        self.backend, self._works, self._error, self._next = backend, [], None, 0
+        self._seen, self._twice = set(), None
         self._pending = [n for _, _, n in self.spans]
 
     def disarm(self) -> None:
@@ -59,14 +64,21 @@ class Overlap:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if self.backend is None or id(p) not in self.bucket_of:
             return
-        b = self.bucket_of[id(p)]
-        self._pending[b] -= 1
-        if self._pending[b] == 0:
-            self._start(b)
+        if id(p) in self._seen:  # its bucket may have gone out with the first backward's part only
+            self._twice = self._twice or f"a parameter of shape {tuple(p.shape)}"
+            return
+        self._seen.add(id(p))
+        self._pending[self.bucket_of[id(p)]] -= 1
+        # in index order only, as torch DDP does: every replica's n-th all-reduce must be the same
+        # bucket whatever order its hooks fired in (a parameter a replica's forward left out fills
+        # its bucket only in finish; a bucket of the same size started before it would be summed
+        # with another replica's different bucket, without an error)
+        while self._next < len(self.spans) and self._pending[self._next] == 0:
+            self._start(self._next)
 
     def _start(self, b: int) -> None:
         lo, hi, _ = self.spans[b]
-        self._pending[b] = -1
+        self._pending[b], self._next = -1, b + 1
         self._copy(self.members[b])
         if self._error is not None:
             return
@@ -77,10 +89,15 @@ class Overlap:
 
     def finish(self) -> CommError | None:
         """After backward: start the buckets no hook completed (parameters without a gradient),
-        wait for every all-reduce; the first failure, or None. Disarms."""
-        for b, left in enumerate(self._pending):
-            if left > 0:
-                self._start(b)
+        wait for every all-reduce; the first failure, or None. Disarms. ``ConfigError`` when a
+        step ran more than one backward: the all-reduces may have carried the first one's part."""
+        if self._twice is not None:
+            self.backend = None
+            raise ConfigError(f"replica fault tolerance with overlap=True: {self._twice} got a second gradient in "
+                              "one step (more than one backward before step()); its bucket may have been averaged "
+                              "without it. Accumulate gradients with ReplicaFT(overlap=False)")
+        while self._next < len(self.spans):
+            self._start(self._next)
         for work in self._works:
             try:
                 work.wait(self.timeout_s)

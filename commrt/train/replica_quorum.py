@@ -33,6 +33,15 @@ def outcome(value: int, target: int) -> str:
     return ABORT if units < target else UNKNOWN
 
 
+def own_vote(added: int, target: int) -> str:
+    """What the counter right after this replica's own vote for the step with ``target`` says:
+    a vote that came after the generation's end (a BIG) means ABORT, whatever came later, since
+    the step needed every vote, this one included, before the first BIG (no replica votes for
+    the next step before this one commits). Needs no ``k_first``: an ender that died before
+    writing it leaves this voter an answer."""
+    return ABORT if added >= BIG else outcome(added, target)
+
+
 def first_big(after_add: int) -> int | None:
     """``k_first`` if the add of BIG that returned ``after_add`` was the generation's first
     (the unit votes before it), else None: an earlier one has written it."""
@@ -55,13 +64,18 @@ class Registration:
     """It holds its own gradient of step ``applied`` (to be averaged in the new generation)."""
     suspects: tuple[int, ...] = ()
     """Replicas its failed collective named as lost: the leader does not wait for them."""
+    incarnation: int = 0
+    """Which start of the replica registers (``stale``): a process that was replaced while it
+    was frozen must not take part beside its replacement under the same replica id."""
 
     def pack(self) -> dict:
-        return {"replica": self.replica, "applied": self.applied, "grad": self.grad, "suspects": list(self.suspects)}
+        return {"replica": self.replica, "applied": self.applied, "grad": self.grad, "suspects": list(self.suspects),
+                "incarnation": self.incarnation}
 
     @classmethod
     def unpack(cls, raw: dict) -> "Registration":
-        return cls(int(raw["replica"]), int(raw["applied"]), bool(raw["grad"]), tuple(int(s) for s in raw["suspects"]))
+        return cls(int(raw["replica"]), int(raw["applied"]), bool(raw["grad"]), tuple(int(s) for s in raw["suspects"]),
+                   int(raw.get("incarnation", 0)))
 
 
 @dataclass(frozen=True)
@@ -76,15 +90,24 @@ class Plan:
     contributors: tuple[int, ...]
     source: int
     fresh: tuple[int, ...]
+    incarnations: tuple[int, ...] = ()
+    """Per member, the incarnation that registered: only that process takes the member's place."""
 
     def pack(self) -> dict:
         return {"gen": self.gen, "members": list(self.members), "step": self.step,
-                "contributors": list(self.contributors), "source": self.source, "fresh": list(self.fresh)}
+                "contributors": list(self.contributors), "source": self.source, "fresh": list(self.fresh),
+                "incarnations": list(self.incarnations)}
 
     @classmethod
     def unpack(cls, raw: dict) -> "Plan":
         return cls(int(raw["gen"]), tuple(raw["members"]), int(raw["step"]), tuple(raw["contributors"]),
-                   int(raw["source"]), tuple(raw["fresh"]))
+                   int(raw["source"]), tuple(raw["fresh"]), tuple(raw.get("incarnations", ())))
+
+    def includes(self, replica: int, incarnation: int) -> bool:
+        """Whether this start of ``replica`` is a member (an earlier or later start is not)."""
+        if replica not in self.members:
+            return False
+        return not self.incarnations or self.incarnations[self.members.index(replica)] == incarnation
 
 
 def awaited(previous: tuple[int, ...], regs: dict[int, Registration]) -> set[int]:
@@ -92,6 +115,18 @@ def awaited(previous: tuple[int, ...], regs: dict[int, Registration]) -> set[int
     named lost by a member that did register."""
     suspects = {s for r in regs.values() for s in r.suspects}
     return {m for m in previous if m not in regs and m not in suspects}
+
+
+def stale(incarnation: int, current: int | None) -> bool:
+    """Whether a replica's start ``incarnation`` has been replaced: ``current`` is the newest
+    start's (the store's counter; None before any)."""
+    return current is not None and current > incarnation
+
+
+def current_only(regs: dict[int, Registration], currents: dict[int, int | None]) -> dict[int, Registration]:
+    """The registrations of replicas' newest starts: a frozen process that wakes after it was
+    replaced registers under the same key as its replacement, possibly after it."""
+    return {r: reg for r, reg in regs.items() if not stale(reg.incarnation, currents.get(r))}
 
 
 def plan(gen: int, regs: dict[int, Registration]) -> Plan:
@@ -106,5 +141,7 @@ def plan(gen: int, regs: dict[int, Registration]) -> Plan:
     if len(steps) != 1:
         raise RuntimeError(f"generation {gen}: replicas with state disagree on the step: "
                            f"{ {r: regs[r].applied for r in with_state} }")
-    return Plan(gen, tuple(sorted(regs)), steps.pop(), tuple(r for r in with_state if regs[r].grad),
-                with_state[0], tuple(sorted(r for r in regs if regs[r].applied < 0)))
+    members = tuple(sorted(regs))
+    return Plan(gen, members, steps.pop(), tuple(r for r in with_state if regs[r].grad),
+                with_state[0], tuple(sorted(r for r in regs if regs[r].applied < 0)),
+                tuple(regs[r].incarnation for r in members))

@@ -10,12 +10,32 @@ import time
 
 import msgpack
 
+from commrt.runtime.errors import CommError, RendezvousError
 from commrt.runtime.store import wait_for
-from commrt.runtime.store_core import OK
+from commrt.runtime.store_core import ABORT, OK
 from commrt.train import replica_quorum as q
 
 log = logging.getLogger(__name__)
 P = "ft/"  # the store's keys for replica fault tolerance
+
+
+class StaleReplica(CommError):
+    """This process was replaced: a newer start of the same replica (its supervisor took it for
+    dead while it was frozen) has joined; it must leave, not take part beside it."""
+
+
+def incarnation_key(replica: int) -> str:
+    """The counter of a replica's starts (a group's: set by its first rank)."""
+    return f"{P}inc/{replica}"
+
+
+def check_current(store, replica: int, incarnation: int, where: str) -> None:
+    """``StaleReplica`` if a newer start of ``replica`` exists (one store read)."""
+    raw = store.mget([incarnation_key(replica)])[0]
+    current = None if raw is None else int(raw)
+    if q.stale(incarnation, current):
+        raise StaleReplica(f"replica {replica} ({where}): this process (start {incarnation}) was replaced by start "
+                           f"{current} of the same replica while it was not answering; it leaves")
 
 
 def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: float,
@@ -28,8 +48,8 @@ def vote(store, gen: int, target: int, voters: int, ok: bool, vote_timeout_s: fl
     if ok:
         # one round trip: the add, and the wait for the rest when it was not the last vote
         status, value, added = store.add_wait_count(key, 1, target, None, vote_timeout_s)
-        result = q.outcome(added, target)
-        if result == q.UNKNOWN and added < q.BIG:  # not every vote was in at our add
+        result = q.own_vote(added, target)
+        if result == q.UNKNOWN:  # not every vote was in at our add
             if status == OK:
                 result = q.outcome(value, target)
             else:
@@ -53,6 +73,28 @@ def end(store, gen: int, target: int = 0) -> str:
     return q.COMMIT if target and q.committed(k, target) else q.ABORT
 
 
+def plan_of(store, gen: int, leader_s: float, follower: bool, timeout_s: float, me: int) -> q.Plan | None:
+    """Generation ``gen``'s plan; None when its leader died or froze before writing it: then
+    every member goes on to ``gen + 1`` together (``skip/<gen>``; a late plan of ``gen`` is not
+    used by those who skipped, and those who took it fail to form it and follow). A ``follower``
+    (registered with state after the leader had begun) declares the leader lost after
+    ``leader_s`` (its own deadline, with room); the others wait up to ``timeout_s`` for either."""
+    key, skip = f"{P}mem/{gen}", f"{P}skip/{gen}"
+    status, value = store.wait([key], skip, leader_s if follower else timeout_s)
+    if status == OK:
+        return q.Plan.unpack(msgpack.unpackb(value[0]))
+    if status != ABORT:
+        if not follower:
+            raise RendezvousError(f"replica {me}: the plan of generation {gen} still missing after {timeout_s:g}s")
+        late = store.mget([key])[0]
+        if late is not None:
+            return q.Plan.unpack(msgpack.unpackb(late))
+        log.warning("replica %d: generation %d has no plan after %gs: its leader died or stopped answering; "
+                    "the members go on to generation %d", me, gen, leader_s, gen + 1)
+        store.set(skip, b"the leader is lost")
+    return None
+
+
 def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: float, me: int,
          alive: int | None = None) -> None:
     """Wait for the previous members (those not named lost) to register, then write the plan.
@@ -60,10 +102,13 @@ def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: fl
     that many members had voted: once that many have registered, the rest (silent for the whole
     vote timeout after their all-reduce completed) are not waited for. A live one left out
     rejoins (without its gradient of that step)."""
-    keys = [f"{P}reg/{gen}/{r}" for r in range(replicas)]
+    keys = [f"{P}reg/{gen}/{r}" for r in range(replicas)] + [incarnation_key(r) for r in range(replicas)]
     deadline = time.monotonic() + within_s
     while True:
-        regs = {r: q.Registration.unpack(msgpack.unpackb(v)) for r, v in enumerate(store.mget(keys)) if v is not None}
+        raw = store.mget(keys)  # registrations and starts read together: a replaced one's is left out
+        currents = {r: int(v) for r, v in enumerate(raw[replicas:]) if v is not None}
+        regs = q.current_only({r: q.Registration.unpack(msgpack.unpackb(v))
+                               for r, v in enumerate(raw[:replicas]) if v is not None}, currents)
         missing = q.awaited(previous, regs)
         enough = alive is not None and len(set(previous) & set(regs)) >= max(alive, 1)
         if not missing or enough or time.monotonic() >= deadline:

@@ -181,3 +181,68 @@ def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(
     outs = [p.communicate(timeout=90)[0] for p in procs]
     assert procs[0].returncode == 3 and "only 1 node(s) [0] ready within 5s" in outs[0], outs
     assert procs[1].returncode == 4 and "did not answer within 5s" in outs[1], outs
+
+
+def test_a_rank_failing_after_the_other_node_finished_ends_both_launchers_with_its_code(tmp_path):
+    """Node 0's rank exits 0 at once, node 1's with 7 half a second later: both launchers end with 7,
+    saying why, within seconds (before: node 0 exited 0 after the join deadline, node 1 with 4,
+    EXIT_LOST, after another)."""
+    port, secret = _free_port(), new_secret()
+    rank = "import os, sys, time; n = os.environ['COMMRT_NODE_ID']; time.sleep(0.5 * (n == '1')); sys.exit(7 * (n == '1'))"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2:2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "30",
+               "--max-restarts", "2", "--timeout", "90", "--", sys.executable, "-c", rank]
+        procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT, "COMMRT_JOB_SECRET": secret},
+                                      cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      preexec_fn=default_signals))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    why = "node 1: rank 0 exited with code 7 after node(s) [0] had finished"
+    assert [p.returncode for p in procs] == [7, 7], outs
+    assert all(why in out for out in outs), outs
+
+
+@pytest.mark.slow  # 25-35 s: a heartbeat timeout and three generations
+def test_a_launcher_replaced_while_frozen_leaves_when_it_wakes(tmp_path):
+    """Node 1's launcher freezes (SIGSTOP); the job goes on without it; a new launcher of node 1
+    joins; then the old one wakes. It must stop its ranks and leave with EXIT_REPLACED, not run
+    a second set of node 1's ranks in the next generation; the job finishes with the new one."""
+    port, secret = _free_port(), new_secret()
+    rank = "import os, time; time.sleep(60 if os.environ['COMMRT_ELASTIC_GENERATION'] in ('0', '1') else 2)"
+    env = {**os.environ, "PYTHONPATH": ROOT, "COMMRT_JOB_SECRET": secret}
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+
+    def launch(node: int, log) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "1:2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "30", "--timeout", "120",
+               "--", sys.executable, "-c", rank]
+        with open(log, "w") as fh:
+            return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                    preexec_fn=default_signals)
+
+    def await_line(log, text: str) -> None:
+        deadline = time.monotonic() + 60
+        while text not in log.read_text():
+            assert time.monotonic() < deadline, f"no {text!r} in {log.name}:\n{log.read_text()}"
+            time.sleep(0.1)
+
+    procs = [launch(0, logs[0]), launch(1, logs[1])]
+    try:
+        await_line(logs[0], "generation 0: nodes [0, 1]")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        await_line(logs[0], "generation 1: nodes [0]")
+        procs.append(launch(1, logs[2]))
+        await_line(logs[0], "generation 2: nodes [0, 1]")
+        os.kill(procs[1].pid, signal.SIGCONT)
+        codes = [p.wait(90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(10)
+    outs = [log.read_text() for log in logs]
+    assert codes == [0, 5, 0], outs
+    assert "replaced: launcher start 2 of node 1 joined while this one (start 1)" in outs[1], outs[1]
+    assert "generation 2" not in outs[1], outs[1]

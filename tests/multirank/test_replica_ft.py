@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from commrt.runtime.config import load_config
@@ -30,9 +31,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference(history: list) -> dict:
+def reference(history: list, width: int = 64) -> dict:
     """One process: each step's gradient is the mean of the contributors' gradients on their data."""
-    model = job.make_model()
+    model = job.make_model(width)
     opt = job.make_optimizer(model)
     for step, contributors in history:
         grads = []
@@ -104,3 +105,41 @@ def test_kill_and_restart_a_replica(tmp_path):
     print(f"\nkill -> next completed step {recovered:.2f}s; restart -> full size {full:.2f}s "
           f"(the restarted process's start included; it joined at step {joined})")
     assert recovered < 15 and full < 30
+
+
+@pytest.mark.slow  # 10-25 s; tests/unit/test_replica_overlap.py checks the order without processes
+def test_a_parameter_unused_on_one_replica_is_averaged_with_the_right_bucket(tmp_path):
+    """The Twin model's two gradient buckets have the same size; replica 1 never computes ``b``'s
+    gradient, so its hooks fill ``a``'s bucket only. Every replica must all-reduce the buckets
+    in the same order (b's, then a's): one that started a's first summed it with the other's b
+    (same size: no error, a wrong average)."""
+    port = _free_port()
+    transport, server = serve(load_config(), "127.0.0.1", port)
+    out = [str(tmp_path / f"r{r}") for r in range(2)]
+    steps = 4
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.multirank.programs.replica_ft_job", str(r), "2",
+                                   f"127.0.0.1:{port}", str(steps), out[r], "--twin"], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                 for r in range(2)]
+        _wait_all(procs, 120)
+    finally:
+        server.close()
+        transport.close()
+    assert [p.returncode for p in procs] == [0, 0]
+    assert json.load(open(out[0] + ".json"))["history"] == [[s, [0, 1]] for s in range(steps)]
+    model = job.Twin()
+    opt = job.make_optimizer(model)
+    for step in range(steps):
+        grads = []
+        for r in range(2):
+            model.zero_grad(set_to_none=True)
+            job.twin_backward(model, r, step)
+            grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = (grads[0][i] + grads[1][i]) / 2
+        opt.step()
+    for r, o in enumerate(out):
+        got = torch.load(o + ".pt")
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}, {k}: {m}")

@@ -2,10 +2,14 @@
 and heartbeats in, generations out. The multi-process behaviour is tests/multirank/test_elastic.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from commrt.runtime.elastic import (DONE, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
+from commrt.runtime import elastic_agent
+from commrt.runtime.elastic import (DONE, EXIT_LOST, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
                                     parse_nnodes)
+from commrt.runtime.errors import RendezvousError
 
 
 class Cluster:
@@ -24,7 +28,7 @@ class Cluster:
         self.now += dt
         for n, b in list(self.beats.items()):
             if n not in silent:
-                self.beat(n, b["state"], b["gen"], b["id"][0], **{k: b[k] for k in ("rank", "code") if k in b})
+                self.beat(n, b["state"], b["gen"], b["id"][0], **{k: b[k] for k in ("rank", "code", "start") if k in b})
         return self.m.tick(self.now, {n: (None if n in silent else b) for n, b in self.beats.items()})
 
 
@@ -147,3 +151,92 @@ def test_members_that_finish_end_the_job_and_a_finishing_job_does_not_re_form():
     c2.beat(0, DONE, 0)
     got = [c2.tick(silent=(1,)) for _ in range(4)]  # node 1 leaves after node 0 finished
     assert ("finish",) in sum(got, []) and not any(a[0] == "stop" for a in sum(got, []))
+
+
+def test_a_rank_failing_after_another_node_finished_ends_the_job_with_its_code():
+    """Node 0's ranks are done; node 1's rank then fails: nobody can re-run node 0's ranks, so
+    the job ends with the failure's code (before: node 0 exited 0 after the join deadline, node 1 4,
+    EXIT_LOST, after another)."""
+    c = Cluster(Policy(1, 2, max_restarts=3))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1], 0)
+    c.beat(0, DONE, 0)
+    assert c.tick() == []  # node 1 still running
+    c.beat(1, FAILED, 0, rank=0, code=7)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 1 and plan[2]["code"] == 7, plan
+    assert "node 1: rank 0 exited with code 7 after node(s) [0] had finished" in plan[2]["abort"]
+    assert c.tick() == []
+
+
+def test_a_replaced_launcher_that_wakes_is_not_heard():
+    """Node 1's launcher freezes, the generation re-forms without it, a new launcher of node 1
+    (start 2) joins; the old one (start 1) wakes and beats again: its beats must not count (they
+    kept node 1 alive after its new launcher died)."""
+    c = Cluster(Policy(1, 2, settle_s=0.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1, start=1)
+    c.tick()
+    c.beat(0, RUNNING, 0)
+    c.beat(1, RUNNING, 0, start=1)
+    got = sum((c.tick(silent=(1,)) for _ in range(12)), [])
+    assert got[0][:2] == ("stop", 0) and "node 1 stopped beating" in got[0][2]
+    c.beat(0, IDLE, 0)
+    (plan,) = plans(c.tick(silent=(1,)))
+    assert plan[2]["members"] == [0]
+    _running(c, [0], 1)
+    c.beat(1, IDLE, 0, agent="b", start=2)  # the new launcher
+    assert c.tick()[0] == ("stop", 1, "node 1 joined")
+    c.beat(0, IDLE, 1)
+    (plan,) = plans(c.tick())
+    assert plan[2]["members"] == [0, 1]
+    c.beat(0, RUNNING, 2)
+    c.beat(1, RUNNING, 2, agent="b", start=2)
+    c.tick()
+    c.beat(1, IDLE, 0, agent="a", start=1)  # the old one wakes and beats; the new one dies
+    got = sum((c.tick() for _ in range(12)), [])  # (Cluster.tick beats again as the last beat: the old one)
+    assert got and got[0][:2] == ("stop", 2) and "node 1 stopped beating" in got[0][2], got
+
+
+class Refusing:
+    """A rendezvous client whose store refuses every request at once (node 0's launcher came back
+    with another store: every request names the old one's incarnation)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _refuse(self, *args, **kw):
+        self.calls += 1
+        raise RendezvousError("rendezvous store refused wait: request for store incarnation 1, this is 2")
+
+    wait = mget = _refuse
+
+
+def test_a_refusing_rendezvous_is_retried_at_the_beat_not_in_a_busy_loop():
+    client = Refusing()
+    beater = type("B", (), {"lost_since": time.monotonic(), "node": 1, "state": {}})()
+    got = elastic_agent._await_plan(client, beater, 3, Policy(1, 2, join_timeout_s=0.5), None)
+    assert got.code == EXIT_LOST and "refused" in got.why
+    assert client.calls <= 10, f"{client.calls} requests in 0.5 s"
+    client.calls = 0
+    with pytest.raises(RendezvousError):
+        elastic_agent._latest(client, Policy(1, 2, join_timeout_s=0.5))
+    assert client.calls <= 10, f"{client.calls} requests in 0.5 s"
+
+
+def test_a_member_finishing_just_after_another_failed_ends_the_job_with_the_failure():
+    """The failure is seen first (the generation ends), then node 0's DONE: the job ends with the
+    rank's code, not a restart of node 1 alone after the join deadline (node 0 stayed busy)."""
+    c = Cluster(Policy(1, 2, max_restarts=3, join_timeout_s=10.0))
+    c.beat(0, IDLE, -1)
+    c.beat(1, IDLE, -1)
+    c.tick()
+    _running(c, [0, 1], 0)
+    c.beat(1, FAILED, 0, rank=0, code=7)
+    assert c.tick() == [("stop", 0, "node 1: rank 0 exited with code 7")]
+    c.beat(0, DONE, 0)
+    c.beat(1, IDLE, 0)
+    (plan,) = plans(c.tick())
+    assert plan[1] == 1 and plan[2]["code"] == 7 and "as node(s) [0] finished" in plan[2]["abort"], plan

@@ -3,9 +3,12 @@ groups HYBRID_SHARD / MiCS / hpZ map to (issue 33.2)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from commrt.runtime.errors import ConfigError
 from commrt.train.config import TrainConfig
+from commrt.runtime.config import load_config
+from commrt.train.replica_ft import ReplicaFT, serve
 from commrt.train.replica_group import group_size, layout
 from commrt.train.replica_state import make_optimizer
 from commrt.optim.rules import OptimSpec
@@ -69,3 +72,23 @@ def test_the_engine_refuses_replica_mode_instead_of_ignoring_it():
     from commrt.train import initialize
     with pytest.raises(ConfigError, match="ReplicaFT"):
         initialize(torch.nn.Linear(2, 2), {"fault_tolerance": "replica"})
+
+
+@pytest.mark.parametrize("replica, replicas, shard, shards", [(3, 3, 0, 1), (-1, 3, 0, 1), (0, 2, 2, 2)])
+def test_a_replica_outside_the_job_is_refused_before_it_joins(replica, replicas, shard, shards):
+    """Never in a plan, it would end every generation it was left out of: no step would commit."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=f"replica {replica} of {replicas}, shard rank {shard} of {shards}"):
+        ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), replica, replicas, "127.0.0.1:1",
+                  shard=shard, shards=shards)
+
+
+def test_the_replicas_store_is_not_served_off_the_host_unencrypted():
+    """As every commrt store (bootstrap, parameter server, elastic rendezvous): the job secret
+    would cross the network in the clear, and whoever read it could register as a replica."""
+    with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
+        serve(load_config(environ={}), "192.0.2.1", 1)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
+        ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 2, "192.0.2.1:1", load_config(environ={}),
+                  serve_store=True)

@@ -1,16 +1,18 @@
 """replica_overlap.Overlap without sockets: a stand-in backend whose all-reduce sums 3 identical
-replicas (x3) checks that the buckets started from the gradient hooks cover every parameter once,
-that ``p.grad`` keeps the replica's own gradient (a redo needs it), that the views map each
+replicas (x3) checks that the buckets started from the gradient hooks cover every parameter once
+(in one order on every replica), that ``p.grad`` keeps the replica's own gradient (a redo needs it), that the views map each
 parameter to its gradient's place, and that a failure inside a hook is reported by ``finish``,
 not raised into backward."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from commrt.runtime.errors import PeerLost
+from commrt.runtime.errors import ConfigError, PeerLost
 from commrt.train import replica_overlap
 from commrt.train.replica_overlap import Overlap
+from tests.multirank.programs.replica_ft_job import Twin, twin_backward
 
 
 class Done:
@@ -81,3 +83,49 @@ def test_disarmed_hooks_do_nothing():
     ov, backend = Overlap(list(model.parameters()), 5.0), Triple()
     _backward(model)
     assert backend.calls == 0 and not ov.started
+
+
+class Recorder:
+    """Records where in the flat buffer each all-reduce starts."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.started = flat, []
+
+    def all_reduce(self, tensor, op, async_op):
+        self.started.append((tensor.data_ptr() - self.flat.data_ptr()) // tensor.element_size())
+        return Done()
+
+
+def _order(replica: int) -> list[int]:
+    model = Twin()
+    ov = Overlap(list(model.parameters()), 1.0)
+    backend = Recorder(ov.flat)
+    ov.arm(backend)
+    twin_backward(model, replica, 0)
+    assert ov.finish() is None
+    return backend.started
+
+
+def test_buckets_start_in_one_order_when_a_parameter_is_unused_on_one_replica():
+    """Twin's two buckets have the same size; replica 1's forward leaves ``b`` out, so b's bucket
+    (the first) fills there only in finish. Starting a's bucket first there summed it with
+    replica 0's b bucket, without an error (tests/multirank/test_replica_ft.py: the average)."""
+    assert _order(0) == _order(1) == [0, 600 * 600]
+
+
+def test_two_backwards_in_one_step_are_refused_not_averaged_in_part(monkeypatch):
+    """overlap=True takes one backward per step: a second one's gradients came after their
+    buckets went out (the average would lack them); finish says so instead."""
+    monkeypatch.setattr(replica_overlap, "FIRST_ELEMS", 1000)
+    monkeypatch.setattr(replica_overlap, "CAP_ELEMS", 40000)
+    model = _model()
+    ov = Overlap(list(model.parameters()), 5.0)
+    ov.arm(Triple())
+    _backward(model)
+    _backward(model)
+    with pytest.raises(ConfigError, match="second gradient in one step .*overlap=False"):
+        ov.finish()
+    ov.arm(Triple())  # the next step, with one backward, is fine
+    model.zero_grad(set_to_none=True)
+    _backward(model)
+    assert ov.finish() is None

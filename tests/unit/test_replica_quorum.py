@@ -62,7 +62,7 @@ def _reg(r, applied, grad=True, suspects=()):
 
 def test_plan_keeps_contributors_and_sends_state_to_the_fresh():
     plan = q.plan(4, {0: _reg(0, 12), 2: _reg(2, 12, grad=False), 1: _reg(1, -1, grad=False)})
-    assert plan == q.Plan(4, (0, 1, 2), 12, (0,), 0, (1,))
+    assert plan == q.Plan(4, (0, 1, 2), 12, (0,), 0, (1,), (0, 0, 0))
     assert q.Plan.unpack(plan.pack()) == plan
     with pytest.raises(RuntimeError, match="disagree"):
         q.plan(1, {0: _reg(0, 3), 1: _reg(1, 4)})

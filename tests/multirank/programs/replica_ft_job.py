@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from commrt.train import replica_vote as rv
 from commrt.train.replica_ft import ReplicaFT
 
 SEED = 0
@@ -47,6 +48,28 @@ def local_backward(model: nn.Module, replica: int, step: int) -> None:
     nn.functional.mse_loss(model(x), y).backward()
 
 
+class Twin(nn.Module):
+    """Two 600 x 600 layers: one gradient bucket each, of the same size (replica_overlap's
+    first-bucket cap is 256 Ki elements). Replica 1 leaves ``b`` out of its forward, as a branch
+    a batch does not take: ``b``'s bucket fills on the other replicas only."""
+
+    def __init__(self, seed: int | None = SEED):
+        super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.a, self.b = nn.Linear(600, 600, bias=False), nn.Linear(600, 600, bias=False)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def twin_backward(model: Twin, replica: int, step: int) -> None:
+    g = torch.Generator().manual_seed(7919 * step + replica)
+    x, y = torch.randn(8, 600, generator=g), torch.randn(8, 600, generator=g)
+    nn.functional.mse_loss(model(x, replica != 1), y).backward()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("replica", type=int)
@@ -63,10 +86,15 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1, help="ranks per replica group (REPLICA is the group)")
     p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
+    p.add_argument("--twin", action="store_true", help="the Twin model: a parameter unused on replica 1")
+    p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
+                   "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, or sync")
     a = p.parse_args()
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
-    model = make_model(a.width, SEED if a.replica == 0 else None)
+    seed = SEED if a.replica == 0 else None
+    model = Twin(seed) if a.twin else make_model(a.width, seed)
+    backward = twin_backward if a.twin else local_backward
     opt = make_optimizer(model)
     if a.off:
         return _off(model, opt, a)
@@ -74,13 +102,15 @@ def main() -> None:
         opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
                    shard=a.shard, shards=a.shards, overlap=not a.no_overlap)
+    if a.fault:
+        inject_fault(ft, a.fault, a.out)
     data = a.replica * a.shards + a.shard  # the batch's index: every rank of a group reads its own
     started = time.time()
     step, times = ft.start(), {}
     joined_at = step
     while step < a.steps:
         t0 = time.perf_counter()
-        local_backward(model, data, step)
+        backward(model, data, step)
         if step == a.die_at:
             with open(a.out + ".killed", "w") as fh:
                 fh.write(str(time.time()))
@@ -101,6 +131,57 @@ def main() -> None:
         json.dump({"history": [[s, list(c)] for s, c in ft.history], "counts": ft.stats(), "times": times,
                    "started": started, "joined_at": joined_at}, fh)
     ft.close()
+
+
+def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
+    """SIGKILL (``kill``) or SIGSTOP (``stop``: the test continues it) this process at a point of
+    step STEP: ``all_reduce`` when the step's second gradient bucket is about to go out (the first
+    is in flight), ``vote`` after the all-reduce before its vote, ``apply`` after the vote
+    committed before the optimizer step, ``sync`` as the source of a state transfer to a replica
+    (re)joining at step STEP or later, after a third of the tensors went out, ``lead`` as the
+    leader of generation STEP before it writes the plan. Writes OUT.fault (the time) first."""
+    what, where, at = spec.split(":")
+    at, sig = int(at), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[what]
+    fired = []
+
+    def fire() -> None:
+        if fired:
+            return
+        fired.append(1)
+        with open(out + ".fault", "w") as fh:
+            fh.write(str(time.time()))
+        os.kill(os.getpid(), sig)
+
+    if where == "all_reduce":
+        overlap, start = ft.grads.overlap, ft.grads.overlap._start
+        overlap._start = lambda b: (fire() if b == 1 and ft.applied == at else None, start(b))[1]
+    elif where == "vote":
+        votes = ft._votes
+        ft._votes = lambda ok: (fire() if ft.applied == at else None, votes(ok))[1]
+    elif where == "apply":
+        apply = ft.grads.apply
+        ft.grads.apply = lambda *args: (fire() if ft.applied == at else None, apply(*args))[1]
+    elif where == "sync":
+        sync = ft._sync
+
+        def wrapped(plan):
+            if plan.fresh and plan.step >= at and plan.source == ft.replica:
+                cast, sent = ft.rt.world.backend.broadcast, []
+                total = len(list(ft.model.parameters()))
+
+                def broadcast(t, src, async_op):
+                    sent.append(1)
+                    if len(sent) > total // 3:
+                        fire()
+                    return cast(t, src, async_op)
+                ft.rt.world.backend.broadcast = broadcast
+            return sync(plan)
+        ft._sync = wrapped
+    elif where == "lead":  # as the leader of generation STEP (the number is a generation here)
+        lead = rv.lead
+        rv.lead = lambda store, gen, *args: (fire() if gen == at else None, lead(store, gen, *args))[1]
+    else:
+        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply, sync or lead")
 
 
 def _off(model: nn.Module, opt: torch.optim.Optimizer, a) -> None:
