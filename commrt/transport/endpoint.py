@@ -155,9 +155,8 @@ class Endpoint:
     def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.cancelled:
-                raise self._closed(op, seq)
-            if time.monotonic() >= deadline:
+            now = self._while_sending(dst, op, seq)
+            if now >= deadline:
                 raise PeerLost(dst, op, seq, f"could not send within {self.timeout_s:g}s "
                                "(peer not draining its socket)")
             try:
@@ -171,9 +170,7 @@ class Endpoint:
         deadline = time.monotonic() + self.timeout_s
         for dst, tracker in self._trackers:
             while not tracker.done:
-                if self.cancelled:
-                    raise self._closed(op, seq)
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._while_sending(dst, op, seq)
                 if remaining <= 0:
                     raise PeerLost(dst, op, seq, "send not drained before the deadline")
                 try:
@@ -181,6 +178,25 @@ class Endpoint:
                 except zmq.NotDone:
                     pass
         self._trackers.clear()
+
+    def _while_sending(self, dst: int, op: str, seq: int) -> float:
+        """Once a slice of a send that waits on ``dst``: what a receive checks. A frozen ``dst``
+        never drains what we handed it, so without this the sender alone waited out the whole
+        op timeout (300 s) while the ranks that receive named the lost rank within a second or
+        two; a peer's ABORT notice is read too, and what else arrived is kept for later.
+        Returns the time now."""
+        if self.cancelled:
+            raise self._closed(op, seq)
+        now = time.monotonic()
+        if self.live.watch_if_due(now) and self.live.is_lost(dst, now):
+            raise self.live.lost(dst, op, seq, now)
+        while (msg := self._read(zmq.NOBLOCK)) is not None:
+            h = msg.header
+            if h.kind == ABORT:
+                self._aborted(msg, op, seq)  # raises, unless it drops a malformed report
+                continue
+            self._keep((h.src, h.op if h.kind == P2P else -1), msg, op, seq)
+        return now
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int, tag: int = -1, op: str = "?", seq: int = 0,
