@@ -23,7 +23,7 @@ from commrt.transport.messages import Message, MismatchReport, decode_report, en
 from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
 from commrt.transport.transport import SLICE_MS, Transport
 
-__all__ = ["Endpoint", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
+__all__ = ["Endpoint", "is_goodbye", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,14 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
+
+
+def is_goodbye(h: Header) -> bool:
+    """An ABORT naming its own sender as lost: "I closed this group on purpose" (``close``),
+    so a peer whose connection then drops is not blamed for what a rank waits on elsewhere (a
+    rank that got its broadcast from the root and left, while another still waits on a frozen
+    rank, was named as the one lost)."""
+    return h.kind == ABORT and h.nbytes == 0 and h.op == h.src
 
 
 class Endpoint:
@@ -225,13 +233,14 @@ class Endpoint:
                 raise self._closed(op, seq)
             if msg is not None:
                 h = msg.header
-                if h.kind == ABORT:
-                    self._aborted(msg, op, seq)
                 got = (h.src, h.op if h.kind == P2P else -1)
-                if got == key:
+                if h.kind == ABORT:
+                    self._aborted(msg, op, seq)  # raises, unless a goodbye or a malformed report
+                elif got == key:
                     self.last = h
                     return msg
-                self._keep(got, msg, op, seq)
+                else:
+                    self._keep(got, msg, op, seq)
             if self.live.watch_if_due(now) and self.live.is_lost(src, now):
                 raise self.live.lost(src, op, seq, now)
             if now >= deadline:
@@ -261,8 +270,12 @@ class Endpoint:
         self._stash[key].append(msg)
 
     def _aborted(self, msg: Message, op: str, seq: int) -> None:
-        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report)."""
+        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report).
+        Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one."""
         h = msg.header
+        if is_goodbye(h):
+            self.live.left(h.src)
+            return
         if h.nbytes == 0:  # so do we, naming the same rank
             raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
         try:
@@ -326,9 +339,23 @@ class Endpoint:
         c.recv_msgs += 1
         return Message(header, frames[1])
 
+    def _say_goodbye(self) -> None:
+        """Best effort, never blocking (delivered within the close linger): tell the peers we
+        send to, and those that sent to us (their connections to us are what their liveness
+        watches), that this rank closes the group on purpose (``is_goodbye``)."""
+        bye = encode_header(Header(ABORT, self.group, 0, self.rank, self.rank, 0, 0, 0, 0))
+        heard = [p for p, c in enumerate(self._counters) if c.recv_msgs and p in self.peer_addresses]
+        for peer in set(self._out) | set(heard):
+            try:
+                self.socket_to(peer, "a goodbye").send_multipart([bye, b""], zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError, CommError):
+                pass
+
     def close(self) -> None:
-        """Close every socket. Only the owner calls this, after its last use (or once the
-        owner has stopped): closing a socket another thread is blocked in aborts libzmq."""
+        """Close every socket, saying goodbye to the peers first. Only the owner calls this,
+        after its last use (or once the owner has stopped): closing a socket another thread is
+        blocked in aborts libzmq."""
+        self._say_goodbye()
         for sock in self._out.values():
             # Monitor off first: libzmq (4.3.5) drops what a socket queued before its handshake
             # finished if the socket is closed with a monitor attached, whatever the linger;

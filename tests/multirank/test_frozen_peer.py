@@ -31,3 +31,14 @@ def test_a_sender_blocked_on_a_frozen_peer_names_it():
         assert rank == "1" and message.startswith("lost peer rank 1 during broadcast (seq 3)"), out
         assert "deadline" not in message and float(seconds) < TIMEOUT_S, out
 
+
+
+def test_a_rank_that_finished_is_not_blamed():
+    """Binomial from rank 2 at 5 ranks: rank 0 waits on the frozen rank 4 while ranks 1 and 3,
+    served by the root, finish and leave (destroying the group); rank 0 must name rank 4 (it
+    named a rank that left, whose connection dropped first: "lost peer rank 3 ...; rank 4,
+    which this rank was waiting on, dropped after it")."""
+    found, out = caught(5, "binomial")
+    assert [(r, rank) for r, _, rank, _ in found] == [("0", "4")], out
+    assert found[0][1].startswith("lost peer rank 4 during broadcast (seq 3)"), out
+    assert "dropped after it" not in found[0][1], out
