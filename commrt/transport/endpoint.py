@@ -38,6 +38,9 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
+# A socket dialled at close only to say goodbye gets this long: a live peer's handshake takes
+# milliseconds, and one that has gone meanwhile must not hold the process's exit for a second.
+GOODBYE_LINGER_MS = 200
 
 
 def is_goodbye(h: Header) -> bool:
@@ -339,31 +342,40 @@ class Endpoint:
         c.recv_msgs += 1
         return Message(header, frames[1])
 
-    def _say_goodbye(self) -> None:
-        """Best effort, never blocking (delivered within the close linger): tell the peers we
-        send to, and those that sent to us (their connections to us are what their liveness
-        watches), that this rank closes the group on purpose (``is_goodbye``)."""
+    def _say_goodbye(self) -> dict[int, int]:
+        """Best effort, never blocking: tell the peers we send to, and those that sent to us
+        (their connections to us are what their liveness watches), that this rank closes the
+        group on purpose (``is_goodbye``). Not to a peer whose connection is already down: the
+        message would sit out the close linger (a destroy took 1 s instead of 0.1 s when its
+        peer had left first). Returns the linger (ms) of each socket dialled only for this."""
         bye = encode_header(Header(ABORT, self.group, 0, self.rank, self.rank, 0, 0, 0, 0))
         heard = [p for p, c in enumerate(self._counters) if c.recv_msgs and p in self.peer_addresses]
+        self.live.watch()
+        lingers = {}
         for peer in set(self._out) | set(heard):
+            if peer in self.live.down or peer == self.rank:
+                continue
+            if peer not in self._out:
+                lingers[peer] = GOODBYE_LINGER_MS
             try:
                 self.socket_to(peer, "a goodbye").send_multipart([bye, b""], zmq.NOBLOCK)
             except (zmq.ZMQError, ValueError, CommError):
                 pass
+        return lingers
 
     def close(self) -> None:
         """Close every socket, saying goodbye to the peers first. Only the owner calls this,
         after its last use (or once the owner has stopped): closing a socket another thread is
         blocked in aborts libzmq."""
-        self._say_goodbye()
+        lingers = self._say_goodbye()
         for sock in self._out.values():
             # Monitor off first: libzmq (4.3.5) drops what a socket queued before its handshake
             # finished if the socket is closed with a monitor attached, whatever the linger;
             # a group destroyed right after its first op lost that op's last message so.
             sock.disable_monitor()
         self.live.close()
-        for sock in self._out.values():
-            sock.close(linger=CLOSE_LINGER_MS)
+        for peer, sock in self._out.items():
+            sock.close(linger=lingers.get(peer, CLOSE_LINGER_MS))
         self.inbound.close(linger=0)
         self._out.clear()
         self._stash.clear()
