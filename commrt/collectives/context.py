@@ -48,6 +48,10 @@ class OpContext(OpShape):
     root: int = 0  # broadcast's source / reduce's destination (group rank), else 0
     journal: Journal | None = None  # the group's recent operations, for naming stray messages
     table: tuple[Rule, ...] = DEFAULT_TABLE  # which schedule runs which size (selection.py, [comm] algorithms)
+    # all_to_all (whose op count is 0): per peer, the block length this rank sends it and the one
+    # it expects from it, as each piece's header count. Pieces alone let a longer block pass when
+    # the expected one ends on a piece boundary: the op completed, the stray came at the next op
+    blocks: tuple[list[int], list[int]] | None = None
     # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)
@@ -76,7 +80,10 @@ class OpContext(OpShape):
         payload = b"" if data is None else _as_bytes(data)
         step = self._sent[dst]
         self._sent[dst] = step + 1
-        self.ep.send(dst, self.header(len(payload), step), payload, op=self.name)
+        h = self.header(len(payload), step)
+        if self.blocks is not None:
+            h = h._replace(count=self.blocks[0][dst])
+        self.ep.send(dst, h, payload, op=self.name)
 
     def recv(self, src: int, numel: int = 0):
         """Next piece from ``src``, as a view of the received frame of the op's buffer type
@@ -92,6 +99,8 @@ class OpContext(OpShape):
         step = self._recvd[src]
         self._recvd[src] = step + 1
         h, want = msg.header, self.header(numel * self.itemsize, step, src)
+        if self.blocks is not None:
+            want = want._replace(count=self.blocks[1][src])
         if h != want:
             raise self._mismatch(src, h, want)
         return msg.payload.buffer

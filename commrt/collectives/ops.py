@@ -226,6 +226,7 @@ def all_to_all(ctx: OpContext, out, inp,
     copy_(out[olo:ohi], inp[lo:hi])
     nbytes = (in_bounds[-1][1] - in_bounds[0][0]) * ctx.itemsize if in_bounds else 0
     steps, _ = _steps("all_to_all", ctx.algorithm("all_to_all", nbytes), ctx.rank, ctx.size, 0)
+    ctx.blocks = ([b - a for a, b in in_bounds], [b - a for a, b in out_bounds])  # in every piece's header
     run(ctx, list(steps), Side(inp, in_bounds), Side(out, out_bounds), sends_first=True)
     ctx.flush()
 

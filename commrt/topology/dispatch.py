@@ -16,7 +16,7 @@ from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import world
 from commrt.runtime.arrays import flat_plain, is_contiguous, nbytes, numel
-from commrt.runtime.errors import ConfigError
+from commrt.runtime.errors import CollectiveMismatch, ConfigError
 from commrt.runtime.group import ProcessGroup
 from commrt.runtime.work import Work
 from commrt.topology.mesh import levels_of
@@ -34,11 +34,12 @@ HIERARCHY_HELPS = 1.1
 log = logging.getLogger(__name__)
 
 
-def wants_hierarchical(group, nbytes: int) -> bool:
+def wants_hierarchical(group, nbytes: int, op: str = "a collective") -> bool:
     """Whether ``group``'s collective of ``nbytes`` runs in two levels ([comm] hierarchical).
     Only the world group: its node groups can be made on demand, since every rank calls the
     world's collectives in the same order. "auto": above the size where each rank's part across
-    nodes exceeds small_bytes, and only if the probe (``auto_choice``) found the two levels faster."""
+    nodes exceeds small_bytes, and only if the probe (``auto_choice``) found the two levels faster;
+    the ranks taking two levels then check that all did (``_same_route``)."""
     rt = world.current()
     mode, topo = rt.config.comm.hierarchical, rt.topology
     if mode == "never" or (group is not None and group is not rt.world) or topo is None:
@@ -47,7 +48,27 @@ def wants_hierarchical(group, nbytes: int) -> bool:
         return False
     if mode == "always":
         return True
-    return nbytes // topo.per_node() > rt.config.comm.small_bytes and auto_choice(rt).hierarchical
+    if nbytes // topo.per_node() > rt.config.comm.small_bytes and auto_choice(rt).hierarchical:
+        _same_route(rt, op, nbytes)
+        return True
+    return False
+
+
+def _same_route(rt, op: str, nbytes: int) -> None:
+    """Under "auto" each rank routes by its own size: ranks called with sizes on either side of
+    the threshold went to the node groups and to the flat world, where no header met another,
+    and all waited out the deadline (then blamed a live rank as lost). So the ranks taking two
+    levels first pass a world barrier: a rank gone flat meets it in its own world op, and both
+    raise CollectiveMismatch at once. Sizes that differ among two-level ranks need nothing more:
+    the levels' headers compare them. One round of empty messages per two-level op; "always"
+    needs none (every rank takes two levels, whatever its size)."""
+    try:
+        rt.world.backend.barrier()
+    except CollectiveMismatch as exc:
+        exc.args = (f"{exc}; this rank's {op} of {nbytes} B takes two levels ([comm] hierarchical = auto) "
+                    "and checks first that every rank does (the barrier): ranks whose sizes differ "
+                    "took different paths",)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +189,7 @@ def route(group, kind: str, *tensors) -> bool:
         return False
     if kind == "all_gather" and numel(tensors[0]) != numel(tensors[1]) * n:
         return False
-    return wants_hierarchical(group, max(nbytes(t) for t in tensors))
+    return wants_hierarchical(group, max(nbytes(t) for t in tensors), kind)
 
 
 class TwoLevelBackend:

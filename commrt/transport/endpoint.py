@@ -23,7 +23,7 @@ from commrt.transport.messages import Message, MismatchReport, decode_report, en
 from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
 from commrt.transport.transport import SLICE_MS, Transport
 
-__all__ = ["Endpoint", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
+__all__ = ["Endpoint", "is_goodbye", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,17 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
+# A socket dialled at close only to say goodbye gets this long: a live peer's handshake takes
+# milliseconds, and one that has gone meanwhile must not hold the process's exit for a second.
+GOODBYE_LINGER_MS = 200
+
+
+def is_goodbye(h: Header) -> bool:
+    """An ABORT naming its own sender as lost: "I closed this group on purpose" (``close``),
+    so a peer whose connection then drops is not blamed for what a rank waits on elsewhere (a
+    rank that got its broadcast from the root and left, while another still waits on a frozen
+    rank, was named as the one lost)."""
+    return h.kind == ABORT and h.nbytes == 0 and h.op == h.src
 
 
 class Endpoint:
@@ -155,9 +166,8 @@ class Endpoint:
     def _send_slowly(self, sock: zmq.Socket, dst: int, head: bytes, op: str, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.cancelled:
-                raise self._closed(op, seq)
-            if time.monotonic() >= deadline:
+            now = self._while_sending(dst, op, seq)
+            if now >= deadline:
                 raise PeerLost(dst, op, seq, f"could not send within {self.timeout_s:g}s "
                                "(peer not draining its socket)")
             try:
@@ -171,9 +181,7 @@ class Endpoint:
         deadline = time.monotonic() + self.timeout_s
         for dst, tracker in self._trackers:
             while not tracker.done:
-                if self.cancelled:
-                    raise self._closed(op, seq)
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._while_sending(dst, op, seq)
                 if remaining <= 0:
                     raise PeerLost(dst, op, seq, "send not drained before the deadline")
                 try:
@@ -181,6 +189,25 @@ class Endpoint:
                 except zmq.NotDone:
                     pass
         self._trackers.clear()
+
+    def _while_sending(self, dst: int, op: str, seq: int) -> float:
+        """Once a slice of a send that waits on ``dst``: what a receive checks. A frozen ``dst``
+        never drains what we handed it, so without this the sender alone waited out the whole
+        op timeout (300 s) while the ranks that receive named the lost rank within a second or
+        two; a peer's ABORT notice is read too, and what else arrived is kept for later.
+        Returns the time now."""
+        if self.cancelled:
+            raise self._closed(op, seq)
+        now = time.monotonic()
+        if self.live.watch_if_due(now) and self.live.is_lost(dst, now):
+            raise self.live.lost(dst, op, seq, now)
+        while (msg := self._read(zmq.NOBLOCK)) is not None:
+            h = msg.header
+            if h.kind == ABORT:
+                self._aborted(msg, op, seq)  # raises, unless it drops a malformed report
+                continue
+            self._keep((h.src, h.op if h.kind == P2P else -1), msg, op, seq)
+        return now
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int, tag: int = -1, op: str = "?", seq: int = 0,
@@ -209,13 +236,14 @@ class Endpoint:
                 raise self._closed(op, seq)
             if msg is not None:
                 h = msg.header
-                if h.kind == ABORT:
-                    self._aborted(msg, op, seq)
                 got = (h.src, h.op if h.kind == P2P else -1)
-                if got == key:
+                if h.kind == ABORT:
+                    self._aborted(msg, op, seq)  # raises, unless a goodbye or a malformed report
+                elif got == key:
                     self.last = h
                     return msg
-                self._keep(got, msg, op, seq)
+                else:
+                    self._keep(got, msg, op, seq)
             if self.live.watch_if_due(now) and self.live.is_lost(src, now):
                 raise self.live.lost(src, op, seq, now)
             if now >= deadline:
@@ -245,8 +273,12 @@ class Endpoint:
         self._stash[key].append(msg)
 
     def _aborted(self, msg: Message, op: str, seq: int) -> None:
-        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report)."""
+        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report).
+        Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one."""
         h = msg.header
+        if is_goodbye(h):
+            self.live.left(h.src)
+            return
         if h.nbytes == 0:  # so do we, naming the same rank
             raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
         try:
@@ -310,17 +342,40 @@ class Endpoint:
         c.recv_msgs += 1
         return Message(header, frames[1])
 
+    def _say_goodbye(self) -> dict[int, int]:
+        """Best effort, never blocking: tell the peers we send to, and those that sent to us
+        (their connections to us are what their liveness watches), that this rank closes the
+        group on purpose (``is_goodbye``). Not to a peer whose connection is already down: the
+        message would sit out the close linger (a destroy took 1 s instead of 0.1 s when its
+        peer had left first). Returns the linger (ms) of each socket dialled only for this."""
+        bye = encode_header(Header(ABORT, self.group, 0, self.rank, self.rank, 0, 0, 0, 0))
+        heard = [p for p, c in enumerate(self._counters) if c.recv_msgs and p in self.peer_addresses]
+        self.live.watch()
+        lingers = {}
+        for peer in set(self._out) | set(heard):
+            if peer in self.live.down or peer == self.rank:
+                continue
+            if peer not in self._out:
+                lingers[peer] = GOODBYE_LINGER_MS
+            try:
+                self.socket_to(peer, "a goodbye").send_multipart([bye, b""], zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError, CommError):
+                pass
+        return lingers
+
     def close(self) -> None:
-        """Close every socket. Only the owner calls this, after its last use (or once the
-        owner has stopped): closing a socket another thread is blocked in aborts libzmq."""
+        """Close every socket, saying goodbye to the peers first. Only the owner calls this,
+        after its last use (or once the owner has stopped): closing a socket another thread is
+        blocked in aborts libzmq."""
+        lingers = self._say_goodbye()
         for sock in self._out.values():
             # Monitor off first: libzmq (4.3.5) drops what a socket queued before its handshake
             # finished if the socket is closed with a monitor attached, whatever the linger;
             # a group destroyed right after its first op lost that op's last message so.
             sock.disable_monitor()
         self.live.close()
-        for sock in self._out.values():
-            sock.close(linger=CLOSE_LINGER_MS)
+        for peer, sock in self._out.items():
+            sock.close(linger=lingers.get(peer, CLOSE_LINGER_MS))
         self.inbound.close(linger=0)
         self._out.clear()
         self._stash.clear()

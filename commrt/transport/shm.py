@@ -28,7 +28,7 @@ import zmq
 
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
 from commrt.transport.wire import ABORT, COLL
-from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report
+from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report, is_goodbye
 from commrt.transport.segments import (CTL_BYTES, MAGIC, SLOT_BYTES, attach, close_fd, create, node_key,
     reserve, segment_bytes, supported)
 
@@ -221,6 +221,9 @@ class Channel:
             h = msg.header
             if h.kind != ABORT:
                 continue  # nothing else travels on a shared-memory group's collective socket
+            if is_goodbye(h):  # the peer closed the group: its dropped connection is no one's fault
+                ep.live.left(h.src)
+                continue
             if h.nbytes == 0:
                 raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
             try:

@@ -81,3 +81,12 @@ def test_cli_refuses_a_multi_node_launch_without_its_rendezvous():
     proc = subprocess.run([sys.executable, "-m", "commrt.cli", "launch", "--nnodes", "2", "-n", "1", "--", "true"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--node-rank, --master-addr and --master-port" in proc.stderr, proc.stderr
+
+
+def test_auto_routes_that_disagree_on_size_are_a_mismatch_not_a_wait():
+    """2 nodes of 2, "auto" with two levels chosen: rank 0 all_reduces 2 MiB, the others 1 KiB.
+    Routing by its own size, rank 0 took the node groups and the others the flat world, and
+    every rank waited out the deadline (20 s here); every rank must name the mismatch."""
+    out = run_layout(2, 2, "sizes", env={"COMMRT_COMM_HIERARCHICAL": "auto", "COMMRT_COMM_TIMEOUT_S": "20"})
+    caught = [line for line in out.splitlines() if "CAUGHT CollectiveMismatch" in line]
+    assert len(caught) == 4, out[-6000:]

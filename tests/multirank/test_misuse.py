@@ -13,7 +13,8 @@ def test_misuse(backend, mode):
 
 
 @pytest.mark.parametrize("case", ["max_vs_sum", "avg_vs_sum_ring", "reduce_scatter_min", "reduce_max",
-                                  "broadcast_roots", "reduce_roots", "all_to_all_lengths"])
+                                  "broadcast_roots", "reduce_roots", "all_to_all_lengths",
+                                  "all_to_all_more_pieces"])
 def test_reduce_op_and_root_mismatch_is_named(case):
     """Our backend checks op and root in every header (gloo checks nothing: not run there).
     On TCP, where a sender-only rank cannot see it; shared memory (every rank reads every

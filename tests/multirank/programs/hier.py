@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -143,6 +144,29 @@ def check_links(k: int, m: int) -> None:
           f"two {auto['hierarchical_s']:.6f} steps {sorted(steps)}", flush=True)
 
 
+def check_sizes(k: int, m: int) -> None:
+    """[comm] hierarchical = "auto" with two levels chosen (preset here: the probe is not under
+    test): rank 0 all_reduces 2 MiB, the others 1 KiB. Each rank routed by its own size, rank 0
+    to the node groups and the rest to the flat world, where no header met another: every rank
+    waited out the deadline. Every rank must raise CollectiveMismatch naming the op instead."""
+    from commrt.runtime import world
+    from commrt.topology import dispatch
+    world.current().extras["hierarchical_auto"] = dispatch.AutoChoice(True, 1.0, 0.5, 0)
+    big = torch.ones(1 << 18, dtype=torch.float64)  # 2 MiB: each rank's part across is above small_bytes
+    commrt.all_reduce(big)  # every rank two levels: the node groups exist on every rank
+    assert torch.equal(big, torch.full_like(big, k * m))
+    mine = torch.ones(1 << 18 if commrt.get_rank() == 0 else 128, dtype=torch.float64)
+    started = time.monotonic()
+    try:
+        commrt.all_reduce(mine)
+    except commrt.CollectiveMismatch as exc:
+        assert "all_reduce" in str(exc), exc
+        print(f"rank {commrt.get_rank()}: CAUGHT CollectiveMismatch after {time.monotonic() - started:.2f}s: {exc}",
+              flush=True)
+        return
+    raise AssertionError(f"rank {commrt.get_rank()}: an all_reduce of other sizes on other ranks completed")
+
+
 def main() -> None:
     k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
@@ -160,6 +184,9 @@ def main() -> None:
             check_mesh(k, m)
         elif what == "links":
             check_links(k, m)
+        elif what == "sizes":
+            check_sizes(k, m)
+            return
         elif what == "matrix":
             check_matrix(flat_world)
         else:

@@ -89,6 +89,19 @@ def _split_lengths(rank: int) -> None:
     commrt.barrier()
 
 
+def _more_pieces(rank: int) -> None:
+    """Rank 1 sends rank 0 three elements more than the one whole piece (default 4 MiB pieces)
+    rank 0 expects, so two pieces: rank 0's receive was satisfied by the first, the op returned
+    and the second was only caught at the next op. It must fail in the op, naming both ranks;
+    rank 1, whose receive is right, hears rank 0's report at the barrier."""
+    piece = (4 << 20) // 4
+    in_s, out_s = ([1, 1], [1, piece]) if rank == 0 else ([piece + 3, 1], [1, 1])
+    out = torch.zeros(sum(out_s))
+    commrt.all_to_all_single(out, torch.arange(float(sum(in_s))), out_s, in_s)
+    if rank == 1:
+        commrt.barrier()
+
+
 def _empty_reduce(rank: int) -> None:
     """Rank 1 reduces no elements, the others 8: it sent nothing, went on to the barrier and
     waited there on rank 0, which waited in the reduce on it: both blamed the other as lost at
@@ -108,6 +121,8 @@ MISMATCHES = {
     "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "broadcast", "noticed at")),
     "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "reduce", "noticed at")),
     "all_to_all_lengths": (_split_lengths, ("all_to_all", "rank 0 runs", "rank 1 runs")),
+    "all_to_all_more_pieces": (_more_pieces, ("op=all_to_all", "count=1048576", "count=1048579", "rank 0 runs",
+                                              "rank 1 runs")),
     "empty_reduce": (_empty_reduce, ("op=reduce", "count=0", "count=8", "rank 0 runs", "rank 1 runs")),
 }
 
