@@ -86,7 +86,9 @@ def test_cli_refuses_a_multi_node_launch_without_its_rendezvous():
 def test_auto_routes_that_disagree_on_size_are_a_mismatch_not_a_wait():
     """2 nodes of 2, "auto" with two levels chosen: rank 0 all_reduces 2 MiB, the others 1 KiB.
     Routing by its own size, rank 0 took the node groups and the others the flat world, and
-    every rank waited out the deadline (20 s here); every rank must name the mismatch."""
-    out = run_layout(2, 2, "sizes", env={"COMMRT_COMM_HIERARCHICAL": "auto", "COMMRT_COMM_TIMEOUT_S": "20"})
+    every rank waited out the deadline (20 s here); with the debug aid on, every rank must name
+    the mismatch (without it they still wait: the check costs a barrier per op)."""
+    out = run_layout(2, 2, "sizes", env={"COMMRT_COMM_HIERARCHICAL": "auto", "COMMRT_COMM_TIMEOUT_S": "20",
+                                         "COMMRT_COMM_CHECK_CALL_SITES": "1"})
     caught = [line for line in out.splitlines() if "CAUGHT CollectiveMismatch" in line]
     assert len(caught) == 4, out[-6000:]
