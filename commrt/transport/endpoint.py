@@ -17,9 +17,11 @@ import time
 
 import zmq
 
-from commrt.runtime.errors import CommError, GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.transport import notices
 from commrt.transport.liveness import Liveness
 from commrt.transport.messages import Message, MismatchReport, decode_report, encode_report
+from commrt.transport.notices import is_goodbye
 from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
 from commrt.transport.transport import SLICE_MS, Transport
 
@@ -38,17 +40,6 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
-# A socket dialled at close only to say goodbye gets this long: a live peer's handshake takes
-# milliseconds, and one that has gone meanwhile must not hold the process's exit for a second.
-GOODBYE_LINGER_MS = 200
-
-
-def is_goodbye(h: Header) -> bool:
-    """An ABORT naming its own sender as lost: "I closed this group on purpose" (``close``),
-    so a peer whose connection then drops is not blamed for what a rank waits on elsewhere (a
-    rank that got its broadcast from the root and left, while another still waits on a frozen
-    rank, was named as the one lost)."""
-    return h.kind == ABORT and h.nbytes == 0 and h.op == h.src
 
 
 class Endpoint:
@@ -204,7 +195,7 @@ class Endpoint:
         while (msg := self._read(zmq.NOBLOCK)) is not None:
             h = msg.header
             if h.kind == ABORT:
-                self._aborted(msg, op, seq)  # raises, unless it drops a malformed report
+                notices.aborted(self, msg, op, seq)  # raises, unless it drops a malformed report
                 continue
             self._keep((h.src, h.op if h.kind == P2P else -1), msg, op, seq)
         return now
@@ -238,7 +229,7 @@ class Endpoint:
                 h = msg.header
                 got = (h.src, h.op if h.kind == P2P else -1)
                 if h.kind == ABORT:
-                    self._aborted(msg, op, seq)  # raises, unless a goodbye or a malformed report
+                    notices.aborted(self, msg, op, seq)  # raises, unless a goodbye or a malformed report
                 elif got == key:
                     self.last = h
                     return msg
@@ -272,43 +263,10 @@ class Endpoint:
                 f"{max_bytes >> 20} MiB); refused its {dropped} stashed messages")
         self._stash[key].append(msg)
 
-    def _aborted(self, msg: Message, op: str, seq: int) -> None:
-        """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report).
-        Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one."""
-        h = msg.header
-        if is_goodbye(h):
-            self.live.left(h.src)
-            return
-        if h.nbytes == 0:  # so do we, naming the same rank
-            raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
-        try:
-            mine, theirs = decode_report(msg.payload.buffer)
-        except ProtocolError as exc:
-            self.dropped += 1
-            log.warning("rank %d dropped a malformed mismatch report from rank %d: %s", self.rank, h.src, exc)
-            return
-        raise MismatchReport(h.src, mine, theirs)
-
     def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"",
                    connected_only: bool = False) -> None:
-        """Best effort, never blocking: tell every other peer that we give up, naming the rank
-        we lost (``lost``) or carrying a mismatch ``report``, so ranks waiting elsewhere fail
-        at once with the same cause instead of timing out on us when we leave.
-        ``connected_only``: only the peers we already have a connection to (a notice passed on:
-        relayed to every peer by every rank, it dialled n^2 connections; issue 32.5)."""
-        h = encode_header(Header(ABORT, self.group, seq, self.rank, lost or 0, 0, 0, 0, len(report)))
-        try:
-            peers = list(self._out) if connected_only else self.all_peers("an abort notice", lost)
-        except CommError as exc:  # the addresses not known yet are unreadable: tell those we know
-            log.warning("rank %d: abort notice to known peers only: %s", self.rank, exc)
-            peers = list(self.peer_addresses)
-        for peer in peers:
-            if peer in (self.rank, lost):
-                continue
-            try:
-                self.socket_to(peer).send_multipart([h, report], zmq.NOBLOCK)
-            except (zmq.ZMQError, ValueError):
-                pass
+        """Best effort, never blocking: tell the peers this rank gives up (``notices.tell_peers``)."""
+        notices.tell_peers(self, seq, lost, report, connected_only)
 
     def read(self, flags: int) -> Message | None:
         """One well-formed message, or None (nothing within the slice, or a malformed one)."""
@@ -342,32 +300,11 @@ class Endpoint:
         c.recv_msgs += 1
         return Message(header, frames[1])
 
-    def _say_goodbye(self) -> dict[int, int]:
-        """Best effort, never blocking: tell the peers we send to, and those that sent to us
-        (their connections to us are what their liveness watches), that this rank closes the
-        group on purpose (``is_goodbye``). Not to a peer whose connection is already down: the
-        message would sit out the close linger (a destroy took 1 s instead of 0.1 s when its
-        peer had left first). Returns the linger (ms) of each socket dialled only for this."""
-        bye = encode_header(Header(ABORT, self.group, 0, self.rank, self.rank, 0, 0, 0, 0))
-        heard = [p for p, c in enumerate(self._counters) if c.recv_msgs and p in self.peer_addresses]
-        self.live.watch()
-        lingers = {}
-        for peer in set(self._out) | set(heard):
-            if peer in self.live.down or peer == self.rank:
-                continue
-            if peer not in self._out:
-                lingers[peer] = GOODBYE_LINGER_MS
-            try:
-                self.socket_to(peer, "a goodbye").send_multipart([bye, b""], zmq.NOBLOCK)
-            except (zmq.ZMQError, ValueError, CommError):
-                pass
-        return lingers
-
     def close(self) -> None:
         """Close every socket, saying goodbye to the peers first. Only the owner calls this,
         after its last use (or once the owner has stopped): closing a socket another thread is
         blocked in aborts libzmq."""
-        lingers = self._say_goodbye()
+        lingers = notices.say_goodbye(self)
         for sock in self._out.values():
             # Monitor off first: libzmq (4.3.5) drops what a socket queued before its handshake
             # finished if the socket is closed with a monitor attached, whatever the linger;

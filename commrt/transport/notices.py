@@ -1,0 +1,90 @@
+"""The notices an Endpoint sends and reads beside the data: ABORT headers. A rank that gives up
+tells its peers why (a lost rank, or a mismatch report), so ranks waiting elsewhere fail at once
+with the same cause; a rank that closes a group on purpose says goodbye, so its dropped
+connection is not blamed for what another rank waits on. Functions over an ``Endpoint`` (its
+sockets, liveness and counters), kept apart from its send and receive paths."""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from commrt.runtime.errors import CommError, PeerLost, ProtocolError
+from commrt.transport.messages import Message, MismatchReport, decode_report
+from commrt.transport.wire import ABORT, Header, encode_header
+
+log = logging.getLogger(__name__)
+
+# A socket dialled at close only to say goodbye gets this long: a live peer's handshake takes
+# milliseconds, and one that has gone meanwhile must not hold the process's exit for a second.
+GOODBYE_LINGER_MS = 200
+
+
+def is_goodbye(h: Header) -> bool:
+    """An ABORT naming its own sender as lost: "I closed this group on purpose" (``close``),
+    so a peer whose connection then drops is not blamed for what a rank waits on elsewhere (a
+    rank that got its broadcast from the root and left, while another still waits on a frozen
+    rank, was named as the one lost)."""
+    return h.kind == ABORT and h.nbytes == 0 and h.op == h.src
+
+
+def aborted(ep, msg: Message, op: str, seq: int) -> None:
+    """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report).
+    Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one."""
+    h = msg.header
+    if is_goodbye(h):
+        ep.live.left(h.src)
+        return
+    if h.nbytes == 0:  # so do we, naming the same rank
+        raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
+    try:
+        mine, theirs = decode_report(msg.payload.buffer)
+    except ProtocolError as exc:
+        ep.dropped += 1
+        log.warning("rank %d dropped a malformed mismatch report from rank %d: %s", ep.rank, h.src, exc)
+        return
+    raise MismatchReport(h.src, mine, theirs)
+
+
+def tell_peers(ep, seq: int, lost: int | None = None, report: bytes = b"",
+               connected_only: bool = False) -> None:
+    """Best effort, never blocking: tell every other peer that we give up, naming the rank
+    we lost (``lost``) or carrying a mismatch ``report``, so ranks waiting elsewhere fail
+    at once with the same cause instead of timing out on us when we leave.
+    ``connected_only``: only the peers we already have a connection to (a notice passed on:
+    relayed to every peer by every rank, it dialled n^2 connections; issue 32.5)."""
+    h = encode_header(Header(ABORT, ep.group, seq, ep.rank, lost or 0, 0, 0, 0, len(report)))
+    try:
+        peers = list(ep._out) if connected_only else ep.all_peers("an abort notice", lost)
+    except CommError as exc:  # the addresses not known yet are unreadable: tell those we know
+        log.warning("rank %d: abort notice to known peers only: %s", ep.rank, exc)
+        peers = list(ep.peer_addresses)
+    for peer in peers:
+        if peer in (ep.rank, lost):
+            continue
+        try:
+            ep.socket_to(peer).send_multipart([h, report], zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError):
+            pass
+
+
+def say_goodbye(ep) -> dict[int, int]:
+    """Best effort, never blocking: tell the peers we send to, and those that sent to us
+    (their connections to us are what their liveness watches), that this rank closes the
+    group on purpose (``is_goodbye``). Not to a peer whose connection is already down: the
+    message would sit out the close linger (a destroy took 1 s instead of 0.1 s when its
+    peer had left first). Returns the linger (ms) of each socket dialled only for this."""
+    bye = encode_header(Header(ABORT, ep.group, 0, ep.rank, ep.rank, 0, 0, 0, 0))
+    heard = [p for p, c in enumerate(ep._counters) if c.recv_msgs and p in ep.peer_addresses]
+    ep.live.watch()
+    lingers = {}
+    for peer in set(ep._out) | set(heard):
+        if peer in ep.live.down or peer == ep.rank:
+            continue
+        if peer not in ep._out:
+            lingers[peer] = GOODBYE_LINGER_MS
+        try:
+            ep.socket_to(peer, "a goodbye").send_multipart([bye, b""], zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError, CommError):
+            pass
+    return lingers
