@@ -1,6 +1,6 @@
 """OpContext: what one running collective needs to talk to its peers over the group's sockets,
 with every incoming message checked against what this rank is running (so divergent programs
-fail loudly). It implements contract.StepContext, as shm_ops.ShmContext does over shared memory."""
+fail loudly). It implements contract.StepContext, as shm_context.ShmContext does over shared memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

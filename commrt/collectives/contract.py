@@ -1,7 +1,7 @@
 """The step contract: what a collective's context is, whichever path carries its steps.
 
 A collective runs over one context per call: ``OpContext`` (context.py) sends pieces over
-the group's sockets, ``ShmContext`` (shm_ops.py) runs steps over the node's shared memory.
+the group's sockets, ``ShmContext`` (shm_context.py) runs steps over the node's shared memory.
 Both are an ``OpShape`` (the op's identity, from which every header is made) and implement
 ``StepContext``; the algorithms over each (ops.py, shm_ops.py) implement ``Algorithms`` with
 the same signatures, and run behind aliasing.py's rules, so the two paths cannot disagree

@@ -1,9 +1,9 @@
 """The collectives over shared memory (transport/shm.py), for a group whose ranks share a node.
-Same signatures as ops.py; ``ctx`` is a ShmContext.
+Same signatures as ops.py; ``ctx`` is a ShmContext (shm_context.py).
 
-A step (ShmContext.step) writes this rank's part into its slot, waits until every peer has
-published the same step, and then reads the peers' slots in place: data is copied once into
-shared memory and consumed from there straight into the output, never staged again.
+A step (ShmContext.begin, then exchange) writes this rank's part into its slot, waits until every
+peer has published the same step, and then reads the peers' slots in place: data is copied once
+into shared memory and consumed from there straight into the output, never staged again.
 all_reduce of a small payload (up to ``[comm] small_bytes``, and while its n - 1 peers' copies
 together stay under ONE_STEP_PEER_BYTES) is one step in which every rank reduces all parts in
 rank order; a larger one runs rounds of two steps as DeepSpeed's CPU all-reduce does: each rank
@@ -14,20 +14,15 @@ form: aliasing.Aliased runs these, as it runs ops.py's.
 """
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from commrt.runtime.arrays import address, as_numpy, numel as numel_of
 from commrt.runtime.errors import CollectiveMismatch, ProtocolError
-from commrt.transport.shm import HDR_WORDS, Channel
-from commrt.transport.wire import COLL, Header
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.aliasing import own_part
-from commrt.collectives.contract import OpShape, describe as _describe
-from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_dtype, reduce_arrays_,
-    reduce_in_order_)
+from commrt.collectives.contract import describe as _describe
+from commrt.collectives.reduce_ops import ReduceOp, copy_, finish_avg_, reduce_arrays_, reduce_in_order_
+from commrt.collectives.shm_context import ShmContext
 
 # the one-step all_reduce has every rank read every peer's payload, freshly written by another
 # core; the rounds read 2/n of it in two steps. On 16 cores at 8 ranks (docs/PERFORMANCE.md, "On
@@ -36,86 +31,6 @@ from commrt.collectives.reduce_ops import (ReduceOp, copy_, finish_avg_, numpy_d
 ONE_STEP_PEER_BYTES = 224 << 10
 WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
-
-
-@dataclass
-class ShmContext(OpShape):
-    """``link`` is the group's shared-memory Channel (also as ``chan``)."""
-    site: int = 0
-    reduce: int = 0
-    root: int = 0
-    small_bytes: int = 0  # all_reduce up to this size runs in one step
-    # per-op constants, set once (this object is built on every call: keep it cheap)
-    name: str = field(init=False)
-    itemsize: int = field(init=False)
-    slot_elems: int = field(init=False)
-    np_dtype: np.dtype | None = field(init=False)  # None: no numpy type (bfloat16)
-    _words: tuple = field(init=False)
-    _header: array = field(init=False)  # step, *_words, aux: what begin() publishes
-    _slot: int = field(init=False)
-    refused: tuple | None = field(init=False, default=None)  # (ours, theirs) of a mismatch: as OpContext
-
-    def __post_init__(self) -> None:
-        self._derive()
-        self.chan: Channel = self.link
-        self.slot_elems = self.chan.slot_bytes // self.itemsize
-        self.np_dtype = numpy_dtype(self.dtype)
-        self._raw = isinstance(self.dtype, np.dtype)  # a numpy op: views of the slots are numpy's
-        self._words = (self.seq, self._op, self._code, self.count, self.reduce, self.root)
-        self._header = array("q", (0, *self._words, 0))
-        self._slot = 0
-
-    def renew(self, seq: int) -> None:
-        """The same op shape again, as operation ``seq`` (what every field derives from seq)."""
-        self.seq = seq
-        self._words = (seq, *self._words[1:])
-        self._header[1] = seq
-
-    def begin(self, aux: int = 0) -> int:
-        """Start a step; returns its slot, whose data this rank may now write."""
-        self._header[HDR_WORDS - 1] = aux
-        self._slot = self.chan.begin(self._header)
-        return self._slot
-
-    def exchange(self) -> list[int]:
-        """Publish the step and wait for every peer; check their headers against this op.
-        Returns each rank's ``aux`` word (unchecked: the caller validates it)."""
-        chan, slot, me = self.chan, self._slot, self.rank
-        chan.publish_and_wait(self.name, self.seq)
-        aux = [0] * self.size
-        for p in range(self.size):
-            if p == me:  # our own header: written by this rank a moment ago
-                aux[p] = self._header[HDR_WORDS - 1]
-                continue
-            if not chan.same_header(p, slot):  # ours in shared memory is [chan.t, *self._words]
-                h = chan.header(p, slot)
-                if h[:-1] != [chan.t, *self._words]:
-                    raise self._mismatch(p, h)
-            aux[p] = chan.aux(p, slot)
-        return aux
-
-    def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch:
-        theirs = Header(COLL, self.group, h[1], p, h[2], h[3], h[4], 0, 0, h[5], h[6])
-        self.refused = (self.header(0, 0), theirs)
-        mine, other = _describe(self.header(0, 0)), _describe(theirs)
-        if h[0] != self.chan.t and mine == other:
-            mine["step"], other["step"] = self.chan.t, h[0]
-        return CollectiveMismatch(self.name, self.seq, mine, other, peer=p, rank=self.rank)
-
-    def sent(self, p: int, numel: int) -> None:
-        """``numel`` of this rank's elements that rank ``p`` reads (the transport's counters)."""
-        if numel:
-            self.chan.count(p, self._words[1], numel * self.itemsize)
-
-    def sent_to_all(self, numel: int) -> None:
-        """``numel`` of this rank's elements that every peer reads."""
-        self.chan.count_all(self._words[1], numel * self.itemsize)
-
-    def view(self, p: int, slot: int, start: int, numel: int):
-        """Elements [start, start + numel) of rank p's slot, as this op's dtype: a numpy array
-        for a numpy op, a tensor for a tensor op (numpy's and torch's ``view`` read alike)."""
-        a = slot * self.chan.slot_bytes + start * self.itemsize
-        return (self.chan.raw if self._raw else self.chan.data)[p][a:a + numel * self.itemsize].view(self.dtype)
 
 
 def _rounds(total: int, per: int):

@@ -15,7 +15,8 @@ generation: the live replicas register for the next one, a leader writes its pla
 contributors of the step, who sends state), they open a new world, replicas without state
 receive it, and the step is averaged again among its contributors. On a healthy step the
 copy and the all-reduce run from the gradient hooks during backward, in buckets
-(``replica_overlap.py``); the vote, the store's decisions, is ``replica_vote.py``.
+(``replica_overlap.py``); the vote, the store's decisions, is ``replica_vote.py``; entering a
+generation (registration, the generation's world, the state transfer) is ``replica_generation.py``.
 
 A replica may be a group of ranks (``shards`` > 1, HYBRID_SHARD's layout): the group shards the
 gradient and the optimizer state inside itself and is dropped and rejoins as a whole
@@ -31,23 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
-import msgpack
 import torch
 
 from commrt.obs import stats
-from commrt.runtime import bootstrap, world
+from commrt.runtime import world
 from commrt.runtime.config import Config, load_config
-from commrt.runtime.errors import CommError, ConfigError, PeerLost
-from commrt.runtime.rendezvous import RendezvousSpec
-from commrt.runtime.store import StoreClient, StoreServer, wait_for
+from commrt.runtime.errors import CommError, ConfigError
+from commrt.runtime.store import StoreClient, StoreServer
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.train import replica_quorum as q
-from commrt.train import replica_state
 from commrt.train import replica_vote as rv
 from commrt.train.replica_vote import P
+from commrt.train.replica_generation import Generations
 from commrt.train.replica_group import GroupBroken, ShardedGroup
 from commrt.train.replica_overlap import Replicated
 from commrt.transport import Transport
@@ -79,7 +77,7 @@ class Counts:
     a group's reduce-scatter inside it counts as its "copy"."""
 
 
-class ReplicaFT:
+class ReplicaFT(Generations):
     """``start()`` once, then after each backward ``step()``: both return the step to compute
     next (a replica that was left out and came back may skip ahead). ``history`` holds, per
     applied step, the replicas whose gradients it averaged."""
@@ -126,129 +124,6 @@ class ReplicaFT:
         self.incarnation = 0  # which start of this replica (``start``): a replaced one is refused
         global _active
         _active = self
-
-    # -- entering a generation ------------------------------------------------------------
-    def start(self) -> int:
-        """Join the job: the first generation if it is forming, else the running job (as a
-        replica without state). Returns the step to compute first."""
-        if self.group is None:
-            self.incarnation = self.store.add(rv.incarnation_key(self.replica), 1)
-            raw = self.store.mget([P + "cur"])[0]
-        else:
-            raw = self.group.join(self.cfg, self.host, self.port, self.store, self.join_timeout_s)
-            self.incarnation = self.group.incarnation
-        if raw is None:
-            return self._armed(self._enter(0, self._reg(0, False), end=None))
-        cur = int(raw)
-        return self._armed(self._enter(cur + 1, self._reg(-1, False), end=cur))
-
-    def _reg(self, applied: int, grad: bool, suspects: tuple[int, ...] = ()) -> q.Registration:
-        return q.Registration(self.replica, applied, grad, suspects, self.incarnation)
-
-    def _armed(self, step: int) -> int:
-        """The next backward's buckets all-reduce in this generation's world as they fill."""
-        self.grads.arm(self.rt.world.backend)
-        return step
-
-    def _enter(self, gen: int, reg: q.Registration, end: int | None) -> int:
-        """Register for ``gen`` and run it until a step is applied (or, with nothing to redo,
-        until the state is in place); a generation that fails leads to the next."""
-        previous = self.plan.members if self.plan is not None else tuple(range(self.replicas))
-        while True:
-            alive, self._alive = self._alive, None  # a hint about the generation that just ended only
-            # replaced while frozen: leave before registering or ending a generation (StaleReplica)
-            rv.check_current(self.store, self.replica, self.incarnation, f"generation {gen}")
-            if self.group is not None:
-                self.group.check()  # a group that lost a rank must not register (GroupBroken)
-            within, follower = self.join_timeout_s if gen == 0 else self.vote_timeout_s, False
-            if self.shard == 0:  # a group registers (and leads) through its first rank
-                self.store.set(f"{P}reg/{gen}/{self.replica}", msgpack.packb(reg.pack()))
-                if end is not None:
-                    rv.end(self.store, end)  # a joiner: the running generation stops at its current step
-                if reg.applied >= 0:
-                    follower = self.store.add(f"{P}lead/{gen}", 1) > 1
-                    if not follower:
-                        rv.lead(self.store, gen, self.replicas, previous, within, self.replica, alive)
-            plan = rv.plan_of(self.store, gen, within + 2 * self.vote_timeout_s, follower,
-                              max(self.join_timeout_s, within + 2 * self.vote_timeout_s), self.replica)
-            if plan is None:  # its leader died or froze in lead(): the next generation, without it
-                end, gen = None, gen + 1
-                continue
-            if not plan.includes(self.replica, self.incarnation):  # left out (too slow): come back without state
-                log.warning("replica %d: left out of generation %d (members %s); rejoining",
-                            self.replica, gen, list(plan.members))
-                self.applied, reg, end, previous, gen = -1, self._reg(-1, False), gen, plan.members, gen + 1
-                continue
-            self._note(previous if self.plan is not None else plan.members, plan)
-            nxt, reg = self._run(plan, reg)
-            if nxt is not None:
-                return nxt
-            previous, end, gen = plan.members, None, gen + 1
-
-    def _note(self, previous: tuple[int, ...], plan: q.Plan) -> None:
-        if plan.gen > 0:  # a member back without its state (restarted before the survivors
-            # re-formed: on a loaded host, within the same membership) was dropped and rejoined too
-            self.counts.drops += len(set(previous) - set(plan.members)) + len(set(previous) & set(plan.fresh))
-            self.counts.rejoins += len(set(plan.members) - set(previous)) + len(set(previous) & set(plan.fresh))
-        self.counts.generations += 1
-        log.info("replica %d: generation %d: replicas %s at step %d (contributors %s, state from %d to %s)",
-                 self.replica, plan.gen, list(plan.members), plan.step, list(plan.contributors), plan.source,
-                 list(plan.fresh))
-
-    def _run(self, plan: q.Plan, reg: q.Registration) -> tuple[int | None, q.Registration]:
-        """Open the generation's world, hand state to replicas without it, redo the step of the
-        contributors. (next step, None) on success; (None, registration for the next) if it failed."""
-        self._close_world()
-        self.plan, self.t = plan, 0
-        me = plan.members.index(self.replica)
-        try:
-            self._open(plan, me)
-            if plan.gen == 0 or plan.fresh:
-                self._sync(plan)
-        except CommError as exc:
-            log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
-            rv.end(self.store, plan.gen)
-            return None, self._registration(plan, reg.grad, exc)
-        self.applied = plan.step
-        if not plan.contributors:
-            # a group's ranks must leave a generation alike (their next collectives are the
-            # group's): a vote tells every rank whether some rank failed to form it
-            if self.group is not None and not self._votes(True):
-                return None, self._registration(plan, reg.grad, None)
-            return plan.step, reg
-        self.counts.redone_steps += 1
-        mine = self.replica in plan.contributors
-        return self._average(plan.contributors, mine)
-
-    def _registration(self, plan: q.Plan, grad: bool, exc: Exception | None) -> q.Registration:
-        suspects = ()
-        if isinstance(exc, PeerLost) and 0 <= exc.rank < len(plan.members):
-            suspects = (plan.members[exc.rank],)
-        return self._reg(self.applied, grad and self.applied >= 0, suspects)
-
-    def _open(self, plan: q.Plan, me: int) -> None:
-        spec = RendezvousSpec(self.host, self.port, me, len(plan.members))
-        env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
-        where = f"{P}g{plan.gen}/" + (f"s{self.shard}/" if self.group is not None else "")  # a world per shard index
-        self.rt = bootstrap.init_world(self.cfg, spec, env, store=(self.store, None), namespace=where)
-        world.install(self.rt)
-
-    def _sync(self, plan: q.Plan) -> None:
-        """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
-        key = f"{P}state/{plan.gen}/{self.shard}"
-        if self.replica == plan.source:
-            desc = replica_state.describe(self.optimizer)
-            self.store.set(key, replica_state.pack(desc))
-        desc = replica_state.unpack(wait_for(self.store, [key], self.cfg.comm.timeout_s, "replica state")[0])
-        tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
-        src = plan.members.index(plan.source)
-        with torch.no_grad():
-            for t in tensors:
-                self.rt.world.backend.broadcast(t, src, False)
-        if self.replica != plan.source:
-            replica_state.load(self.optimizer, desc, state)
-        if self.group is not None:
-            self.group.load_from_model()
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> int:
@@ -314,11 +189,6 @@ class ReplicaFT:
             raise
 
     # -- the end --------------------------------------------------------------------------
-    def _close_world(self) -> None:
-        if self.rt is not None:
-            world.install(self._outer)
-            bootstrap.shutdown(self.rt)
-            self.rt = None
 
     def close(self) -> None:
         """Leave: close this generation's world; a replica that serves the store waits (briefly)
