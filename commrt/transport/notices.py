@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 
 # A socket dialled at close only to say goodbye gets this long: a live peer's handshake takes
 # milliseconds, and one that has gone meanwhile must not hold the process's exit for a second.
+# On a crowded host the handshake can take longer (the peer's authenticator is a Python thread):
+# that goodbye is then lost, and the rank that left may still be named (a CI run at 5 ranks on
+# 2 cores named it once); over a connection the op already used, the goodbye gets the close linger.
 GOODBYE_LINGER_MS = 200
 
 

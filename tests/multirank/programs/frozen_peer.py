@@ -38,7 +38,9 @@ def main() -> int:
     shape = sys.argv[1]
     root, victim, numel = (0, 1, 16 << 20) if shape == "chain" else (2, 4, 1 << 10)
     commrt.init_process_group()
-    commrt.all_reduce(torch.ones(10))  # every pair of ranks connected before the fault
+    commrt.all_reduce(torch.ones(10))
+    n = commrt.get_world_size()  # every rank sends to every other: each pair connected both ways,
+    commrt.all_to_all_single(torch.empty(n), torch.ones(n))  # so no goodbye needs a fresh dial
     data = torch.full((numel,), 7.0) if RANK == root else torch.zeros(numel)
     if RANK == victim:  # frozen before the broadcast: nothing of it reaches the others
         freeze()
