@@ -63,17 +63,7 @@ def test_a_waiter_queued_for_the_socket_wakes_when_the_engine_stops(pair, how):
     (engine, p2p), _ = pair
     work = p2p.irecv(np.zeros(4, np.float32), 1)
     progress = engine._out.progress
-
-    def stop_with_a_waiter(now):
-        if engine._reader.holder == ENGINE:
-            _until(lambda: engine._reader.wanted, "the waiter asks for the socket")
-            if how == "fails":
-                raise RuntimeError("a bug in the engine's loop")
-            engine._closing = True  # close()'s first step, from another thread
-        progress(now)
-    engine._out.progress = stop_with_a_waiter
-    _until(lambda: engine._reader.holder == ENGINE, "the engine reads for the unwatched receive")
-    raised = []
+    raised, started = [], []
 
     def wait():
         try:
@@ -81,7 +71,21 @@ def test_a_waiter_queued_for_the_socket_wakes_when_the_engine_stops(pair, how):
         except BaseException as exc:
             raised.append(exc)
     waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
+
+    def stop_with_a_waiter(now):
+        # The waiter starts from here, in the engine's turn while it holds the socket, so it
+        # queues for the socket before the engine can hand it over (started earlier, the engine
+        # gave it the socket at the top of its next turn, and nothing stopped: a flaky test)
+        if engine._reader.holder == ENGINE and not started:
+            waiter.start()
+            started.append(True)
+            _until(lambda: engine._reader.wanted, "the waiter asks for the socket")
+            if how == "fails":
+                raise RuntimeError("a bug in the engine's loop")
+            engine._closing = True  # close()'s first step, from another thread
+        progress(now)
+    engine._out.progress = stop_with_a_waiter
+    _until(lambda: started, "the engine reads for the unwatched receive")
     waiter.join(10.0)
     assert not waiter.is_alive(), "the waiter still sleeps on the socket"
     assert len(raised) == 1 and isinstance(raised[0], RuntimeError if how == "fails" else GroupClosed), raised
