@@ -7,6 +7,7 @@ final parameter equals the single-process replay of the membership per step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,25 @@ def _await_file(path: str, procs: list, timeout_s: float) -> None:
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s}s"
         assert all(p.poll() in (None, 0, -9) for p in procs), f"a replica failed: {[p.poll() for p in procs]}"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _job(tmp_path, others: list = ()):
+    """(port, out, procs) of a job: the replicas' store served on ``port``, each replica's output
+    prefix, and the list the test puts its processes in (``others``: processes it took out of
+    it). On the way out, however the test left, a process still stopped is continued (it then
+    ends by itself) and the store closed."""
+    port = base._free_port()
+    transport, server = serve(load_config(), "127.0.0.1", port)
+    procs: list = []
+    try:
+        yield port, [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)], procs
+    finally:
+        for p in (*procs, *others):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        server.close()
+        transport.close()
 
 
 def _await_full(progress: str, procs: list) -> None:
@@ -60,20 +80,14 @@ def _check(out: list[str], width: int = 64) -> list:
 
 @pytest.mark.parametrize("where", ["all_reduce", "vote", "apply"])
 def test_a_replica_killed_at_each_point_of_a_step(tmp_path, where):
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    width = ["--width", "600"]  # two gradient buckets: the first is in flight when the victim dies
-    try:
-        procs = [base._spawn(port, r, out[r], *width, *(["--fault", f"kill:{where}:{FAULT_AT}"] if r == 1 else []))
-                 for r in range(base.REPLICAS)]
+    with _job(tmp_path) as (port, out, procs):
+        width = ["--width", "600"]  # two gradient buckets: the first is in flight when the victim dies
+        procs[:] = [base._spawn(port, r, out[r], *width, *(["--fault", f"kill:{where}:{FAULT_AT}"] if r == 1 else []))
+                    for r in range(base.REPLICAS)]
         procs[1].wait(timeout=DEADLINE_S)
         assert procs[1].returncode == -9, "the victim should have died by SIGKILL"
         procs[1] = base._spawn(port, 1, out[1], *width)
         base._wait_all(procs, DEADLINE_S)
-    finally:
-        server.close()
-        transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out, 600)
     survivors = [FAULT_AT + (where == "apply"), [0, 2]]
@@ -83,23 +97,14 @@ def test_a_replica_killed_at_each_point_of_a_step(tmp_path, where):
 
 @pytest.mark.parametrize("where", ["all_reduce", "vote", "apply"])
 def test_a_replica_frozen_at_a_point_of_a_step_comes_back_by_itself(tmp_path, where):
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    width = ["--width", "600"]
-    try:
-        procs = [base._spawn(port, r, out[r], *width, *(["--fault", f"stop:{where}:{FAULT_AT}"] if r == 1 else []))
-                 for r in range(base.REPLICAS)]
+    with _job(tmp_path) as (port, out, procs):
+        width = ["--width", "600"]
+        procs[:] = [base._spawn(port, r, out[r], *width, *(["--fault", f"stop:{where}:{FAULT_AT}"] if r == 1 else []))
+                    for r in range(base.REPLICAS)]
         _await_file(out[1] + ".fault", procs, DEADLINE_S)
         time.sleep(8.0)  # longer than the vote timeout and the heartbeat bound: the others go on
         os.kill(procs[1].pid, signal.SIGCONT)
         base._wait_all(procs, DEADLINE_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        server.close()
-        transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out, 600)
     assert [FAULT_AT + (where == "apply"), [0, 2]] in history  # after the commit, the next step goes without it
@@ -109,22 +114,16 @@ def test_a_replica_frozen_at_a_point_of_a_step_comes_back_by_itself(tmp_path, wh
 def test_the_source_killed_during_a_state_transfer(tmp_path):
     """Replica 2 dies and restarts; replica 0, the source of its state, dies while sending it;
     replica 1 goes on and hands the state to both when they come back."""
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    try:
-        procs = [base._spawn(port, 0, out[0], "--fault", f"kill:sync:{FAULT_AT}"),
-                 base._spawn(port, 1, out[1]),
-                 base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, 0, out[0], "--fault", f"kill:sync:{FAULT_AT}"),
+                    base._spawn(port, 1, out[1]),
+                    base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
         procs[2].wait(timeout=DEADLINE_S)
         procs[2] = base._spawn(port, 2, out[2])
         procs[0].wait(timeout=DEADLINE_S)
         assert procs[0].returncode == -9 and os.path.exists(out[0] + ".fault")
         procs[0] = base._spawn(port, 0, out[0])
         base._wait_all(procs, DEADLINE_S)
-    finally:
-        server.close()
-        transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out)
     assert history[-1][1] == [0, 1, 2]
@@ -134,50 +133,33 @@ def test_a_frozen_replica_restarted_elsewhere_is_refused_when_it_wakes(tmp_path)
     """Replica 1 freezes; a new process takes its place (its supervisor thought it dead) and
     rejoins; then the old one wakes. The old incarnation must leave with an error, not take
     part (two processes as one replica), and the job finish with the new one."""
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    old = str(tmp_path / "r1-old")
-    try:
-        procs = [base._spawn(port, 0, out[0], "--progress"), base._spawn(port, 1, old, "--fault", f"stop:vote:{FAULT_AT}"),
-                 base._spawn(port, 2, out[2])]
+    old, stale = str(tmp_path / "r1-old"), []
+    with _job(tmp_path, stale) as (port, out, procs):
+        procs[:] = [base._spawn(port, 0, out[0], "--progress"), base._spawn(port, 1, old, "--fault", f"stop:vote:{FAULT_AT}"),
+                    base._spawn(port, 2, out[2])]
         _await_file(old + ".fault", procs, DEADLINE_S)
-        stale, procs[1] = procs[1], base._spawn(port, 1, out[1])
+        stale.append(procs[1])
+        procs[1] = base._spawn(port, 1, out[1])
         _await_full(out[0] + ".progress", procs)  # the new one has rejoined
-        os.kill(stale.pid, signal.SIGCONT)
-        base._wait_all([*procs, stale], DEADLINE_S)
-    finally:
-        for p in (*procs, stale):
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        server.close()
-        transport.close()
+        os.kill(stale[0].pid, signal.SIGCONT)
+        base._wait_all([*procs, *stale], DEADLINE_S)
     assert [p.returncode for p in procs] == [0, 0, 0]
-    assert stale.returncode not in (0, None, -9)
+    assert stale[0].returncode not in (0, None, -9)
     _check(out)
 
 
 def test_the_source_frozen_during_a_state_transfer_comes_back_by_itself(tmp_path):
     """As above, but replica 0 freezes while sending the state (SIGSTOP), and is continued 8 s later."""
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    try:
-        procs = [base._spawn(port, 0, out[0], "--fault", f"stop:sync:{FAULT_AT}"),
-                 base._spawn(port, 1, out[1]),
-                 base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, 0, out[0], "--fault", f"stop:sync:{FAULT_AT}"),
+                    base._spawn(port, 1, out[1]),
+                    base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
         procs[2].wait(timeout=DEADLINE_S)
         procs[2] = base._spawn(port, 2, out[2])
         _await_file(out[0] + ".fault", procs, DEADLINE_S)
         time.sleep(8.0)
         os.kill(procs[0].pid, signal.SIGCONT)
         base._wait_all(procs, DEADLINE_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        server.close()
-        transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out)
     assert history[-1][1] == [0, 1, 2]
@@ -187,12 +169,9 @@ def test_the_leader_killed_while_it_forms_the_next_generation(tmp_path):
     """Replica 2 dies; the survivors' leader of generation 1 dies before writing the plan (a
     second failure). The last survivor must go on alone (it used to wait for the plan, then end
     with RendezvousError), and both come back."""
-    port = base._free_port()
-    transport, server = serve(load_config(), "127.0.0.1", port)
-    out = [str(tmp_path / f"r{r}") for r in range(base.REPLICAS)]
-    try:
-        procs = [base._spawn(port, 0, out[0], "--fault", "kill:lead:1"), base._spawn(port, 1, out[1], "--fault",
-                 "kill:lead:1"), base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, 0, out[0], "--fault", "kill:lead:1"), base._spawn(port, 1, out[1], "--fault",
+                    "kill:lead:1"), base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
         procs[2].wait(timeout=DEADLINE_S)
         deadline = time.monotonic() + DEADLINE_S
         while procs[0].poll() is None and procs[1].poll() is None:
@@ -203,9 +182,6 @@ def test_the_leader_killed_while_it_forms_the_next_generation(tmp_path):
         _await_full_less(out[1 - leader] + ".json", procs[1 - leader])
         procs[2], procs[leader] = base._spawn(port, 2, out[2]), base._spawn(port, leader, out[leader])
         base._wait_all(procs, DEADLINE_S)
-    finally:
-        server.close()
-        transport.close()
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out)
     assert [FAULT_AT, [1 - leader]] in history and history[-1][1] == [0, 1, 2], history
