@@ -20,6 +20,7 @@ _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_
 from commrt.collectives import aliasing
 from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
 from commrt.runtime.dtypes import as_tensor
+from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.work import CommTimeout, Work
 from commrt.backends.base import split_bounds
 
@@ -35,9 +36,13 @@ class TorchWork(Work):
     ``wait(timeout)`` that runs out raises ``CommTimeout`` and leaves the work pending: a later
     wait can still succeed. Only torch's own failure is kept as the work's error."""
 
-    def __init__(self, name: str, inner, after=None, polls: bool = True, result=None):
+    def __init__(self, name: str, inner, after=None, polls: bool = True, result=None,
+                 peer: int | None = None, lost: set | None = None):
+        """``peer``: the global rank a send or receive talks to, named in its failure and then
+        added to ``lost``."""
         super().__init__(name)
         self._inner, self._after, self._result_of = inner, after, result
+        self._peer, self._lost = peer, lost
         # gloo's point-to-point works report completion only from inside wait() (checked with
         # torch 2.13: is_completed() stays False after the peer has received), so they are
         # waited with torch's own timeout instead of polled
@@ -55,7 +60,19 @@ class TorchWork(Work):
                     self._after()
                 self._finish(self._result_of() if self._result_of is not None else None, None)
             except Exception as exc:
-                self._finish(None, exc)
+                self._finish(None, self._named(exc))
+
+    def _named(self, exc: Exception) -> Exception:
+        """gloo's failure of a transfer with one peer as the PeerLost our transport raises: its
+        RuntimeError names only an address and port (a pipeline stage over gloo whose neighbour
+        died read "Connection closed by peer [127.0.0.1]:16308", no rank)."""
+        if self._peer is None or not isinstance(exc, RuntimeError) or isinstance(exc, CommError):
+            return exc
+        if self._lost is not None:
+            self._lost.add(self._peer)
+        lost = PeerLost(self._peer, self.name, 0, f"torch.distributed: {str(exc).split('. ')[0]}")
+        lost.__cause__ = exc
+        return lost
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._inner.is_completed():
@@ -85,16 +102,24 @@ class TorchWork(Work):
             done = self._inner.wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
         except RuntimeError as exc:  # gloo raises on its own timeout; the transfer is abandoned
             if "imeout" not in str(exc):
-                raise
+                self._complete_with(exc)
             done = False
         if done is False:
             raise CommTimeout(f"{self.name} did not complete within {timeout}s")
         self._complete(waited=True)
 
+    def _complete_with(self, exc: Exception) -> None:
+        """torch's failure as the work's error, raised now and on every later wait."""
+        with self._lock:
+            if not self._done.is_set():
+                self._finish(None, self._named(exc))
+        super().wait(0)
+
 
 class TorchBackend:
     def __init__(self, name: str, pg, ranks: list[int], rank: int):
         self.name, self.pg, self.ranks, self.rank, self.size = name, pg, ranks, rank, len(ranks)
+        self.lost: set[int] = set()  # global ranks a send or receive found gone (shutdown counts them)
 
     def _finish(self, name: str, work, async_op: bool, after=None):
         if async_op:
@@ -148,14 +173,16 @@ class TorchBackend:
         return self._finish("barrier", w, async_op)
 
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        return TorchWork("send", tdist.isend(as_tensor(tensor), self.ranks[dst], group=self.pg, tag=tag),
-                         polls=False)
+        peer = self.ranks[dst]
+        work = tdist.isend(as_tensor(tensor), peer, group=self.pg, tag=tag)
+        return TorchWork("send", work, polls=False, peer=peer, lost=self.lost)
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
         """``src`` None: from any peer (gloo; nccl refuses); the Work's result is the sender's group rank."""
         if src is not None:
-            return TorchWork("recv", tdist.irecv(as_tensor(tensor), self.ranks[src], group=self.pg, tag=tag),
-                             polls=False)
+            peer = self.ranks[src]
+            work = tdist.irecv(as_tensor(tensor), peer, group=self.pg, tag=tag)
+            return TorchWork("recv", work, polls=False, peer=peer, lost=self.lost)
         inner = tdist.irecv(as_tensor(tensor), None, group=self.pg, tag=tag)
         return TorchWork("recv", inner, polls=False,
                          result=lambda: self.ranks.index(tdist.get_global_rank(self.pg, inner._source_rank())))

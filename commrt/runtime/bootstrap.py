@@ -277,6 +277,11 @@ def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
     briefly, until every rank has finished its teardown."""
     try:
         rt.store.add("shutdown/done", 1, timeout_s=LEAVING_CALL_S)
+        # a rank this one saw die never counts itself: the first rank to report it counts it
+        # (rank 0 waited out ``within_s`` after every pipeline over gloo that lost a stage)
+        for peer in sorted(set().union(*(getattr(g.backend, "lost", ()) for g in rt.groups + [rt.world]))):
+            if rt.store.add(f"shutdown/lost/{peer}", 1, timeout_s=LEAVING_CALL_S) == 1:
+                rt.store.add("shutdown/done", 1, timeout_s=LEAVING_CALL_S)
         if rt.world.rank != 0:
             return
         if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
