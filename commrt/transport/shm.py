@@ -56,14 +56,13 @@ def yield_window(ranks: int, cores: int) -> float:
 
 
 def watch_peers(ep: Endpoint, waiting: list[int], op: str, seq: int, now: float | None = None) -> None:
-    """PeerLost naming the first peer the group's liveness found gone, if one of ``waiting`` is."""
+    """PeerLost, if one of ``waiting`` is gone, naming the peer that went first (Liveness.lost):
+    not a rank that said goodbye, whose connection dropped because it left on purpose."""
     now = time.monotonic() if now is None else now
     ep.watch_peers()
     for p in waiting:
         if ep.live.is_lost(p, now):
-            first = min(ep.down, key=ep.down.get)
-            raise PeerLost(first, op, seq, f"connection lost {now - ep.down[first]:.2f}s ago "
-                           "(process ended, or stopped answering heartbeats)")
+            raise ep.live.lost(p, op, seq, now)
 
 
 def _cores() -> int:
@@ -203,7 +202,7 @@ class Channel:
                 if not ep.down and not extended:  # let the heartbeats name a frozen peer first
                     deadline, extended = now + 4 * self._grace_s, True
                     continue
-                gone = sorted(ep.down, key=ep.down.get) or waiting
+                gone = sorted((p for p in ep.down if p not in ep.live.gone), key=ep.down.get) or waiting
                 raise PeerLost(gone[0], op, seq, f"timeout after {ep.timeout_s:g}s: rank {waiting[0]} did not "
                                f"reach step {self.t} (shared memory)")
             if now - start < self._yield_s:  # not time.sleep(0): that sleeps for the timer slack

@@ -4,6 +4,7 @@ context is the context a fresh build gives, the numpy reduction keeps the rank o
 wait yields the core instead of sleeping for the timer slack, then sleeps once it has waited
 longer than a short spin."""
 import collections
+import time
 import types
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from commrt.collectives import shm_ops
 from commrt.collectives.context import Coll
 from commrt.collectives.reduce_ops import ReduceOp, numpy_dtype, reduce_arrays_
+from commrt.runtime.errors import PeerLost
 from commrt.transport import shm
 from commrt.transport.endpoint import Endpoint
 from commrt.transport.liveness import Liveness
@@ -146,3 +148,27 @@ def test_sent_bytes_are_counted_per_peer(pair):
 def test_a_crowded_node_yields_for_less_long():
     assert shm.yield_window(2, 2) == shm.YIELD_S
     assert shm.yield_window(4, 2) == shm.CROWDED_YIELD_S < shm.YIELD_S
+
+
+def test_a_rank_that_said_goodbye_is_not_named_for_the_one_waited_on():
+    """Rank 1 closed the group on purpose (its goodbye is in ``live.gone``) before rank 2 froze
+    or died: a shared-memory wait on rank 2 names rank 2, on both of its paths (the liveness
+    check, and the deadline), as the socket path does. Both named rank 1, the earliest drop."""
+    made = [shm.create(SLOT) for _ in range(3)]
+    chan = shm.Channel(_Ep(0, 3), [mm for _, mm in made], ["a", "b", "c"], SLOT, 0.01)
+    try:
+        ep, now = chan.ep, time.monotonic()
+        ep.live.left(1)
+        ep.down.update({1: now - 3.0, 2: now - 2.0})
+        with pytest.raises(PeerLost) as lost:
+            shm.watch_peers(ep, [2], "all_reduce", 7, now)
+        assert lost.value.rank == 2, lost.value
+        del ep.down[2]  # rank 2 silent, its connection up: the deadline names it
+        ep.timeout_s = 0.05
+        with pytest.raises(PeerLost) as silent:
+            chan._wait(lambda: [2], "all_reduce", 8)
+        assert silent.value.rank == 2 and "did not reach" in str(silent.value), silent.value
+    finally:
+        chan.close()
+        for fd, _ in made:
+            shm.close_fd(fd)
