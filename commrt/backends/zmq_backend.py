@@ -129,6 +129,9 @@ class ZmqBackend:
         try:
             self.barrier()
         except BaseException:
+            for out, inn in channel.rings.values():  # not handed to the p2p engine yet: ours to close
+                out.close()
+                inn.close()
             channel.close()
             raise
         self._shm = channel

@@ -1,11 +1,13 @@
 """The shared-memory transport's segment rules and the [comm] intra_node setting (no processes)."""
 import fcntl
 import os
+import types
 
 import pytest
 
 from commrt.runtime.config import load_config
-from commrt.runtime.errors import ConfigError, ProtocolError
+from commrt.backends.zmq_backend import ZmqBackend
+from commrt.runtime.errors import ConfigError, PeerLost, ProtocolError
 from commrt.transport import segments, shm, shm_p2p
 
 SLOT = 4096
@@ -115,3 +117,27 @@ def test_p2p_a_piece_larger_than_the_ring_goes_inline_at_once():
         assert rings.place(1, bytearray(shm_p2p.MIN_BYTES)) is shm_p2p.FULL  # no room *yet*
     finally:
         rings.close()
+
+
+def test_a_failed_peer_check_at_setup_closes_the_point_to_point_rings():
+    """_verify_peers (the barrier before data goes through shared memory) failing, as for a rank
+    without the job's secret: the rings made for each peer, not yet handed to the p2p engine,
+    are closed with the channel. Each leaked its memfd (and mapping) before."""
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def refused():
+        raise PeerLost(1, "barrier", 1, "refused")
+
+    before = fds()
+    fd, mm = shm_p2p.make_ring()
+    inn = shm_p2p.InRing(mm)  # a peer's ring as this rank maps it: ours stands in for it
+    closed = []
+    channel = types.SimpleNamespace(rings={1: (shm_p2p.OutRing(*shm_p2p.make_ring()), inn)},
+                                    close=lambda: closed.append(1))
+    backend = types.SimpleNamespace(_shm=channel, barrier=refused)
+    with pytest.raises(PeerLost):
+        ZmqBackend._verify_peers(backend)
+    os.close(fd)
+    assert closed and backend._shm is None
+    assert fds() == before, "a ring's descriptor is still open"
