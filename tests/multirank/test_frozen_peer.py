@@ -21,6 +21,7 @@ def caught(nproc: int, shape: str) -> tuple[list, str]:
     return re.findall(r"\[rank (\d+)\] CAUGHT PeerLost: (.*) \(rank attribute (\d+), after ([\d.]+)s\)", out), out
 
 
+@pytest.mark.slow  # ~6 s; the test below runs a frozen rank by default (CI's 15 minutes)
 def test_a_sender_blocked_on_a_frozen_peer_names_it():
     """Chain from rank 0 at 3 ranks, 64 MiB: rank 0 waits for its send to rank 1 to drain (it
     waited out the whole op timeout, "send not drained before the deadline", while rank 2

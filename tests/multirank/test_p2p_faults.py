@@ -44,7 +44,7 @@ def test_a_lost_sender_is_named_by_its_global_rank(mode, intra):
     assert float(seconds) < TIMEOUT_S, out[-3000:]  # liveness, not the op timeout
 
 
-@pytest.mark.parametrize("mode,intra", [("sendlost", "tcp"), ("sendlost", "shm"),
+@pytest.mark.parametrize("mode,intra", [pytest.param("sendlost", "tcp", marks=pytest.mark.slow), ("sendlost", "shm"),
                                         *(pytest.param("sendstop", i, marks=pytest.mark.slow) for i in ("shm", "tcp"))])
 def test_sends_to_a_lost_rank_fail_naming_it(mode, intra):
     """Sends to a dead or frozen rank (what ZeroMQ or the ring cannot take waits) fail through

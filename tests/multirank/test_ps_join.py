@@ -122,8 +122,8 @@ def test_a_worker_started_after_n_steps_joins_at_the_running_step_with_the_curre
 
 
 # ~10 s each. SSP's rejoin at the running step is the late join's path (the test above, by
-# default), so its case runs under -m slow
-@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow), "sync"])
+# default), and sync drops and re-admits a worker as SSP does: both run under -m slow
+@pytest.mark.parametrize("mode", ["async", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ssp", "sync"))])
 def test_a_killed_worker_started_again_with_its_rank_rejoins(tmp_path, mode):
     """Worker 2 SIGKILLs itself after step K; workers 0 and 1 run on (SSP and sync: once the
     shards dropped it) to step P and pause; worker 2 is started again. async: a member still,

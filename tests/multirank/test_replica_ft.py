@@ -66,6 +66,7 @@ def _wait_all(procs: list, timeout_s: float) -> None:
                 p.wait()
 
 
+@pytest.mark.slow  # 10-14 s; test_replica_ft_emulated kills and restarts a replica's node by default
 def test_kill_and_restart_a_replica(tmp_path):
     port = _free_port()
     transport, server = serve(load_config(), "127.0.0.1", port)
