@@ -5,7 +5,8 @@ checkpoint (issue 33 item 2).
 The tensors go as broadcasts from the source in the new generation's world. Only their
 description travels through the store, as msgpack (no pickle across processes): for each
 parameter index of the optimizer, its state's tensors (shape, dtype) and plain numbers, and each
-parameter group's learning rate (a scheduler may have changed it). A receiver without state
+parameter group's settings, all of them plain numbers (a scheduler may have changed the learning
+rate, and OneCycleLR changes the momentum or Adam's betas too). A receiver without state
 allocates the tensors from it, receives them, and loads them into its optimizer.
 """
 from __future__ import annotations
@@ -24,7 +25,15 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
     for idx, entry in sd["state"].items():
         state[int(idx)] = {k: (["t", list(v.shape), dtypes.name_of(dtypes.code_of(v.dtype))] if torch.is_tensor(v) else ["n", v])
                            for k, v in entry.items()}
-    return {"state": state, "lr": [g["lr"] for g in sd["param_groups"]]}
+    groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in sd["param_groups"]]
+    return {"state": state, "groups": groups}
+
+
+def _plain(v) -> bool:
+    """A setting msgpack carries as it is: a number, bool or None, or a tuple or list of them."""
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) and not isinstance(x, (tuple, list)) for x in v)
+    return v is None or isinstance(v, (bool, int, float))
 
 
 def pack(desc: dict) -> bytes:
@@ -33,7 +42,8 @@ def pack(desc: dict) -> bytes:
 
 def unpack(raw: bytes) -> dict:
     desc = msgpack.unpackb(bytes(raw), strict_map_key=False)
-    if not isinstance(desc, dict) or set(desc) != {"state", "lr"}:
+    if not (isinstance(desc, dict) and set(desc) == {"state", "groups"} and isinstance(desc["groups"], list)
+            and all(isinstance(g, dict) for g in desc["groups"])):
         raise ProtocolError(f"replica state description is malformed: {str(desc)[:80]}")
     return desc
 
@@ -61,11 +71,16 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, desc: dict
 
 
 def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:
-    """Put the received state into ``optimizer`` (learning rates included)."""
+    """Put the received state into ``optimizer``, its groups' settings included (a tuple, as
+    Adam's betas, stays a tuple: msgpack sent a list)."""
     sd = optimizer.state_dict()
     sd["state"] = state
-    for group, lr in zip(sd["param_groups"], desc["lr"]):
-        group["lr"] = lr
+    if len(desc["groups"]) != len(sd["param_groups"]):
+        raise ProtocolError(f"replica state for {len(desc['groups'])} parameter groups, this optimizer has "
+                            f"{len(sd['param_groups'])}")
+    for group, settings in zip(sd["param_groups"], desc["groups"]):
+        for k, v in settings.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     optimizer.load_state_dict(sd)
 
 

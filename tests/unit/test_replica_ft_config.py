@@ -10,6 +10,7 @@ from commrt.train.config import TrainConfig
 from commrt.runtime.config import load_config
 from commrt.train.replica_ft import ReplicaFT, serve
 from commrt.train.replica_group import group_size, layout
+from commrt.train import replica_state
 from commrt.train.replica_state import make_optimizer
 from commrt.optim.rules import OptimSpec
 
@@ -92,3 +93,31 @@ def test_the_replicas_store_is_not_served_off_the_host_unencrypted():
     with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
         ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 2, "192.0.2.1:1", load_config(environ={}),
                   serve_store=True)
+
+
+def test_the_state_transfer_carries_every_group_setting_a_scheduler_changes():
+    """OneCycleLR changes Adam's betas as well as the learning rate: a replica that joins must
+    take both (the description carried only the learning rate, so the joiner stepped with its
+    config's betas while the others used the scheduler's)."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
+
+    src_model, src = build()
+    sched = torch.optim.lr_scheduler.OneCycleLR(src, max_lr=0.5, total_steps=10)
+    for _ in range(3):
+        src_model(torch.ones(2, 4)).sum().backward()
+        src.step()
+        sched.step()
+    desc = replica_state.unpack(replica_state.pack(replica_state.describe(src)))
+    _, joiner = build()
+    got, state = replica_state.tensors(src_model, joiner, desc)
+    mine, _ = replica_state.tensors(src_model, src, desc)
+    for g, t in zip(got[2:], mine[2:]):  # the broadcast, done by hand
+        g.copy_(t)
+    replica_state.load(joiner, desc, state)
+    want = {k: v for k, v in src.param_groups[0].items() if k != "params"}
+    have = {k: v for k, v in joiner.param_groups[0].items() if k != "params"}
+    assert have == want and isinstance(have["betas"], tuple), (have, want)
+    assert want["betas"][0] != 0.9  # the scheduler did change them: the test can tell
