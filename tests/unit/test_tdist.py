@@ -224,3 +224,18 @@ def test_complex_reduce_scatter_and_lists_travel_as_their_real_pairs():
     for op in (dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT, dist.ReduceOp.BOR):
         with pytest.raises(ValueError, match="not defined for complex"):
             compose.reduce_op(op, torch.complex64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_bitwise_ops_on_floats_are_refused_before_any_traffic(dtype):
+    """BAND/BOR/BXOR on a float tensor all-gathered it, then failed in the local fold with
+    torch's NotImplementedError "bitwise_and_cpu not implemented for 'Float'" (gloo refuses
+    such ops up front)."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _MirrorBackend()
+    pg = CommrtProcessGroup(backend, 0, 2, [0, 1], lambda: None)
+    opts = dist.distributed_c10d.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.BAND
+    with pytest.raises(ValueError, match="BAND is not defined for floating-point"):
+        pg.allreduce([torch.ones(3, dtype=dtype)], opts)
+    assert backend.calls == []

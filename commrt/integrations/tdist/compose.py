@@ -36,6 +36,8 @@ def reduce_op(op, dtype: torch.dtype | None = None) -> ReduceOp | None:
         pass
     name = op_name(op)
     if name in _BITWISE:
+        if dtype is not None and dtype.is_floating_point:  # else found only by the fold, after the traffic
+            raise ValueError(f"commrt backend: {name} is not defined for floating-point tensors ({dtype})")
         return None
     if name == "PREMUL_SUM":
         raise NotImplementedError("commrt backend: PREMUL_SUM is not supported; scale the tensor "
