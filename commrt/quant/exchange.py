@@ -154,4 +154,9 @@ def all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") -> 
     me = group.rank
     second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
                         "shard" + tag, offset=bounds[me][0])
+    if second.problems and not first.problems and not kernels.of(acc).all_finite(acc):
+        # every input encoded, so the shard is not finite because the fp32 sum overflowed:
+        # say so, rather than name an element the caller never passed as non-finite
+        first.problems.append(f"the {op.name} of finite inputs overflowed float32 in this rank's shard "
+                              f"(elements {bounds[me][0]}..{bounds[me][1] - 1})")
     return [first, second]

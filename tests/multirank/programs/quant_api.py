@@ -28,6 +28,7 @@ def main() -> None:
     except ValueError as exc:
         assert "SUM" in str(exc)
     feedback_untouched_by_a_failed_call(rank)
+    an_overflowing_sum_is_named(rank)
     stats = commrt.comm_stats()
     assert stats["quant"]["all_reduce"]["calls"] >= 4 and "intra_node_bytes" in stats, stats
     commrt.destroy_process_group()
@@ -53,6 +54,20 @@ def feedback_untouched_by_a_failed_call(rank: int) -> None:
         assert "nothing was written" in str(exc), exc
     for stage, err in before.items():
         assert (fb.error(stage) == err).all(), f"rank {rank}: a failed all_reduce changed the '{stage}' error memory"
+
+
+def an_overflowing_sum_is_named(rank: int) -> None:
+    """Finite inputs whose fp32 sum overflows: the reduced shard cannot be encoded for the
+    all-gather hop. The error named "a non-finite value: element 0 is inf", as if the caller
+    had passed one; it now says the sum overflowed (on the ranks whose shard did; the others
+    name the rank that raised)."""
+    try:
+        cq.all_reduce(torch.full((30,), 3e38), quant="int8")
+        raise AssertionError("an overflowing sum was quantized")
+    except ValueError as exc:
+        assert "of finite inputs overflowed" in str(exc) or "sent values that cannot be quantized" in str(exc), exc
+        if rank == 0:
+            assert "of finite inputs overflowed" in str(exc), exc
 
 
 if __name__ == "__main__":
