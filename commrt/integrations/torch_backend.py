@@ -3,6 +3,9 @@
 Ranks given to this class are group ranks (like ours); torch wants global ones, so they are
 mapped back. AVG runs as SUM followed by the division our backend uses, so that integer AVG
 (which floors) agrees across backends. numpy arrays are viewed as tensors, so results land in place.
+A non-contiguous buffer runs as a contiguous copy (written back when the op completes): gloo
+reads and writes a tensor's storage as if it were contiguous, so a strided view was reduced
+wrongly and the elements between its own were overwritten.
 """
 from __future__ import annotations
 
@@ -116,6 +119,21 @@ class TorchWork(Work):
         super().wait(0)
 
 
+def _dense(buf) -> tuple[torch.Tensor, object]:
+    """(the tensor torch runs on, a write-back for its results or None)."""
+    t = as_tensor(buf)
+    if t.is_contiguous():
+        return t, None
+    tmp = t.contiguous()
+    return tmp, lambda: t.copy_(tmp)
+
+
+def _then(*steps):
+    """One ``after`` running the given ones (None skipped) in order; None if there are none."""
+    steps = [s for s in steps if s is not None]
+    return (lambda: [s() for s in steps]) if steps else None
+
+
 class TorchBackend:
     def __init__(self, name: str, pg, ranks: list[int], rank: int):
         self.name, self.pg, self.ranks, self.rank, self.size = name, pg, ranks, rank, len(ranks)
@@ -132,27 +150,28 @@ class TorchBackend:
         return (lambda: finish_avg_(t, self.size)) if op == ReduceOp.AVG else None
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
-        t = as_tensor(tensor)
+        t, back = _dense(tensor)
         w = tdist.all_reduce(t, _OPS[op], group=self.pg, async_op=async_op)
-        return self._finish("all_reduce", w, async_op, self._avg(t, op))
+        return self._finish("all_reduce", w, async_op, _then(self._avg(t, op), back))
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
-        out, inp = as_tensor(output), as_tensor(input)
+        (out, back), inp = _dense(output), as_tensor(input).contiguous()
         w = _REDUCE_SCATTER(out, inp, _OPS[op], group=self.pg, async_op=async_op)
-        return self._finish("reduce_scatter_tensor", w, async_op, self._avg(out, op))
+        return self._finish("reduce_scatter_tensor", w, async_op, _then(self._avg(out, op), back))
 
     def all_gather_into_tensor(self, output, input, async_op=False):
-        out, inp = as_tensor(output), as_tensor(input)
+        (out, back), inp = _dense(output), as_tensor(input).contiguous()
         w = _ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
-        return self._finish("all_gather_into_tensor", w, async_op)
+        return self._finish("all_gather_into_tensor", w, async_op, back)
 
     def broadcast(self, tensor, src, async_op=False):
-        w = tdist.broadcast(as_tensor(tensor), self.ranks[src], group=self.pg, async_op=async_op)
-        return self._finish("broadcast", w, async_op)
+        t, back = _dense(tensor)
+        w = tdist.broadcast(t, self.ranks[src], group=self.pg, async_op=async_op)
+        return self._finish("broadcast", w, async_op, back)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
-        t = as_tensor(tensor)
-        after = self._avg(t, op) if self.rank == dst else None
+        t, back = _dense(tensor)
+        after = _then(self._avg(t, op), back) if self.rank == dst else None
         if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged
             t = t.clone()
         w = tdist.reduce(t, self.ranks[dst], _OPS[op], group=self.pg, async_op=async_op)
@@ -160,13 +179,13 @@ class TorchBackend:
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        out, inp = as_tensor(output), as_tensor(input)
+        (out, back), inp = _dense(output), as_tensor(input)
         for t, s, what in ((out, output_split_sizes, "output"), (inp, input_split_sizes, "input")):
             split_bounds(t.numel(), t.shape[0] if t.dim() else 1, s, self.size, what)
-        inp = aliasing.all_to_all_source(out, inp)  # gloo alone would return wrong blocks
+        inp = aliasing.all_to_all_source(out, inp).contiguous()  # gloo alone would return wrong blocks
         w = tdist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
                                     group=self.pg, async_op=async_op)
-        return self._finish("all_to_all_single", w, async_op)
+        return self._finish("all_to_all_single", w, async_op, back)
 
     def barrier(self, async_op=False):
         w = tdist.barrier(group=self.pg, async_op=async_op)
@@ -174,17 +193,18 @@ class TorchBackend:
 
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
         peer = self.ranks[dst]
-        work = tdist.isend(as_tensor(tensor), peer, group=self.pg, tag=tag)
+        work = tdist.isend(as_tensor(tensor).contiguous(), peer, group=self.pg, tag=tag)
         return TorchWork("send", work, polls=False, peer=peer, lost=self.lost)
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
         """``src`` None: from any peer (gloo; nccl refuses); the Work's result is the sender's group rank."""
+        t, back = _dense(tensor)
         if src is not None:
             peer = self.ranks[src]
-            work = tdist.irecv(as_tensor(tensor), peer, group=self.pg, tag=tag)
-            return TorchWork("recv", work, polls=False, peer=peer, lost=self.lost)
-        inner = tdist.irecv(as_tensor(tensor), None, group=self.pg, tag=tag)
-        return TorchWork("recv", inner, polls=False,
+            work = tdist.irecv(t, peer, group=self.pg, tag=tag)
+            return TorchWork("recv", work, back, polls=False, peer=peer, lost=self.lost)
+        inner = tdist.irecv(t, None, group=self.pg, tag=tag)
+        return TorchWork("recv", inner, back, polls=False,
                          result=lambda: self.ranks.index(tdist.get_global_rank(self.pg, inner._source_rank())))
 
     def close(self) -> None:

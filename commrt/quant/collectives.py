@@ -31,7 +31,7 @@ from commrt.runtime.work import Work
 from commrt.quant import torch_codec
 from commrt.quant.codecs import Codec, codec_for, store_float, to_numpy_float
 from commrt.quant import kernels
-from commrt.quant.exchange import Hop, all_reduce_hops, gather_hop, reduce_hop
+from commrt.quant.exchange import Hop, all_reduce_hops, commit, gather_hop, reduce_hop
 from commrt.quant import hierarchical as two_hop
 from commrt.quant.feedback import ErrorFeedback
 from commrt.quant.stats import STATS
@@ -77,10 +77,12 @@ def _done(async_op: bool, name: str):
 
 def _settle(kind: str, hops: list[Hop], node_bytes: int = 0, path: str = "flat") -> None:
     """Record the stats (``node_bytes``: sent exact inside the node, by the two-hop path);
-    raise (on every rank that saw one) the first problem of any hop."""
+    raise (on every rank that saw one) the first problem of any hop, else keep the hops'
+    error-feedback updates."""
     problems = [p for h in hops for p in h.problems]
     if problems:
         raise ValueError(f"quantized {kind}: {problems[0]}; nothing was written")
+    commit(hops)
     STATS.record(kind, sum(h.wire_bytes for h in hops) + node_bytes, sum(h.exact_bytes for h in hops) + node_bytes,
                  max(h.max_abs_error for h in hops), max(h.max_error_bound for h in hops), path)
 

@@ -37,6 +37,17 @@ class Hop:
     max_abs_error: float = 0.0
     max_error_bound: float = 0.0
     problems: list[str] = field(default_factory=list)
+    feedback: list = field(default_factory=list)
+    """(ErrorFeedback, stage, compensated, decoded): applied by ``commit`` once every hop of
+    the collective succeeded, so a call that raises leaves every rank's error memory as it was
+    (a rank whose own hop went well must not remember values that were never delivered)."""
+
+
+def commit(hops: list[Hop]) -> None:
+    """Apply the hops' error-feedback updates; the caller has checked that no hop has problems."""
+    for hop in hops:
+        for fb, stage, compensated, decoded in hop.feedback:
+            fb.update(stage, compensated, decoded)
 
 
 def _exchange(fn, send, recv, device: torch.device, group, **kw) -> None:
@@ -82,8 +93,8 @@ def reduce_hop(x, bounds: list[tuple[int, int]], codec: Codec, group, device: to
     with span("decode_reduce"):
         _decode_sum(k, codec, recv, sizes[me], n, me, a, b, src, acc, hop)
     if fb is not None and not hop.problems:
-        fb.update(stage, src, k.cat([k.decode(codec, send[offsets[j]:offsets[j + 1]], hi - lo)
-                                     for j, (lo, hi) in enumerate(bounds)]))
+        hop.feedback.append((fb, stage, src, k.cat([k.decode(codec, send[offsets[j]:offsets[j + 1]], hi - lo)
+                                                    for j, (lo, hi) in enumerate(bounds)])))
     hop.values = [acc]
     hop.wire_bytes = offsets[-1] - sizes[me]
     hop.exact_bytes = (len(x) - (b - a)) * itemsize
@@ -126,7 +137,7 @@ def gather_hop(own, counts: list[int], codec: Codec, group, device: torch.device
             hop.values.append(k.decode(codec, buf, c))
     if not hop.problems:
         if fb is not None:
-            fb.update(stage, src, hop.values[me])
+            hop.feedback.append((fb, stage, src, hop.values[me]))
         hop.max_abs_error = k.max_abs_diff(hop.values[me], src)
     hop.wire_bytes = width * (n - 1)
     hop.exact_bytes = len(own) * (n - 1) * itemsize
@@ -143,4 +154,9 @@ def all_reduce_hops(x, bounds, op, n, codec, group, like, fb, tag: str = "") -> 
     me = group.rank
     second = gather_hop(acc, [b - a for a, b in bounds], codec, group, like.device, like.element_size(), fb,
                         "shard" + tag, offset=bounds[me][0])
+    if second.problems and not first.problems and not kernels.of(acc).all_finite(acc):
+        # every input encoded, so the shard is not finite because the fp32 sum overflowed:
+        # say so, rather than name an element the caller never passed as non-finite
+        first.problems.append(f"the {op.name} of finite inputs overflowed float32 in this rank's shard "
+                              f"(elements {bounds[me][0]}..{bounds[me][1] - 1})")
     return [first, second]

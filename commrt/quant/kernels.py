@@ -54,6 +54,10 @@ class Host:
     def divide(acc: np.ndarray, n: int) -> None:
         acc /= n
 
+    @staticmethod
+    def all_finite(x: np.ndarray) -> bool:
+        return bool(np.isfinite(x).all())
+
 
 class Device:
     """torch tensors: on the tensor's device, nothing goes through host memory; CUDA tensors
@@ -101,6 +105,10 @@ class Device:
         reciprocal when the divisor is a Python or CPU scalar (one bit off at times), not when
         it is a tensor on the device."""
         acc.div_(torch.tensor(n, dtype=acc.dtype, device=acc.device))
+
+    @staticmethod
+    def all_finite(x: torch.Tensor) -> bool:
+        return bool(torch.isfinite(x).all())
 
 
 def of(x) -> type[Host] | type[Device]:

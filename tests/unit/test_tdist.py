@@ -10,6 +10,7 @@ import torch.distributed as dist
 import commrt
 from commrt.integrations.tdist import compose
 from commrt.integrations.tdist.work import TorchWork
+from commrt.runtime.dtypes import code_of
 from commrt.runtime.work import CommTimeout, Work
 
 
@@ -156,3 +157,85 @@ def test_uneven_list_reduce_scatter_checks_the_output_size(out_size, blocks, mat
     out = torch.zeros(2)
     pg.reduce_scatter([out], [[torch.ones(2), torch.ones(3)]])  # the right size still runs
     assert backend.calls == [("all_reduce", 5)] and out.tolist() == [1.0, 1.0]
+
+
+class _MirrorBackend:
+    """A 2-rank backend whose peer holds the same values as this rank (rank 0): SUM doubles,
+    MAX/MIN/AVG keep, an all-gather repeats. Refuses what commrt's wire refuses (code_of)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _wire(self, *tensors):
+        for t in tensors:
+            code_of(t.dtype)
+
+    def all_reduce(self, flat, op, async_op):
+        self._wire(flat)
+        self.calls.append(("all_reduce", op.name))
+        if op.name == "SUM":
+            flat.mul_(2)
+
+    def all_gather_into_tensor(self, out, inp, async_op):
+        self._wire(out, inp)
+        self.calls.append(("all_gather_into_tensor", inp.numel()))
+        out.view(-1).copy_(inp.reshape(-1).repeat(2))
+
+    def reduce_scatter_tensor(self, out, inp, op, async_op):
+        self._wire(out, inp)
+        self.calls.append(("reduce_scatter_tensor", op.name))
+        out.view(-1).copy_(inp.reshape(-1)[:out.numel()] * (2 if op.name == "SUM" else 1))
+
+
+def _coalesced_reduce_scatter(pg, outs, ins, op):
+    opts = dist.distributed_c10d.ReduceScatterOptions()
+    opts.reduceOp = op
+    opts.asyncOp = True
+    pg.reduce_scatter_tensor_coalesced(outs, ins, opts).wait()
+
+
+def test_coalesced_reduce_scatter_with_a_bitwise_op_folds_as_gloo_does():
+    """A coalesced reduce_scatter_tensor (torch's _coalescing_manager) with BOR/BXOR/BAND handed
+    commrt's backend op None: TypeError "int() argument ... not 'NoneType'" on every rank, where
+    gloo reduces (found comparing every op with gloo at 2 ranks)."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    pg = CommrtProcessGroup(_MirrorBackend(), 0, 2, [0, 1], lambda: None)
+    a, b, c = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)
+    ins = [torch.tensor([0b101, 0b011, 7, 7]), torch.tensor([0b110, 1, 7, 7]), torch.tensor([True, False, True, True])]
+    _coalesced_reduce_scatter(pg, [a, b], ins[:2], dist.ReduceOp.BOR)
+    assert a.tolist() == [0b101, 0b011] and b.tolist() == [0b110, 1]  # x | x = x, rank 0's block
+    _coalesced_reduce_scatter(pg, [a, c], [ins[0], ins[2]], dist.ReduceOp.BXOR)
+    assert a.tolist() == [0, 0] and c.tolist() == [False, False]  # x ^ x = 0
+
+
+def test_complex_reduce_scatter_and_lists_travel_as_their_real_pairs():
+    """reduce_scatter_tensor of a complex tensor was a TypeError ("complex64 is not supported")
+    where gloo sums it (torch's Python layer views complex as real for all_reduce, all_gather and
+    broadcast, not for reduce_scatter); complex MAX / PRODUCT are refused as torch refuses them."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _MirrorBackend()
+    pg = CommrtProcessGroup(backend, 0, 2, [0, 1], lambda: None)
+    out = torch.zeros(2, dtype=torch.complex64)
+    pg._reduce_scatter_base(out, torch.tensor([1 + 2j, 3 - 1j, 5j, 6], dtype=torch.complex64))
+    assert out.tolist() == [2 + 4j, 6 - 2j]
+    outs = [torch.zeros(1, dtype=torch.complex128), torch.zeros(1, dtype=torch.complex128)]
+    pg.allgather([outs], [torch.tensor([1 - 1j], dtype=torch.complex128)])
+    assert [o.item() for o in outs] == [1 - 1j, 1 - 1j]
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT, dist.ReduceOp.BOR):
+        with pytest.raises(ValueError, match="not defined for complex"):
+            compose.reduce_op(op, torch.complex64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_bitwise_ops_on_floats_are_refused_before_any_traffic(dtype):
+    """BAND/BOR/BXOR on a float tensor all-gathered it, then failed in the local fold with
+    torch's NotImplementedError "bitwise_and_cpu not implemented for 'Float'" (gloo refuses
+    such ops up front)."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _MirrorBackend()
+    pg = CommrtProcessGroup(backend, 0, 2, [0, 1], lambda: None)
+    opts = dist.distributed_c10d.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.BAND
+    with pytest.raises(ValueError, match="BAND is not defined for floating-point"):
+        pg.allreduce([torch.ones(3, dtype=dtype)], opts)
+    assert backend.calls == []

@@ -27,6 +27,8 @@ def reduce_op(op, dtype: torch.dtype | None = None) -> ReduceOp | None:
     locally, see ``fold``). ``bool`` travels as bytes, so its ops are torch's logical ones."""
     if dtype == torch.bool:
         return bool_op(op)
+    if dtype is not None and dtype.is_complex:
+        return complex_op(op)
     kind = getattr(op, "op", op)
     try:
         return _BY_KIND[kind]  # the common case: one dict look-up per call
@@ -34,6 +36,8 @@ def reduce_op(op, dtype: torch.dtype | None = None) -> ReduceOp | None:
         pass
     name = op_name(op)
     if name in _BITWISE:
+        if dtype is not None and dtype.is_floating_point:  # else found only by the fold, after the traffic
+            raise ValueError(f"commrt backend: {name} is not defined for floating-point tensors ({dtype})")
         return None
     if name == "PREMUL_SUM":
         raise NotImplementedError("commrt backend: PREMUL_SUM is not supported; scale the tensor "
@@ -56,6 +60,15 @@ def bool_op(op) -> ReduceOp | None:
                      "SUM/MAX (logical or), PRODUCT/MIN (logical and), BAND, BOR, BXOR")
 
 
+def complex_op(op) -> ReduceOp:
+    """Complex tensors travel as their (real, imaginary) pairs, on which only SUM and AVG mean
+    what they mean on the complex values (torch refuses the others for complex, as here)."""
+    name = op_name(op)
+    if name not in ("SUM", "AVG"):
+        raise ValueError(f"commrt backend: {name} is not defined for complex tensors; valid: SUM, AVG")
+    return ReduceOp[name]
+
+
 _BY_KIND = {getattr(dist.ReduceOp, n): ReduceOp[n] for n in ReduceOp.__members__}
 
 
@@ -65,9 +78,17 @@ def fold(op, gathered: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def wire_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a dtype commrt's wire carries (bool as uint8; same memory)."""
+    """``t`` as a dtype commrt's wire carries (bool as uint8, complex as its real pairs, with
+    a last dimension of 2; same memory)."""
+    if t.is_complex():
+        return torch.view_as_real(t)
     view = _VIEW_AS.get(t.dtype)
     return t if view is None else t.view(view)
+
+
+def wire_numel(t: torch.Tensor) -> int:
+    """Elements of ``wire_view(t)`` (twice ``t.numel()`` for complex)."""
+    return t.numel() * (2 if t.is_complex() else 1)
 
 
 def flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -81,9 +102,9 @@ def copy_out(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Scatter ``flat`` back into ``tensors`` (the inverse of ``flat_cat``)."""
     start = 0
     for t in tensors:
-        n = t.numel()
-        wire_view(t).copy_(flat[start:start + n].view(t.shape))
-        start += n
+        w = wire_view(t)
+        w.copy_(flat[start:start + w.numel()].view(w.shape))
+        start += w.numel()
 
 
 def same_dtype(tensors: list[torch.Tensor], what: str) -> None:

@@ -16,7 +16,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from commrt.integrations.tdist import compose
-from commrt.integrations.tdist.compose import copy_out, flat_cat, reduce_op, same_dtype, wire_view
+from commrt.integrations.tdist.compose import copy_out, flat_cat, reduce_op, same_dtype, wire_numel, wire_view
 from commrt.integrations.tdist.sparse import all_reduce_sparse
 from commrt.integrations.tdist.work import TorchWork
 
@@ -112,11 +112,16 @@ class CommrtProcessGroup(dist.ProcessGroup):
         return self._issue("reduce", opts, lambda a: [self._b.reduce(wire_view(t), opts.rootRank, rop, a)], [t])
 
     def _reduce_scatter_base(self, output, input, opts=c10d.ReduceScatterOptions()):
-        rop = reduce_op(opts.reduceOp, input.dtype)
-        if rop is None:
-            return self._reduce_scatter_via_all_reduce("reduce_scatter", output, wire_view(input).reshape(-1), opts)
-        return self._issue("reduce_scatter", opts, lambda a: [self._b.reduce_scatter_tensor(
-            wire_view(output), wire_view(input), rop, a)], [output])
+        launch, after = self._scatter_part(output, input, opts.reduceOp)
+        return self._issue("reduce_scatter", opts, launch, [output], after)
+
+    def _scatter_part(self, out, inp, op) -> tuple[_Launch, Callable[[], None] | None]:
+        """One reduce_scatter_tensor: commrt's, or (bitwise ops, which its wire does not carry)
+        an all-reduce of the whole input by ``_reduce_flat`` that keeps our block."""
+        rop = reduce_op(op, inp.dtype)
+        if rop is not None:
+            return (lambda a: [self._b.reduce_scatter_tensor(wire_view(out), wire_view(inp), rop, a)]), None
+        return self._scatter_via_all_reduce(out, wire_view(inp).reshape(-1), op)
 
     def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
         (out,) = _one(outputs, "reduce_scatter")
@@ -128,23 +133,23 @@ class CommrtProcessGroup(dist.ProcessGroup):
         if rop is not None and all(t.numel() == out.numel() for t in ins):
             return self._issue("reduce_scatter", opts, lambda a: [self._b.reduce_scatter_tensor(
                 wire_view(out), flat, rop, a)], [out])
-        offsets = [0] + [t.numel() for t in ins]  # uneven blocks: all-reduce, keep our own block
-        return self._reduce_scatter_via_all_reduce("reduce_scatter", out, flat, opts, offsets)
+        offsets = [0] + [wire_numel(t) for t in ins]  # uneven blocks: all-reduce, keep our own block
+        launch, after = self._scatter_via_all_reduce(out, flat, opts.reduceOp, offsets)
+        return self._issue("reduce_scatter", opts, launch, [out], after)
 
-    def _reduce_scatter_via_all_reduce(self, name, out, flat, opts, sizes=None):
+    def _scatter_via_all_reduce(self, out, flat, op, sizes=None) -> tuple[_Launch, Callable[[], None]]:
         flat = compose.to_host(flat).clone()
-        sizes = sizes or [0] + [out.numel()] * self.size()
+        n = wire_numel(out)
+        sizes = sizes or [0] + [n] * self.size()
         start = sum(sizes[:self.rank() + 1])
-        launch, fold = self._reduce_flat(flat, opts.reduceOp, out.dtype)
-        keep = lambda: (fold and fold(), wire_view(out).copy_(flat[start:start + out.numel()].view(out.shape)))
-        return self._issue(name, opts, launch, [out], keep)
+        launch, fold = self._reduce_flat(flat, op, out.dtype)
+        keep = lambda: (fold and fold(), wire_view(out).copy_(flat[start:start + n].view(wire_view(out).shape)))
+        return launch, keep
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=c10d.ReduceScatterOptions()):
-        rops = [reduce_op(opts.reduceOp, i.dtype) for i in inputs]
-        return self._issue("reduce_scatter_coalesced", opts, lambda a: [
-            self._b.reduce_scatter_tensor(wire_view(o), wire_view(i), rop, a)
-            for o, i, rop in zip(outputs, inputs, rops)],
-            list(outputs))
+        parts = [self._scatter_part(o, i, opts.reduceOp) for o, i in zip(outputs, inputs)]
+        return self._issue("reduce_scatter_coalesced", opts, lambda a: [w for launch, _ in parts for w in launch(a)],
+                           list(outputs), lambda: [after() for _, after in parts if after is not None])
 
     # -- data movement ---------------------------------------------------------------------------
     def broadcast(self, tensors, opts=c10d.BroadcastOptions()):
@@ -173,7 +178,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         """Every rank's ``inputs`` (flattened together) into ``rows[r]`` for each rank r."""
         same_dtype([*inputs, *result], name)
         mine = flat_cat(inputs)
-        counts = [sum(t.numel() for t in row) for row in rows]
+        counts = [sum(wire_numel(t) for t in row) for row in rows]
         flat = torch.empty(sum(counts), dtype=mine.dtype)
         if all(c == mine.numel() for c in counts):
             launch = lambda a: [self._b.all_gather_into_tensor(flat, mine, a)]
@@ -192,7 +197,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         same_dtype([*outputs, *inputs], "alltoall")
         mine = flat_cat(inputs)
         flat = torch.empty(sum(t.numel() for t in outputs), dtype=mine.dtype)
-        out_s, in_s = [t.numel() for t in outputs], [t.numel() for t in inputs]
+        out_s, in_s = [wire_numel(t) for t in outputs], [wire_numel(t) for t in inputs]
         return self._issue("alltoall", opts, lambda a: [self._b.all_to_all_single(flat, mine, out_s, in_s, a)],
                            list(outputs), lambda: copy_out(flat, outputs))
 
@@ -201,7 +206,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
         root, me = opts.rootRank, self.rank()
         outs = output_lists[0] if me == root else []
         mine = flat_cat([inp])
-        send, recv = compose.rooted_splits(self.size(), root, me, [t.numel() for t in outs], mine.numel())
+        send, recv = compose.rooted_splits(self.size(), root, me, [wire_numel(t) for t in outs], mine.numel())
         flat = torch.empty(sum(recv), dtype=mine.dtype)
         return self._issue("gather", opts, lambda a: [self._b.all_to_all_single(flat, mine, recv, send, a)],
                            list(outs), lambda: copy_out(flat, outs))
@@ -211,8 +216,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
         root, me = opts.rootRank, self.rank()
         ins = input_lists[0] if me == root else []
         mine = flat_cat(ins) if ins else torch.empty(0, dtype=wire_view(out).dtype)
-        recv, send = compose.rooted_splits(self.size(), root, me, [t.numel() for t in ins], out.numel())
-        flat = torch.empty(out.numel(), dtype=mine.dtype)
+        recv, send = compose.rooted_splits(self.size(), root, me, [wire_numel(t) for t in ins], wire_numel(out))
+        flat = torch.empty(wire_numel(out), dtype=mine.dtype)
         return self._issue("scatter", opts, lambda a: [self._b.all_to_all_single(flat, mine, recv, send, a)],
                            [out], lambda: copy_out(flat, [out]))
 
