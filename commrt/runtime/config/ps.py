@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commrt.runtime.config.checks import (MAX_TIMEOUT_S, check_choice, check_positive, check_seconds,
-                                          check_types, invalid)
+from commrt.runtime.config.checks import (MAX_TIMEOUT_S, check_bytes, check_choice, check_non_negative,
+                                          check_positive, check_seconds, check_types, invalid)
 
 PS_MODES = ("sync", "async", "ssp")
 PS_OPTIMIZERS = ("sgd", "adamw", "lamb")
@@ -74,13 +74,14 @@ class PsConfig:
         check_choice("ps", "mode", self.mode, PS_MODES)
         check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
         check_choice("ps", "on_worker_loss", self.on_worker_loss, PS_ON_WORKER_LOSS)
-        for name in ("lr", "max_segment_bytes", "checkpoint_every", "max_log_bytes"):
-            check_positive("ps", name, getattr(self, name))
+        check_positive("ps", "lr", self.lr)
+        check_positive("ps", "checkpoint_every", self.checkpoint_every)
+        for name in ("max_segment_bytes", "max_log_bytes"):
+            check_bytes("ps", name, getattr(self, name))
         for name in ("timeout_s", "retry_s", "worker_timeout_s"):
             check_seconds("ps", name, getattr(self, name), MAX_TIMEOUT_S)
         for name in ("workers", "initial_workers", "staleness", "momentum", "weight_decay", "eps"):
-            if getattr(self, name) < 0:
-                raise invalid("ps", name, getattr(self, name), "must be >= 0")
+            check_non_negative("ps", name, getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise invalid("ps", name, getattr(self, name), "must be in [0, 1)")

@@ -1,0 +1,118 @@
+"""Bad input a user can give the config, the rendezvous variables, the host lists and
+``commrt launch`` ends in a typed error that names what was wrong, never in a traceback from
+deep inside (a UnicodeDecodeError, a ValueError from urllib, an UnboundLocalError) nor in a
+host running out of memory. Found in a hardening review (branch wtT4); each case failed before
+its fix."""
+import math
+import sys
+import time
+
+import pytest
+
+from commrt.apps import launch_cmd
+from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist
+from commrt.runtime import rendezvous
+from commrt.runtime.config import load_config
+from commrt.runtime.errors import ConfigError
+
+
+# -- config ----------------------------------------------------------------------------------
+
+def test_a_config_file_that_is_not_text_is_a_config_error(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_bytes(b"[comm]\nbackend = \"zmq\"\n\xd0\xff\xfe\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f, environ={})
+
+
+@pytest.mark.parametrize("text", ["train = 1\n", "train = [1, 2]\n"])
+def test_a_train_section_that_is_not_a_table_is_a_config_error(tmp_path, text):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=r"\[train\] must be a table"):
+        load_config(f, environ={})
+
+
+@pytest.mark.parametrize("var,value", [
+    ("COMMRT_PS_MOMENTUM", "nan"), ("COMMRT_PS_WEIGHT_DECAY", "nan"), ("COMMRT_PS_EPS", "inf"),
+    ("COMMRT_PS_LR", "inf"), ("COMMRT_PS_MOMENTUM", "inf"),
+])
+def test_non_finite_optimizer_settings_are_refused(var, value):
+    """NaN passed ``< 0`` checks (every comparison with NaN is false) and inf passed ``> 0``:
+    a server would then turn every parameter into NaN without a word."""
+    with pytest.raises(ConfigError, match=var):
+        load_config(environ={var: value})
+
+
+@pytest.mark.parametrize("var", ["COMMRT_COMM_MAX_FRAME_BYTES", "COMMRT_COMM_CHUNK_BYTES",
+                                 "COMMRT_COMM_SMALL_BYTES", "COMMRT_PS_MAX_SEGMENT_BYTES"])
+def test_byte_sizes_beyond_int64_are_config_errors_naming_their_variable(var):
+    """ZeroMQ takes ZMQ_MAXMSGSIZE as an int64: 2**70 passed the config and failed much later
+    with an OverflowError inside setsockopt."""
+    with pytest.raises(ConfigError, match=var):
+        load_config(environ={var: str(1 << 70)})
+
+
+def test_finite_settings_still_load():
+    cfg = load_config(environ={"COMMRT_PS_MOMENTUM": "0.9", "COMMRT_COMM_MAX_FRAME_BYTES": str(1 << 40)})
+    assert cfg.ps.momentum == 0.9 and cfg.comm.max_frame_bytes == 1 << 40 and math.isfinite(cfg.ps.lr)
+
+
+# -- rendezvous ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("init,environ,needle", [
+    ("env://", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, "MASTER_PORT"),
+    ("env://", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ("env://", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}, "MASTER_PORT"),
+    ("tcp://127.0.0.1:notaport", {}, "tcp://host:port"),
+    ("tcp://127.0.0.1:99999", {}, "tcp://host:port"),
+])
+def test_bad_rendezvous_ports_are_config_errors(init, environ, needle):
+    with pytest.raises(ConfigError, match=needle):
+        rendezvous.resolve(init, 0, 1, environ)
+
+
+def test_a_good_rendezvous_port_resolves():
+    spec = rendezvous.resolve("env://", 0, 2, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (spec.host, spec.port, spec.world_size) == ("127.0.0.1", 29500, 2)
+
+
+# -- host lists ------------------------------------------------------------------------------
+
+def test_a_host_list_whose_bracket_groups_multiply_past_the_bound_fails_at_once():
+    """Each group was bounded alone, then multiplied out: r[1-50000]n[1-50000] built 2.5e9 names
+    before any check (tens of GiB)."""
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=str(MAX_HOSTS)):
+        expand_hostlist("r[1-50000]n[1-50000]")
+    assert time.monotonic() - start < 5  # generous: the old code needed minutes and GiBs
+
+
+def test_host_list_products_within_the_bound_expand():
+    assert len(expand_hostlist("r[1-100]n[1-100]")) == 10_000
+    assert expand_hostlist("a[1-2]b[1-2]") == ["a1b1", "a1b2", "a2b1", "a2b2"]
+
+
+# -- commrt launch's arguments ---------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-n", "0", "--", "true"], "--nproc"),
+    (["-n", "1", "--max-restarts", "-1", "--", "true"], "--max-restarts"),
+    (["-n", "1", "--servers", "-1", "--", "true"], "--servers"),
+    (["-n", "1", "--timeout", "0", "--", "true"], "--timeout"),
+    (["-n", "1", "--nnodes", "1:2", "--rdzv-timeout", "-1", "--node-rank", "0", "--master-addr", "x",
+      "--master-port", "1", "--", "true"], "--rdzv-timeout"),
+])
+def test_launch_refuses_out_of_range_arguments(argv, needle, capsys):
+    with pytest.raises(SystemExit, match=needle):
+        launch_cmd.main(argv)
+
+
+def test_launch_of_a_missing_program_is_an_exit_status_not_a_traceback(capsys):
+    assert launch_cmd.main(["-n", "2", "--", "/nonexistent/commrt-test-program"]) == 127
+    assert "/nonexistent/commrt-test-program" in capsys.readouterr().err
+
+
+def test_launch_with_a_missing_host_file_names_it():
+    with pytest.raises(SystemExit, match="nonexistent-hosts"):
+        launch_cmd.main(["-n", "1", "--hosts", "/nonexistent-hosts", "--", sys.executable, "-c", "pass"])
