@@ -55,8 +55,10 @@ def _expand_one(item: str, spec: str) -> list[str]:
         return [item]
     close_at = item.index("]", open_at)
     head, body, tail = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
-    rest = _expand_one(tail, spec)
-    return [head + n + r for n in _numbers(body, spec) for r in rest]
+    rest, numbers = _expand_one(tail, spec), _numbers(body, spec)
+    if len(numbers) * len(rest) > MAX_HOSTS:  # each group is bounded alone: bound their product before building it
+        raise ConfigError(f"host list {spec!r} names more than {MAX_HOSTS} hosts")
+    return [head + n + r for n in numbers for r in rest]
 
 
 def expand_hostlist(spec: str) -> list[str]:
