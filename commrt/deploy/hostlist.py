@@ -83,7 +83,10 @@ def tasks_per_node(spec: str) -> list[int]:
         m = _COUNT.match(part.strip())
         if not m:
             raise ConfigError(f"SLURM_TASKS_PER_NODE={spec!r}: {part!r} is not N or N(xK)")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
+        repeat = int(m.group(2) or 1)
+        if len(counts) + repeat > MAX_HOSTS:  # 2(x99999999999) would build the list first
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={spec!r} counts more than {MAX_HOSTS} nodes")
+        counts += [int(m.group(1))] * repeat
     return counts
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from commrt.apps import launch_cmd
-from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist
+from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist, tasks_per_node
 from commrt.runtime import rendezvous
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
@@ -86,6 +86,12 @@ def test_a_host_list_whose_bracket_groups_multiply_past_the_bound_fails_at_once(
     with pytest.raises(ConfigError, match=str(MAX_HOSTS)):
         expand_hostlist("r[1-50000]n[1-50000]")
     assert time.monotonic() - start < 5  # generous: the old code needed minutes and GiBs
+
+
+def test_slurm_task_counts_repeated_past_the_bound_fail_at_once():
+    with pytest.raises(ConfigError, match=str(MAX_HOSTS)):
+        tasks_per_node("4,2(x99999999999)")
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
 def test_host_list_products_within_the_bound_expand():
