@@ -11,6 +11,7 @@ import pytest
 
 from commrt.apps import launch_cmd
 from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist, tasks_per_node
+from commrt.deploy.plan import job_from_env
 from commrt.runtime import rendezvous
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
@@ -92,6 +93,13 @@ def test_slurm_task_counts_repeated_past_the_bound_fail_at_once():
     with pytest.raises(ConfigError, match=str(MAX_HOSTS)):
         tasks_per_node("4,2(x99999999999)")
     assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "1\u00b2", "-1", "x"])
+def test_scheduler_counts_that_are_not_numbers_are_config_errors(value):
+    """str.isdigit() accepts superscripts, which int() refuses: a ValueError traceback."""
+    with pytest.raises(ConfigError, match="COMMRT_DEPLOY_NPROC"):
+        job_from_env({"COMMRT_DEPLOY_WORKER_NODES": "1", "COMMRT_DEPLOY_NPROC": value})
 
 
 def test_host_list_products_within_the_bound_expand():
