@@ -12,8 +12,8 @@ import pytest
 from commrt.apps import launch_cmd
 from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist, tasks_per_node
 from commrt.deploy.plan import job_from_env
-from commrt.runtime import rendezvous
-from commrt.runtime.config import load_config
+from commrt.runtime import bootstrap, rendezvous
+from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import ConfigError
 
 
@@ -71,6 +71,14 @@ def test_finite_settings_still_load():
 def test_bad_rendezvous_ports_are_config_errors(init, environ, needle):
     with pytest.raises(ConfigError, match=needle):
         rendezvous.resolve(init, 0, 1, environ)
+
+
+@pytest.mark.parametrize("value", ["", "four", "-2"])
+def test_a_malformed_local_world_size_is_a_config_error_naming_it(value):
+    """init_world read int(LOCAL_WORLD_SIZE) first of all: a ValueError traceback."""
+    spec = rendezvous.RendezvousSpec("127.0.0.1", 1, 0, 1)
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+        bootstrap.init_world(Config(), spec, environ={"LOCAL_WORLD_SIZE": value})
 
 
 def test_a_good_rendezvous_port_resolves():
