@@ -138,3 +138,11 @@ def test_launch_of_a_missing_program_is_an_exit_status_not_a_traceback(capsys):
 def test_launch_with_a_missing_host_file_names_it():
     with pytest.raises(SystemExit, match="nonexistent-hosts"):
         launch_cmd.main(["-n", "1", "--hosts", "/nonexistent-hosts", "--", sys.executable, "-c", "pass"])
+
+
+def test_keygen_refuses_a_job_without_ranks(tmp_path):
+    """-n 0 or -n -3 wrote an empty allow-list and said 'wrote 0 key pairs': a job that cannot start."""
+    from commrt.cli import main
+    with pytest.raises(SystemExit, match="-n -3 must be >= 1"):
+        main(["keygen", str(tmp_path / "keys"), "-n", "-3"])
+    assert not (tmp_path / "keys").exists()

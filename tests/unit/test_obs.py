@@ -187,3 +187,22 @@ def test_verbose_logs_one_json_line_per_op(caplog):
             ("broadcast", 80, "float64", "completed", 1)
     finally:
         obs.close()
+
+
+@pytest.mark.parametrize("record", [
+    {"version": 1, "groups": []},  # no rank
+    {"version": 1, "rank": 0, "groups": [{"id": 0}]},  # a group without its members and entries
+    {"version": 1, "rank": 0, "groups": [{"id": 0, "ranks": [0], "last_seq": 1, "entries": [{"seq": 1}]}]},
+])
+def test_an_incomplete_flight_record_is_named_not_a_keyerror(tmp_path, record):
+    """Found in the hardening review (wtT4): read_dumps checked the version only, and
+    `commrt flight-record` then died with a KeyError from inside the analysis."""
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="rank0.json: not a complete commrt flight record"):
+        flight.read_dumps(str(tmp_path))
+
+
+def test_trace_merge_of_a_template_in_a_missing_directory_says_so(tmp_path):
+    from commrt.cli import main
+    with pytest.raises(SystemExit, match="commrt trace-merge: .*No such file"):
+        main(["trace-merge", str(tmp_path / "out.json"), str(tmp_path / "nowhere" / "trace.json")])
