@@ -54,6 +54,11 @@ def test_byte_sizes_beyond_int64_are_config_errors_naming_their_variable(var):
         load_config(environ={var: str(1 << 70)})
 
 
+def test_an_override_that_is_not_a_mapping_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"overrides\['comm'\] must be a mapping"):
+        load_config(overrides={"comm": "zmq"}, environ={})
+
+
 def test_finite_settings_still_load():
     cfg = load_config(environ={"COMMRT_PS_MOMENTUM": "0.9", "COMMRT_COMM_MAX_FRAME_BYTES": str(1 << 40)})
     assert cfg.ps.momentum == 0.9 and cfg.comm.max_frame_bytes == 1 << 40 and math.isfinite(cfg.ps.lr)

@@ -116,6 +116,8 @@ def load_with_sources(
     for section, body in (overrides or {}).items():
         if section not in SECTION_TYPES:
             raise ConfigError(f"unknown section '{section}'; valid: {list(SECTION_TYPES)}")
+        if not isinstance(body, Mapping):  # {"comm": "zmq"} died on .items()
+            raise ConfigError(f"overrides['{section}'] must be a mapping of its settings, got {body!r:.60}")
         given = {k: v for k, v in body.items() if v is not None}
         merged[section].update(given)
         sources.update({(section, k): "argument" for k in given})
