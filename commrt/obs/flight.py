@@ -14,6 +14,8 @@ import os
 import threading
 import time
 
+from commrt.obs.trace import open_new
+
 QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
 VERSION = 1
 _TMP_IDS = itertools.count()  # a dump from a signal handler may interrupt one in progress
@@ -122,7 +124,7 @@ def write_dump(directory: str, dump: dict) -> str:
     os.makedirs(directory, exist_ok=True)
     path = dump_path(directory, dump["rank"])
     tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
-    with open(tmp, "w") as fh:
+    with open_new(tmp) as fh:
         json.dump(dump, fh, indent=1)
     os.replace(tmp, path)
     return path

@@ -206,3 +206,21 @@ def test_trace_merge_of_a_template_in_a_missing_directory_says_so(tmp_path):
     from commrt.cli import main
     with pytest.raises(SystemExit, match="commrt trace-merge: .*No such file"):
         main(["trace-merge", str(tmp_path / "out.json"), str(tmp_path / "nowhere" / "trace.json")])
+
+
+def test_trace_and_flight_files_are_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    """Found in the hardening review (wtT4): the atomic writes opened a predictable temporary name
+    (path.tmp<pid>[.<n>]) with open(..., "w"), which follows a symlink: in a shared directory
+    another user could plant one and have the rank overwrite any file of its owner's."""
+    import itertools
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = str(tmp_path / "trace.json")
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    trace.write(path, [])
+    monkeypatch.setattr(flight, "_TMP_IDS", itertools.count())
+    os.symlink(victim, f"{flight.dump_path(str(tmp_path), 0)}.tmp{os.getpid()}.0")
+    flight.write_dump(str(tmp_path), {"rank": 0, "version": 1, "groups": []})
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(path) and json.loads(open(path).read())["traceEvents"] == []
+    assert not os.path.islink(flight.dump_path(str(tmp_path), 0))
