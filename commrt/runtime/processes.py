@@ -91,7 +91,8 @@ def _status(p: subprocess.Popen) -> int | None:
     start_new_session) cannot be anyone else's, and what a crashed rank left running in it (a
     data loader's workers) can still be stopped by ``_stop_all``. Watchers use this, not
     ``Popen.poll``, which reaps; ``_stop_all`` reaps."""
-    if p.returncode is not None:
+    if p.returncode is not None or not hasattr(os, "waitid"):  # macOS has no waitid: reap as before
+        _exited(p)
         return p.returncode
     try:
         info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
