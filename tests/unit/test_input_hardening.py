@@ -59,8 +59,15 @@ def test_an_override_that_is_not_a_mapping_is_a_config_error():
         load_config(overrides={"comm": "zmq"}, environ={})
 
 
+@pytest.mark.parametrize("addr", ["tcp://h:abc", "tcp://127.0.0.1:99999", "tcp://:5000", "tcp://h:0", "tcp://h:5/x"])
+def test_parameter_server_addresses_need_a_real_port(addr):
+    with pytest.raises(ConfigError, match="COMMRT_PS_SERVERS"):
+        load_config(environ={"COMMRT_PS_SERVERS": addr})
+
+
 def test_finite_settings_still_load():
-    cfg = load_config(environ={"COMMRT_PS_MOMENTUM": "0.9", "COMMRT_COMM_MAX_FRAME_BYTES": str(1 << 40)})
+    cfg = load_config(environ={"COMMRT_PS_MOMENTUM": "0.9", "COMMRT_COMM_MAX_FRAME_BYTES": str(1 << 40),
+                               "COMMRT_PS_SERVERS": "tcp://10.0.0.1:29600,tcp://node-2:29601,tcp://[::1]:5"})
     assert cfg.ps.momentum == 0.9 and cfg.comm.max_frame_bytes == 1 << 40 and math.isfinite(cfg.ps.lr)
 
 

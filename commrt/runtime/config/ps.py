@@ -11,6 +11,15 @@ PS_OPTIMIZERS = ("sgd", "adamw", "lamb")
 PS_ON_WORKER_LOSS = ("error", "continue")
 
 
+def _endpoint(addr: str) -> bool:
+    """``tcp://host:port`` with a port ZeroMQ can use: 'tcp://h:abc' failed later as a bare
+    ZMQError from connect, and 'tcp://h:99999' as a server that never answers."""
+    if not addr.startswith("tcp://"):
+        return False
+    host, colon, port = addr[6:].rpartition(":")
+    return bool(host and colon and port.isdecimal() and 0 < int(port) <= 65535)
+
+
 @dataclass(frozen=True)
 class PsConfig:
     servers: tuple[str, ...] = ()
@@ -94,6 +103,6 @@ class PsConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise invalid("ps", "metrics_port", self.metrics_port, "valid: 0 (off) to 65535")
         for addr in self.servers:
-            if not addr.startswith("tcp://") or ":" not in addr[6:]:
-                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port'")
+            if not _endpoint(addr):
+                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port' (port 1-65535)")
 
