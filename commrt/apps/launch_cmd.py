@@ -146,8 +146,11 @@ def _launch_hosts(args, cmd, env) -> int:
         raise SystemExit(f"commrt launch: cannot read the host file {args.hosts}: {exc.strerror}") from None
     extra = (["--config", os.path.abspath(args.config)] if args.config else []) + \
         (["--max-restarts", str(args.max_restarts)] if args.max_restarts else []) + (["--curve"] if args.curve else [])
-    code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
-                        args.timeout, env)
+    try:
+        code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
+                            args.timeout, env)
+    except (FileNotFoundError, PermissionError) as exc:  # the ssh command itself (hosts already started are stopped)
+        raise SystemExit(f"commrt launch: cannot run --ssh {args.ssh!r}: {exc.strerror}") from None
     if code != 0:
         print(f"commrt launch: a host failed with exit code {code}; stopped every host", file=sys.stderr)
     return code

@@ -158,3 +158,10 @@ def test_keygen_refuses_a_job_without_ranks(tmp_path):
     with pytest.raises(SystemExit, match="-n -3 must be >= 1"):
         main(["keygen", str(tmp_path / "keys"), "-n", "-3"])
     assert not (tmp_path / "keys").exists()
+
+
+def test_launch_hosts_with_an_ssh_that_does_not_exist_names_it(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a\nnode-b\n")
+    with pytest.raises(SystemExit, match="cannot run --ssh '/nonexistent-ssh'"):
+        launch_cmd.main(["-n", "1", "--hosts", str(hosts), "--ssh", "/nonexistent-ssh", "--", "true"])
