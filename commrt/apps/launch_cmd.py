@@ -73,6 +73,8 @@ def _check_numbers(args) -> None:
                                  ("--servers", args.servers, 0)):
         if value < least:
             raise SystemExit(f"commrt launch: {option} {value} must be >= {least}")
+    if args.master_port is not None and not 0 < args.master_port <= 65535:
+        raise SystemExit(f"commrt launch: --master-port {args.master_port} must be a port number 1-65535")
     for option, value in (("--timeout", args.timeout), ("--rdzv-timeout", args.rdzv_timeout)):
         if value is not None and not 0 < value < float("inf"):
             raise SystemExit(f"commrt launch: {option} {value} must be a number of seconds > 0")

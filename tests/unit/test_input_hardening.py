@@ -134,6 +134,7 @@ def test_host_list_products_within_the_bound_expand():
     (["-n", "1", "--max-restarts", "-1", "--", "true"], "--max-restarts"),
     (["-n", "1", "--servers", "-1", "--", "true"], "--servers"),
     (["-n", "1", "--timeout", "0", "--", "true"], "--timeout"),
+    (["-n", "1", "--master-port", "70000", "--", "true"], "--master-port"),
     (["-n", "1", "--nnodes", "1:2", "--rdzv-timeout", "-1", "--node-rank", "0", "--master-addr", "x",
       "--master-port", "1", "--", "true"], "--rdzv-timeout"),
 ])
