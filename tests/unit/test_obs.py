@@ -224,3 +224,33 @@ def test_trace_and_flight_files_are_never_written_through_a_planted_link(tmp_pat
     assert victim.read_text() == "precious"
     assert not os.path.islink(path) and json.loads(open(path).read())["traceEvents"] == []
     assert not os.path.islink(flight.dump_path(str(tmp_path), 0))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STOPPED_RANK = """
+import os, signal, sys, time, types
+from commrt.obs.observer import Observer
+from commrt.runtime.config import load_config
+obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": sys.argv[1]}), 2, 3)
+g = types.SimpleNamespace(group_id=0, ranks=(0, 1, 2), rank=2, backend=types.SimpleNamespace(name="zmq"))
+obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
+obs.begin(g, "all_reduce", 400, "float32")  # waiting for a peer that died, when the launcher stops us
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+sys.exit(3)  # not reached: SIGTERM still ends the process
+"""
+
+
+def test_a_rank_stopped_with_sigterm_leaves_its_flight_record(tmp_path):
+    """Found in the hardening review (wtT4): `commrt launch` stops the other ranks with SIGTERM
+    within milliseconds of one dying, before their heartbeats tell them, so a job whose rank died
+    left no flight record at all (the multirank flight tests run with stop_on_failure=False).
+    Now the record is written, and the process still ends by SIGTERM."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _STOPPED_RANK, str(tmp_path)], timeout=60, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    (dump,) = flight.read_dumps(str(tmp_path))
+    assert dump["rank"] == 2 and dump["reason"].startswith("SIGTERM")
+    assert [(e["seq"], e["state"]) for e in dump["groups"][0]["entries"]] == [(1, "completed"), (2, "started")]
