@@ -48,13 +48,13 @@ class Observer:
         atexit.register(self.close)
 
     def _install_handlers(self) -> dict:
-        """SIGUSR1 dumps; with a flight_dir, SIGTERM dumps before it ends the process (only where
-        the program has no handler of its own, and only from the main thread, where Python runs
-        them). The previous handlers, to give back at close."""
+        """SIGUSR1 dumps; with a flight_dir or a trace_file, SIGTERM writes them before it ends
+        the process (only where the program has no handler of its own, and only from the main
+        thread, where Python runs them). The previous handlers, to give back at close."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         wanted = {signal.SIGUSR1: self._on_signal}
-        if self.flight_dir:
+        if self.flight_dir or self.trace_path:
             wanted[signal.SIGTERM] = self._on_term
         return {sig: signal.signal(sig, handler) for sig, handler in wanted.items()
                 if signal.getsignal(sig) in (signal.SIG_DFL, None)}
@@ -142,9 +142,10 @@ class Observer:
     def _on_term(self, signum, frame) -> None:
         """Stopped from outside: ``commrt launch`` stops every rank within milliseconds of one
         failing, long before the survivors' heartbeats (3 intervals) would raise PeerLost, so
-        without this a dead rank's job left no flight record at all. Write it (and the trace),
-        then end as SIGTERM would have."""
-        self.dump("SIGTERM (stopped from outside, e.g. by commrt launch after another rank failed)")
+        without this a dead rank's job left no flight record at all (nor the survivors' traces).
+        Write them, then end as SIGTERM would have."""
+        if self.flight_dir:
+            self.dump("SIGTERM (stopped from outside, e.g. by commrt launch after another rank failed)")
         self.close()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

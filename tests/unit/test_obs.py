@@ -231,7 +231,8 @@ _STOPPED_RANK = """
 import os, signal, sys, time, types
 from commrt.obs.observer import Observer
 from commrt.runtime.config import load_config
-obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": sys.argv[1]}), 2, 3)
+obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": sys.argv[1],
+                                          "COMMRT_LOG_TRACE_FILE": sys.argv[1] + "/trace.json"}), 2, 3)
 g = types.SimpleNamespace(group_id=0, ranks=(0, 1, 2), rank=2, backend=types.SimpleNamespace(name="zmq"))
 obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
 obs.begin(g, "all_reduce", 400, "float32")  # waiting for a peer that died, when the launcher stops us
@@ -254,3 +255,4 @@ def test_a_rank_stopped_with_sigterm_leaves_its_flight_record(tmp_path):
     (dump,) = flight.read_dumps(str(tmp_path))
     assert dump["rank"] == 2 and dump["reason"].startswith("SIGTERM")
     assert [(e["seq"], e["state"]) for e in dump["groups"][0]["entries"]] == [(1, "completed"), (2, "started")]
+    assert [e["args"]["seq"] for e in trace.load(str(tmp_path / "trace.rank2.json")) if e["ph"] == "X"] == [1]
