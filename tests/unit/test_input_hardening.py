@@ -166,3 +166,13 @@ def test_launch_hosts_with_an_ssh_that_does_not_exist_names_it(tmp_path):
     hosts.write_text("node-a\nnode-b\n")
     with pytest.raises(SystemExit, match="cannot run --ssh '/nonexistent-ssh'"):
         launch_cmd.main(["-n", "1", "--hosts", str(hosts), "--ssh", "/nonexistent-ssh", "--", "true"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nproc", "0"], "--nproc 0 must be >= 1"), (["-n", "0"], "--iters 0 must be >= 1"),
+    (["-w", "-1"], "--warmup -1 must be >= 0"), (["-f", "1.0"], "factor > 1"), (["-b", "4X"], "4X"),
+])
+def test_bench_refuses_bad_counts_and_sizes_before_starting_ranks(argv, needle):
+    from commrt.cli import main
+    with pytest.raises(SystemExit, match=needle):
+        main(["bench", "all_reduce", *argv])
