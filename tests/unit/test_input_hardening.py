@@ -176,3 +176,14 @@ def test_bench_refuses_bad_counts_and_sizes_before_starting_ranks(argv, needle):
     from commrt.cli import main
     with pytest.raises(SystemExit, match=needle):
         main(["bench", "all_reduce", *argv])
+
+
+def test_a_slurm_rank_whose_program_does_not_exist_exits_127(monkeypatch, capsys):
+    import os
+    from commrt.apps import node
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # node.main adds torchrun's variables to it
+    for k, v in dict(SLURM_JOB_NODELIST="n1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_NTASKS="1",
+                     SLURM_LOCALID="0", SLURM_NTASKS_PER_NODE="1").items():
+        monkeypatch.setenv(k, v)
+    assert node.main(["slurm", "rank", "--", "/nonexistent/commrt-test-program"]) == 127
+    assert "/nonexistent/commrt-test-program" in capsys.readouterr().err
