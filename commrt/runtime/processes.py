@@ -54,8 +54,12 @@ def _stop_on_signals():
 
 
 
+MAX_LINE = 1 << 16  # a rank writing without newlines (progress bars, binary) is passed on in pieces
+
+
 def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
-    for raw in iter(stream.readline, b""):
+    # bounded reads: readline() alone held a rank's whole newline-free output in the launcher
+    for raw in iter(lambda: stream.readline(MAX_LINE), b""):
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
         with lock:

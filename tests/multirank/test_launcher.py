@@ -299,3 +299,16 @@ def test_a_crashed_ranks_children_do_not_outlive_the_launch(tmp_path):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_output_without_newlines_is_passed_on_in_bounded_pieces():
+    """Found in the hardening review (wtT4): the output pump read with readline() unbounded, so a
+    rank writing without newlines (a progress bar, binary) was held whole in the launcher's memory
+    (and kept in its tail of last lines) until the rank ended."""
+    from commrt.runtime.processes import MAX_LINE
+    out = io.StringIO()
+    program = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stdout.flush()"
+    assert launch(1, [sys.executable, "-c", program], out=out, env=ENV, timeout_s=30).returncode == 0
+    lines = out.getvalue().splitlines()
+    assert max(len(l) for l in lines) <= MAX_LINE + len("[rank 0] ")
+    assert sum(l.count("x") for l in lines) == 1 << 20
