@@ -56,7 +56,7 @@ class Observer:
         wanted = {signal.SIGUSR1: self._on_signal}
         if self.flight_dir or self.trace_path:
             wanted[signal.SIGTERM] = self._on_term
-        return {sig: signal.signal(sig, handler) for sig, handler in wanted.items()
+        return {sig: (signal.signal(sig, handler), handler) for sig, handler in wanted.items()
                 if signal.getsignal(sig) in (signal.SIG_DFL, None)}
 
     # -- per op ------------------------------------------------------------------------------
@@ -160,8 +160,9 @@ class Observer:
         self._closed = True
         atexit.unregister(self.close)
         if threading.current_thread() is threading.main_thread():
-            for sig, old in self._old_handlers.items():
-                signal.signal(sig, old)
+            for sig, (old, mine) in self._old_handlers.items():
+                if signal.getsignal(sig) == mine:  # a handler the program set since is left alone
+                    signal.signal(sig, old)
         if self.events is not None:
             groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
             if self._spans:

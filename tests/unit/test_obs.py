@@ -256,3 +256,21 @@ def test_a_rank_stopped_with_sigterm_leaves_its_flight_record(tmp_path):
     assert dump["rank"] == 2 and dump["reason"].startswith("SIGTERM")
     assert [(e["seq"], e["state"]) for e in dump["groups"][0]["entries"]] == [(1, "completed"), (2, "started")]
     assert [e["args"]["seq"] for e in trace.load(str(tmp_path / "trace.rank2.json")) if e["ph"] == "X"] == [1]
+
+
+def test_closing_leaves_a_signal_handler_the_program_set_since_alone(tmp_path):
+    """Found in the hardening review (wtT4): close() put SIG_DFL back unconditionally, so a
+    handler the program installed after init (a checkpoint on SIGUSR1 or SIGTERM) was dropped
+    at destroy_process_group."""
+    cfg = load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": str(tmp_path)})
+    obs = Observer(cfg, 0, 1)
+    mine = lambda signum, frame: None  # noqa: E731
+    try:
+        assert signal.getsignal(signal.SIGTERM) == obs._on_term
+        signal.signal(signal.SIGUSR1, mine)
+        obs.close()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # ours: given back
+    finally:
+        obs.close()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
