@@ -22,7 +22,7 @@ from typing import IO, Callable, Sequence
 
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
-from commrt.runtime.processes import Stopped, _start, _stop_everything, _stop_on_signals  # noqa: F401 (Stopped: cli)
+from commrt.runtime.processes import Stopped, _start, _status, _stop_everything, _stop_on_signals  # noqa: F401 (Stopped: cli)
 # deploy/ssh.py drives its hosts' processes with the same mechanics, imported from here
 from commrt.runtime.processes import GRACE_S, REAP_S, _exited, _pump, _wait_exited  # noqa: F401
 
@@ -246,7 +246,7 @@ def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
     while True:
         pending = False
         for rank, p in enumerate(procs):
-            rc = p.poll()
+            rc = _status(p)  # not reaped: _stop_everything can still stop what it left running
             if rc is None:
                 pending = True
             elif rc != 0 and not until_all:
@@ -254,7 +254,7 @@ def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
         if not pending:
             return 0, None
         for i, p in enumerate(services):
-            rc = p.poll()
+            rc = _status(p)  # not reaped: _stop_everything can still stop what it left running
             if rc is not None:
                 return (128 - rc if rc < 0 else rc) or 1, -1 - i
         if deadline is not None and time.monotonic() > deadline:

@@ -54,7 +54,33 @@ def run(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
+    _check_numbers(args)
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
+    try:
+        return _run(args, cmd, env)
+    except (FileNotFoundError, PermissionError) as exc:
+        if exc.filename != cmd[0]:
+            raise
+        # the program itself: the shell's statuses (127 not found, 126 not executable), no traceback
+        print(f"commrt launch: cannot start {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+
+
+def _check_numbers(args) -> None:
+    """Out-of-range counts and durations as usage errors naming the option: -n 0 was a ValueError
+    traceback, --max-restarts -1 an UnboundLocalError (no attempt ran), --servers -1 ignored."""
+    for option, value, least in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0),
+                                 ("--servers", args.servers, 0)):
+        if value < least:
+            raise SystemExit(f"commrt launch: {option} {value} must be >= {least}")
+    if args.master_port is not None and not 0 < args.master_port <= 65535:
+        raise SystemExit(f"commrt launch: --master-port {args.master_port} must be a port number 1-65535")
+    for option, value in (("--timeout", args.timeout), ("--rdzv-timeout", args.rdzv_timeout)):
+        if value is not None and not 0 < value < float("inf"):
+            raise SystemExit(f"commrt launch: {option} {value} must be a number of seconds > 0")
+
+
+def _run(args, cmd, env) -> int:
     if ":" in args.nnodes:
         return _launch_elastic(args, cmd, env)
     args.nnodes = _count(args.nnodes)
@@ -115,12 +141,18 @@ def _launch_hosts(args, cmd, env) -> int:
     if args.emulate_network or args.servers or args.node_rank is not None or args.nnodes != 1:
         raise SystemExit("commrt launch: --hosts sets the nodes itself; it takes no --nnodes, --node-rank, "
                          "--servers or --emulate-network (list the servers in [ps] servers)")
-    with open(args.hosts) as fh:
-        hosts = parse_hostfile(fh.read())
+    try:
+        with open(args.hosts) as fh:
+            hosts = parse_hostfile(fh.read())
+    except OSError as exc:
+        raise SystemExit(f"commrt launch: cannot read the host file {args.hosts}: {exc.strerror}") from None
     extra = (["--config", os.path.abspath(args.config)] if args.config else []) + \
         (["--max-restarts", str(args.max_restarts)] if args.max_restarts else []) + (["--curve"] if args.curve else [])
-    code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
-                        args.timeout, env)
+    try:
+        code = launch_hosts(hosts, args.nproc, cmd, args.master_port or 29500, args.ssh, args.master_addr, extra,
+                            args.timeout, env)
+    except (FileNotFoundError, PermissionError) as exc:  # the ssh command itself (hosts already started are stopped)
+        raise SystemExit(f"commrt launch: cannot run --ssh {args.ssh!r}: {exc.strerror}") from None
     if code != 0:
         print(f"commrt launch: a host failed with exit code {code}; stopped every host", file=sys.stderr)
     return code

@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     os.environ.update(added)
     if args.role == "rank":  # the program itself, with torchrun's variables
         sys.stdout.flush()
-        os.execvp(command[0], command)
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:  # as a shell says it: 127 not found, 126 not executable
+            print(f"commrt node: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
     sub, rest = command[3], command[4:]  # [python, -m, commrt.cli, launch|server, ...]
     return launch_cmd.main(rest) if sub == "launch" else ps_server.main(rest)

@@ -65,6 +65,13 @@ def check_backends(names: tuple[str, ...]) -> None:
             metrics.parse_size(chunk)
 
 
+def _check_counts(args) -> None:
+    """--nproc 0 was launch()'s ValueError traceback, -n 0 a ZeroDivisionError in every rank."""
+    for option, value, least in (("--nproc", args.nproc, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            raise SystemExit(f"commrt bench: {option} {value} must be >= {least}")
+
+
 def with_algorithms(backends: tuple[str, ...], collective: str, algo: str) -> tuple[str, ...]:
     """``--algo``: one ``zmq:ALGO`` column per schedule (bench/runner.py pins it), after the other
     backends; refuses a name the collective has no schedule for, listing those it has."""
@@ -84,6 +91,7 @@ def run(args) -> int:
         return run_p2p(args)
     from commrt.bench import metrics
     from commrt.bench.runner import BenchSpec
+    _check_counts(args)
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     check_backends(backends)
     if args.algo:
@@ -91,10 +99,13 @@ def run(args) -> int:
     if args.quant:
         from commrt.bench.quant import with_quant
         backends = with_quant(backends, args.quant)
-    spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
-                     metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
-                     args.datatype, args.op, args.physical, args.mode, args.input, args.device)
-    metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)  # validate before launching
+    try:  # validate before launching: a bad size or factor was a ValueError traceback
+        spec = BenchSpec(args.collective, backends, metrics.parse_size(args.minbytes),
+                         metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
+                         args.datatype, args.op, args.physical, args.mode, args.input, args.device)
+        metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)
+    except ValueError as exc:
+        raise SystemExit(f"commrt bench: {exc}") from None
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run
         raise SystemExit("commrt bench: --plot needs matplotlib: pip install -e '.[plot]' "
                          "(or pip install matplotlib)")

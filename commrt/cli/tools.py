@@ -8,6 +8,8 @@ from commrt.plan import command as estimate_command  # argparse and formulas: li
 
 def _keygen(args) -> int:
     from commrt.transport.security import keygen
+    if args.ranks < 1 or args.servers < 0:
+        raise SystemExit(f"commrt keygen: -n {args.ranks} must be >= 1 and -s {args.servers} >= 0")
     names = [f"rank{r}" for r in range(args.ranks)] + [f"server{i}" for i in range(args.servers)]
     keygen(args.directory, names)
     print(f"wrote {len(names)} key pairs (mode 0600) and allow.txt to {args.directory}; give every "
@@ -59,7 +61,10 @@ def _flight_record(args) -> int:
 
 def _trace_merge(args) -> int:
     from commrt.obs import trace
-    files = trace.rank_files(args.files)
+    try:
+        files = trace.rank_files(args.files)
+    except OSError as exc:  # a template in a directory that does not exist
+        raise SystemExit(f"commrt trace-merge: {exc}") from None
     if not files:
         raise SystemExit(f"commrt trace-merge: no trace files match {args.files}")
     try:

@@ -55,8 +55,10 @@ def _expand_one(item: str, spec: str) -> list[str]:
         return [item]
     close_at = item.index("]", open_at)
     head, body, tail = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
-    rest = _expand_one(tail, spec)
-    return [head + n + r for n in _numbers(body, spec) for r in rest]
+    rest, numbers = _expand_one(tail, spec), _numbers(body, spec)
+    if len(numbers) * len(rest) > MAX_HOSTS:  # each group is bounded alone: bound their product before building it
+        raise ConfigError(f"host list {spec!r} names more than {MAX_HOSTS} hosts")
+    return [head + n + r for n in numbers for r in rest]
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -81,7 +83,10 @@ def tasks_per_node(spec: str) -> list[int]:
         m = _COUNT.match(part.strip())
         if not m:
             raise ConfigError(f"SLURM_TASKS_PER_NODE={spec!r}: {part!r} is not N or N(xK)")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
+        repeat = int(m.group(2) or 1)
+        if len(counts) + repeat > MAX_HOSTS:  # 2(x99999999999) would build the list first
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={spec!r} counts more than {MAX_HOSTS} nodes")
+        counts += [int(m.group(1))] * repeat
     return counts
 
 

@@ -34,7 +34,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, least: i
         if default is None:
             raise ConfigError(f"${name} is not set (the scheduler or the recipe sets it)")
         return default
-    if not raw.strip().isdigit() or int(raw) < least:
+    if not raw.strip().isdecimal() or int(raw) < least:  # isdigit() takes '²', which int() refuses
         raise ConfigError(f"${name}={raw!r} is invalid; expected an integer >= {least}")
     return int(raw)
 

@@ -14,6 +14,8 @@ import os
 import threading
 import time
 
+from commrt.obs.trace import open_new
+
 QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
 VERSION = 1
 _TMP_IDS = itertools.count()  # a dump from a signal handler may interrupt one in progress
@@ -122,7 +124,7 @@ def write_dump(directory: str, dump: dict) -> str:
     os.makedirs(directory, exist_ok=True)
     path = dump_path(directory, dump["rank"])
     tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
-    with open(tmp, "w") as fh:
+    with open_new(tmp) as fh:
         json.dump(dump, fh, indent=1)
     os.replace(tmp, path)
     return path
@@ -142,5 +144,26 @@ def read_dumps(directory: str) -> list[dict]:
             raise ValueError(f"{path}: not a readable flight record ({exc})") from None
         if not isinstance(data, dict) or data.get("version") != VERSION or "groups" not in data:
             raise ValueError(f"{path}: not a commrt flight record (version {VERSION})")
+        problem = _malformed(data)
+        if problem:
+            raise ValueError(f"{path}: not a complete commrt flight record ({problem})")
         dumps.append(data)
     return dumps
+
+
+GROUP_FIELDS = {"id": int, "ranks": list, "last_seq": int, "entries": list}
+ENTRY_FIELDS = {"seq": int, "kind": str, "op": str, "nbytes": int, "dtype": str, "state": str}
+
+
+def _malformed(data: dict) -> str:
+    """What the analysis would miss in ``data`` ('' if nothing): it indexes these fields, and a
+    KeyError from deep inside it named neither the file nor the field."""
+    if type(data.get("rank")) is not int or not isinstance(data["groups"], list):
+        return "'rank' must be an integer and 'groups' a list"
+    for g in data["groups"]:
+        if not isinstance(g, dict) or any(not isinstance(g.get(k), t) for k, t in GROUP_FIELDS.items()):
+            return f"a group needs {sorted(GROUP_FIELDS)}"
+        for e in g["entries"]:
+            if not isinstance(e, dict) or any(not isinstance(e.get(k), t) for k, t in ENTRY_FIELDS.items()):
+                return f"group {g['id']}: an entry needs {sorted(ENTRY_FIELDS)}"
+    return ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -38,16 +39,25 @@ class Observer:
         self._closed = False
         self._spans = False  # a training engine's step spans were traced
         self._last_dump: tuple[str, float] = ("", 0.0)
-        self._old_handler = None
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) in (
-                signal.SIG_DFL, None):
-            self._old_handler = signal.signal(signal.SIGUSR1, self._on_signal)
+        self._old_handlers = self._install_handlers()
         if c.comms and not log.hasHandlers() and log.level == logging.NOTSET:
             # the user asked for the log: show it even when the program set up no logging
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
             log.propagate = False  # a program that sets up logging later must not print every line twice
         atexit.register(self.close)
+
+    def _install_handlers(self) -> dict:
+        """SIGUSR1 dumps; with a flight_dir or a trace_file, SIGTERM writes them before it ends
+        the process (only where the program has no handler of its own, and only from the main
+        thread, where Python runs them). The previous handlers, to give back at close."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        wanted = {signal.SIGUSR1: self._on_signal}
+        if self.flight_dir or self.trace_path:
+            wanted[signal.SIGTERM] = self._on_term
+        return {sig: (signal.signal(sig, handler), handler) for sig, handler in wanted.items()
+                if signal.getsignal(sig) in (signal.SIG_DFL, None)}
 
     # -- per op ------------------------------------------------------------------------------
     def begin(self, g, op: str, nbytes: int, dtype, peer: int = -1, async_op: bool = False,
@@ -129,6 +139,17 @@ class Observer:
     def _on_signal(self, signum, frame) -> None:
         self.dump("SIGUSR1")
 
+    def _on_term(self, signum, frame) -> None:
+        """Stopped from outside: ``commrt launch`` stops every rank within milliseconds of one
+        failing, long before the survivors' heartbeats (3 intervals) would raise PeerLost, so
+        without this a dead rank's job left no flight record at all (nor the survivors' traces).
+        Write them, then end as SIGTERM would have."""
+        if self.flight_dir:
+            self.dump("SIGTERM (stopped from outside, e.g. by commrt launch after another rank failed)")
+        self.close()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
     def summary(self) -> list[dict]:
         return self.comms.rows() if self.comms is not None else []
 
@@ -138,8 +159,10 @@ class Observer:
             return
         self._closed = True
         atexit.unregister(self.close)
-        if self._old_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, self._old_handler)
+        if threading.current_thread() is threading.main_thread():
+            for sig, (old, mine) in self._old_handlers.items():
+                if signal.getsignal(sig) == mine:  # a handler the program set since is left alone
+                    signal.signal(sig, old)
         if self.events is not None:
             groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
             if self._spans:

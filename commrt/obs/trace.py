@@ -44,11 +44,25 @@ def document(events: list[dict]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def open_new(path: str):
+    """``path`` created afresh for writing, never through a link: the temporary names of the
+    atomic writes are predictable (pid, counter), and trace and flight files often go to /tmp,
+    where another user could plant ``path`` as a symlink to a file of ours (open(path, "w")
+    truncated and wrote it, and the rename then left the result a link to it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:  # a stale file of ours, or a planted link: unlink removes the name only
+        os.unlink(path)
+        fd = os.open(path, flags, 0o644)
+    return os.fdopen(fd, "w")
+
+
 def write(path: str, events: list[dict]) -> None:
     """Atomically: a reader (or a merge) never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
+    with open_new(tmp) as fh:
         json.dump(document(events), fh)
     os.replace(tmp, path)
 

@@ -8,9 +8,11 @@ two shards in one process (the tests) or a user's own metrics never collide.
 """
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
+import time
 from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -104,10 +106,49 @@ def _histogram(h: dict, server: str) -> HistogramMetricFamily:
 
 
 MAX_CONNECTIONS = 8  # connections served at once: one thread each; more are closed at accept
-IDLE_S = 5.0  # a connection that sends no complete request in this long is dropped
+IDLE_S = 5.0  # a connection that sends no complete request in this long (in all) is dropped
+
+
+class _Deadline(io.RawIOBase):
+    """A connection's reads bounded in total, not per read: a client that sends a byte every few
+    seconds never trips a per-read timeout, and eight of them held every slot for good."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete request within {IDLE_S:g}s")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _Writer(io.RawIOBase):
+    """The reply, each write bounded by IDLE_S (sendall's timeout covers the whole call); the
+    reads may have left the socket a nearly spent timeout."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self._sock.settimeout(IDLE_S)
+        self._sock.sendall(data)
+        return len(data)
 
 
 class _Quiet(WSGIRequestHandler):
+    def setup(self):
+        super().setup()
+        self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + IDLE_S))
+        self.wfile = _Writer(self.connection)
+
     def log_message(self, format, *args):  # noqa: A002 - the base class's signature
         """Scrapes are not worth a log line each."""
 

@@ -123,7 +123,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
                store: tuple | None = None, namespace: str = "") -> Runtime:
     """Create the world group. ``store``/``namespace`` let several runtimes (e.g. the benchmark's
     backends side by side) share one bootstrap store."""
-    local = int(environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+    local = _env_int(environ, "LOCAL_WORLD_SIZE", spec.world_size)
     name, why = choose_backend(cfg.comm.backend, local)
     log.info("backend %s (%s)", name, why)
     timeout = cfg.comm.timeout_s
@@ -155,7 +155,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
             layout = _connect_zmq(backend, met, hellos, spec.rank)
             backend.barrier()
         elif name == "nccl":
-            gpu = devices.describe(int(environ.get("LOCAL_RANK", spec.rank)))
+            gpu = devices.describe(_env_int(environ, "LOCAL_RANK", spec.rank))
             table = rendezvous.exchange(store, spec.rank, spec.world_size, {**hello, "gpu": gpu}, timeout, namespace)
             layout = topology.from_hellos(table)
             why = devices.problems([peer["gpu"] for peer in table], layout)
@@ -180,6 +180,21 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     transport.counters.same_node = [layout.same_node(spec.rank, r) for r in range(spec.world_size)]
     return Runtime(cfg, world, transport, store, server, owns_store, topology=layout,
                    hellos=hellos if name == "zmq" else None, namespace=namespace, store_proxy=proxy)
+
+
+def _env_int(environ, name: str, default: int) -> int:
+    """A launcher's count (LOCAL_WORLD_SIZE, LOCAL_RANK) or ``default``; a ConfigError naming the
+    variable when it is not a non-negative integer (int() raised a bare ValueError here)."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r} is invalid; expected an integer >= 0 (set by the launcher)")
+    return value
 
 
 def _likely_partners(rank: int, n: int) -> set[int]:

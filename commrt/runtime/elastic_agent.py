@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from commrt.runtime.elastic import (BEAT_S, DONE, EXIT_LOST, EXIT_REPLACED, FAILED, IDLE, RUNNING, Policy, pack,
                                     unpack)
 from commrt.runtime.errors import RendezvousError
-from commrt.runtime.processes import _exited, _stop_everything
+from commrt.runtime.processes import _status, _stop_everything
 from commrt.runtime.store_core import ABORT, OK
 
 RETRY_S = BEAT_S / 5  # between store requests that failed at once
@@ -141,7 +141,8 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
     """Until generation ``g`` ends here: None to ask for the next one, or the node's Outcome."""
     next_check = 0.0
     while True:
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if _exited(p) and p.returncode != 0]
+        # _status does not reap: _stop_everything can still stop what a crashed rank left running
+        failed = [(i, rc) for i, p in enumerate(procs) if (rc := _status(p)) not in (None, 0)]
         if failed:
             i, rc = failed[0]
             code = 128 - rc if rc < 0 else rc
@@ -150,7 +151,7 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
             beater.set(state=FAILED, gen=g, rank=i, code=code)
             _await_stop(client, g, policy)
             return None
-        if all(_exited(p) for p in procs):
+        if all(_status(p) is not None for p in procs):
             beater.set(state=DONE, gen=g)
             return _await_finish(client, g, policy)
         now = time.monotonic()

@@ -54,8 +54,12 @@ def _stop_on_signals():
 
 
 
+MAX_LINE = 1 << 16  # a rank writing without newlines (progress bars, binary) is passed on in pieces
+
+
 def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
-    for raw in iter(stream.readline, b""):
+    # bounded reads: readline() alone held a rank's whole newline-free output in the launcher
+    for raw in iter(lambda: stream.readline(MAX_LINE), b""):
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
         with lock:
@@ -85,9 +89,30 @@ def _exited(p: subprocess.Popen) -> bool:
     return True
 
 
+def _status(p: subprocess.Popen) -> int | None:
+    """``p``'s exit code (negative: the signal) once it has ended, None while it runs, WITHOUT
+    reaping it: an unreaped child keeps its PID, so its process group (PGID = that PID, from
+    start_new_session) cannot be anyone else's, and what a crashed rank left running in it (a
+    data loader's workers) can still be stopped by ``_stop_all``. Watchers use this, not
+    ``Popen.poll``, which reaps; ``_stop_all`` reaps."""
+    if p.returncode is not None or not hasattr(os, "waitid"):  # macOS has no waitid: reap as before
+        _exited(p)
+        return p.returncode
+    try:
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        _exited(p)
+        return p.returncode
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    """``sig`` to the process group of every process not yet reaped, ended ones included (their
+    children may run on; an unreaped leader's PGID cannot have been reused)."""
     for p in procs:
-        if not _exited(p):
+        if p.returncode is None:
             try:
                 os.killpg(p.pid, sig)  # the rank's own group: it was started with a new session
             except ProcessLookupError:
@@ -104,8 +129,12 @@ def _stop_everything(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM to every group, GRACE_S for the processes to end, SIGKILL to every group (what
+    outlived its rank, or ignored SIGTERM), then reap."""
     _signal_all(procs, signal.SIGTERM)
-    _wait_exited(procs, GRACE_S)
+    deadline = time.monotonic() + GRACE_S
+    while not all([_status(p) is not None for p in procs]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     _signal_all(procs, signal.SIGKILL)
     _wait_exited(procs, REAP_S)
 

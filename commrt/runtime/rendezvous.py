@@ -58,18 +58,32 @@ def resolve(init_method: str | None, rank: int | None, world_size: int | None,
         port_s = environ.get("MASTER_PORT")
         if not host or not port_s:
             raise ConfigError("env:// needs MASTER_ADDR and MASTER_PORT")
-        port = int(port_s)
+        port = _port(port_s, f"MASTER_PORT={port_s!r}")
     elif init_method.startswith("tcp://"):
         url = urlparse(init_method)
-        if not url.hostname or not url.port:
-            raise ConfigError(f"init_method {init_method!r} must look like tcp://host:port")
-        host, port = url.hostname, url.port
+        try:  # urllib raises ValueError for a port that is not a number or beyond 65535
+            host, port = url.hostname, url.port
+        except ValueError:
+            host = port = None
+        if not host or not port:
+            raise ConfigError(f"init_method {init_method!r} must look like tcp://host:port (port 1-65535)")
     else:
         raise ConfigError(f"init_method {init_method!r} is invalid; valid: env:// or tcp://host:port")
     if world < 1 or not 0 <= rank_v < world:
         raise ConfigError(f"rank {rank_v} is invalid for world_size {world}")
     agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     return RendezvousSpec(lookup(host, "the rendezvous address (MASTER_ADDR)"), port, rank_v, world, agent)
+
+
+def _port(text: str, what: str) -> int:
+    """A TCP port 1-65535 from a variable's text, or a ConfigError naming the variable."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port <= 65535:
+        raise ConfigError(f"{what} is invalid; expected a port number 1-65535")
+    return port
 
 
 def lookup(host: str, what: str) -> str:

@@ -64,6 +64,18 @@ class _Wait:
     added: int | None = None
 
 
+def _prune(entries: list, wait_of=lambda entry: entry) -> bool:
+    """Drop the answered waits from a key's index when it doubles past 64 entries (amortised
+    O(1)): a timed-out wait stays indexed until its key arrives, so a client re-waiting in short
+    slices for a key that never comes (groups.read_when_published, every 0.2 s, for a rank that
+    died) grew rank 0's store without bound. True when it dropped some."""
+    n = len(entries)
+    if n < 64 or n & (n - 1):
+        return False
+    entries[:] = [e for e in entries if not wait_of(e).done]
+    return len(entries) < n
+
+
 class StoreCore:
     """The store's state and request logic. ``handle`` returns a reply, or None when it parked
     the request; parked ones come back from ``handle``'s and ``expire``'s ``answered`` lists as
@@ -160,7 +172,10 @@ class StoreCore:
         if w.abort_key is not None:
             self._by_abort.setdefault(w.abort_key, set()).add(w)
         if w.target is not None:
-            heapq.heappush(self._by_counter.setdefault(w.keys[0], []), (w.target, next(self._seq), w))
+            heap = self._by_counter.setdefault(w.keys[0], [])
+            heapq.heappush(heap, (w.target, next(self._seq), w))
+            if _prune(heap, lambda entry: entry[2]):
+                heapq.heapify(heap)
         heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
         return None
 
@@ -173,7 +188,9 @@ class StoreCore:
             w.next += 1
         if w.next == len(w.keys):
             return True
-        self._by_key.setdefault(w.keys[w.next], []).append(w)
+        waits = self._by_key.setdefault(w.keys[w.next], [])
+        waits.append(w)
+        _prune(waits)
         return False
 
     @staticmethod

@@ -265,3 +265,50 @@ def test_train_lm_bytes_per_step_do_not_depend_on_the_step_count():
         assert len(found) == 1, text
         per_step.append(float(found[0]))
     assert per_step[0] > 0 and per_step[0] == per_step[1], per_step
+
+
+_LEAVES_A_CHILD = """
+import os, subprocess, sys, time
+if os.environ["RANK"] == "0":  # a data-loader-like child in the rank's own process group
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+    os._exit(3)  # a crash: no cleanup of the child (an OOM kill looks the same)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_crashed_ranks_children_do_not_outlive_the_launch(tmp_path):
+    """Found in the hardening review (wtT4): the launcher signals each rank's process group only
+    while the rank itself runs; a rank that crashed left what it had started running for good
+    (orphans holding memory, GPUs, ports). Now every group is stopped, the crashed rank's too."""
+    pid_file = tmp_path / "child.pid"
+    result = launch(2, [sys.executable, "-c", _LEAVES_A_CHILD, str(pid_file)], out=io.StringIO(), env=ENV,
+                    timeout_s=30)
+    assert (result.returncode, result.failed_rank) == (3, 0)
+    child = int(pid_file.read_text())
+    try:
+        assert not _alive(child), "rank 0's child outlived the launch"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_output_without_newlines_is_passed_on_in_bounded_pieces():
+    """Found in the hardening review (wtT4): the output pump read with readline() unbounded, so a
+    rank writing without newlines (a progress bar, binary) was held whole in the launcher's memory
+    (and kept in its tail of last lines) until the rank ended."""
+    from commrt.runtime.processes import MAX_LINE
+    out = io.StringIO()
+    program = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stdout.flush()"
+    assert launch(1, [sys.executable, "-c", program], out=out, env=ENV, timeout_s=30).returncode == 0
+    lines = out.getvalue().splitlines()
+    assert max(len(l) for l in lines) <= MAX_LINE + len("[rank 0] ")
+    assert sum(l.count("x") for l in lines) == 1 << 20

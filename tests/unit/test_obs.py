@@ -187,3 +187,90 @@ def test_verbose_logs_one_json_line_per_op(caplog):
             ("broadcast", 80, "float64", "completed", 1)
     finally:
         obs.close()
+
+
+@pytest.mark.parametrize("record", [
+    {"version": 1, "groups": []},  # no rank
+    {"version": 1, "rank": 0, "groups": [{"id": 0}]},  # a group without its members and entries
+    {"version": 1, "rank": 0, "groups": [{"id": 0, "ranks": [0], "last_seq": 1, "entries": [{"seq": 1}]}]},
+])
+def test_an_incomplete_flight_record_is_named_not_a_keyerror(tmp_path, record):
+    """Found in the hardening review (wtT4): read_dumps checked the version only, and
+    `commrt flight-record` then died with a KeyError from inside the analysis."""
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="rank0.json: not a complete commrt flight record"):
+        flight.read_dumps(str(tmp_path))
+
+
+def test_trace_merge_of_a_template_in_a_missing_directory_says_so(tmp_path):
+    from commrt.cli import main
+    with pytest.raises(SystemExit, match="commrt trace-merge: .*No such file"):
+        main(["trace-merge", str(tmp_path / "out.json"), str(tmp_path / "nowhere" / "trace.json")])
+
+
+def test_trace_and_flight_files_are_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    """Found in the hardening review (wtT4): the atomic writes opened a predictable temporary name
+    (path.tmp<pid>[.<n>]) with open(..., "w"), which follows a symlink: in a shared directory
+    another user could plant one and have the rank overwrite any file of its owner's."""
+    import itertools
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = str(tmp_path / "trace.json")
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    trace.write(path, [])
+    monkeypatch.setattr(flight, "_TMP_IDS", itertools.count())
+    os.symlink(victim, f"{flight.dump_path(str(tmp_path), 0)}.tmp{os.getpid()}.0")
+    flight.write_dump(str(tmp_path), {"rank": 0, "version": 1, "groups": []})
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(path) and json.loads(open(path).read())["traceEvents"] == []
+    assert not os.path.islink(flight.dump_path(str(tmp_path), 0))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STOPPED_RANK = """
+import os, signal, sys, time, types
+from commrt.obs.observer import Observer
+from commrt.runtime.config import load_config
+obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": sys.argv[1],
+                                          "COMMRT_LOG_TRACE_FILE": sys.argv[1] + "/trace.json"}), 2, 3)
+g = types.SimpleNamespace(group_id=0, ranks=(0, 1, 2), rank=2, backend=types.SimpleNamespace(name="zmq"))
+obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
+obs.begin(g, "all_reduce", 400, "float32")  # waiting for a peer that died, when the launcher stops us
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+sys.exit(3)  # not reached: SIGTERM still ends the process
+"""
+
+
+def test_a_rank_stopped_with_sigterm_leaves_its_flight_record(tmp_path):
+    """Found in the hardening review (wtT4): `commrt launch` stops the other ranks with SIGTERM
+    within milliseconds of one dying, before their heartbeats tell them, so a job whose rank died
+    left no flight record at all (the multirank flight tests run with stop_on_failure=False).
+    Now the record is written, and the process still ends by SIGTERM."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _STOPPED_RANK, str(tmp_path)], timeout=60, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    (dump,) = flight.read_dumps(str(tmp_path))
+    assert dump["rank"] == 2 and dump["reason"].startswith("SIGTERM")
+    assert [(e["seq"], e["state"]) for e in dump["groups"][0]["entries"]] == [(1, "completed"), (2, "started")]
+    assert [e["args"]["seq"] for e in trace.load(str(tmp_path / "trace.rank2.json")) if e["ph"] == "X"] == [1]
+
+
+def test_closing_leaves_a_signal_handler_the_program_set_since_alone(tmp_path):
+    """Found in the hardening review (wtT4): close() put SIG_DFL back unconditionally, so a
+    handler the program installed after init (a checkpoint on SIGUSR1 or SIGTERM) was dropped
+    at destroy_process_group."""
+    cfg = load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": str(tmp_path)})
+    obs = Observer(cfg, 0, 1)
+    mine = lambda signum, frame: None  # noqa: E731
+    try:
+        assert signal.getsignal(signal.SIGTERM) == obs._on_term
+        signal.signal(signal.SIGUSR1, mine)
+        obs.close()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # ours: given back
+    finally:
+        obs.close()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)

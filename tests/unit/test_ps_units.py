@@ -418,3 +418,47 @@ def test_metrics_server_threads_stay_bounded_under_idle_connections():
         for s in idle:
             s.close()
         server.close()
+
+
+def test_metrics_server_drops_connections_that_drip_their_request(monkeypatch):
+    """Found in the hardening review (wtT4): IDLE_S bounded each read, not the request, so
+    MAX_CONNECTIONS clients sending a byte now and then held every slot for good and no scrape
+    got through. Now a request must be complete within IDLE_S in all."""
+    import socket
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from commrt.ps import metrics
+    monkeypatch.setattr(metrics, "IDLE_S", 0.5)
+    server = metrics.MetricsServer(lambda: {"server": 0}, "127.0.0.1", 0)
+    slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(metrics.MAX_CONNECTIONS)]
+    stop = threading.Event()
+
+    def drip():  # one byte per connection every 0.2 s: never idle for IDLE_S
+        while not stop.wait(0.2):
+            for s in slow:
+                try:
+                    s.send(b"G")
+                except OSError:
+                    pass
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=2):
+                    break
+            except urllib.error.HTTPError:  # answered (the partial stats make the collector fail)
+                break
+            except OSError:  # refused at accept while the slots are held
+                assert time.monotonic() < deadline, "the dripping connections held every slot"
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        dripper.join(2)
+        for s in slow:
+            s.close()
+        server.close()

@@ -257,3 +257,21 @@ def test_a_huge_world_size_gets_the_real_cause(transport):
     finally:
         client.close()
         server.close()
+
+
+def test_waits_that_timed_out_do_not_pile_up_in_the_store():
+    """Found in the hardening review (wtT4): a timed-out wait stayed in its key's index until the
+    key arrived, so a client re-waiting in short slices for a key that never comes (a dead rank's
+    address, groups.read_when_published: every 0.2 s) grew rank 0's store without bound."""
+    core = StoreCore()
+    for i in range(10_000):  # one second a slice: exact in floating point
+        assert _req(core, "wait", ["never"], None, 1.0, now=float(i)) is None
+        assert _req(core, "wait_count", "n", 5, None, 1.0, now=float(i)) is None
+        core.expire(i + 1.0)
+    assert len(core.take_answered()) == 20_000
+    assert len(core._by_key["never"]) <= 128 and len(core._by_counter["n"]) <= 128
+    assert _req(core, "wait", ["never"], None, 1.0, now=1e4, token="late") is None  # live ones still answer
+    assert _req(core, "wait_count", "n", 1, None, 1.0, now=1e4, token="count") is None
+    _req(core, "set", "never", b"!")
+    _req(core, "add", "n", 1)
+    assert core.take_answered() == [("late", [OK, [b"!"]]), ("count", [OK, 1])]

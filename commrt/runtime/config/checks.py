@@ -4,6 +4,7 @@ environment, an argument or a ``Config(...)`` built in code."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -11,6 +12,7 @@ from commrt.runtime.errors import ConfigError
 
 MAX_TIMEOUT_S = 1_000_000.0  # ~11.6 days; ZeroMQ takes timeouts as int32 milliseconds (~24.8 days)
 MAX_HEARTBEAT_S = 3600.0  # 3 heartbeats (the timeout) in int32 milliseconds, with room to spare
+MAX_BYTES = 1 << 62  # byte sizes end up in int64 socket options (ZMQ_MAXMSGSIZE) and offsets
 
 
 class FieldError(ConfigError):
@@ -50,9 +52,26 @@ def check_choice(section: str, name: str, value: Any, valid: tuple) -> None:
         raise invalid(section, name, value, f"valid: {list(valid)}")
 
 
+def _finite(value: float) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)  # ints are; big ones overflow isfinite
+
+
 def check_positive(section: str, name: str, value: float) -> None:
-    if not value > 0:
-        raise invalid(section, name, value, "it must be > 0")
+    """> 0 and finite (an infinite learning rate passed ``> 0``)."""
+    if not (value > 0 and _finite(value)):
+        raise invalid(section, name, value, "it must be > 0 and finite")
+
+
+def check_non_negative(section: str, name: str, value: float) -> None:
+    """>= 0 and finite: NaN fails every comparison, so ``value < 0`` let it through."""
+    if not (value >= 0 and _finite(value)):
+        raise invalid(section, name, value, "it must be >= 0 and finite")
+
+
+def check_bytes(section: str, name: str, value: int) -> None:
+    """A byte size: > 0 and within int64, where it ends up (2**70 failed in setsockopt, later)."""
+    if not 0 < value <= MAX_BYTES:
+        raise invalid(section, name, value, f"it must be > 0 and <= {MAX_BYTES} (2**62)")
 
 
 def check_at_least(section: str, name: str, value: float, least: float) -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commrt.runtime.config.checks import (MAX_HEARTBEAT_S, MAX_TIMEOUT_S, check_at_least, check_choice,
-                                          check_positive, check_seconds, check_types, invalid)
+from commrt.runtime.config.checks import (MAX_HEARTBEAT_S, MAX_TIMEOUT_S, check_at_least, check_bytes,
+                                          check_choice, check_seconds, check_types, invalid)
 
 BACKEND_NAMES = ("auto", "zmq", "gloo", "nccl")
 HIERARCHICAL_MODES = ("auto", "always", "never")
@@ -122,7 +122,7 @@ class CommConfig:
         check_choice("comm", "intra_node", self.intra_node, INTRA_NODE_MODES)
         parse_algorithms(self.algorithms)
         for name in ("chunk_bytes", "small_bytes", "max_frame_bytes"):
-            check_positive("comm", name, getattr(self, name))
+            check_bytes("comm", name, getattr(self, name))
         check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
         check_seconds("comm", "heartbeat_s", self.heartbeat_s, MAX_HEARTBEAT_S)
         if self.max_frame_bytes < self.chunk_bytes + 4096:

@@ -80,15 +80,17 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8: a binary or Latin-1 file fails while decoding
+        raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text ({exc})") from None
 
 
 def _from_file(path, merged: dict, sources: Sources) -> None:
     for section, body in read_file(path).items():
         if section not in SECTION_TYPES and section not in OTHER_SECTIONS:
             raise ConfigError(f"{path}: unknown section [{section}]; valid: {list(SECTION_TYPES) + list(OTHER_SECTIONS)}")
+        if not isinstance(body, dict):  # [train] too: its own layer reads it as a table
+            raise ConfigError(f"[{section}] must be a table in {path}")
         if section in SECTION_TYPES:
-            if not isinstance(body, dict):
-                raise ConfigError(f"[{section}] must be a table in {path}")
             merged[section].update(body)
             sources.update({(section, k): f"file {path}" for k in body})
 
@@ -114,6 +116,8 @@ def load_with_sources(
     for section, body in (overrides or {}).items():
         if section not in SECTION_TYPES:
             raise ConfigError(f"unknown section '{section}'; valid: {list(SECTION_TYPES)}")
+        if not isinstance(body, Mapping):  # {"comm": "zmq"} died on .items()
+            raise ConfigError(f"overrides['{section}'] must be a mapping of its settings, got {body!r:.60}")
         given = {k: v for k, v in body.items() if v is not None}
         merged[section].update(given)
         sources.update({(section, k): "argument" for k in given})

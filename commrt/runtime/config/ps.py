@@ -3,12 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commrt.runtime.config.checks import (MAX_TIMEOUT_S, check_choice, check_positive, check_seconds,
-                                          check_types, invalid)
+from commrt.runtime.config.checks import (MAX_TIMEOUT_S, check_bytes, check_choice, check_non_negative,
+                                          check_positive, check_seconds, check_types, invalid)
 
 PS_MODES = ("sync", "async", "ssp")
 PS_OPTIMIZERS = ("sgd", "adamw", "lamb")
 PS_ON_WORKER_LOSS = ("error", "continue")
+
+
+def _endpoint(addr: str) -> bool:
+    """``tcp://host:port`` with a port ZeroMQ can use: 'tcp://h:abc' failed later as a bare
+    ZMQError from connect, and 'tcp://h:99999' as a server that never answers."""
+    if not addr.startswith("tcp://"):
+        return False
+    host, colon, port = addr[6:].rpartition(":")
+    return bool(host and colon and port.isdecimal() and 0 < int(port) <= 65535)
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,14 @@ class PsConfig:
         check_choice("ps", "mode", self.mode, PS_MODES)
         check_choice("ps", "optimizer", self.optimizer, PS_OPTIMIZERS)
         check_choice("ps", "on_worker_loss", self.on_worker_loss, PS_ON_WORKER_LOSS)
-        for name in ("lr", "max_segment_bytes", "checkpoint_every", "max_log_bytes"):
-            check_positive("ps", name, getattr(self, name))
+        check_positive("ps", "lr", self.lr)
+        check_positive("ps", "checkpoint_every", self.checkpoint_every)
+        for name in ("max_segment_bytes", "max_log_bytes"):
+            check_bytes("ps", name, getattr(self, name))
         for name in ("timeout_s", "retry_s", "worker_timeout_s"):
             check_seconds("ps", name, getattr(self, name), MAX_TIMEOUT_S)
         for name in ("workers", "initial_workers", "staleness", "momentum", "weight_decay", "eps"):
-            if getattr(self, name) < 0:
-                raise invalid("ps", name, getattr(self, name), "must be >= 0")
+            check_non_negative("ps", name, getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise invalid("ps", name, getattr(self, name), "must be in [0, 1)")
@@ -93,6 +103,6 @@ class PsConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise invalid("ps", "metrics_port", self.metrics_port, "valid: 0 (off) to 65535")
         for addr in self.servers:
-            if not addr.startswith("tcp://") or ":" not in addr[6:]:
-                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port'")
+            if not _endpoint(addr):
+                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port' (port 1-65535)")
 
