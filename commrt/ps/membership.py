@@ -66,26 +66,26 @@ class Membership:
         stuck = self.waiting.older_than(now - self.cfg.worker_timeout_s)
         if not stuck or self.failure is not None:
             return []
+        out: list[P.Routed] = []  # filled as it goes: a failed write keeps the answers made before it
         try:
-            return self._on_stuck(stuck, now)
+            return self._on_stuck(stuck, now, out)
         except StorageFailed as exc:
-            return self._fail(str(exc))
+            return out + self._fail(str(exc), out)
 
-    def _on_stuck(self, stuck: list[Parked], now: float) -> list[P.Routed]:
+    def _on_stuck(self, stuck: list[Parked], now: float, out: list[P.Routed]) -> list[P.Routed]:
         missing = self._laggards(stuck)
         if self.cfg.on_worker_loss == "continue" and missing and self.state.initialized:
             log.warning("server %d: dropping worker(s) %s (silent for %gs); continuing without them",
                         self.index, missing, self.cfg.worker_timeout_s)
             self.state.dropped.update(missing)
             self._log({"k": "d", "w": missing}, [])
-            out = [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
-                   if p.req.worker in self.state.dropped]
-            return out + self._progress(now)
+            out += [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
+                    if p.req.worker in self.state.dropped]
+            return self._progress(now, out)
         if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
             # the step cannot complete now: answer all of its pushes at once, naming the same workers
             # (a push answered a tick before another would be named as missing by the later one)
             stuck += [p for (_, step), p in self.pushes.items() if step == self.state.version and p not in stuck]
-        out = []
         for p in stuck:
             msg = (f"server {self.index}: {P.OP_NAMES[p.req.op]} step {p.req.step} of worker "
                    f"{p.req.worker} waited {self.cfg.worker_timeout_s:g}s for worker(s) {missing}")

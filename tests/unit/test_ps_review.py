@@ -1,0 +1,90 @@
+"""A review of the parameter server's request logic for defects a user would hit (each case
+names what it found). Fed frames directly, no sockets, as test_ps_hardening does."""
+import numpy as np
+import pytest
+
+from commrt.optim import rules as optim
+from commrt.runtime.config import PsConfig
+from commrt.ps import protocol as P
+from commrt.ps.core import ServerCore
+from commrt.ps.state import ShardState
+
+SEGS = [["w", 0, 4, 1], ["w", 4, 6, 1]]
+SHAPES = [["w", [6]]]
+
+
+def _replies(out):
+    return [(r.ident, P.decode_reply(r.frames[0])) for r in out]
+
+
+def _core(mode="sync", workers=2, **kw):
+    cfg = PsConfig(servers=("tcp://127.0.0.1:1",), workers=workers, mode=mode, lr=0.5, **kw)
+    core = ServerCore(cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), workers))
+    v = np.arange(6, dtype=np.float32)
+    seed = [P.encode_request(P.INIT, 0, 0, 1, [True, SEGS, SHAPES]), v[:4].tobytes(), v[4:].tobytes()]
+    assert _replies(core.handle(b"w0", seed, 0.0))[0][1].status == P.OK
+    for w in range(1, workers):
+        out = core.handle(f"w{w}".encode(), [P.encode_request(P.INIT, w, 0, 1, [False, SEGS, SHAPES])], 0.0)
+        assert _replies(out)[0][1].status == P.OK
+    return core
+
+
+def _push(core, worker, step, rid, op=P.PUSH, now=0.0):
+    g = np.ones(6, dtype=np.float32)
+    head = P.encode_request(op, worker, step, rid, [0, 1])
+    return _replies(core.handle(f"w{worker}".encode(), [head, g[:4].tobytes(), g[4:].tobytes()], now))
+
+
+# -- a failed durable write answers every worker it leaves waiting -------------------------------
+
+
+def _fail_log_writes(core, after: int = 0):
+    """The log's (after+1)-th append and every later one fail as on a full disk."""
+    real, calls = core.wal.append, [0]
+
+    def append(*args):
+        calls[0] += 1
+        if calls[0] > after:
+            raise OSError(28, "No space left on device")
+        return real(*args)
+    core.wal.append = append
+
+
+def _one_failed_reply_each(out, expected):
+    """Each (ident, req_id) in ``expected`` is answered exactly once, with FAILED naming the cause."""
+    got = sorted((ident, r.req_id) for ident, r in out)
+    assert got == sorted(expected), out
+    assert all(r.status == P.FAILED and "No space left" in r.body[0] for _, r in out), out
+
+
+def test_a_failed_log_write_in_a_sync_step_answers_every_pusher(tmp_path):
+    """Worker 0's push_pull waits for worker 1; worker 1's push completes the step, whose log
+    write fails. Worker 0's request had been taken out of the parked set for the update, so
+    _fail did not see it: worker 0 got no reply, the shard stopped, and it waited out timeout_s
+    to learn only that the server went silent."""
+    core = _core(checkpoint_dir=str(tmp_path))
+    assert _push(core, 0, 0, rid=5, op=P.PUSHPULL) == []
+    _fail_log_writes(core)
+    _one_failed_reply_each(_push(core, 1, 0, rid=6), [(b"w0", 5), (b"w1", 6)])
+    assert core.failure is not None and core.state.version == 0
+
+
+def test_a_failed_log_write_found_by_the_worker_loss_policy_answers_every_pusher(tmp_path):
+    """The same from tick(): worker 2 is dropped, the step of workers 0 and 1 then completes and
+    its log write fails."""
+    core = _core(workers=3, checkpoint_dir=str(tmp_path), worker_timeout_s=1.0, on_worker_loss="continue")
+    assert _push(core, 0, 0, rid=5) == [] and _push(core, 1, 0, rid=6) == []
+    _fail_log_writes(core, after=1)  # the drop's record is written, the update's is not
+    _one_failed_reply_each(_replies(core.tick(2.0)), [(b"w0", 5), (b"w1", 6)])
+
+
+def test_a_failed_log_write_keeps_the_answers_already_made(tmp_path):
+    """Async: worker 0's step 1 arrived first and waits for its step 0; step 0 arrives, is
+    applied and acknowledged, then step 1's log write fails. The acknowledgement made in the same
+    call was thrown away with the exception, so step 0's push got no answer at all."""
+    core = _core(mode="async", workers=1, checkpoint_dir=str(tmp_path))
+    assert _push(core, 0, 1, rid=5) == []
+    _fail_log_writes(core, after=1)  # step 0's update is logged, step 1's is not
+    out = _push(core, 0, 0, rid=6)
+    assert sorted((i, r.req_id, r.status) for i, r in out) == [(b"w0", 5, P.FAILED), (b"w0", 6, P.OK)], out
+    assert core.state.version == 1
