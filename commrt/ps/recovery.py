@@ -90,6 +90,12 @@ class Durability:
         except OSError as exc:
             raise _failed("checkpoint write", exc) from exc
 
+    def close(self) -> None:
+        """Close the log (the shard stops; a later resume reopens it)."""
+        if self.wal is not None:
+            self.wal.close()
+            self.wal = None
+
     def checkpoint_if_due(self) -> None:
         if not self.ckpt_path:
             return

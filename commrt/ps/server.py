@@ -115,6 +115,7 @@ class Server:
             log.error("server %d: %s", self.core.index, exc)
             return EXIT_STORAGE
         finally:
+            self.core.close()
             self.sock.close()
             self.transport.close()
             if self.metrics is not None:

@@ -88,3 +88,38 @@ def test_a_failed_log_write_keeps_the_answers_already_made(tmp_path):
     out = _push(core, 0, 0, rid=6)
     assert sorted((i, r.req_id, r.status) for i, r in out) == [(b"w0", 5, P.FAILED), (b"w0", 6, P.OK)], out
     assert core.state.version == 1
+
+
+# -- the shard's files are released on every exit path -------------------------------------------
+
+
+def _open_fds_to(path) -> int:
+    import os
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path))
+
+
+def _checkpointed(tmp_path, **ps):
+    """A config whose shard 0 has a checkpoint in tmp_path (written by a core seeded directly)."""
+    from commrt.launch import free_port
+    from commrt.runtime.config import load_config
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1,
+                                        "checkpoint_dir": str(tmp_path), **ps},
+                                 "security": {"mode": "none"}}, environ={})
+    core = ServerCore(cfg.ps, 0, ShardState(optim.OptimSpec("sgd", lr=0.01), 1))
+    v = np.arange(6, dtype=np.float32)
+    core.handle(b"w0", [P.encode_request(P.INIT, 0, 0, 1, [True, SEGS, SHAPES]), v[:4].tobytes(), v[4:].tobytes()], 0.0)
+    core.close()
+    return cfg
+
+
+def test_a_stopped_shard_closes_its_log(tmp_path):
+    """The write-ahead log was opened by the first checkpoint and never closed: every shard a
+    process ran (tests, an embedding application) kept its file open until garbage collection."""
+    from commrt.ps.server import Server
+    cfg = _checkpointed(tmp_path)
+    server = Server(cfg, 0, resume=True)
+    assert _open_fds_to(tmp_path / "server-0.wal") == 1
+    assert server.serve(duration_s=0.05) == 0
+    assert _open_fds_to(tmp_path / "server-0.wal") == 0
+
