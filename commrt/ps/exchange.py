@@ -164,6 +164,11 @@ class Exchange:
                 self._send_request(k, entry, op, step, what)
                 continue
             del pending[k]
+            try:
+                P.check_reply(op, reply)
+            except ProtocolError as exc:
+                raise ProtocolError(f"worker {self.worker}: server {k} at {self.cfg.ps.servers[k]}, "
+                                    f"{what} step {step}: {exc}") from None
             self._check_reply(k, reply, what, step)
             done[k] = (reply, frames[1:])
 

@@ -123,3 +123,51 @@ def test_a_stopped_shard_closes_its_log(tmp_path):
     assert server.serve(duration_s=0.05) == 0
     assert _open_fds_to(tmp_path / "server-0.wal") == 0
 
+
+
+# -- a malformed reply is a typed error naming the server ----------------------------------------
+
+
+@pytest.mark.parametrize("status,body", [
+    (P.OK, [0]),                     # an init answer too short
+    (P.OK, {"a": 1}),                # not a list
+    (P.OK, [0, "0", True, 0]),       # a clock that is not a number
+    (P.ERROR, []),                   # a refusal without its reason
+    (P.LOST, ["gone", ["x"]]),       # a lost worker that is not a worker id
+    (P.FAILED, [7]),
+])
+def test_a_malformed_reply_is_a_protocol_error_naming_the_server(status, body):
+    """A reply whose header decodes but whose body does not fit its status and op (a buggy or
+    foreign server) escaped as IndexError/TypeError/KeyError from deep inside the client."""
+    import threading
+
+    import torch
+    import zmq
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import ProtocolError
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    cfg = load_config(overrides={"ps": {"servers": [addr], "workers": 1, "timeout_s": 10},
+                                 "security": {"mode": "none"}}, environ={})
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(addr)
+
+    def answer_once():
+        if server.poll(10_000):
+            ident, head, *_ = server.recv_multipart()
+            server.send_multipart([ident, P.encode_reply(status, P.decode_request(head).req_id, body)])
+    fake = threading.Thread(target=answer_once, daemon=True)
+    fake.start()
+    client = PSClient(cfg, worker=1)
+    try:
+        with pytest.raises(ProtocolError, match="server 0"):
+            client.init({"w": torch.zeros(6)})
+    finally:
+        client.close()
+        fake.join(10)
+        server.close()
+        ctx.term()
