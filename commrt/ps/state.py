@@ -50,10 +50,12 @@ class ShardState:
         self.late: set[int] = set()  # late joiners ([ps] initial_workers) not admitted yet
         self.joined: set[int] = set()  # workers whose init matched the seed: only they may push/pull
         self.staleness: collections.Counter = collections.Counter()
+        self._seeded = False
 
     @property
     def initialized(self) -> bool:
-        return bool(self.segs)
+        """Seeded (or loaded); a shard may hold no segment at all (fewer keys than shards)."""
+        return self._seeded
 
     def active(self) -> list[int]:
         """The members: the workers this shard counts (sync steps, the SSP bound, laggards)."""
@@ -76,6 +78,7 @@ class ShardState:
         self.params = [torch.from_numpy(v.copy()) for v in values]
         self.opt = [optim.init_state(self.spec, p) for p in self.params]
         self.steps = [0] * len(segs)
+        self._seeded = True
 
     def apply(self, ids: list[int], grads: list[torch.Tensor]) -> None:
         """One optimizer update of the given segments (LAMB: norms per whole tensor)."""

@@ -171,3 +171,44 @@ def test_a_malformed_reply_is_a_protocol_error_naming_the_server(status, body):
         fake.join(10)
         server.close()
         ctx.term()
+
+
+# -- a shard that holds no key -------------------------------------------------------------------
+
+
+def _over_shards(shards, worker, op, step, bodies_frames):
+    """One call of a worker on every shard (a PSClient call): the replies, in shard order."""
+    out = []
+    for k, core in enumerate(shards):
+        body, frames = bodies_frames[k]
+        out += _replies(core.handle(f"w{worker}".encode(), [P.encode_request(op, worker, step, 9, body), *frames], 0.0))
+    return out
+
+
+def test_more_shards_than_keys_train_like_one_process():
+    """One 1-element tensor over 3 shards: shards 1 and 2 hold no segment. Such a shard took the
+    seed's (empty) description as 'not initialised', so the other worker's init waited for a
+    seed that had come, and every push (each reaches every shard) was refused."""
+    from commrt.ps.partition import TensorSpec, partition
+    n, workers, lr = 3, 2, 0.5
+    segs = partition([TensorSpec("w", 1, 4, 1)], n, 1 << 20)
+    assert [s.server for s in segs] == [0]
+    desc = [[[s.name, s.start, s.stop, s.dtype] for s in segs if s.server == k] for k in range(n)]
+    cfg = PsConfig(servers=tuple(f"tcp://127.0.0.1:{k + 1}" for k in range(n)), workers=workers, lr=lr)
+    shards = [ServerCore(cfg, k, ShardState(optim.OptimSpec("sgd", lr=lr), workers)) for k in range(n)]
+    w0 = np.array([3.0], dtype=np.float32)
+    for w in range(workers):
+        init = [([w == 0, desc[k], [["w", [1]]]], [w0.tobytes()] if desc[k] and w == 0 else []) for k in range(n)]
+        replies = _over_shards(shards, w, P.INIT, 0, init)
+        assert [r.status for _, r in replies] == [P.OK] * n, replies
+    expected = w0.copy()
+    for step in range(3):
+        grads = [np.array([step + w + 1.0], dtype=np.float32) for w in range(workers)]
+        replies = []
+        for w in range(workers):
+            calls = [([0] if desc[k] else [], [grads[w].tobytes()] if desc[k] else []) for k in range(n)]
+            replies += _over_shards(shards, w, P.PUSHPULL, step, calls)
+        assert len(replies) == n * workers and all(r.status == P.OK for _, r in replies), replies
+        expected -= lr * (grads[0] + grads[1]) / 2
+        np.testing.assert_allclose(shards[0].state.params[0].numpy(), expected)
+    assert [s.state.version for s in shards] == [3, 3, 3]
