@@ -100,8 +100,14 @@ class Membership:
         if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
             return [w for w in self.state.active() if (w, self.state.version) not in self.pushes]
         bound = self.cfg.staleness if self.cfg.mode == "ssp" else 0
-        need = max((p.req.step if p.grads is not None else p.clock) - bound for p in stuck)
-        return [w for w in self.state.active() if self.state.clocks[w] < need]
+        blamed: set[int] = set()
+        for p in stuck:
+            if p.grads is not None and p.req.step > self.state.clocks[p.req.worker]:
+                blamed.add(p.req.worker)  # it waits for its own earlier step first, nobody else
+            elif self.cfg.mode != "async":  # async waits for nobody else
+                need = (p.req.step if p.grads is not None else p.clock) - bound
+                blamed.update(w for w in self.state.active() if self.state.clocks[w] < need)
+        return sorted(blamed)
 
 
     # -- joining a running job (see the module docstring) ----------------------------------

@@ -212,3 +212,21 @@ def test_more_shards_than_keys_train_like_one_process():
         expected -= lr * (grads[0] + grads[1]) / 2
         np.testing.assert_allclose(shards[0].state.params[0].numpy(), expected)
     assert [s.state.version for s in shards] == [3, 3, 3]
+
+
+# -- the worker-loss policy blames whom a request waits for ---------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_push_waiting_for_its_own_earlier_step_blames_only_its_worker(mode):
+    """Worker 0's step 2 arrived without its step 1 (a buggy client, or one whose push was lost);
+    worker 1 is idle at step 0, which async mode never waits for (nor SSP with s = 5). The policy
+    blamed every worker whose clock was below 2: under on_worker_loss = continue the healthy
+    worker 1 was dropped, and its next request refused."""
+    core = _core(mode=mode, staleness=5, worker_timeout_s=1.0, on_worker_loss="continue")
+    assert _push(core, 0, 0, rid=5)[0][1].status == P.OK
+    assert _push(core, 0, 2, rid=6) == []
+    out = _replies(core.tick(2.0))
+    assert [(i, r.status) for i, r in out] == [(b"w0", P.ERROR)] and "dropped" in out[0][1].body[0], out
+    assert core.state.dropped == {0}
+    assert _push(core, 1, 0, rid=7)[0][1].status == P.OK
