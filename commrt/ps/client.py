@@ -126,6 +126,12 @@ class PSClient(Exchange):
             body = [seed, [[segments[g].name, segments[g].start, segments[g].stop, segments[g].dtype]
                            for g in glob], shapes]
             reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
+        for k, (body, _) in reqs.items():  # the server would drop it unread: say why here
+            try:
+                P.decode_request(P.encode_request(P.INIT, self.worker, self.step, 0, body))
+            except ProtocolError as exc:
+                raise RequestRejected(None, "ps.init", f"server {k}'s part of the description is over "
+                                      f"the protocol's limits: {exc}") from None
         self.segments, self._init_error = [], None
         try:
             step = self._join(self._exchange(P.INIT, self.step, reqs))

@@ -230,3 +230,68 @@ def test_a_push_waiting_for_its_own_earlier_step_blames_only_its_worker(mode):
     assert [(i, r.status) for i, r in out] == [(b"w0", P.ERROR)] and "dropped" in out[0][1].body[0], out
     assert core.state.dropped == {0}
     assert _push(core, 1, 0, rid=7)[0][1].status == P.OK
+
+
+# -- a request the server never reads ends the call ----------------------------------------------
+
+
+def test_a_request_over_the_servers_frame_limit_is_refused_not_re_sent_for_ever():
+    """The worker's [ps] max_segment_bytes is larger than the server's: the seed's frame is over
+    the server's limit, ZeroMQ drops the connection, the next ping is answered 'unknown' and
+    the client sent the request again, for ever (a hang with no deadline: the pings kept the
+    server 'heard'). Now a few copies lost in a row end the call with RequestRejected."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import RequestRejected
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1,
+                                        "timeout_s": 10, "retry_s": 0.1, "max_segment_bytes": 1024},
+                                 "security": {"mode": "none"}}, environ={})
+    server = Server(cfg, 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    client = PSClient(dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, max_segment_bytes=8 << 20)), worker=0)
+    outcome = []
+
+    def init():
+        try:
+            client.init({"w": torch.zeros((4 << 20) // 4 + 1024)})  # one frame, 1 KiB over the limit there
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
+            outcome.append(exc)
+    caller = threading.Thread(target=init, daemon=True)
+    caller.start()
+    caller.join(30)
+    try:
+        assert not caller.is_alive(), "the call is still re-sending after 30 s"
+        assert len(outcome) == 1 and isinstance(outcome[0], RequestRejected), outcome
+        assert "max_segment_bytes" in str(outcome[0]) and "server 0" in str(outcome[0])
+    finally:
+        server.stop()
+        serving.join(10)
+        if not caller.is_alive():
+            client.close()
+
+
+def test_an_init_over_the_protocols_limits_is_refused_before_sending():
+    """A parameter name longer than the protocol's limit made the server drop the init as
+    malformed, unread; the client said nothing clear about why."""
+    import torch
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import RequestRejected
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1,
+                                        "timeout_s": 5}, "security": {"mode": "none"}}, environ={})
+    client = PSClient(cfg, worker=0)  # nobody listens: the refusal must come before any send
+    try:
+        with pytest.raises(RequestRejected, match=f"refused before sending.*{P.MAX_NAME}"):
+            client.init({"n" * (P.MAX_NAME + 1): torch.zeros(2)})
+    finally:
+        client.close()
