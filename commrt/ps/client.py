@@ -55,6 +55,7 @@ class PSClient(Exchange):
         self._local: list[list[int]] = []  # per server: global segment index of each local id
         self._init_error: str | None = None
         self._ids = itertools.count(1)
+        self._closing = False  # set by close(): a call in flight gives up within a poll slice
         self._exec = Executor(f"ps-worker{worker}")  # its lock owns the sockets
         self.transport = Transport(self.cfg, f"rank{worker}")
         self._socks: list[zmq.Socket] = []
@@ -100,9 +101,10 @@ class PSClient(Exchange):
         return self._exec.run("ps.stats", ask, self.cfg.ps.timeout_s * 10)
 
     def close(self) -> None:
-        self._exec.close()
-        thread = self._exec._thread
-        if thread is not None and thread.is_alive():  # it still owns the sockets: leave them
+        """Cancel the call in flight (it raises CommError) and queued ones, then close the
+        sockets, unless the call did not give them back in time (then they are left to exit)."""
+        self._closing = True
+        if not self._exec.close(timeout_s=5.0 + 2 * self.cfg.ps.retry_s):  # still owns the sockets
             self.transport.close(leaked_sockets=True)
             return
         for s in self._socks:

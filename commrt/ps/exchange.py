@@ -24,7 +24,7 @@ import time
 import numpy as np
 import zmq
 
-from commrt.runtime.errors import PeerLost, ProtocolError, RequestRejected
+from commrt.runtime.errors import CommError, PeerLost, ProtocolError, RequestRejected
 from commrt.ps import protocol as P
 
 log = logging.getLogger("commrt.ps.client")
@@ -53,7 +53,8 @@ class _Pending:
 
 
 class Exchange:
-    """Mixed into ``PSClient`` (uses its cfg, worker, transport, _socks, _poller and _ids)."""
+    """Mixed into ``PSClient`` (uses its cfg, worker, transport, _socks, _poller, _ids and
+    _closing)."""
 
     def _dial(self, k: int) -> zmq.Socket:
         ps = self.cfg.ps
@@ -78,6 +79,7 @@ class Exchange:
                 self._send_request(k, pending[k], op, step, what)
             done: dict = {}
             while pending:
+                self._check_open(what, step)
                 events = dict(self._poller.poll(int(self.cfg.ps.retry_s * 1000)))
                 now = time.monotonic()
                 for k in list(pending):
@@ -88,6 +90,12 @@ class Exchange:
         except BaseException:
             self._release(pending)
             raise
+
+    def _check_open(self, what: str, step: int) -> None:
+        """close() from another thread: give the sockets back instead of having them closed
+        under this call."""
+        if self._closing:
+            raise CommError(f"worker {self.worker}: the client was closed; {what} step {step} was cancelled")
 
     def _keep_asking(self, pending: dict, now: float, what: str, step: int) -> None:
         for k, entry in pending.items():
@@ -118,6 +126,7 @@ class Exchange:
                 sock.send(entry.head, zmq.SNDMORE if last else 0)
                 break
             except zmq.Again:  # a slice (SNDTIMEO) went by
+                self._check_open(what, step)
                 if not entry.noticed and time.monotonic() - start > WAIT_NOTICE_S:
                     entry.noticed = True
                     self._notice(k, what, step, time.monotonic() - start, "has no connection to take")

@@ -1,5 +1,7 @@
 """A review of the parameter server's request logic for defects a user would hit (each case
 names what it found). Fed frames directly, no sockets, as test_ps_hardening does."""
+import time
+
 import numpy as np
 import pytest
 
@@ -295,3 +297,52 @@ def test_an_init_over_the_protocols_limits_is_refused_before_sending():
             client.init({"n" * (P.MAX_NAME + 1): torch.zeros(2)})
     finally:
         client.close()
+
+
+# -- closing a client during a call --------------------------------------------------------------
+
+
+def test_close_during_a_call_cancels_it_with_a_typed_error():
+    """Worker 0's sync push waits for worker 1 when another thread closes the client. close()
+    waited 5 s for the call, then closed the sockets under it: the call died of a raw
+    ZMQError('Socket operation on non-socket') (or worse, inside libzmq)."""
+    import threading
+
+    import torch
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import CommError
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 2,
+                                        "timeout_s": 10, "retry_s": 0.1}, "security": {"mode": "none"}}, environ={})
+    server = Server(cfg, 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    clients = [PSClient(cfg, worker=w) for w in range(2)]
+    outcome = []
+
+    def push():
+        try:
+            clients[0].push({"w": torch.ones(4)})
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
+            outcome.append(exc)
+    try:
+        for c in clients:
+            c.init({"w": torch.zeros(4)})
+        caller = threading.Thread(target=push, daemon=True)
+        caller.start()
+        deadline = time.monotonic() + 10
+        while server.core.stats()["parked"]["pushes"] < 1:  # the push waits for worker 1 now
+            assert time.monotonic() < deadline, "the push never reached the server"
+            time.sleep(0.01)
+        clients[0].close()
+        caller.join(10)
+        assert not caller.is_alive()
+        assert len(outcome) == 1 and type(outcome[0]) is CommError and "closed" in str(outcome[0]), outcome
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+        serving.join(10)
