@@ -74,6 +74,9 @@ class Server:
         if not is_loopback(addr):
             log.warning("server %d: metrics page on %s is reachable from other hosts (unauthenticated)", index, addr)
         try:
+            if port + index > 65535:  # bind() would raise OverflowError
+                raise ConfigError(f"server {index} would serve metrics on port {port} + {index} = "
+                                  f"{port + index}, beyond 65535: lower [ps] metrics_port")
             return MetricsServer(self.core.stats, addr, port + index)
         except ConfigError:
             self.sock.close()

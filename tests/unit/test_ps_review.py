@@ -346,3 +346,17 @@ def test_close_during_a_call_cancels_it_with_a_typed_error():
             c.close()
         server.stop()
         serving.join(10)
+
+
+def test_a_metrics_port_pushed_past_65535_by_the_shard_index_is_a_config_error():
+    """Shard I serves metrics on metrics_port + I: 65535 + 1 escaped as OverflowError from
+    bind(), which `commrt server` (catching CommError) printed as a traceback."""
+    from commrt.launch import free_port
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import ConfigError
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)],
+                                        "workers": 1, "metrics_port": 65535},
+                                 "security": {"mode": "none"}}, environ={})
+    with pytest.raises(ConfigError, match="65536"):
+        Server(cfg, 1)
