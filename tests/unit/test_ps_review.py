@@ -360,3 +360,36 @@ def test_a_metrics_port_pushed_past_65535_by_the_shard_index_is_a_config_error()
                                  "security": {"mode": "none"}}, environ={})
     with pytest.raises(ConfigError, match="65536"):
         Server(cfg, 1)
+
+
+# -- the demo trainer ----------------------------------------------------------------------------
+
+
+def test_ps_train_with_no_step_left_ends_cleanly(monkeypatch):
+    """A worker that (re)joins a job whose steps are all done starts at client.step >= --steps
+    (the same path as --steps 0): its loop never ran and the final report raised
+    UnboundLocalError on the loss."""
+    import logging
+    import threading
+
+    from commrt.apps import ps_train
+    from commrt.launch import free_port
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    env = {"COMMRT_PS_SERVERS": addr, "COMMRT_PS_WORKERS": "1", "COMMRT_SECURITY_MODE": "none", "RANK": "0",
+           "COMMRT_PS_TIMEOUT_S": "10"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # the program's process-wide settings stay out of the test process: its log handlers, threads, seed
+    monkeypatch.setattr(ps_train, "reporter", lambda name, who: logging.getLogger(name))
+    monkeypatch.setattr(ps_train.torch, "set_num_threads", lambda n: None)
+    server = Server(load_config(), 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    try:
+        with ps_train.torch.random.fork_rng():
+            assert ps_train.main(["--steps", "0", "--hidden", "8"]) == 0
+    finally:
+        server.stop()
+        serving.join(10)
