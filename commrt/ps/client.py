@@ -82,6 +82,8 @@ class PSClient(Exchange):
         self._exec.run("ps.pull", lambda: self._pull(into), self.cfg.ps.timeout_s * 10)
 
     def push_pull(self, grads: Tensors, into: Tensors) -> None:
+        """Push ``grads``, then receive the new values of the pushed tensors into ``into``,
+        which names all of them or some (the others' values are dropped), never another one."""
         self._exec.run("ps.push_pull", lambda: self._push(grads, into), self.cfg.ps.timeout_s * 10)
 
     def push_async(self, grads: Tensors) -> Work:
@@ -186,6 +188,10 @@ class PSClient(Exchange):
         sel = self._selected(grads, f"ps.{P.OP_NAMES[op]}")
         if into is not None:
             self._selected(into, f"ps.{P.OP_NAMES[op]}")
+            unpushed = [name for name in into if name not in grads]
+            if unpushed:  # the pull half returns the pushed segments only
+                raise RequestRejected(None, "ps.push_pull", f"into names {unpushed[:5]}, which grads does not "
+                                      "push: push_pull pulls what it pushes (pull them separately)")
         flats = {name: _flat(g).contiguous() for name, g in grads.items()}
         reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[self.segments[g].name], self.segments[g])
                                                  for _, g in pairs]) for k, pairs in sel.items()}
@@ -214,6 +220,8 @@ class PSClient(Exchange):
                 raise ProtocolError(f"server {k} answered a pull with other segments than asked")
             for (_, g), frame in zip(pairs, frames):
                 seg = self.segments[g]
+                if seg.name not in targets:  # pushed, not asked for (push_pull into fewer tensors)
+                    continue
                 dst = targets[seg.name][1][seg.start:seg.stop].numpy()
                 if len(frame) != dst.nbytes:
                     raise ProtocolError(f"server {k} sent {len(frame)} bytes for {seg.name}[{seg.start}:{seg.stop}]")

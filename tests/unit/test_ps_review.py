@@ -393,3 +393,41 @@ def test_ps_train_with_no_step_left_ends_cleanly(monkeypatch):
     finally:
         server.stop()
         serving.join(10)
+
+
+# -- push_pull with different tensors in grads and into -------------------------------------------
+
+
+def test_push_pull_into_other_tensors_than_pushed():
+    """The pull half returns the pushed segments. Pushing a and b into {a} raised KeyError after
+    the push had been applied (the step advanced, the caller could not tell); pushing a into
+    {a, b} left b as it was without a word. Now the first writes a (b's values are dropped),
+    the second is refused before anything is sent."""
+    import threading
+
+    import torch
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import RequestRejected
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 1.0,
+                                        "timeout_s": 10}, "security": {"mode": "none"}}, environ={})
+    server = Server(cfg, 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    client = PSClient(cfg, worker=0)
+    try:
+        client.init({"a": torch.zeros(3), "b": torch.zeros(2)})
+        a = torch.zeros(3)
+        client.push_pull({"a": torch.ones(3), "b": torch.ones(2)}, {"a": a})
+        assert client.step == 1 and torch.equal(a, -torch.ones(3))
+        b = torch.zeros(2)
+        with pytest.raises(RequestRejected, match="'b'"):
+            client.push_pull({"a": torch.ones(3)}, {"a": a, "b": b})
+        assert client.step == 1 and server.core.state.version == 1
+    finally:
+        client.close()
+        server.stop()
+        serving.join(10)
