@@ -14,7 +14,7 @@ import zmq
 
 from commrt.optim import rules as optim
 from commrt.runtime.config import Config
-from commrt.runtime.errors import ConfigError
+from commrt.runtime.errors import ConfigError, ProtocolError
 from commrt.transport.security import check_bind, is_loopback
 from commrt.transport.transport import Transport
 from commrt.transport.memory import keep_freed_memory
@@ -86,7 +86,10 @@ class Server:
     def _recover(self, resume: bool) -> None:
         core, where = self.core, self.core.cfg.checkpoint_dir
         if resume and core.has_checkpoint():
-            n = core.resume()
+            try:
+                n = core.resume()
+            except (ValueError, KeyError, TypeError, ProtocolError) as exc:  # another config's, or damaged
+                raise ConfigError(f"server {core.index} cannot resume from {core.ckpt_path}: {exc}") from None
             log.info("server %d resumed at version %d (%d updates replayed from the log)",
                      core.index, core.state.version, n)
         elif resume and core.never_committed():

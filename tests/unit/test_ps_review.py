@@ -431,3 +431,25 @@ def test_push_pull_into_other_tensors_than_pushed():
         client.close()
         server.stop()
         serving.join(10)
+
+
+# -- resuming from a checkpoint another configuration wrote ---------------------------------------
+
+
+@pytest.mark.parametrize("change", [{"optimizer": "adamw"}, {"workers": 2}, "corrupt"])
+def test_resuming_from_an_incompatible_checkpoint_is_a_config_error(tmp_path, change):
+    """A checkpoint written for another optimizer or worker count (or a damaged one) stopped
+    `commrt server --resume` with a ValueError/KeyError traceback: `commrt server` prints only
+    CommErrors as one line."""
+    import dataclasses
+
+    from commrt.ps.server import Server
+    from commrt.runtime.errors import ConfigError
+    cfg = _checkpointed(tmp_path)
+    if change == "corrupt":
+        ckpt = tmp_path / "server-0.ckpt"
+        ckpt.write_bytes(ckpt.read_bytes()[:40])
+    else:
+        cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, **change))
+    with pytest.raises(ConfigError, match="server-0.ckpt"):
+        Server(cfg, 0, resume=True)
