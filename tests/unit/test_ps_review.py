@@ -453,3 +453,17 @@ def test_resuming_from_an_incompatible_checkpoint_is_a_config_error(tmp_path, ch
         cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, **change))
     with pytest.raises(ConfigError, match="server-0.ckpt"):
         Server(cfg, 0, resume=True)
+
+
+# -- settings that cannot work together ----------------------------------------------------------
+
+
+def test_pings_rarer_than_the_silence_deadline_are_refused():
+    """A waiting client hears a live server only through its pings' answers: with retry_s >=
+    timeout_s a sync push waiting for another worker was PeerLost ('silent') on a healthy server
+    before its first ping went out."""
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import ConfigError
+    with pytest.raises(ConfigError, match="retry_s"):
+        load_config(overrides={"ps": {"timeout_s": 1.0, "retry_s": 1.0}}, environ={})
+    load_config(overrides={"ps": {"timeout_s": 1.0, "retry_s": 0.5}}, environ={})
