@@ -141,7 +141,7 @@ class ServerCore(Durability, Binding, Membership):
             raise ProtocolError(f"worker {w} has no accepted init on this server (it failed or never "
                                 "happened): call init with the parameters every worker registers")
         if req.op == P.JOIN:
-            return [self._admit(ident, req)]
+            return self._admit(ident, req)
         if w in self.state.dropped:
             raise ProtocolError(f"worker {w} was dropped after it went silent (its init takes it back "
                                 "in async and ssp mode)")

@@ -127,8 +127,10 @@ class Membership:
                     "servers' checkpoint), or use mode async or ssp, where it rejoins at the running step")
         return None
 
-    def _admit(self, ident: bytes, req: P.Request) -> P.Routed:
+    def _admit(self, ident: bytes, req: P.Request) -> list[P.Routed]:
+        """The JOIN's answer, after the refusals of what an earlier life of the worker left parked."""
         w, at, st = req.worker, req.step, self.state
+        out = []
         if self.cfg.mode == "sync":
             raise ProtocolError(f"worker {w} cannot join a sync job at step {at}: it admits no worker after "
                                 "it began (every step averages the same workers)")
@@ -143,5 +145,5 @@ class Membership:
             # what an earlier life of it left parked here can never be applied now
             for p in self.waiting.all():
                 if p.req.worker == w and p.req.step < clock and p.req.op != P.INIT:
-                    self._refuse(p, f"rejoined at step {clock}: its request for step {p.req.step} is void")
-        return P.routed(ident, P.OK, req.req_id, [st.version, clock])
+                    out.append(self._refuse(p, f"rejoined at step {clock}: its request for step {p.req.step} is void"))
+        return out + [P.routed(ident, P.OK, req.req_id, [st.version, clock])]

@@ -467,3 +467,66 @@ def test_pings_rarer_than_the_silence_deadline_are_refused():
     with pytest.raises(ConfigError, match="retry_s"):
         load_config(overrides={"ps": {"timeout_s": 1.0, "retry_s": 1.0}}, environ={})
     load_config(overrides={"ps": {"timeout_s": 1.0, "retry_s": 0.5}}, environ={})
+
+
+# -- every request is answered once, or still parked -----------------------------------------------
+
+
+def test_a_rejoin_refuses_what_the_earlier_life_left_parked():
+    """SSP, s = 0: worker 0's pull at step 1 waits for worker 1; worker 0 then (re)joins at step
+    3. The pull was removed as void, but its refusal was thrown away: no answer, ever."""
+    core = _core(mode="ssp", staleness=0)
+    assert _push(core, 0, 0, rid=5)[0][1].status == P.OK
+    assert _replies(core.handle(b"w0", [P.encode_request(P.PULL, 0, 1, 6, [0, 1])], 0.0)) == []
+    out = _replies(core.handle(b"w0new", [P.encode_request(P.JOIN, 0, 3, 7, [])], 0.0))
+    assert [(i, r.req_id, r.status) for i, r in out] == [(b"w0", 6, P.ERROR), (b"w0new", 7, P.OK)], out
+    assert "void" in out[0][1].body[0]
+
+
+def _random_request(rng, core, rid):
+    """One request of a random kind from a random worker, near its clock."""
+    w = rng.randrange(core.state.workers)
+    op = rng.choice([P.INIT, P.PUSH, P.PULL, P.PUSHPULL, P.JOIN])
+    step = max(0, core.state.clocks[w] + rng.randint(-1, 2))
+    if op == P.INIT:
+        v = np.zeros(6, dtype=np.float32)
+        return w, [P.encode_request(op, w, step, rid, [w == 0, SEGS, SHAPES])] + (
+            [v[:4].tobytes(), v[4:].tobytes()] if w == 0 else [])
+    if op == P.JOIN:
+        return w, [P.encode_request(op, w, step, rid, [])]
+    ids = sorted(rng.sample(range(2), rng.randint(0, 2)))
+    g = np.full(6, rng.random(), dtype=np.float32)
+    parts = {0: g[:4].tobytes(), 1: g[4:].tobytes()}
+    return w, [P.encode_request(op, w, step, rid, ids)] + ([parts[i] for i in ids] if op != P.PULL else [])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_every_request_is_answered_once_or_still_parked(tmp_path, mode):
+    """Random requests (re-sends, far steps, joins) with the worker-loss policy ticking and the
+    log failing as on a full disk at a random write: at every point each request was answered
+    at most once, or is still parked; once the shard has failed, none is left unanswered. Found
+    the refusals a JOIN threw away, and the pushes a failed write left unanswered."""
+    import random
+    for seed in range(4):
+        rng = random.Random(seed)
+        core = _core(mode=mode, workers=3, staleness=1, worker_timeout_s=1.0, checkpoint_dir=str(tmp_path / f"{seed}"),
+                     checkpoint_every=3, on_worker_loss=rng.choice(["error", "continue"]),
+                     initial_workers=0 if mode == "sync" else 2)
+        _fail_log_writes(core, after=rng.randint(0, 4))
+        answers, sent, now = {}, set(), 0.0
+        for rid in range(100, 600):
+            now += rng.random() * 0.3
+            w, frames = _random_request(rng, core, rid)
+            head = P.decode_request(frames[0])
+            if head.op in (P.PUSH, P.PUSHPULL) and (w, head.step) in core.pushes:  # a re-send replaces it
+                answers[(w, core.pushes[(w, head.step)].req.req_id)] = "superseded"
+            sent.add((w, rid))
+            for ident, r in _replies(core.handle(f"w{w}".encode(), frames, now) + core.tick(now)):
+                key = (int(ident[1:]), r.req_id)
+                assert key not in answers, (seed, key, "answered twice")
+                answers[key] = r.status
+            left = sent - set(answers)
+            if core.failure is not None:
+                assert not left, (seed, "unanswered after the failure", left)
+                break
+            assert left == {(p.req.worker, p.req.req_id) for p in core.waiting.all()}, (seed, rid)
