@@ -35,6 +35,17 @@ def _flat(t) -> torch.Tensor:
     return as_tensor(t).detach().reshape(-1)
 
 
+def _on_host(name: str, t, what: str) -> torch.Tensor:
+    """``t`` as a tensor, refused unless in host memory: frames are read from it and pulls land
+    in it through numpy (a CUDA tensor failed there with a TypeError, a push_pull's only after
+    its step was applied)."""
+    t = as_tensor(t)
+    if t.device.type != "cpu":
+        raise RequestRejected(None, what, f"{name} is on {t.device}: the parameter-server client reads "
+                              "and writes host memory (pass CPU tensors, e.g. .cpu() copies)")
+    return t
+
+
 class PSClient(Exchange):
     """A worker's handle on the servers: init, push, pull (the exchange itself: ps/exchange.py)."""
 
@@ -117,6 +128,7 @@ class PSClient(Exchange):
     def _init(self, params: Tensors) -> None:
         specs, shapes = [], []
         for name, t in params.items():
+            _on_host(name, t, "ps.init")
             flat = _flat(t)
             specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
             shapes.append([name, list(as_tensor(t).shape)])
@@ -172,7 +184,7 @@ class PSClient(Exchange):
             raise RequestRejected(None, what, f"unknown parameter(s) {unknown[:5]}; init registered "
                                   f"{list(self._dtypes)[:5]}...")
         for name, t in tensors.items():
-            t = as_tensor(t)
+            t = _on_host(name, t, what)
             if tuple(t.shape) != self._shapes[name] or code_of(t.dtype) != self._dtypes[name]:
                 raise RequestRejected(None, what, f"{name}: expected shape {self._shapes[name]} and dtype "
                                       f"code {self._dtypes[name]}, got shape {tuple(t.shape)} and {t.dtype}")

@@ -427,6 +427,10 @@ def test_push_pull_into_other_tensors_than_pushed():
         with pytest.raises(RequestRejected, match="'b'"):
             client.push_pull({"a": torch.ones(3)}, {"a": a, "b": b})
         assert client.step == 1 and server.core.state.version == 1
+        # a tensor off the host (meta here, CUDA in practice) failed in numpy after the push applied
+        with pytest.raises(RequestRejected, match="host memory"):
+            client.push_pull({"a": torch.ones(3)}, {"a": torch.zeros(3, device="meta")})
+        assert client.step == 1 and server.core.state.version == 1
     finally:
         client.close()
         server.stop()
