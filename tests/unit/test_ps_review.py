@@ -534,3 +534,22 @@ def test_every_request_is_answered_once_or_still_parked(tmp_path, mode):
                 assert not left, (seed, "unanswered after the failure", left)
                 break
             assert left == {(p.req.worker, p.req.req_id) for p in core.waiting.all()}, (seed, rid)
+
+
+# -- the staleness histogram stays a size a reply can carry ----------------------------------------
+
+
+def test_stats_stay_decodable_when_async_gaps_keep_growing():
+    """Async never waits for a worker, so an idle (or dead) one holds the slowest clock and every
+    update opens a new staleness gap: one histogram key per step. Past 4096 keys the STATS reply
+    was over the client's map limit, dropped as malformed, and server-status never answered."""
+    from commrt.ps.state import MAX_GAP
+    core = _core(mode="async")
+    g = np.zeros(6, dtype=np.float32)
+    for step in range(4200):
+        head = P.encode_request(P.PUSH, 0, step, step + 10, [0, 1])
+        core.handle(b"w0", [head, g[:4].tobytes(), g[4:].tobytes()], 0.0)
+    assert core.state.version == 4200
+    out = core.handle(b"w0", [P.encode_request(P.STATS, 0, 0, 1, [])], 0.0)
+    stats = P.decode_reply(out[0].frames[0]).body
+    assert sum(stats["staleness"].values()) == 4200 and max(map(int, stats["staleness"])) == MAX_GAP
