@@ -553,3 +553,13 @@ def test_stats_stay_decodable_when_async_gaps_keep_growing():
     out = core.handle(b"w0", [P.encode_request(P.STATS, 0, 0, 1, [])], 0.0)
     stats = P.decode_reply(out[0].frames[0]).body
     assert sum(stats["staleness"].values()) == 4200 and max(map(int, stats["staleness"])) == MAX_GAP
+
+
+def test_a_checkpoint_dir_that_cannot_be_made_is_a_config_error(tmp_path):
+    """os.makedirs' NotADirectoryError / PermissionError reached `commrt server` as a traceback."""
+    from commrt.runtime.errors import ConfigError
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = PsConfig(servers=("tcp://127.0.0.1:1",), workers=1, checkpoint_dir=str(blocker / "ckpt"))
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        ServerCore(cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 1))
