@@ -563,3 +563,27 @@ def test_a_checkpoint_dir_that_cannot_be_made_is_a_config_error(tmp_path):
     cfg = PsConfig(servers=("tcp://127.0.0.1:1",), workers=1, checkpoint_dir=str(blocker / "ckpt"))
     with pytest.raises(ConfigError, match="checkpoint_dir"):
         ServerCore(cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 1))
+
+
+def test_a_shard_stopped_by_a_full_disk_still_exits_with_its_status(tmp_path):
+    """Closing the log (635e675) flushed what the failed write had left buffered, on the same
+    full disk: serve() raised OSError from its finally instead of returning EXIT_STORAGE (seen in
+    tests/multirank/test_ps_faults' disk-full case as an exception in the server's thread)."""
+    import io
+
+    from commrt.ps.server import EXIT_STORAGE, Server
+
+    class FullDisk(io.BytesIO):
+        def flush(self):
+            if self.getbuffer().nbytes:
+                raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.flush()
+
+    server = Server(_checkpointed(tmp_path), 0, resume=True)
+    server.core.wal._fh = FullDisk()
+    g = np.ones(6, dtype=np.float32)
+    out = server.core.handle(b"w0", [P.encode_request(P.PUSH, 0, 0, 5, [0, 1]), g[:4].tobytes(), g[4:].tobytes()], 0.0)
+    assert P.decode_reply(out[0].frames[0]).status == P.FAILED
+    assert server.serve(duration_s=1.0) == EXIT_STORAGE
