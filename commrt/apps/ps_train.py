@@ -55,14 +55,31 @@ def main(argv=None) -> int:
     params = dict(model.named_parameters())
     weights = {k: v.data for k, v in params.items()}
     client = PSClient(load_config())
-    client.init(weights)
-    client.pull(weights)
-    worker = client.worker
-    log = reporter(__name__, f"worker {worker}")
+    try:
+        client.init(weights)
+        client.pull(weights)
+        log = reporter(__name__, f"worker {client.worker}")
+        if client.step >= args.steps:  # joined a job whose steps are all done
+            log.info("nothing left to train: the job is at step %d of %d", client.step, args.steps)
+        else:
+            _train(client, model, weights, args, log)
+        if client.worker == 0 and os.environ.get("COMMRT_PS_PRINT_STATS"):
+            for s in client.stats():
+                log.info("server %s: version %s pushes %s pulls %s staleness %s", s["server"], s["version"],
+                         s["pushes"], s["pulls"], s["staleness"])
+    finally:
+        client.close()
+    return 0
+
+
+def _train(client: PSClient, model: nn.Module, weights: dict, args, log) -> None:
+    """Steps client.step .. args.steps - 1 (a worker that joined later runs fewer)."""
+    params = dict(model.named_parameters())
+    worker, first = client.worker, client.step
     data = batches(worker, args.dim, args.classes, args.batch)
     loss_fn = nn.CrossEntropyLoss()
     start, window_start, first_loss = time.perf_counter(), time.perf_counter(), None
-    for step in range(client.step, args.steps):
+    for step in range(first, args.steps):
         x, y = next(data)
         if worker == args.straggler:
             time.sleep(args.delay_ms / 1000)
@@ -76,15 +93,9 @@ def main(argv=None) -> int:
             rate = args.log_every * args.batch / (now - window_start)
             log.info("step %5d loss %.4f %8.0f samples/s", step + 1, loss.item(), rate)
             window_start = now
-    total = time.perf_counter() - start
+    total, ran = time.perf_counter() - start, args.steps - first
     log.info("done: loss %.4f -> %.4f, %.0f samples/s, %.2f ms/step", first_loss, loss.item(),
-             args.steps * args.batch / total, 1000 * total / args.steps)
-    if worker == 0 and os.environ.get("COMMRT_PS_PRINT_STATS"):
-        for s in client.stats():
-            log.info("server %s: version %s pushes %s pulls %s staleness %s", s["server"], s["version"],
-                     s["pushes"], s["pulls"], s["staleness"])
-    client.close()
-    return 0
+             ran * args.batch / total, 1000 * total / ran)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,17 @@ def _flat(t) -> torch.Tensor:
     return as_tensor(t).detach().reshape(-1)
 
 
+def _on_host(name: str, t, what: str) -> torch.Tensor:
+    """``t`` as a tensor, refused unless in host memory: frames are read from it and pulls land
+    in it through numpy (a CUDA tensor failed there with a TypeError, a push_pull's only after
+    its step was applied)."""
+    t = as_tensor(t)
+    if t.device.type != "cpu":
+        raise RequestRejected(None, what, f"{name} is on {t.device}: the parameter-server client reads "
+                              "and writes host memory (pass CPU tensors, e.g. .cpu() copies)")
+    return t
+
+
 class PSClient(Exchange):
     """A worker's handle on the servers: init, push, pull (the exchange itself: ps/exchange.py)."""
 
@@ -55,6 +66,7 @@ class PSClient(Exchange):
         self._local: list[list[int]] = []  # per server: global segment index of each local id
         self._init_error: str | None = None
         self._ids = itertools.count(1)
+        self._closing = False  # set by close(): a call in flight gives up within a poll slice
         self._exec = Executor(f"ps-worker{worker}")  # its lock owns the sockets
         self.transport = Transport(self.cfg, f"rank{worker}")
         self._socks: list[zmq.Socket] = []
@@ -81,6 +93,8 @@ class PSClient(Exchange):
         self._exec.run("ps.pull", lambda: self._pull(into), self.cfg.ps.timeout_s * 10)
 
     def push_pull(self, grads: Tensors, into: Tensors) -> None:
+        """Push ``grads``, then receive the new values of the pushed tensors into ``into``,
+        which names all of them or some (the others' values are dropped), never another one."""
         self._exec.run("ps.push_pull", lambda: self._push(grads, into), self.cfg.ps.timeout_s * 10)
 
     def push_async(self, grads: Tensors) -> Work:
@@ -100,9 +114,10 @@ class PSClient(Exchange):
         return self._exec.run("ps.stats", ask, self.cfg.ps.timeout_s * 10)
 
     def close(self) -> None:
-        self._exec.close()
-        thread = self._exec._thread
-        if thread is not None and thread.is_alive():  # it still owns the sockets: leave them
+        """Cancel the call in flight (it raises CommError) and queued ones, then close the
+        sockets, unless the call did not give them back in time (then they are left to exit)."""
+        self._closing = True
+        if not self._exec.close(timeout_s=5.0 + 2 * self.cfg.ps.retry_s):  # still owns the sockets
             self.transport.close(leaked_sockets=True)
             return
         for s in self._socks:
@@ -113,6 +128,7 @@ class PSClient(Exchange):
     def _init(self, params: Tensors) -> None:
         specs, shapes = [], []
         for name, t in params.items():
+            _on_host(name, t, "ps.init")
             flat = _flat(t)
             specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
             shapes.append([name, list(as_tensor(t).shape)])
@@ -126,6 +142,12 @@ class PSClient(Exchange):
             body = [seed, [[segments[g].name, segments[g].start, segments[g].stop, segments[g].dtype]
                            for g in glob], shapes]
             reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
+        for k, (body, _) in reqs.items():  # the server would drop it unread: say why here
+            try:
+                P.decode_request(P.encode_request(P.INIT, self.worker, self.step, 0, body))
+            except ProtocolError as exc:
+                raise RequestRejected(None, "ps.init", f"server {k}'s part of the description is over "
+                                      f"the protocol's limits: {exc}") from None
         self.segments, self._init_error = [], None
         try:
             step = self._join(self._exchange(P.INIT, self.step, reqs))
@@ -162,7 +184,7 @@ class PSClient(Exchange):
             raise RequestRejected(None, what, f"unknown parameter(s) {unknown[:5]}; init registered "
                                   f"{list(self._dtypes)[:5]}...")
         for name, t in tensors.items():
-            t = as_tensor(t)
+            t = _on_host(name, t, what)
             if tuple(t.shape) != self._shapes[name] or code_of(t.dtype) != self._dtypes[name]:
                 raise RequestRejected(None, what, f"{name}: expected shape {self._shapes[name]} and dtype "
                                       f"code {self._dtypes[name]}, got shape {tuple(t.shape)} and {t.dtype}")
@@ -178,6 +200,10 @@ class PSClient(Exchange):
         sel = self._selected(grads, f"ps.{P.OP_NAMES[op]}")
         if into is not None:
             self._selected(into, f"ps.{P.OP_NAMES[op]}")
+            unpushed = [name for name in into if name not in grads]
+            if unpushed:  # the pull half returns the pushed segments only
+                raise RequestRejected(None, "ps.push_pull", f"into names {unpushed[:5]}, which grads does not "
+                                      "push: push_pull pulls what it pushes (pull them separately)")
         flats = {name: _flat(g).contiguous() for name, g in grads.items()}
         reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[self.segments[g].name], self.segments[g])
                                                  for _, g in pairs]) for k, pairs in sel.items()}
@@ -206,6 +232,8 @@ class PSClient(Exchange):
                 raise ProtocolError(f"server {k} answered a pull with other segments than asked")
             for (_, g), frame in zip(pairs, frames):
                 seg = self.segments[g]
+                if seg.name not in targets:  # pushed, not asked for (push_pull into fewer tensors)
+                    continue
                 dst = targets[seg.name][1][seg.start:seg.stop].numpy()
                 if len(frame) != dst.nbytes:
                     raise ProtocolError(f"server {k} sent {len(frame)} bytes for {seg.name}[{seg.start}:{seg.stop}]")

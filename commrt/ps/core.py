@@ -65,6 +65,7 @@ class ServerCore(Durability, Binding, Membership):
                                   sum=0.0, count=0)
         self._snapshot: dict[int, bytes] = {}
         self._snapshot_version = -1
+        self._applying: list[Parked] = []  # the pushes of the update in hand (answered by _fail)
         Durability.__init__(self, cfg, index)
         if not state.initialized:  # fresh (a resumed shard reads its members from the checkpoint)
             state.late.update(range(cfg.initial_workers or state.workers, state.workers))
@@ -83,16 +84,17 @@ class ServerCore(Durability, Binding, Membership):
             return []
         if self.failure is not None:
             return [_reply(ident, P.FAILED, req.req_id, [self.failure])]
+        out: list[Reply] = []  # filled as it goes: a failed write keeps the answers made before it
         try:
             try:
                 if peer is not None and req.op != P.STATS and peer != f"rank{req.worker}":
                     raise ProtocolError(f"request claims worker {req.worker} but comes with {peer}'s key")
-                out = self._dispatch(ident, req, frames[1:], now)
+                out += self._dispatch(ident, req, frames[1:], now)
             except ProtocolError as exc:
                 return [self._rejected(ident, req, str(exc))]
-            return out + self._progress(now)
+            return self._progress(now, out)
         except StorageFailed as exc:
-            return self._fail(str(exc), ident, req)
+            return out + self._fail(str(exc), out, ident, req)
 
     def _rejected(self, ident: bytes, req: P.Request, why: str) -> Reply:
         self.counters["rejected"] += 1
@@ -104,17 +106,21 @@ class ServerCore(Durability, Binding, Membership):
         self.waiting.remove(p)
         return _reply(p.ident, P.ERROR, p.req.req_id, [f"worker {p.req.worker} {why}"])
 
-    def _fail(self, why: str, ident: bytes | None = None, req: P.Request | None = None) -> list[Reply]:
-        """A durable write failed: answer everyone waiting (and the request at hand) with the
-        cause; the server loop stops once these replies are out."""
+    def _fail(self, why: str, answered: list[Reply], ident: bytes | None = None,
+              req: P.Request | None = None) -> list[Reply]:
+        """A durable write failed: answer everyone waiting with the cause (the update in hand
+        too: its pushes left the parked set when it began), and the request at hand unless
+        ``answered`` (the replies made before the failure) holds its answer; the server loop
+        stops once these replies are out."""
         self.failure = f"server {self.index} stopped: {why}"
         log.error("%s", self.failure)
-        out = []
-        if req is not None and not self.waiting.waiting(req.worker, req.req_id):
-            out.append(_reply(ident, P.FAILED, req.req_id, [self.failure]))
-        for p in self.waiting.all():
+        left, self._applying = self._applying + self.waiting.all(), []
+        out = [_reply(p.ident, P.FAILED, p.req.req_id, [self.failure]) for p in left]
+        for p in left:
             self.waiting.remove(p)
-            out.append(_reply(p.ident, P.FAILED, p.req.req_id, [self.failure]))
+        if req is not None and not any(r.ident == ident and P.decode_reply(r.frames[0]).req_id == req.req_id
+                                       for r in answered + out):
+            out.append(_reply(ident, P.FAILED, req.req_id, [self.failure]))
         return out
 
     # -- requests ---------------------------------------------------------------------------
@@ -135,7 +141,7 @@ class ServerCore(Durability, Binding, Membership):
             raise ProtocolError(f"worker {w} has no accepted init on this server (it failed or never "
                                 "happened): call init with the parameters every worker registers")
         if req.op == P.JOIN:
-            return [self._admit(ident, req)]
+            return self._admit(ident, req)
         if w in self.state.dropped:
             raise ProtocolError(f"worker {w} was dropped after it went silent (its init takes it back "
                                 "in async and ssp mode)")
@@ -215,15 +221,18 @@ class ServerCore(Durability, Binding, Membership):
         return [_reply(p.ident, status, p.req.req_id, [self.state.version])]
 
     # -- progress ---------------------------------------------------------------------------
-    def _progress(self, now: float) -> list[Reply]:
-        out: list[Reply] = []
+    def _progress(self, now: float, out: list[Reply]) -> list[Reply]:
+        """Apply what became ready and answer what that unblocked, appending to ``out``."""
         while self._apply_ready(out, now):
             pass
         if not self.state.initialized:
             return out
-        if self.waiting.inits:
-            out += [self._answer_init(p) for p in self.waiting.take_inits()]
-        return out + [self._serve_pull(p) for p in self.waiting.ready_pulls(self.state.min_clock())]
+        for p in list(self.waiting.inits):
+            reply = self._answer_init(p)  # may fail to log: p stays parked for _fail to answer
+            self.waiting.remove(p)
+            out.append(reply)
+        out += [self._serve_pull(p) for p in self.waiting.ready_pulls(self.state.min_clock())]
+        return out
 
     def _serve_pull(self, p: Parked) -> Reply:
         ids = p.req.body
@@ -244,7 +253,7 @@ class ServerCore(Durability, Binding, Membership):
             live = self.state.active()
             if not live or not all((w, step) in self.pushes for w in live):
                 return False
-            group = [self.waiting.take_push((w, step)) for w in live]
+            group = self._applying = [self.waiting.take_push((w, step)) for w in live]
             self._update(group, [(w, step) for w in live], gap=0)
         else:
             order = sorted(self.pushes, key=lambda k: (k[1], k[0]))
@@ -253,8 +262,9 @@ class ServerCore(Durability, Binding, Membership):
             if ready is None:
                 return False
             gap = ready[1] - self.state.min_clock()
-            group = [self.waiting.take_push(ready)]
+            group = self._applying = [self.waiting.take_push(ready)]
             self._update(group, [ready], gap=gap)
+        self._applying = []
         for p in group:
             p.grads = []  # applied: the received frames can go
             out += self._acknowledge(p, P.OK, now)

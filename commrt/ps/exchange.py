@@ -4,7 +4,8 @@ every answer awaited.
 While a call waits it pings each server every ``retry_s``: a live server answers "pending"; one
 that restarted answers "unknown" and the request is sent again under a new request id, so the
 pings queued during the outage (answered "unknown" too, under the old id) do not each trigger
-another copy; one silent for ``timeout_s`` becomes ``PeerLost`` naming the server, as does one
+another copy (a server that answers "unknown" to ``MAX_UNREAD`` copies in a row never reads
+them: ``RequestRejected``); one silent for ``timeout_s`` becomes ``PeerLost`` naming the server, as does one
 that takes no request for ``timeout_s`` (a refused handshake, or no server yet) or stops on a
 failed write (it says why). A wait longer than ``WAIT_NOTICE_S`` says in the log what it waits
 for (issue 31 item 3: a worker started before its servers was silent for the whole minute).
@@ -23,12 +24,13 @@ import time
 import numpy as np
 import zmq
 
-from commrt.runtime.errors import PeerLost, ProtocolError, RequestRejected
+from commrt.runtime.errors import CommError, PeerLost, ProtocolError, RequestRejected
 from commrt.ps import protocol as P
 
 log = logging.getLogger("commrt.ps.client")
 HINT = ("is it running, under the same [security] mode and job secret or keys? a refused "
         "handshake is silent")
+MAX_UNREAD = 3  # copies of one request a live server may lose in a row (each restart loses one)
 WAIT_NOTICE_S = 5.0  # a wait this long is logged once, naming the server and what is awaited
 
 
@@ -47,10 +49,12 @@ class _Pending:
     head: bytes = b""
     trackers: list = dataclasses.field(default_factory=list)  # of the zero-copy frames
     noticed: bool = False  # a long wait for this server has been logged
+    unread: int = 0  # 'unknown' answers to this request in a row, with no 'pending' between
 
 
 class Exchange:
-    """Mixed into ``PSClient`` (uses its cfg, worker, transport, _socks, _poller and _ids)."""
+    """Mixed into ``PSClient`` (uses its cfg, worker, transport, _socks, _poller, _ids and
+    _closing)."""
 
     def _dial(self, k: int) -> zmq.Socket:
         ps = self.cfg.ps
@@ -75,6 +79,7 @@ class Exchange:
                 self._send_request(k, pending[k], op, step, what)
             done: dict = {}
             while pending:
+                self._check_open(what, step)
                 events = dict(self._poller.poll(int(self.cfg.ps.retry_s * 1000)))
                 now = time.monotonic()
                 for k in list(pending):
@@ -85,6 +90,12 @@ class Exchange:
         except BaseException:
             self._release(pending)
             raise
+
+    def _check_open(self, what: str, step: int) -> None:
+        """close() from another thread: give the sockets back instead of having them closed
+        under this call."""
+        if self._closing:
+            raise CommError(f"worker {self.worker}: the client was closed; {what} step {step} was cancelled")
 
     def _keep_asking(self, pending: dict, now: float, what: str, step: int) -> None:
         for k, entry in pending.items():
@@ -115,6 +126,7 @@ class Exchange:
                 sock.send(entry.head, zmq.SNDMORE if last else 0)
                 break
             except zmq.Again:  # a slice (SNDTIMEO) went by
+                self._check_open(what, step)
                 if not entry.noticed and time.monotonic() - start > WAIT_NOTICE_S:
                     entry.noticed = True
                     self._notice(k, what, step, time.monotonic() - start, "has no connection to take")
@@ -157,15 +169,35 @@ class Exchange:
                 continue
             entry = pending[k]
             entry.heard = now  # it answers: alive
-            if reply.req_id != entry.req_id or reply.status == P.PENDING:
-                continue  # a late answer to an earlier request (or ping), or still waiting
+            if reply.req_id != entry.req_id:
+                continue  # a late answer to an earlier request (or ping)
+            if reply.status == P.PENDING:  # it holds the request: still waiting
+                entry.unread = 0
+                continue
             if reply.status == P.UNKNOWN:  # the server restarted and lost it: send it again
-                log.warning("worker %d: server %d lost %s step %d; sending it again", self.worker, k, what, step)
+                self._lost_again(k, entry, what, step)
                 self._send_request(k, entry, op, step, what)
                 continue
             del pending[k]
+            try:
+                P.check_reply(op, reply)
+            except ProtocolError as exc:
+                raise ProtocolError(f"worker {self.worker}: server {k} at {self.cfg.ps.servers[k]}, "
+                                    f"{what} step {step}: {exc}") from None
             self._check_reply(k, reply, what, step)
             done[k] = (reply, frames[1:])
+
+    def _lost_again(self, k: int, entry: _Pending, what: str, step: int) -> None:
+        """A restart loses a request once; a server that keeps answering 'unknown' to every
+        copy never reads them (it drops them: a frame over its size limit closes the connection,
+        a header it cannot decode is discarded), and re-sending for ever would hang the call."""
+        entry.unread += 1
+        if entry.unread >= MAX_UNREAD:
+            raise RequestRejected(k, f"{what} step {step}", f"the server at {self.cfg.ps.servers[k]} dropped "
+                                  f"{entry.unread} copies unread (each answered 'unknown'): a frame over its "
+                                  "limit ([ps] max_segment_bytes smaller there than here?) or a header it "
+                                  "cannot decode (see its log)")
+        log.warning("worker %d: server %d lost %s step %d; sending it again", self.worker, k, what, step)
 
     @staticmethod
     def _check_reply(k: int, reply: P.Reply, what: str, step: int) -> None:

@@ -66,26 +66,26 @@ class Membership:
         stuck = self.waiting.older_than(now - self.cfg.worker_timeout_s)
         if not stuck or self.failure is not None:
             return []
+        out: list[P.Routed] = []  # filled as it goes: a failed write keeps the answers made before it
         try:
-            return self._on_stuck(stuck, now)
+            return self._on_stuck(stuck, now, out)
         except StorageFailed as exc:
-            return self._fail(str(exc))
+            return out + self._fail(str(exc), out)
 
-    def _on_stuck(self, stuck: list[Parked], now: float) -> list[P.Routed]:
+    def _on_stuck(self, stuck: list[Parked], now: float, out: list[P.Routed]) -> list[P.Routed]:
         missing = self._laggards(stuck)
         if self.cfg.on_worker_loss == "continue" and missing and self.state.initialized:
             log.warning("server %d: dropping worker(s) %s (silent for %gs); continuing without them",
                         self.index, missing, self.cfg.worker_timeout_s)
             self.state.dropped.update(missing)
             self._log({"k": "d", "w": missing}, [])
-            out = [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
-                   if p.req.worker in self.state.dropped]
-            return out + self._progress(now)
+            out += [self._refuse(p, "was dropped after it went silent") for p in self.waiting.all()
+                    if p.req.worker in self.state.dropped]
+            return self._progress(now, out)
         if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
             # the step cannot complete now: answer all of its pushes at once, naming the same workers
             # (a push answered a tick before another would be named as missing by the later one)
             stuck += [p for (_, step), p in self.pushes.items() if step == self.state.version and p not in stuck]
-        out = []
         for p in stuck:
             msg = (f"server {self.index}: {P.OP_NAMES[p.req.op]} step {p.req.step} of worker "
                    f"{p.req.worker} waited {self.cfg.worker_timeout_s:g}s for worker(s) {missing}")
@@ -100,8 +100,14 @@ class Membership:
         if self.cfg.mode == "sync" and any(p.grads is not None for p in stuck):
             return [w for w in self.state.active() if (w, self.state.version) not in self.pushes]
         bound = self.cfg.staleness if self.cfg.mode == "ssp" else 0
-        need = max((p.req.step if p.grads is not None else p.clock) - bound for p in stuck)
-        return [w for w in self.state.active() if self.state.clocks[w] < need]
+        blamed: set[int] = set()
+        for p in stuck:
+            if p.grads is not None and p.req.step > self.state.clocks[p.req.worker]:
+                blamed.add(p.req.worker)  # it waits for its own earlier step first, nobody else
+            elif self.cfg.mode != "async":  # async waits for nobody else
+                need = (p.req.step if p.grads is not None else p.clock) - bound
+                blamed.update(w for w in self.state.active() if self.state.clocks[w] < need)
+        return sorted(blamed)
 
 
     # -- joining a running job (see the module docstring) ----------------------------------
@@ -121,8 +127,10 @@ class Membership:
                     "servers' checkpoint), or use mode async or ssp, where it rejoins at the running step")
         return None
 
-    def _admit(self, ident: bytes, req: P.Request) -> P.Routed:
+    def _admit(self, ident: bytes, req: P.Request) -> list[P.Routed]:
+        """The JOIN's answer, after the refusals of what an earlier life of the worker left parked."""
         w, at, st = req.worker, req.step, self.state
+        out = []
         if self.cfg.mode == "sync":
             raise ProtocolError(f"worker {w} cannot join a sync job at step {at}: it admits no worker after "
                                 "it began (every step averages the same workers)")
@@ -137,5 +145,5 @@ class Membership:
             # what an earlier life of it left parked here can never be applied now
             for p in self.waiting.all():
                 if p.req.worker == w and p.req.step < clock and p.req.op != P.INIT:
-                    self._refuse(p, f"rejoined at step {clock}: its request for step {p.req.step} is void")
-        return P.routed(ident, P.OK, req.req_id, [st.version, clock])
+                    out.append(self._refuse(p, f"rejoined at step {clock}: its request for step {p.req.step} is void"))
+        return out + [P.routed(ident, P.OK, req.req_id, [st.version, clock])]

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from commrt.runtime.errors import ConfigError
+from commrt.ps.state import MAX_GAP
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class ServerCollector(Collector):
         yield _gauge("commrt_ps_joined_workers", "workers whose init matched the seed", server, len(st["joined"]))
         yield _gauge("commrt_ps_segments", "key ranges (segments) held", server, st["segments"])
         gaps = CounterMetricFamily("commrt_ps_updates_by_staleness", "updates applied, by how many steps the "
-                                   "pushing worker was ahead of the slowest", labels=["server", "gap"])
+                                   f"pushing worker was ahead of the slowest (gap {MAX_GAP}: that many or more)",
+                                   labels=["server", "gap"])
         for gap, n in st["staleness"].items():
             gaps.add_metric([server, gap], n)
         yield gaps

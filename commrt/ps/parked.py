@@ -110,12 +110,6 @@ class Waiting:
         self._trim()
         return p
 
-    def take_inits(self) -> list[Parked]:
-        out = list(self.inits)
-        for p in out:
-            self.remove(p)
-        return out
-
     def ready_pulls(self, level: int) -> list[Parked]:
         """Remove and return the pulls that need at most ``level``, oldest first per level."""
         out = []

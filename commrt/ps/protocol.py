@@ -137,3 +137,33 @@ def decode_reply(buf) -> Reply:
     if type(msg[1]) is not int or msg[1] not in STATUSES or not _is_count(msg[2]):
         raise ProtocolError(f"bad reply status/id {msg[1:3]!r}")
     return Reply(*msg[1:])
+
+
+# what an answer's body holds, per op, when it is OK (or DUPLICATE): a predicate per field
+_ANSWERS = {
+    INIT: (_is_count, _is_count, lambda v: type(v) is bool, _is_count),  # version, clock, member, start
+    JOIN: (_is_count, _is_count),  # version, clock
+    PUSH: (_is_count,),  # version
+    PULL: (_is_count, lambda v: isinstance(v, list) and all(_is_count(i) for i in v)),  # version, ids
+}
+_ANSWERS[PUSHPULL] = _ANSWERS[PULL]
+
+
+def check_reply(op: int, reply: Reply) -> None:
+    """Check that the body of a reply to ``op`` holds what its status promises, so that a
+    buggy or foreign server is a ProtocolError, not an IndexError deep in the client."""
+    body, status = reply.body, reply.status
+    if status in (ERROR, FAILED):
+        ok = isinstance(body, list) and len(body) >= 1 and isinstance(body[0], str)
+    elif status == LOST:
+        ok = (isinstance(body, list) and len(body) == 2 and isinstance(body[0], str)
+              and isinstance(body[1], list) and all(_is_count(w) for w in body[1]))
+    elif status in (OK, DUPLICATE) and op == STATS:
+        ok = isinstance(body, dict)
+    elif status in (OK, DUPLICATE) and op in _ANSWERS:
+        fields = _ANSWERS[op]
+        ok = isinstance(body, list) and len(body) == len(fields) and all(f(v) for f, v in zip(fields, body))
+    else:
+        ok = status in (PENDING, UNKNOWN)
+    if not ok:
+        raise ProtocolError(f"a {OP_NAMES.get(op, op)} answered with status {status} and body {body!r:.200}")

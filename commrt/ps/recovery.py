@@ -14,7 +14,7 @@ import os
 import torch
 
 from commrt.runtime.config import PsConfig
-from commrt.runtime.errors import CommError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.ps.durable import WriteAheadLog, read_log
 from commrt.ps.state import ShardState
 
@@ -41,7 +41,11 @@ class Durability:
         self.wal: WriteAheadLog | None = None
         self.ckpt_path = self.wal_path = ""
         if cfg.checkpoint_dir:
-            os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+            try:
+                os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"server {index}: [ps] checkpoint_dir '{cfg.checkpoint_dir}' cannot be "
+                                  f"created: {exc.strerror or exc}") from None
             self.ckpt_path = os.path.join(cfg.checkpoint_dir, f"server-{index}.ckpt")
             self.wal_path = os.path.join(cfg.checkpoint_dir, f"server-{index}.wal")
 
@@ -89,6 +93,17 @@ class Durability:
             self.wal.truncate()
         except OSError as exc:
             raise _failed("checkpoint write", exc) from exc
+
+    def close(self) -> None:
+        """Close the log (the shard stops; a later resume reopens it). Every record was flushed
+        when written, so closing can only fail on what a failed write left buffered: that
+        failure was already reported (and the record never acknowledged), so it is only logged."""
+        if self.wal is not None:
+            wal, self.wal = self.wal, None
+            try:
+                wal.close()
+            except OSError as exc:
+                log.warning("server %d: closing the log: %s", self.index, exc.strerror or exc)
 
     def checkpoint_if_due(self) -> None:
         if not self.ckpt_path:

@@ -14,7 +14,7 @@ import zmq
 
 from commrt.optim import rules as optim
 from commrt.runtime.config import Config
-from commrt.runtime.errors import ConfigError
+from commrt.runtime.errors import ConfigError, ProtocolError
 from commrt.transport.security import check_bind, is_loopback
 from commrt.transport.transport import Transport
 from commrt.transport.memory import keep_freed_memory
@@ -74,6 +74,9 @@ class Server:
         if not is_loopback(addr):
             log.warning("server %d: metrics page on %s is reachable from other hosts (unauthenticated)", index, addr)
         try:
+            if port + index > 65535:  # bind() would raise OverflowError
+                raise ConfigError(f"server {index} would serve metrics on port {port} + {index} = "
+                                  f"{port + index}, beyond 65535: lower [ps] metrics_port")
             return MetricsServer(self.core.stats, addr, port + index)
         except ConfigError:
             self.sock.close()
@@ -83,7 +86,10 @@ class Server:
     def _recover(self, resume: bool) -> None:
         core, where = self.core, self.core.cfg.checkpoint_dir
         if resume and core.has_checkpoint():
-            n = core.resume()
+            try:
+                n = core.resume()
+            except (ValueError, KeyError, TypeError, ProtocolError) as exc:  # another config's, or damaged
+                raise ConfigError(f"server {core.index} cannot resume from {core.ckpt_path}: {exc}") from None
             log.info("server %d resumed at version %d (%d updates replayed from the log)",
                      core.index, core.state.version, n)
         elif resume and core.never_committed():
@@ -115,6 +121,7 @@ class Server:
             log.error("server %d: %s", self.core.index, exc)
             return EXIT_STORAGE
         finally:
+            self.core.close()
             self.sock.close()
             self.transport.close()
             if self.metrics is not None:

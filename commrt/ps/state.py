@@ -17,6 +17,10 @@ from commrt.ps.durable import load_checkpoint, save_checkpoint
 
 RECENT = 64  # per-worker applied steps remembered for de-duplicating re-sent pushes
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
+# staleness histogram: gaps of MAX_GAP or more share the last key. Async waits for nobody, so an
+# idle worker holds the slowest clock and every update would open a key of its own; a STATS reply
+# (a msgpack map) must stay within the client's limits
+MAX_GAP = 1024
 FLOAT_CODES = (1, 2)  # float32, float64: the server keeps full-precision master values
 
 
@@ -50,10 +54,12 @@ class ShardState:
         self.late: set[int] = set()  # late joiners ([ps] initial_workers) not admitted yet
         self.joined: set[int] = set()  # workers whose init matched the seed: only they may push/pull
         self.staleness: collections.Counter = collections.Counter()
+        self._seeded = False
 
     @property
     def initialized(self) -> bool:
-        return bool(self.segs)
+        """Seeded (or loaded); a shard may hold no segment at all (fewer keys than shards)."""
+        return self._seeded
 
     def active(self) -> list[int]:
         """The members: the workers this shard counts (sync steps, the SSP bound, laggards)."""
@@ -76,6 +82,7 @@ class ShardState:
         self.params = [torch.from_numpy(v.copy()) for v in values]
         self.opt = [optim.init_state(self.spec, p) for p in self.params]
         self.steps = [0] * len(segs)
+        self._seeded = True
 
     def apply(self, ids: list[int], grads: list[torch.Tensor]) -> None:
         """One optimizer update of the given segments (LAMB: norms per whole tensor)."""
@@ -103,7 +110,7 @@ class ShardState:
             self.recent[w].append(step)
         self.version += 1
         if gap is not None:
-            self.staleness[gap] += 1
+            self.staleness[min(gap, MAX_GAP)] += 1
 
     # -- persistence ------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -139,4 +146,6 @@ class ShardState:
         self.late = set(meta.get("late", []))  # a checkpoint from before late joiners: none
         # a checkpoint from before inits were checked: every worker was admitted then
         self.joined = set(meta.get("joined", range(self.workers)))
-        self.staleness = collections.Counter({int(k): v for k, v in meta["staleness"].items()})
+        self.staleness = collections.Counter()
+        for k, v in meta["staleness"].items():  # a checkpoint from before MAX_GAP: fold the tail
+            self.staleness[min(int(k), MAX_GAP)] += v

@@ -57,7 +57,8 @@ class PsConfig:
     """A server silent this long (no reply, no answer to a ping) is declared lost."""
     retry_s: float = 0.5
     """A client waiting on a reply pings the server this often; a restarted server answers
-    'unknown' and the request is sent again (exactly-once makes that safe)."""
+    'unknown' and the request is sent again (exactly-once makes that safe). At most half of
+    ``timeout_s``."""
     worker_timeout_s: float = 30.0
     """How long a server waits for a lagging worker before applying ``on_worker_loss``."""
     on_worker_loss: str = "error"
@@ -89,6 +90,9 @@ class PsConfig:
             check_bytes("ps", name, getattr(self, name))
         for name in ("timeout_s", "retry_s", "worker_timeout_s"):
             check_seconds("ps", name, getattr(self, name), MAX_TIMEOUT_S)
+        if self.retry_s > self.timeout_s / 2:  # a live server is heard only through the pings' answers
+            raise invalid("ps", "retry_s", self.retry_s, f"must be at most half of timeout_s ({self.timeout_s:g}): "
+                          "a waiting client would call a live server silent between two pings")
         for name in ("workers", "initial_workers", "staleness", "momentum", "weight_decay", "eps"):
             check_non_negative("ps", name, getattr(self, name))
         for name in ("beta1", "beta2"):
