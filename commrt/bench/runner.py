@@ -16,6 +16,7 @@ from commrt.obs import stats
 from commrt.transport.transport import Transport
 from commrt.collectives.reduce_ops import ReduceOp, parse_op
 from commrt.runtime.config import load_config
+from commrt.runtime.errors import ConfigError
 from commrt.runtime.dtypes import parse_dtype
 from commrt.bench import alone, metrics, physical
 from commrt.bench.cases import _DEVICE, Case, device_of, make_case, pattern, reference  # noqa: F401 (p2p.py, apps)
@@ -40,6 +41,14 @@ class BenchSpec:
     device: str = "cpu"
     """cpu | cuda: where the non-NCCL backends' tensors live (NCCL's are always on the GPU);
     cuda puts every backend, and the quantized columns' codec, on this rank's GPU."""
+
+    def __post_init__(self):
+        # checked where the spec is made, before any rank starts: -n 0 divided by zero on every
+        # rank after the start-up (back-to-back) or raised "no samples" (alone)
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {self.iters}, -w {self.warmup}")
+        metrics.size_series(self.min_bytes, self.max_bytes, self.factor)
+        alone.parse_mode(self.mode)
 
 
 def _slowest(be, seconds: float) -> float:

@@ -1,0 +1,40 @@
+"""``commrt bench``'s sizes and counts: what -b / -e / -f / -n accept, refused before any rank
+starts as a ConfigError (printed by the CLI as one line), and each size measured once."""
+import pytest
+
+from commrt.bench import metrics
+from commrt.bench.runner import BenchSpec
+from commrt.runtime.errors import ConfigError
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "4T", "K", "", "1e999", "-inf"])
+def test_unreadable_sizes_are_config_errors(text):
+    """'inf' and '1e999' were an OverflowError, 'nan' and '4T' float's own ValueError: a traceback."""
+    with pytest.raises(ConfigError, match="cannot read size"):
+        metrics.parse_size(text)
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("1.5K", 1536), ("4kib", 4096), ("4 M", 4 << 20), ("2GB", 2 << 30)])
+def test_sizes_read_as_nccl_tests_does(text, value):
+    assert metrics.parse_size(text) == value
+
+
+def test_a_factor_near_one_gives_each_size_once():
+    """-b 1 -e 8 -f 1.5 gave 1, 1, 2, 3, 5, 7: the size 1 measured (and printed) twice."""
+    assert metrics.size_series(1, 8, 1.5) == [1, 2, 3, 5, 7]
+    sizes = metrics.size_series(1, 1 << 20, 1.01)
+    assert len(set(sizes)) == len(sizes) and sizes == sorted(sizes)
+
+
+@pytest.mark.parametrize("args", [(0, 8, 2), (8, 4, 2), (4, 8, 1), (4, 8, float("nan")), (4, 8, float("inf"))])
+def test_bad_series_are_config_errors(args):
+    """-b 8 -e 4 printed a ValueError traceback; -f nan was accepted (one size)."""
+    with pytest.raises(ConfigError):
+        metrics.size_series(*args)
+
+
+@pytest.mark.parametrize("iters,warmup", [(0, 5), (-1, 5), (20, -1)])
+def test_a_spec_without_timed_iterations_is_refused(iters, warmup):
+    """-n 0 divided by zero on every rank, after the start-up (back-to-back's elapsed / iters)."""
+    with pytest.raises(ConfigError, match="iters"):
+        BenchSpec("all_reduce", ("zmq",), 4096, 8192, 2, iters, warmup, "float32", "sum")
