@@ -67,3 +67,10 @@ def test_a_bad_network_is_a_config_error_not_a_traceback(argv):
     leaf = () if argv[0] == "--nodes-per-leaf" else ("--nodes-per-leaf", "2")  # a spine to cross
     with pytest.raises(ConfigError):
         command.render(_args("--nodes", "4", "--sizes", "64K", *leaf, *argv))
+
+
+def test_a_world_beyond_the_replay_limit_is_a_config_error():
+    """reduce/ring at 2000 ranks (2000^2 rank-steps, not uniform): a ValueError traceback from
+    the command line before; now the one-line error naming --algorithms."""
+    with pytest.raises(ConfigError, match="--algorithms"):
+        command.render(_args("--collective", "reduce", "--algorithms", "ring", "--worlds", "2000", "--sizes", "4K"))
