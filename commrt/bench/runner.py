@@ -19,7 +19,8 @@ from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
 from commrt.runtime.dtypes import parse_dtype
 from commrt.bench import alone, metrics, physical
-from commrt.bench.cases import _DEVICE, Case, device_of, make_case, pattern, reference  # noqa: F401 (p2p.py, apps)
+from commrt.bench.cases import (_DEVICE, Case, device_of, distinct_sizes, make_case, pattern,  # noqa: F401
+                                reference)  # (p2p.py, apps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +206,8 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
         first = runtimes[spec.backends[0]].world.backend
         ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
         rows = []
-        sizes = metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)
+        sizes = distinct_sizes(spec.collective, rdzv.world_size,
+                               metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor), dtype.itemsize)
         for i, nbytes in enumerate(sizes):
             label = f"[{i + 1}/{len(sizes)}] {spec.collective} {metrics.format_size(nbytes)}"
             row = measure_size(spec, backends, nbytes, dtype, op, progress, label)

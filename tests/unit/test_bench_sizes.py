@@ -38,3 +38,11 @@ def test_a_spec_without_timed_iterations_is_refused(iters, warmup):
     """-n 0 divided by zero on every rank, after the start-up (back-to-back's elapsed / iters)."""
     with pytest.raises(ConfigError, match="iters"):
         BenchSpec("all_reduce", ("zmq",), 4096, 8192, 2, iters, warmup, "float32", "sum")
+
+
+def test_sizes_that_round_to_the_same_case_are_measured_once():
+    """-b 4 -e 16 of an all_to_all over 3 ranks printed three rows of the same 12 B case."""
+    from commrt.bench.cases import distinct_sizes
+    assert distinct_sizes("all_to_all", 3, [4, 8, 16, 32], 4) == [4, 32]  # 3, 3, 3 and 6 elements
+    assert distinct_sizes("all_reduce", 3, [1, 2, 4, 8], 4) == [1, 8]  # 1, 1, 1 and 2 elements
+    assert distinct_sizes("all_reduce", 4, [4096, 8192], 2) == [4096, 8192]
