@@ -71,7 +71,11 @@ def check_args(args, environ=os.environ) -> str | None:
     world = args.stages * args.dp if args.stages is not None else int(environ.get("WORLD_SIZE", args.dp))
     if world % args.dp:
         return f"--dp {args.dp} does not divide the world of {world} ranks"
-    stages = world // args.dp * (2 if args.schedule == "interleaved" else 1)
+    if args.bench and (args.rounds < 1 or args.dp != 1 or world < 2):  # after the launch: medians of nothing
+        return (f"--bench needs --rounds >= 1, 2 or more pipeline ranks and no --dp; got --rounds {args.rounds}, "
+                f"{world} ranks, --dp {args.dp}")
+    # --bench builds every schedule, the interleaved one too (two stages a rank)
+    stages = world // args.dp * (2 if args.schedule == "interleaved" or args.bench else 1)
     layers = 2 * args.blocks + 3  # make_model: embedding, (linear, gelu) per block, linear, flatten
     if stages > layers:
         return f"{stages} pipeline stages cannot be cut from the model's {layers} layers (--blocks {args.blocks})"

@@ -30,7 +30,9 @@ def test_train_lm_refuses_options_it_cannot_run(argv, says, capsys, monkeypatch)
     (["--stages", "2", "--microbatches", "0"], "--microbatches 0"),
     (["--stages", "2", "--microbatches", "8", "--rows", "4"], "micro-batches"),
     (["--stages", "2", "--schedule", "pipedream", "--steps", "0"], "--steps 0"),
-    (["--stages", "9"], "stages")])
+    (["--stages", "9"], "stages"),
+    (["--stages", "4", "--bench"], "8 pipeline stages"),
+    (["--stages", "2", "--bench", "--rounds", "0"], "--rounds 0")])
 def test_pipeline_lm_refuses_options_it_cannot_run(argv, says, capsys, monkeypatch):
     """--rows 5 over --dp 2 gave replicas 3 and 2 rows (x.chunk), weighted alike by the gradient
     average, so the result was not the single-process batch's; --rows 5 over --dp 4 made 3 chunks
