@@ -43,6 +43,10 @@ def main(argv=None) -> int:
     sizes = [metrics.parse_size(s) for s in args.params.split(",") if s.strip()]
     if not sizes or any(s < 4 or s % 4 for s in sizes):
         raise SystemExit("commrt bench ps: --params sizes must be positive multiples of 4 bytes")
+    if args.iters < 1 or args.warmup < 0 or args.workers < 1 or args.servers < 1:
+        # -n 0 divided by zero on every worker after the start-up
+        raise SystemExit(f"commrt bench ps: need -n >= 1, --warmup >= 0, -w >= 1 and -s >= 1; got -n {args.iters}, "
+                         f"--warmup {args.warmup}, -w {args.workers}, -s {args.servers}")
     if "RANK" in os.environ and os.environ.get("COMMRT_PS_SERVERS"):
         return _rank(args, sizes)
     from commrt.launch import launch

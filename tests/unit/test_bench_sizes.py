@@ -46,3 +46,31 @@ def test_sizes_that_round_to_the_same_case_are_measured_once():
     assert distinct_sizes("all_to_all", 3, [4, 8, 16, 32], 4) == [4, 32]  # 3, 3, 3 and 6 elements
     assert distinct_sizes("all_reduce", 3, [1, 2, 4, 8], 4) == [1, 8]  # 1, 1, 1 and 2 elements
     assert distinct_sizes("all_reduce", 4, [4096, 8192], 2) == [4096, 8192]
+
+
+@pytest.mark.parametrize("backend,minbytes,iters,warmup,says", [
+    ("zmq", "4K", 0, 5, "iters"), ("zmq", "4K", 10, -1, "warmup"), ("zmq,mpi", "4K", 10, 1, "valid"),
+    ("zmq", "1", 10, 1, "under 4 bytes")])
+def test_p2p_refuses_what_it_cannot_measure(backend, minbytes, iters, warmup, says, monkeypatch):
+    """bench p2p built no BenchSpec: -n 0 failed on rank 0 after the start-up (median of no round
+    trips, the stream divided by zero), an unknown backend on every rank."""
+    import argparse
+    import commrt.launch
+    from commrt.bench import p2p
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    args = argparse.Namespace(backend=backend, minbytes=minbytes, maxbytes="64K", stepfactor=2.0, iters=iters,
+                              warmup=warmup, nproc=2)
+    with pytest.raises(ConfigError, match=says):
+        p2p.run(args)
+
+
+@pytest.mark.parametrize("argv", [["-n", "0"], ["--warmup", "-1"], ["-w", "0"], ["-s", "0"]])
+def test_bench_ps_refuses_no_iterations_before_the_launch(argv, monkeypatch):
+    """-n 0 divided by zero on every worker after the start-up."""
+    import commrt.launch
+    from commrt.bench import ps
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit, match="need -n >= 1"):
+        ps.main(argv)
