@@ -17,7 +17,6 @@ bytes rank 0 sent (#wrong counts differing elements). Ranks other than 0 and 1 o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 import statistics
@@ -26,7 +25,7 @@ import time
 
 import torch
 
-from commrt.bench import metrics, runner
+from commrt.bench import metrics, report, runner
 from commrt.runtime.errors import ConfigError
 
 TAG = 7
@@ -142,10 +141,9 @@ def _rank(backends: tuple[str, ...], sizes: list[int], args) -> int:
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:]) if "bench" in sys.argv else ""
         print(table(backends, rows, rdzv.world_size, args.iters), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "p2p", "command": command, "nproc": rdzv.world_size,
-                           "iters": args.iters, "warmup": args.warmup, "backends": list(backends),
-                           "rows": rows}, f, indent=1)
+            report.write_json(args.json, {"benchmark": "p2p", "command": command, "nproc": rdzv.world_size,
+                                          "iters": args.iters, "warmup": args.warmup, "backends": list(backends),
+                                          "rows": rows})
     return 1 if any(r[b]["wrong"] for r in rows for b in backends) else 0
 
 

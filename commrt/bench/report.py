@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -130,9 +131,22 @@ def to_json(spec: BenchSpec, nproc: int, rows: list[dict], command: str) -> dict
     }
 
 
+def finite(obj):
+    """``obj`` with every float that is not finite as None (JSON null): json.dump writes them
+    as Infinity / NaN, which is not JSON (jq and JSON.parse refuse the file). --physical at one
+    rank has no TCP link: its ceiling is inf."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, doc: dict) -> None:
     with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
+        json.dump(finite(doc), fh, indent=1, allow_nan=False)
         fh.write("\n")
 
 

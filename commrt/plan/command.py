@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,10 +45,13 @@ def parse_bandwidth(text: str) -> float:
     unit = m.group(2).lower() if m else None
     if m is None or (unit and unit not in _BW_UNITS):
         raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit")
-    try:  # the pattern lets '.' and '1.2.3' through
-        return float(m.group(1)) * (_BW_UNITS[unit] if unit else 1)
+    try:  # the pattern lets '.' and '1.2.3' through, and '1e999' is inf (Infinity in --json: not JSON)
+        value = float(m.group(1)) * (_BW_UNITS[unit] if unit else 1)
     except ValueError:
-        raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit") from None
+        value = math.inf
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit")
+    return value
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
