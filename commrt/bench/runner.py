@@ -50,6 +50,27 @@ class BenchSpec:
             raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {self.iters}, -w {self.warmup}")
         metrics.size_series(self.min_bytes, self.max_bytes, self.factor)
         alone.parse_mode(self.mode)
+        quantized = [b for b in self.backends if b.endswith(("+int8", "+int4"))]
+        if quantized:
+            self._check_quant(quantized)
+
+    def _check_quant(self, names: list[str]) -> None:
+        """A +int8 / +int4 column measures the quantized op only for a float payload, a sum or
+        mean, torch input and the three collectives it has: QuantBackend hands anything else to
+        the exact backend, so -o max, -d int32 or a broadcast printed exact times under the
+        quantized column's name (and reduce_scatter -o max, or --input numpy, failed after the
+        start-up)."""
+        why = []
+        if self.collective not in ("all_reduce", "reduce_scatter", "all_gather"):
+            why.append(f"the collective is {self.collective} (quantized: all_reduce, reduce_scatter, all_gather)")
+        if parse_dtype(self.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+            why.append(f"-d {self.dtype} (quantized: float32, float16, bfloat16)")
+        if self.collective != "all_gather" and parse_op(self.op) not in (ReduceOp.SUM, ReduceOp.AVG):
+            why.append(f"-o {self.op} (quantized: sum, avg)")
+        if self.input != "torch":
+            why.append(f"--input {self.input} (quantized: torch)")
+        if why:
+            raise ConfigError(f"{', '.join(names)}: no quantized op to measure: {'; '.join(why)}")
 
 
 def _slowest(be, seconds: float) -> float:

@@ -74,3 +74,24 @@ def test_bench_ps_refuses_no_iterations_before_the_launch(argv, monkeypatch):
     monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(SystemExit, match="need -n >= 1"):
         ps.main(argv)
+
+
+@pytest.mark.parametrize("collective,dtype,op,inp", [
+    ("all_reduce", "float32", "max", "torch"), ("all_reduce", "int32", "sum", "torch"),
+    ("broadcast", "float32", "sum", "torch"), ("reduce_scatter", "float32", "min", "torch"),
+    ("all_gather", "float32", "sum", "numpy")])
+def test_a_quantized_column_that_would_time_the_exact_op_is_refused(collective, dtype, op, inp):
+    """QuantBackend hands what it cannot quantize to the exact backend: -o max, -d int32 or a
+    broadcast printed exact times under 'zmq+int8'; reduce_scatter -o min and --input numpy
+    failed on every rank after the start-up."""
+    with pytest.raises(ConfigError, match="no quantized op"):
+        BenchSpec(collective, ("zmq", "zmq+int8"), 4096, 8192, 2, 2, 1, dtype, op, input=inp)
+    BenchSpec(collective, ("zmq",), 4096, 8192, 2, 2, 1, dtype, op, input=inp)  # the exact one alone runs
+
+
+def test_quantized_columns_that_measure_the_quantized_op_are_kept():
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        BenchSpec(coll, ("zmq", "zmq+int4"), 4096, 8192, 2, 2, 1, "bfloat16", "avg")
+    from commrt.bench.quant import with_quant
+    with pytest.raises(ConfigError, match="int9"):
+        with_quant(("zmq",), "int9")
