@@ -68,7 +68,10 @@ def check_args(args, environ=os.environ) -> str | None:
     if args.rows // args.dp < args.microbatches:
         return (f"{args.rows // args.dp} rows per replica (--rows {args.rows} / --dp {args.dp}) cannot make "
                 f"--microbatches {args.microbatches} micro-batches")
-    world = args.stages * args.dp if args.stages is not None else int(environ.get("WORLD_SIZE", args.dp))
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # under a launcher --stages is not what counts
+        world = int(environ["WORLD_SIZE"])
+    else:
+        world = args.stages * args.dp if args.stages is not None else args.dp
     if world % args.dp:
         return f"--dp {args.dp} does not divide the world of {world} ranks"
     if args.bench and (args.rounds < 1 or args.dp != 1 or world < 2):  # after the launch: medians of nothing

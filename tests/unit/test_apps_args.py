@@ -42,3 +42,12 @@ def test_pipeline_lm_refuses_options_it_cannot_run(argv, says, capsys, monkeypat
     with pytest.raises(SystemExit) as err:
         pipeline_lm.main(argv)
     assert err.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_pipeline_lm_checks_the_launched_world_not_stages():
+    """Under a launcher the world is WORLD_SIZE (self_launch ignores --stages there)."""
+    args = pipeline_lm.parse(["--stages", "9"])
+    assert pipeline_lm.check_args(args, {"RANK": "0", "WORLD_SIZE": "2"}) is None
+    assert "8 pipeline stages" in pipeline_lm.check_args(args, {"RANK": "0", "WORLD_SIZE": "8"})
+    assert "9 pipeline stages" in pipeline_lm.check_args(args, {})
+    assert "does not divide" in pipeline_lm.check_args(pipeline_lm.parse(["--dp", "2"]), {"RANK": "0", "WORLD_SIZE": "3"})
