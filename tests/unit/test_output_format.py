@@ -117,3 +117,23 @@ def test_bench_json_is_strict_json_when_a_figure_is_not_finite(tmp_path):
     got = doc["rows"][0]
     assert got["ceiling"] is None and got["memory"] == {"memcpy": 5.0, "reduce": 4.0, "busbw": None}
     assert got["zmq"]["time_us"] == 10.0 and doc["avg_busbw"] == {"zmq": 0.0}
+
+
+@pytest.mark.parametrize("mode", ["both", "alone", "back-to-back"])
+@pytest.mark.parametrize("physical", [False, True])
+def test_bench_table_columns_line_up_with_long_backend_names(mode, physical):
+    """Every header line and every row is one run of right-aligned columns, so they end at the
+    same place: with --physical and an --algo column ('eff:zmq:recursive_doubling') the header
+    was 16 characters longer than the rows."""
+    names = ("zmq", "zmq:recursive_doubling")
+    spec = BenchSpec("all_reduce", names, 4096, 4096, 2, 1, 0, "float32", "sum", physical, mode)
+    one = {"size": 4096, "count": 1024, "wrong": 0, "path": "tcp"}
+    if mode != "alone":
+        one |= {"time_us": 10.0, "algbw": 0.4, "busbw": 0.2}
+    if mode != "back-to-back":
+        one["alone"] = {"time_us": 9.0, "p90_us": 11.0, "busbw": 0.3}
+    row = {n: dict(one) for n in names} | {"ceiling": 1.0, "memory": {"memcpy": 1.0, "reduce": 1.0, "busbw": 1.0}}
+    lines = report.table(spec, 2, [row]).splitlines()
+    head2, head3, data = lines[3], lines[4], lines[5]
+    assert head2.startswith("#  ") and data.startswith("  ")
+    assert len(head2) == len(head3) == len(data)
