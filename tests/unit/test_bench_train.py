@@ -95,3 +95,23 @@ def test_the_table_stays_aligned_with_long_strategy_names():
            "inter_node_mb_per_step": None, "peak_rss_mb": 10.0, "breakdown_ms": None}
     head, *lines = table([{**row, "strategy": "plain torch"}, {**row, "strategy": "commrt HYBRID_SHARD /16"}]).splitlines()
     assert [line.index(" 32 ") + 3 for line in lines] == [head.index("ranks") + 5] * 2  # right-aligned alike
+
+
+def test_torch_groups_reach_rank_0_at_master_addr(monkeypatch):
+    """The gloo rows' TCPStore was dialled at 127.0.0.1: on a multi-node launch the other nodes'
+    ranks dialled their own host and waited out the 120 s store timeout. Rank 1 of 2 here."""
+    from commrt.bench import train_peers
+    dialled = []
+
+    class Store:
+        def __init__(self, host, port, world, master, **kw):
+            dialled.append((host, port, master))
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setattr(train_peers.tdist, "TCPStore", Store)
+    monkeypatch.setattr(train_peers.tdist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(train_peers.tdist, "new_group", lambda *a, **k: "commrt group")
+    monkeypatch.setattr(train_peers.commrt, "get_rank", lambda: 1)
+    monkeypatch.setattr(train_peers.commrt, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train_peers.commrt, "broadcast", lambda t, src: t.fill_(4242))
+    train_peers.TorchGroups()
+    assert dialled == [("10.1.2.3", 4242, False)]
