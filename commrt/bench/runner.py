@@ -225,7 +225,10 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
             runtimes[name] = bootstrap.init_world(configs[name], rdzv, store=(store, None), namespace=f"{name}/")
         backends = {name: _backend(name, rt) for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
-        ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
+        ring = None
+        if spec.physical:  # peers dial the address the transport advertises, as they do the transport's
+            where = rendezvous.advertised_host(cfg.cluster.bind_host, cfg.cluster.advertise_host, rdzv.host)
+            ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host, advertise=where)
         rows = []
         sizes = distinct_sizes(spec.collective, rdzv.world_size,
                                metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor), dtype.itemsize)
