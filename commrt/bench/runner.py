@@ -50,6 +50,10 @@ class BenchSpec:
             raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {self.iters}, -w {self.warmup}")
         metrics.size_series(self.min_bytes, self.max_bytes, self.factor)
         alone.parse_mode(self.mode)
+        try:  # each rank parsed them after the start-up: a traceback per rank
+            parse_dtype(self.dtype), parse_op(self.op)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         quantized = [b for b in self.backends if b.endswith(("+int8", "+int4"))]
         if quantized:
             self._check_quant(quantized)

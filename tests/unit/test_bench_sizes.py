@@ -95,3 +95,10 @@ def test_quantized_columns_that_measure_the_quantized_op_are_kept():
     from commrt.bench.quant import with_quant
     with pytest.raises(ConfigError, match="int9"):
         with_quant(("zmq",), "int9")
+
+
+@pytest.mark.parametrize("dtype,op,says", [("foo", "sum", "unknown dtype"), ("float32", "foo", "unknown reduce op")])
+def test_an_unknown_dtype_or_op_is_refused_where_the_spec_is_made(dtype, op, says):
+    """-d foo / -o foo launched the ranks, each of which printed a ValueError traceback."""
+    with pytest.raises(ConfigError, match=says):
+        BenchSpec("all_reduce", ("zmq",), 4096, 8192, 2, 2, 1, dtype, op)
