@@ -50,4 +50,5 @@ def test_pipeline_lm_checks_the_launched_world_not_stages():
     assert pipeline_lm.check_args(args, {"RANK": "0", "WORLD_SIZE": "2"}) is None
     assert "8 pipeline stages" in pipeline_lm.check_args(args, {"RANK": "0", "WORLD_SIZE": "8"})
     assert "9 pipeline stages" in pipeline_lm.check_args(args, {})
-    assert "does not divide" in pipeline_lm.check_args(pipeline_lm.parse(["--dp", "2"]), {"RANK": "0", "WORLD_SIZE": "3"})
+    launched = {"RANK": "0", "WORLD_SIZE": "3"}
+    assert "does not divide" in pipeline_lm.check_args(pipeline_lm.parse(["--dp", "2"]), launched)

@@ -93,7 +93,8 @@ def test_the_table_stays_aligned_with_long_strategy_names():
     from commrt.bench.train import table
     row = {"ranks": 32, "step_ms": 1.0, "samples_per_s": 1.0, "efficiency": 1.0, "intra_node_mb_per_step": 0.0,
            "inter_node_mb_per_step": None, "peak_rss_mb": 10.0, "breakdown_ms": None}
-    head, *lines = table([{**row, "strategy": "plain torch"}, {**row, "strategy": "commrt HYBRID_SHARD /16"}]).splitlines()
+    rows = [{**row, "strategy": "plain torch"}, {**row, "strategy": "commrt HYBRID_SHARD /16"}]
+    head, *lines = table(rows).splitlines()
     assert [line.index(" 32 ") + 3 for line in lines] == [head.index("ranks") + 5] * 2  # right-aligned alike
 
 
