@@ -52,6 +52,39 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def check_args(args, environ=os.environ) -> str | None:
+    """What is wrong with the options, said before any rank starts (None: nothing); each used to
+    fail after the launch on every rank, or (rows not a multiple of --dp) to train replicas on
+    unequal slices weighted alike by the gradient average, which is not the one-process batch."""
+    positive = ("dp", "microbatches", "steps", "rows", "seq", "vocab", "dim")
+    bad = [f"--{k} {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
+    if args.stages is not None and args.stages < 1:
+        bad.append(f"--stages {args.stages}")
+    if bad or args.blocks < 0:
+        return f"{', '.join(bad + ([f'--blocks {args.blocks}'] if args.blocks < 0 else []))}: must be >= 1 " \
+               "(--blocks >= 0)"
+    if args.rows % args.dp:
+        return f"--rows {args.rows} is not a multiple of --dp {args.dp} (each replica takes rows / dp of a batch)"
+    if args.rows // args.dp < args.microbatches:
+        return (f"{args.rows // args.dp} rows per replica (--rows {args.rows} / --dp {args.dp}) cannot make "
+                f"--microbatches {args.microbatches} micro-batches")
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # under a launcher --stages is not what counts
+        world = int(environ["WORLD_SIZE"])
+    else:
+        world = args.stages * args.dp if args.stages is not None else args.dp
+    if world % args.dp:
+        return f"--dp {args.dp} does not divide the world of {world} ranks"
+    if args.bench and (args.rounds < 1 or args.dp != 1 or world < 2):  # after the launch: medians of nothing
+        return (f"--bench needs --rounds >= 1, 2 or more pipeline ranks and no --dp; got --rounds {args.rounds}, "
+                f"{world} ranks, --dp {args.dp}")
+    # --bench builds every schedule, the interleaved one too (two stages a rank)
+    stages = world // args.dp * (2 if args.schedule == "interleaved" or args.bench else 1)
+    layers = 2 * args.blocks + 3  # make_model: embedding, (linear, gelu) per block, linear, flatten
+    if stages > layers:
+        return f"{stages} pipeline stages cannot be cut from the model's {layers} layers (--blocks {args.blocks})"
+    return None
+
+
 def self_launch(args, argv) -> int | None:
     """Start the ranks here when asked for ``--stages`` outside a launcher."""
     if args.stages is None or "RANK" in os.environ:
@@ -121,6 +154,10 @@ def train(args, log) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"pipeline_lm: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)  # argparse's status for a bad option
     code = self_launch(args, argv)
     if code is not None:
         return code

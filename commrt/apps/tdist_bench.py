@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import statistics
 import time
 
@@ -90,13 +91,14 @@ def main(argv=None) -> int:
     rank, world = commrt.get_rank(), commrt.get_world_size()
     log = reporter(__name__, f"rank {rank}") if rank == 0 else logging.getLogger("quiet")
     port = torch.zeros(1, dtype=torch.int64)  # torch's store on a free port, told through ours
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=120),
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # rank 0's, as commrt's own store
+    store = dist.TCPStore(host, 0, world, True, timeout=datetime.timedelta(seconds=120),
                           wait_for_workers=False) if rank == 0 else None
     if rank == 0:
         port[0] = store.port
     commrt.broadcast(port, 0)
     if rank != 0:
-        store = dist.TCPStore("127.0.0.1", int(port), world, False, timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore(host, int(port), world, False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     group = dist.new_group(backend="commrt")
     overhead(group, args.iters, log)

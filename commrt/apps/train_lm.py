@@ -88,6 +88,23 @@ def mean_breakdown(steps: list[StepBreakdown]) -> StepBreakdown:
     return out
 
 
+def check_args(args) -> str | None:
+    """What is wrong with the options, said before any rank starts (None: nothing). Each of
+    these used to fail later and elsewhere: --heads not dividing --dim in the first forward's
+    view, --log-every 0 as a ZeroDivisionError on rank 0, --steps 0 after training (no step
+    times to take the median of)."""
+    positive = ("steps", "batch", "seq", "vocab", "dim", "heads", "log_every")
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in positive if getattr(args, k) < 1]
+    if bad or args.layers < 0:
+        return f"{', '.join(bad + ([f'--layers {args.layers}'] if args.layers < 0 else []))}: must be >= 1 " \
+               "(--layers >= 0)"
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not a multiple of --heads {args.heads} (each head takes dim / heads)"
+    if args.stage is not None and args.stage not in (0, 1, 2, 3):
+        return f"--stage {args.stage} is invalid; valid: 0, 1, 2, 3"
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, help="ZeRO stage (overrides the config's [train])")
@@ -104,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="replica mode: write PATH.RANK.json (the replicas each applied step averaged, "
                    "counts, step times) and PATH.RANK.pt (the final parameters)")
     args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)
     torch.set_num_threads(1)
     cfg = load_train_config(os.environ.get("COMMRT_CONFIG"))
     if cfg.fault_tolerance == "replica":

@@ -76,13 +76,32 @@ def device_of(be) -> torch.device:
     return torch.device("cpu")
 
 
+def element_count(coll: str, n: int, nbytes: int, itemsize: int) -> int:
+    """Elements a case of ``nbytes`` holds: whole elements, at least one, and for the collectives
+    that cut the buffer in ``n`` parts a multiple of ``n``."""
+    count = max(1, nbytes // itemsize)
+    if coll in ("reduce_scatter", "all_gather", "all_to_all"):
+        count = max(n, count // n * n)
+    return count
+
+
+def distinct_sizes(coll: str, n: int, sizes: list[int], itemsize: int) -> list[int]:
+    """The sizes whose cases differ: -b 4 -e 16 of an all_to_all over 3 ranks made three rows of
+    the same 12 B case (each size rounded to whole elements, a multiple of n)."""
+    out, seen = [], set()
+    for s in sizes:
+        count = element_count(coll, n, s, itemsize)
+        if count not in seen:
+            seen.add(count)
+            out.append(s)
+    return out
+
+
 def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, as_numpy: bool = False) -> Case:
     """``as_numpy``: the collective gets numpy views of the buffers (the public API takes both)."""
     n, r = be.size, be.rank
     item = dtype.itemsize
-    count = max(1, nbytes // item)
-    if coll in ("reduce_scatter", "all_gather", "all_to_all"):
-        count = max(n, count // n * n)
+    count = element_count(coll, n, nbytes, item)
     m = count // n
     dev = device_of(be)
     if as_numpy and (dev.type != "cpu" or dtype == torch.bfloat16):

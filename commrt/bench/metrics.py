@@ -7,8 +7,11 @@ sendrecv 1.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from commrt.runtime.errors import ConfigError
 from commrt.obs.comms import COLLECTIVES, algbw, bus_factor, busbw  # noqa: F401 (the bench's arithmetic too)
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -16,23 +19,33 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 
 
 def parse_size(text: str | int) -> int:
-    """'4K' -> 4096, '64M' -> 67108864, '1G', '128' (powers of 1024, like nccl-tests)."""
+    """'4K' -> 4096, '64M' -> 67108864, '1G', '128' (powers of 1024, like nccl-tests).
+    ConfigError (a ValueError) for what is not a finite size, so ``commrt bench`` says which
+    option instead of a traceback ('inf' was an OverflowError, '4T' float's own message)."""
     if isinstance(text, int):
         return text
     s = text.strip().upper()
     digits = s.rstrip("KMGIB")
     unit = s[len(digits):]
-    if not digits or unit not in _UNITS:
-        raise ValueError(f"cannot read size '{text}'; use e.g. 4096, 4K, 64M, 1G")
-    return int(float(digits) * _UNITS[unit])
+    try:
+        value = float(digits) * _UNITS[unit]
+    except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read size '{text}'; use e.g. 4096, 4K, 64M, 1G")
+    return int(value)
 
 
 def size_series(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    if min_bytes <= 0 or max_bytes < min_bytes or factor <= 1:
-        raise ValueError(f"need 0 < minbytes <= maxbytes and factor > 1, got {min_bytes}, {max_bytes}, {factor}")
-    out, s = [], min_bytes
+    """min, min x factor, ... up to max, in whole bytes, each size once: a factor near 1 used to
+    give the same truncated size several times (-b 1 -f 1.5: 1, 1, 2, 3, ...), each a row."""
+    if not (0 < min_bytes <= max_bytes and 1 < factor < math.inf):  # nan fails too
+        raise ConfigError(f"need 0 < minbytes <= maxbytes and a finite factor > 1, got {min_bytes}, {max_bytes}, "
+                          f"{factor}")
+    out, s = [], float(min_bytes)
     while s <= max_bytes:
-        out.append(int(s))
+        if not out or int(s) != out[-1]:
+            out.append(int(s))
         s *= factor
     return out
 

@@ -17,7 +17,6 @@ bytes rank 0 sent (#wrong counts differing elements). Ranks other than 0 and 1 o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 import statistics
@@ -26,7 +25,8 @@ import time
 
 import torch
 
-from commrt.bench import metrics, runner
+from commrt.bench import metrics, report, runner
+from commrt.runtime.errors import ConfigError
 
 TAG = 7
 
@@ -36,6 +36,7 @@ def run(args) -> int:
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     sizes = metrics.size_series(metrics.parse_size(args.minbytes), metrics.parse_size(args.maxbytes),
                                 args.stepfactor)
+    check(backends, sizes, args.iters, args.warmup)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank(backends, sizes, args)
     from commrt import launch as launcher
@@ -44,6 +45,22 @@ def run(args) -> int:
     if result.returncode != 0:
         print(f"commrt bench p2p: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+BACKENDS = ("zmq", "gloo", "nccl")
+
+
+def check(backends: tuple[str, ...], sizes: list[int], iters: int, warmup: int) -> None:
+    """Before any rank starts (ConfigError, one line from the CLI): -n 0 took the median of no
+    round trips and divided the stream by zero on rank 0 after the start-up; an unknown backend
+    failed on every rank; a size under 4 B sent no float32 element yet was reported as its size."""
+    bad = [b for b in backends if b not in BACKENDS]
+    if not backends or bad:
+        raise ConfigError(f"commrt bench p2p: --backend {','.join(backends)!r}: valid: {list(BACKENDS)}")
+    if iters < 1 or warmup < 0:
+        raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {iters}, -w {warmup}")
+    if sizes[0] < 4:
+        raise ConfigError(f"commrt bench p2p sends float32 elements: -b {sizes[0]} is under 4 bytes")
 
 
 def pingpong(be, rank: int, buf: torch.Tensor, iters: int) -> list[float]:
@@ -124,10 +141,9 @@ def _rank(backends: tuple[str, ...], sizes: list[int], args) -> int:
         command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:]) if "bench" in sys.argv else ""
         print(table(backends, rows, rdzv.world_size, args.iters), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "p2p", "command": command, "nproc": rdzv.world_size,
-                           "iters": args.iters, "warmup": args.warmup, "backends": list(backends),
-                           "rows": rows}, f, indent=1)
+            report.write_json(args.json, {"benchmark": "p2p", "command": command, "nproc": rdzv.world_size,
+                                          "iters": args.iters, "warmup": args.warmup, "backends": list(backends),
+                                          "rows": rows})
     return 1 if any(r[b]["wrong"] for r in rows for b in backends) else 0
 
 

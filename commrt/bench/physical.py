@@ -24,15 +24,19 @@ class TcpRing:
         self.out, self.inp = out_sock, in_sock
 
     @classmethod
-    def open(cls, store, rank: int, n: int, host: str, timeout_s: float = 30.0) -> "TcpRing":
+    def open(cls, store, rank: int, n: int, host: str, timeout_s: float = 30.0,
+             advertise: str | None = None) -> "TcpRing":
+        """Listen on ``host``, publish ``advertise`` (default ``host``): the address peers dial,
+        as the transport's ``advertise_host``) and the port, dial the right neighbour's. Each
+        rank used to dial its own ``host`` with the neighbour's port: over two nodes, itself."""
         if n == 1:
             return cls(None, None)
         listener = socket.create_server((host, 0))
         listener.settimeout(timeout_s)
-        store.set(f"tcp/port/{rank}", str(listener.getsockname()[1]).encode())
+        store.set(f"tcp/addr/{rank}", f"{advertise or host}:{listener.getsockname()[1]}".encode())
         right = (rank + 1) % n
-        port = int(wait_for(store, [f"tcp/port/{right}"], timeout_s, "tcp ring")[0])
-        out = socket.create_connection((host, port), timeout=timeout_s)
+        addr, _, port = bytes(wait_for(store, [f"tcp/addr/{right}"], timeout_s, "tcp ring")[0]).decode().rpartition(":")
+        out = socket.create_connection((addr, int(port)), timeout=timeout_s)
         inp, _ = listener.accept()
         listener.close()
         for s in (out, inp):

@@ -43,6 +43,10 @@ def main(argv=None) -> int:
     sizes = [metrics.parse_size(s) for s in args.params.split(",") if s.strip()]
     if not sizes or any(s < 4 or s % 4 for s in sizes):
         raise SystemExit("commrt bench ps: --params sizes must be positive multiples of 4 bytes")
+    if args.iters < 1 or args.warmup < 0 or args.workers < 1 or args.servers < 1:
+        # -n 0 divided by zero on every worker after the start-up
+        raise SystemExit(f"commrt bench ps: need -n >= 1, --warmup >= 0, -w >= 1 and -s >= 1; got -n {args.iters}, "
+                         f"--warmup {args.warmup}, -w {args.workers}, -s {args.servers}")
     if "RANK" in os.environ and os.environ.get("COMMRT_PS_SERVERS"):
         return _rank(args, sizes)
     from commrt.launch import launch
@@ -90,7 +94,8 @@ def _rank(args, sizes: list[int]) -> int:
         buf = torch.ones(n // 4)
         ar_s = _time(lambda: commrt.all_reduce(buf), args.iters, args.warmup)
         rows.append({"size": n, "ps_time_us": ps_s * 1e6, "ps_gbps": metrics.algbw(2 * n, ps_s),
-                     "ps_wrong": int(wrong[0]), "allreduce_time_us": ar_s * 1e6,
+                     "ps_wrong": int(wrong[0]), "allreduce_wrong": _allreduce_wrong(buf, rank, world),
+                     "allreduce_time_us": ar_s * 1e6,
                      "allreduce_busbw": metrics.busbw("all_reduce", world, metrics.algbw(n, ar_s)),
                      "ratio": ar_s / ps_s})
     if rank == 0:
@@ -100,7 +105,18 @@ def _rank(args, sizes: list[int]) -> int:
                                    "iters": args.iters, "warmup": args.warmup, "rows": rows})
     client.close()
     commrt.destroy_process_group()
-    return 1 if any(r["ps_wrong"] for r in rows) else 0
+    return 1 if any(r["ps_wrong"] or r["allreduce_wrong"] for r in rows) else 0
+
+
+def _allreduce_wrong(buf: torch.Tensor, rank: int, world: int) -> int:
+    """Elements of one more all_reduce that differ from its reference, summed over workers: the
+    allreduce column's time was reported unchecked (its timed loop sums in place, so it checks
+    a fresh input: rank + 1 everywhere, whose sum is exact)."""
+    buf.fill_(rank + 1)
+    commrt.all_reduce(buf)
+    wrong = torch.tensor([metrics.count_wrong(buf, torch.full_like(buf, world * (world + 1) / 2))])
+    commrt.all_reduce(wrong)
+    return int(wrong[0])
 
 
 def table(rows: list[dict], workers: int, servers: int, iters: int) -> str:
@@ -110,10 +126,11 @@ def table(rows: list[dict], workers: int, servers: int, iters: int) -> str:
              f"{'busbw':>8} {'ratio':>6}",
              f"#{'(B)':>10} {'(us)':>10} {'(GB/s)':>10} {'':>7} {'(us)':>10} {'(GB/s)':>8} {'':>6}"]
     for r in rows:
-        lines.append(f" {r['size']:>10} {r['ps_time_us']:>10.1f} {r['ps_gbps']:>10.3f} {r['ps_wrong']:>7} "
+        lines.append(f" {r['size']:>10} {r['ps_time_us']:>10.1f} {r['ps_gbps']:>10.3f} "
+                     f"{r['ps_wrong'] + r.get('allreduce_wrong', 0):>7} "
                      f"{r['allreduce_time_us']:>10.1f} {r['allreduce_busbw']:>8.3f} {r['ratio']:>6.2f}")
     lines.append("# push+pull = 2 x size / ps time per worker; ratio = allreduce time / ps time "
-                 "(> 1: the parameter server is faster)")
+                 "(> 1: the parameter server is faster); #wrong: the ps's and the allreduce's, checked")
     return "\n".join(lines)
 
 

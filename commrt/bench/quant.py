@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from commrt.runtime import world
+from commrt.runtime.errors import ConfigError
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.quant import STATS
 from commrt.quant import collectives as qc
@@ -82,7 +83,7 @@ def with_quant(backends: tuple[str, ...], modes: str | None) -> tuple[str, ...]:
         return backends
     extra = []
     for mode in (m.strip() for m in modes.split(",") if m.strip()):
-        if mode not in MODES:
-            raise ValueError(f"--quant {mode!r} is invalid; valid: {list(MODES)}")
+        if mode not in MODES:  # ConfigError: one line from the CLI, not a traceback
+            raise ConfigError(f"--quant {mode!r} is invalid; valid: {list(MODES)}")
         extra.append(f"{backends[0].split('+')[0]}+{mode}")
     return backends + tuple(extra)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -55,8 +56,10 @@ def table(spec: BenchSpec, nproc: int, rows: list[dict]) -> str:
                 head2 += f" {'ratio':>6}"
                 head3 += f" {'':>6}"
     if spec.physical:
-        head2 += f" {'ceiling':>8} {'memcpy':>7} {'reduce':>7} {'mem-ceil':>8}" + "".join(f" {'eff:' + n:>10}" for n in names)
-        head3 += f" {'(GB/s)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'(GB/s)':>8}" + "".join(f" {'(%)':>10}" for _ in names)
+        head2 += f" {'ceiling':>8} {'memcpy':>7} {'reduce':>7} {'mem-ceil':>8}" + "".join(
+            f" {'eff:' + n:>{_eff_width(n)}}" for n in names)
+        head3 += f" {'(GB/s)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'(GB/s)':>8}" + "".join(
+            f" {'(%)':>{_eff_width(n)}}" for n in names)
     lines = [f"# commrt bench {spec.collective}: nproc {nproc}, dtype {spec.dtype}, op {spec.op}, "
              f"iters {spec.iters}, warmup {spec.warmup}, mode {spec.mode}, input {spec.input}", "#",
              head1, head2, head3]
@@ -103,8 +106,15 @@ def _line(spec: BenchSpec, names: list[str], row: dict, b2b: bool, by_op: bool) 
         for n in names:
             bw = row[n]["alone"]["busbw"] if by_op else row[n]["busbw"]
             ceil = _ceilings(row, n)
-            line += f" {100 * bw / ceil if ceil else 0:>10.1f}"
+            line += f" {100 * bw / ceil if ceil else 0:>{_eff_width(n)}.1f}"
     return line
+
+
+def _eff_width(name: str) -> int:
+    """The efficiency column of ``name``: as wide as its header, 'eff:zmq:recursive_doubling'
+    (a --algo column) was 16 characters wider than its figures, which then sat under the wrong
+    header."""
+    return max(10, len("eff:" + name))
 
 
 def ratio(base: dict, other: dict) -> float:
@@ -130,9 +140,22 @@ def to_json(spec: BenchSpec, nproc: int, rows: list[dict], command: str) -> dict
     }
 
 
+def finite(obj):
+    """``obj`` with every float that is not finite as None (JSON null): json.dump writes them
+    as Infinity / NaN, which is not JSON (jq and JSON.parse refuse the file). --physical at one
+    rank has no TCP link: its ceiling is inf."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, doc: dict) -> None:
     with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
+        json.dump(finite(doc), fh, indent=1, allow_nan=False)
         fh.write("\n")
 
 

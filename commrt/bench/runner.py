@@ -16,9 +16,11 @@ from commrt.obs import stats
 from commrt.transport.transport import Transport
 from commrt.collectives.reduce_ops import ReduceOp, parse_op
 from commrt.runtime.config import load_config
+from commrt.runtime.errors import ConfigError
 from commrt.runtime.dtypes import parse_dtype
 from commrt.bench import alone, metrics, physical
-from commrt.bench.cases import _DEVICE, Case, device_of, make_case, pattern, reference  # noqa: F401 (p2p.py, apps)
+from commrt.bench.cases import (_DEVICE, Case, device_of, distinct_sizes, make_case, pattern,  # noqa: F401
+                                reference)  # (p2p.py, apps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,39 @@ class BenchSpec:
     device: str = "cpu"
     """cpu | cuda: where the non-NCCL backends' tensors live (NCCL's are always on the GPU);
     cuda puts every backend, and the quantized columns' codec, on this rank's GPU."""
+
+    def __post_init__(self):
+        # checked where the spec is made, before any rank starts: -n 0 divided by zero on every
+        # rank after the start-up (back-to-back) or raised "no samples" (alone)
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {self.iters}, -w {self.warmup}")
+        metrics.size_series(self.min_bytes, self.max_bytes, self.factor)
+        alone.parse_mode(self.mode)
+        try:  # each rank parsed them after the start-up: a traceback per rank
+            parse_dtype(self.dtype), parse_op(self.op)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        quantized = [b for b in self.backends if b.endswith(("+int8", "+int4"))]
+        if quantized:
+            self._check_quant(quantized)
+
+    def _check_quant(self, names: list[str]) -> None:
+        """A +int8 / +int4 column measures the quantized op only for a float payload, a sum or
+        mean, torch input and the three collectives it has: QuantBackend hands anything else to
+        the exact backend, so -o max, -d int32 or a broadcast printed exact times under the
+        quantized column's name (and reduce_scatter -o max, or --input numpy, failed after the
+        start-up)."""
+        why = []
+        if self.collective not in ("all_reduce", "reduce_scatter", "all_gather"):
+            why.append(f"the collective is {self.collective} (quantized: all_reduce, reduce_scatter, all_gather)")
+        if parse_dtype(self.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+            why.append(f"-d {self.dtype} (quantized: float32, float16, bfloat16)")
+        if self.collective != "all_gather" and parse_op(self.op) not in (ReduceOp.SUM, ReduceOp.AVG):
+            why.append(f"-o {self.op} (quantized: sum, avg)")
+        if self.input != "torch":
+            why.append(f"--input {self.input} (quantized: torch)")
+        if why:
+            raise ConfigError(f"{', '.join(names)}: no quantized op to measure: {'; '.join(why)}")
 
 
 def _slowest(be, seconds: float) -> float:
@@ -194,9 +229,13 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
             runtimes[name] = bootstrap.init_world(configs[name], rdzv, store=(store, None), namespace=f"{name}/")
         backends = {name: _backend(name, rt) for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
-        ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host) if spec.physical else None
+        ring = None
+        if spec.physical:  # peers dial the address the transport advertises, as they do the transport's
+            where = rendezvous.advertised_host(cfg.cluster.bind_host, cfg.cluster.advertise_host, rdzv.host)
+            ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host, advertise=where)
         rows = []
-        sizes = metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)
+        sizes = distinct_sizes(spec.collective, rdzv.world_size,
+                               metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor), dtype.itemsize)
         for i, nbytes in enumerate(sizes):
             label = f"[{i + 1}/{len(sizes)}] {spec.collective} {metrics.format_size(nbytes)}"
             row = measure_size(spec, backends, nbytes, dtype, op, progress, label)

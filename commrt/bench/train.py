@@ -67,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.steps <= args.warmup:
-        raise SystemExit("commrt bench train: --steps must exceed --warmup")
+    check_args(args)
     if "RANK" in os.environ:
         return _rank(args)
     from commrt.launch import launch  # only the parent starts ranks
@@ -76,6 +75,23 @@ def main(argv=None) -> int:
     if result.returncode != 0:
         print(f"commrt bench train: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+def check_args(args) -> None:
+    """Refuse what cannot run before any rank starts (SystemExit naming the option): each of these
+    used to fail on every rank after the launch (an unknown --stages name, stage 7, --heads not
+    dividing --dim, --rounds 0: the median of no times) or, --warmup -1, to report the bytes
+    and memory figures that follow the step times as a step time (merged[-1:n])."""
+    if args.warmup < 0 or args.steps <= args.warmup:
+        raise SystemExit("commrt bench train: need 0 <= --warmup < --steps")
+    small = [f"--{k} {getattr(args, k)}" for k in ("ranks", "rounds", "dim", "heads", "vocab", "seq", "batch")
+             if getattr(args, k) < 1] + ([f"--layers {args.layers}"] if args.layers < 0 else [])
+    if small:
+        raise SystemExit(f"commrt bench train: {', '.join(small)}: must be >= 1 (--layers >= 0)")
+    if args.dim % args.heads:
+        raise SystemExit(f"commrt bench train: --dim {args.dim} is not a multiple of --heads {args.heads}")
+    # under an outside launcher the world is what counts, not -n (as in _rank)
+    strategies(argparse.Namespace(**{**vars(args), "ranks": int(os.environ.get("WORLD_SIZE", args.ranks))}))
 
 
 def _slowest(values: list[float]) -> list[float]:
@@ -107,10 +123,11 @@ def strategies(args) -> list[tuple[str, str, object]]:
             if args.ranks % group:
                 raise SystemExit(f"commrt bench train: --group {group} does not divide {args.ranks} ranks")
             out.append((f"commrt {GROUPED[s]} /{group}", "engine", grouped_config(s, group)))
-        elif s in named or s.isdigit():
+        elif s in named or s in ("0", "1", "2", "3"):
             out.append(named[s] if s in named else (f"commrt stage {int(s)}", "engine", int(s)))
         else:
-            raise SystemExit(f"commrt bench train: --stages takes dp, replica, 0-3, {', '.join(GROUPED)}, not {s!r}")
+            raise SystemExit(f"commrt bench train: --stages takes dp, replica, 0, 1, 2, 3, {', '.join(GROUPED)}, "
+                             f"not {s!r}")
     for p in (p.strip() for p in args.peers.split(",") if p.strip()):
         wrapper, _, backend = p.partition("-")
         if wrapper not in train_peers.WRAPPERS or backend not in ("gloo", "commrt"):
@@ -251,7 +268,8 @@ def _mean_phases(extras: list[dict]) -> dict | None:
 def table(rows: list[dict]) -> str:
     def mb(v):
         return "n/a" if v is None else f"{v:.2f}"
-    lines = [f"{'strategy':22s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
+    w = max([22, *(len(r["strategy"]) for r in rows)])  # "commrt HYBRID_SHARD /16" is 23
+    lines = [f"{'strategy':{w}s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
              f"{'MiB/step in':>11s} {'across':>7s} {'peak RSS':>9s}  breakdown (ms)"]
     for r in rows:
         b = r["breakdown_ms"]
@@ -260,7 +278,7 @@ def table(rows: list[dict]) -> str:
                                      f"bookkeeping {b['bookkeeping']:.1f}")
         if r.get("phases_ms"):
             text = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
-        lines.append(f"{r['strategy']:22s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
+        lines.append(f"{r['strategy']:{w}s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
                      f"{r['efficiency']:10.3f} {mb(r['intra_node_mb_per_step']):>11s} "
                      f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M  {text}")
     return "\n".join(lines)

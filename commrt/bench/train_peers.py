@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
+import os
 import resource
 import warnings
 
@@ -32,14 +33,17 @@ class TorchGroups:
 
     def __init__(self):
         rank, world = commrt.get_rank(), commrt.get_world_size()
+        # rank 0's address: the one its commrt store already serves at (MASTER_ADDR); 127.0.0.1
+        # sent the ranks of other nodes to their own host, to wait out the 120 s store timeout
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = torch.zeros(1, dtype=torch.int64)
-        store = tdist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT,
+        store = tdist.TCPStore(host, 0, world, True, timeout=STORE_TIMEOUT,
                                wait_for_workers=False) if rank == 0 else None
         if rank == 0:
             port[0] = store.port
         commrt.broadcast(port, 0)
         if rank != 0:
-            store = tdist.TCPStore("127.0.0.1", int(port), world, False, timeout=STORE_TIMEOUT)
+            store = tdist.TCPStore(host, int(port), world, False, timeout=STORE_TIMEOUT)
         tdist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
         self.groups = {"gloo": tdist.group.WORLD, "commrt": tdist.new_group(backend="commrt")}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,7 +45,13 @@ def parse_bandwidth(text: str) -> float:
     unit = m.group(2).lower() if m else None
     if m is None or (unit and unit not in _BW_UNITS):
         raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit")
-    return float(m.group(1)) * (_BW_UNITS[unit] if unit else 1)
+    try:  # the pattern lets '.' and '1.2.3' through, and '1e999' is inf (Infinity in --json: not JSON)
+        value = float(m.group(1)) * (_BW_UNITS[unit] if unit else 1)
+    except ValueError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read bandwidth {text!r}; use e.g. 100GB/s, 12.5GB/s, 100gbit")
+    return value
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -96,20 +103,37 @@ def _configs(args) -> list[tuple[str, "Job", "Cluster"]]:
                                   f"{sorted(k.replace('_', '-') for k in cfg)}")
             cfg[key] = _typed(key, value.strip(), base[key])
         job = Job(**{k: cfg[k] for k in _JOB_KEYS if k not in ("params", "bucket")},
-                  params=int(cfg["params"]), bucket=int(cfg["bucket"]))
+                  params=_count("params", cfg["params"]), bucket=_count("bucket", cfg["bucket"]))
         cluster = Cluster(nodes=cfg["nodes"], per_node=cfg["per_node"], intra_bw=parse_bandwidth(cfg["intra_bw"]),
                           inter_bw=parse_bandwidth(cfg["inter_bw"]), hierarchical=cfg["hierarchical"])
         out.append((label, job, cluster))
     return out
 
 
+MAX_COUNT = 10**15
+"""The most parameters (and elements per bucket) the model takes: a million times today's
+largest models; beyond it the list of buckets would not fit in memory."""
+
+
+def _count(key: str, value: float | None) -> int | None:
+    """--params / --bucket (read as floats: 7e9) as an int; nan, inf and absurd sizes refused."""
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_COUNT:  # nan fails both comparisons
+        raise ConfigError(f"--{key} = {value} is invalid; valid: 1 to {MAX_COUNT:.0e}")
+    return int(value)
+
+
 def _typed(key: str, value: str, like):
     if value.lower() == "none":
         return None
-    if key in ("params", "bucket"):
-        return float(value)
-    if isinstance(like, int) or key == "stage":
-        return int(value)
+    try:
+        if key in ("params", "bucket"):
+            return float(value)
+        if isinstance(like, int) or key == "stage":
+            return int(value)
+    except ValueError:
+        raise ConfigError(f"--compare {key.replace('_', '-')}={value!r}: not a number") from None
     return value
 
 

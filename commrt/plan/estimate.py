@@ -41,6 +41,8 @@ from commrt.train.config import ZeroConfig
 from commrt.plan import cost
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
+MAX_UNITS = 1_000_000
+"""The most buckets the model lists (a 7e9-parameter model in the default buckets is 1,069)."""
 OPT_STATES = {"adamw": 2, "lamb": 2, "sgd": 1, "sgd-no-momentum": 0}  # fp32 values per master element
 
 
@@ -69,6 +71,8 @@ class Cluster:
             raise ConfigError(f"nodes = {self.nodes} and per_node = {self.per_node} must both be >= 1")
         if self.intra_bw <= 0 or self.inter_bw <= 0:
             raise ConfigError("bandwidths must be > 0")
+        if self.hierarchical not in ("auto", "always", "never"):  # --compare passes it unchecked
+            raise ConfigError(f"hierarchical = {self.hierarchical!r} is invalid; valid: auto, always, never")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ class Job:
                 raise ConfigError(f"{name} = {getattr(self, name)!r} is invalid; valid: int8, int4")
         if self.params < 1 or self.pipeline < 1 or self.microbatches < 1:
             raise ConfigError("params, pipeline and microbatches must be >= 1")
+        if self.hidden < 0 or self.seq < 0 or self.micro_batch < 1:
+            raise ConfigError(f"hidden = {self.hidden} and seq = {self.seq} must be >= 0, micro_batch = "
+                              f"{self.micro_batch} >= 1")
+        if self.units is None and self.bucket >= 1 and self.params / self.bucket > MAX_UNITS:
+            # unit_sizes lists every unit: 7e9 params in buckets of 1 was a 7e9-long list (MemoryError)
+            raise ConfigError(f"params = {self.params} in buckets of {self.bucket} elements are more than "
+                              f"{MAX_UNITS} units; raise bucket (reduce_bucket_size)")
 
     def zero(self) -> ZeroConfig:
         """The engine's own config object: the same validation and the same sharding plan."""

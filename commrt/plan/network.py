@@ -23,7 +23,10 @@ beyond the cores take turns, as 8 processes on 2 cores do. ``cores`` 0: one core
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from commrt.runtime.errors import ConfigError
 
 SHARING = ("fcfs", "fair")
 Link = tuple[str, int]  # (kind, index): ("out"|"in", rank), ("nic_up"|"nic_down", node), ("leaf_up"|"leaf_down", leaf)
@@ -62,14 +65,25 @@ class Network:
     """how a link serves concurrent messages: "fcfs" (one after another) or "fair" (max-min shares)"""
 
     def __post_init__(self):
+        # ConfigError (a ValueError): ``commrt estimate --simulate`` passes these straight from
+        # its options, and inf or nan would pass a plain ``<= 0`` test (nan) or divide by zero
+        # later (an infinite oversubscription makes the spine 0 B/s)
         if self.world < 1 or self.per_node < 1 or self.nodes_per_leaf < 1:
-            raise ValueError(f"network needs world, per_node, nodes_per_leaf >= 1: {self}")
-        if min(self.intra_bw, self.nic_bw, self.oversubscription) <= 0:
-            raise ValueError(f"bandwidths and oversubscription must be > 0: {self}")
-        if min(self.cpu_msg, self.cpu_byte, self.reduce_bw, self.cores, self.ranks_per_host, self.nic_burst) < 0:
-            raise ValueError(f"CPU costs, reduce_bw, cores, ranks_per_host and nic_burst must be >= 0: {self}")
+            raise ConfigError(f"network needs world, per_node, nodes_per_leaf >= 1: {self}")
+        rates = {"intra_bw": self.intra_bw, "nic_bw": self.nic_bw, "oversubscription": self.oversubscription}
+        bad = [k for k, v in rates.items() if not (0 < v < math.inf)]
+        if bad:
+            raise ConfigError(f"bandwidths and oversubscription must be finite and > 0, not {bad}: {self}")
+        costs = {"intra_latency": self.intra_latency, "nic_latency": self.nic_latency,
+                 "spine_latency": self.spine_latency, "cpu_msg": self.cpu_msg, "cpu_byte": self.cpu_byte,
+                 "reduce_bw": self.reduce_bw, "cores": self.cores, "ranks_per_host": self.ranks_per_host,
+                 "nic_burst": self.nic_burst}
+        bad = [k for k, v in costs.items() if not (0 <= v < math.inf)]
+        if bad:
+            raise ConfigError(f"latencies, CPU costs, reduce_bw, cores, ranks_per_host and nic_burst must be "
+                              f"finite and >= 0, not {bad}: {self}")
         if self.sharing not in SHARING:
-            raise ValueError(f"sharing {self.sharing!r} is not one of {SHARING}")
+            raise ConfigError(f"sharing {self.sharing!r} is not one of {SHARING}")
 
     @property
     def cpu_modelled(self) -> bool:

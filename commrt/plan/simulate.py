@@ -28,6 +28,7 @@ from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.schedules import ALGORITHMS, REDUCE, Schedule, Step, schedule
 from commrt.plan.links import Fluid
 from commrt.plan.network import Network
+from commrt.runtime.errors import ConfigError
 
 MAX_RANK_STEPS = 60_000  # beyond this, steady-state extension (~20 us of Python per rank-step)
 HARD_LIMIT = 3_000_000   # rank-steps replayed at most (an unextendable schedule beyond: ValueError)
@@ -233,8 +234,10 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
     phases = _PHASES.get((collective, algorithm))
     if phases is None or phases * (n - 1) * n <= max_rank_steps or n < 8:
         if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
-            raise ValueError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
-                             f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform")
+            # ConfigError (a ValueError): ``commrt estimate --simulate --worlds`` reaches it
+            raise ConfigError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
+                              f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform; "
+                              f"leave it out with --algorithms")
         parts, steps = schedule(collective, algorithm, n, root, pieces)
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)

@@ -240,7 +240,8 @@ def test_bench_ps_prints_a_checked_table_and_json(tmp_path):
     import json
     doc = json.loads(out.read_text())
     assert [r["size"] for r in doc["rows"]] == [4096, 65536]
-    assert all(r["ps_wrong"] == 0 and r["ps_time_us"] > 0 and r["allreduce_time_us"] > 0 for r in doc["rows"])
+    assert all(r["ps_wrong"] == 0 and r["allreduce_wrong"] == 0 and r["ps_time_us"] > 0 and r["allreduce_time_us"] > 0
+               for r in doc["rows"])
 
 
 def test_ps_under_curve_binds_workers_to_their_keys(tmp_path):

@@ -79,3 +79,12 @@ def test_backend_variants_name_a_piece_size():
     assert backend_variant("gloo") == ("gloo", None)
     with pytest.raises(ValueError):
         backend_variant("zmq@lots")
+
+
+def test_percentiles_are_nearest_rank():
+    """Of 10 samples p90 is the 9th fastest and p10 the fastest; int(q * n) picked one rank
+    higher (the slowest, the second fastest). 20 samples (the default -n): the 18th and 2nd."""
+    s = alone.summarize([i * 1e-6 for i in range(1, 11)], "all_reduce", 2, 4096)
+    assert (s["p10_us"], s["p90_us"]) == (pytest.approx(1.0), pytest.approx(9.0))
+    s = alone.summarize([i * 1e-6 for i in range(1, 21)], "all_reduce", 2, 4096)
+    assert (s["p10_us"], s["p90_us"]) == (pytest.approx(2.0), pytest.approx(18.0))

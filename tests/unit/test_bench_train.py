@@ -69,3 +69,50 @@ def test_grouped_strategies_build_their_configs_and_refuse_bad_groups():
         strategies(parse(["-n", "4", "--group", "3", "--stages", "mics"]))
     with pytest.raises(SystemExit, match="not 'zero4'"):
         strategies(parse(["--stages", "zero4"]))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--stages", "7"], "not '7'"), (["--stages", "foo"], "not 'foo'"), (["--dim", "30", "--heads", "4"], "--heads 4"),
+    (["--rounds", "0"], "--rounds 0"), (["--warmup", "-1"], "--warmup"), (["--steps", "2", "--warmup", "2"], "--steps"),
+    (["--peers", "ddp-nccl"], "not 'ddp-nccl'"), (["-n", "4", "--group", "3", "--stages", "mics"], "does not divide")])
+def test_options_that_cannot_run_are_refused_before_the_launch(argv, says, monkeypatch):
+    """Found by running each option out of range: --stages 7 (isdigit) became 'commrt stage 7' and
+    failed in TrainConfig on every rank after the start-up, as did an unknown name, --heads not
+    dividing --dim and --rounds 0; --warmup -1 took the memory and bytes figures as step times."""
+    import commrt.launch
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    from commrt.bench.train import main
+    with pytest.raises(SystemExit, match=says):
+        main(argv)
+
+
+def test_the_table_stays_aligned_with_long_strategy_names():
+    """'commrt HYBRID_SHARD /16' (23 characters) pushed its row one column right of the header."""
+    from commrt.bench.train import table
+    row = {"ranks": 32, "step_ms": 1.0, "samples_per_s": 1.0, "efficiency": 1.0, "intra_node_mb_per_step": 0.0,
+           "inter_node_mb_per_step": None, "peak_rss_mb": 10.0, "breakdown_ms": None}
+    rows = [{**row, "strategy": "plain torch"}, {**row, "strategy": "commrt HYBRID_SHARD /16"}]
+    head, *lines = table(rows).splitlines()
+    assert [line.index(" 32 ") + 3 for line in lines] == [head.index("ranks") + 5] * 2  # right-aligned alike
+
+
+def test_torch_groups_reach_rank_0_at_master_addr(monkeypatch):
+    """The gloo rows' TCPStore was dialled at 127.0.0.1: on a multi-node launch the other nodes'
+    ranks dialled their own host and waited out the 120 s store timeout. Rank 1 of 2 here."""
+    from commrt.bench import train_peers
+    dialled = []
+
+    class Store:
+        def __init__(self, host, port, world, master, **kw):
+            dialled.append((host, port, master))
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setattr(train_peers.tdist, "TCPStore", Store)
+    monkeypatch.setattr(train_peers.tdist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(train_peers.tdist, "new_group", lambda *a, **k: "commrt group")
+    monkeypatch.setattr(train_peers.commrt, "get_rank", lambda: 1)
+    monkeypatch.setattr(train_peers.commrt, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train_peers.commrt, "broadcast", lambda t, src: t.fill_(4242))
+    train_peers.TorchGroups()
+    assert dialled == [("10.1.2.3", 4242, False)]

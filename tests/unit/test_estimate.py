@@ -186,3 +186,28 @@ def test_auto_hierarchy_needs_a_measurable_gain_in_the_runtime_and_in_the_model(
     t = cost.Traffic()
     cost.collective(t, "all_reduce", cost.group(0, 4), 1 << 20, 4, fast)
     assert set(t.by_op) == {"all_reduce"}  # flat: no reduce_scatter / all_gather steps
+
+
+@pytest.mark.parametrize("argv", [["--params", "nan"], ["--params", "inf"], ["--params", "1e30"],
+                                  ["--params", "7e9", "--compare", "stage=abc"],
+                                  ["--params", "7e9", "--compare", "params=xyz"],
+                                  ["--params", "7e9", "--compare", "nodes=2.5"],
+                                  ["--params", "7e9", "--bucket", "nan"],
+                                  ["--params", "7e9", "--intra-bw", "1.2.3"],
+                                  ["--params", "7e9", "--inter-bw", "1e999"],
+                                  ["--params", "2e6", "--bucket", "1"],
+                                  ["--params", "7e9", "--compare", "hierarchical=maybe"],
+                                  ["--params", "7e9", "--pipeline", "2", "--per-node", "2", "--hidden", "-4"],
+                                  ["--params", "7e9", "--pipeline", "2", "--per-node", "2", "--micro-batch", "0"]])
+def test_unreadable_numbers_are_config_errors(argv):
+    """Found by feeding each option nan, inf, a huge value or a wrong type: ValueError /
+    OverflowError tracebacks (int(nan), int('abc'), float('1.2.3'), a list of 1e23 buckets);
+    a bandwidth of 1e999 was inf, written as Infinity in --json (not JSON); --bucket 1 listed
+    7e9 units (MemoryError after filling gigabytes); --compare hierarchical=maybe, a negative
+    --hidden and --micro-batch 0 were estimated as if valid."""
+    import argparse
+    from commrt.plan import command
+    p = argparse.ArgumentParser()
+    command.add_parser(p.add_subparsers())
+    with pytest.raises(ConfigError):
+        command.render(p.parse_args(["estimate", *argv]))

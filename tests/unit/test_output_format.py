@@ -97,3 +97,43 @@ def test_plot_writes_the_png_and_returns_where(tmp_path, monkeypatch):
     spec = BenchSpec("all_reduce", ("zmq",), 4096, 8192, 2, 1, 0, "float32", "sum", mode="both")
     where = report.plot("b.png", spec, 2, _rows(True, True))
     assert where == str(tmp_path / "b.png") and (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_bench_json_is_strict_json_when_a_figure_is_not_finite(tmp_path):
+    """--physical at one rank: the TCP ring ceiling is inf (no link), and json.dump wrote
+    'Infinity', which strict JSON parsers (jq, JSON.parse) refuse. Now null; the rest intact."""
+    import json
+    spec = BenchSpec("all_reduce", ("zmq",), 4096, 4096, 2, 1, 0, "float32", "sum", physical=True,
+                     mode="back-to-back")
+    row = {"zmq": {"size": 4096, "count": 1024, "time_us": 10.0, "algbw": 0.4, "busbw": 0.0, "wrong": 0,
+                   "path": "shm"}, "ceiling": float("inf"),
+           "memory": {"memcpy": 5.0, "reduce": 4.0, "busbw": float("nan")}}
+    path = tmp_path / "b.json"
+    report.write_json(str(path), report.to_json(spec, 1, [row], "commrt bench all_reduce --physical"))
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    doc = json.loads(path.read_text(), parse_constant=refuse)
+    got = doc["rows"][0]
+    assert got["ceiling"] is None and got["memory"] == {"memcpy": 5.0, "reduce": 4.0, "busbw": None}
+    assert got["zmq"]["time_us"] == 10.0 and doc["avg_busbw"] == {"zmq": 0.0}
+
+
+@pytest.mark.parametrize("mode", ["both", "alone", "back-to-back"])
+@pytest.mark.parametrize("physical", [False, True])
+def test_bench_table_columns_line_up_with_long_backend_names(mode, physical):
+    """Every header line and every row is one run of right-aligned columns, so they end at the
+    same place: with --physical and an --algo column ('eff:zmq:recursive_doubling') the header
+    was 16 characters longer than the rows."""
+    names = ("zmq", "zmq:recursive_doubling")
+    spec = BenchSpec("all_reduce", names, 4096, 4096, 2, 1, 0, "float32", "sum", physical, mode)
+    one = {"size": 4096, "count": 1024, "wrong": 0, "path": "tcp"}
+    if mode != "alone":
+        one |= {"time_us": 10.0, "algbw": 0.4, "busbw": 0.2}
+    if mode != "back-to-back":
+        one["alone"] = {"time_us": 9.0, "p90_us": 11.0, "busbw": 0.3}
+    row = {n: dict(one) for n in names} | {"ceiling": 1.0, "memory": {"memcpy": 1.0, "reduce": 1.0, "busbw": 1.0}}
+    lines = report.table(spec, 2, [row]).splitlines()
+    head2, head3, data = lines[3], lines[4], lines[5]
+    assert head2.startswith("#  ") and data.startswith("  ")
+    assert len(head2) == len(head3) == len(data)

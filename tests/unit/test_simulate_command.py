@@ -54,3 +54,23 @@ def test_sharing_picks_the_link_discipline():
     fcfs, fair = (json.loads(command.render(_args(*argv, *extra)).text) for extra in ((), ("--sharing", "fair")))
     assert fcfs["network"]["sharing"] == "fcfs" and fair["network"]["sharing"] == "fair"
     assert fair["results"][0]["seconds"] < fcfs["results"][0]["seconds"] * 0.8
+
+
+@pytest.mark.parametrize("argv", [
+    ("--worlds", "0"), ("--nodes-per-leaf", "0"), ("--oversubscription", "0"), ("--oversubscription", "inf"),
+    ("--oversubscription", "nan"), ("--cpu-msg", "-1"), ("--intra-latency=-1e-6",), ("--inter-latency", "nan"),
+    ("--reduce-bw", "1.2.3"), ("--intra-bw", "."), ("--per-node", "0")])
+def test_a_bad_network_is_a_config_error_not_a_traceback(argv):
+    """Found by running each option at 0, negative, inf, nan: a ValueError traceback from
+    Network, a ZeroDivisionError in the replay (infinite oversubscription: a 0 B/s spine), or a
+    negative latency / nan ratio simulated as if valid."""
+    leaf = () if argv[0] == "--nodes-per-leaf" else ("--nodes-per-leaf", "2")  # a spine to cross
+    with pytest.raises(ConfigError):
+        command.render(_args("--nodes", "4", "--sizes", "64K", *leaf, *argv))
+
+
+def test_a_world_beyond_the_replay_limit_is_a_config_error():
+    """reduce/ring at 2000 ranks (2000^2 rank-steps, not uniform): a ValueError traceback from
+    the command line before; now the one-line error naming --algorithms."""
+    with pytest.raises(ConfigError, match="--algorithms"):
+        command.render(_args("--collective", "reduce", "--algorithms", "ring", "--worlds", "2000", "--sizes", "4K"))
