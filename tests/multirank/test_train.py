@@ -11,6 +11,8 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping", "sta
             "resume stage 3 from state_dict", "memory accounting", "non-finite gradients: skip",
             "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients",
             "DataParallel fp16 gradients", "DataParallel overlapped = one bucket",
+            "DataParallel parameter unused on some ranks", "DataParallel mixed dtypes",
+            "DataParallel two backwards of one forward",
             "DataParallel overlapped = torch", "stage 3 prefetched = serial", "stage 3 prefetched = torch"])
 
 
