@@ -28,6 +28,10 @@ from commrt.train.zero import Zero, ZeroSettings
 from commrt.train.zero_step import squared_norm
 
 
+def _cast(x, dtype: torch.dtype):
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
 class NonFiniteGradients(CommError):
     """A rank produced NaN or inf gradients and the policy is 'raise'."""
 
@@ -72,6 +76,7 @@ class Engine:
         self.clock = self.zero.clock
         self._no_sync = False
         self._sync_now = True
+        self._next_unit = 0  # stages 0-2: the unit whose reduction starts next (index order)
         self._hooks = []
         self._unit_of = {}
         self._order: list[UnitState] = []  # stage 3: units in the order the first forward ran them
@@ -86,8 +91,9 @@ class Engine:
 
     # -- forward / backward / step ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.dtype != torch.float32:
-            args = tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        if self.dtype != torch.float32:  # keyword inputs too: engine(x=...) met bf16 weights in fp32
+            args = tuple(_cast(a, self.dtype) for a in args)
+            kwargs = {k: _cast(v, self.dtype) for k, v in kwargs.items()}
         with self.clock.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -107,10 +113,13 @@ class Engine:
         self._sync_now = stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
         for u in self.zero.units:
             u.pending = len(u.params)
+        self._next_unit = 0
         self.zero.begin_backward()
         (loss / self.cfg.gradient_accumulation_steps).backward()
         with self.clock.span("bookkeeping"):
             if self._sync_now:  # units whose parameters got no gradient still take part
+                if self.zero.stage < 3:
+                    self._reduce_in_order(flush=True)
                 for u in self.zero.units:
                     if 0 < u.pending:
                         self.zero.reduce(u)
@@ -126,10 +135,27 @@ class Engine:
             return  # accumulate locally (no_sync, or not yet the accumulation boundary)
         u = self._unit_of[id(p)]
         u.pending -= 1
-        if u.pending == 0:
+        if u.pending == 0 and self.zero.stage < 3:
+            self._reduce_in_order()
+        elif u.pending == 0:  # stage 3: every rank gathered the same units, so it reduces them alike
             with self.clock.span("bookkeeping"):
                 self.zero.reduce(u)
             self.reduced_during_backward += 1  # started while backward runs: the overlap
+
+    def _reduce_in_order(self, flush: bool = False) -> None:
+        """Stages 0-2: start the units whose gradients are all in, in index order only, as torch
+        DDP does: every rank's n-th reduction must be the same unit whatever order its hooks
+        fired in (a parameter only some ranks' forward used completes its unit at the flush
+        there; a unit of the same size started before it was averaged crosswise, no error).
+        ``flush``: after backward, the rest too (their missing gradients count as zeros)."""
+        units = self.zero.units
+        while self._next_unit < len(units) and (flush or units[self._next_unit].pending == 0):
+            u = units[self._next_unit]
+            self._next_unit += 1
+            with self.clock.span("bookkeeping"):
+                self.zero.reduce(u)
+            u.pending = 0
+            self.reduced_during_backward += not flush  # started while backward runs: the overlap
 
     @contextlib.contextmanager
     def no_sync(self):

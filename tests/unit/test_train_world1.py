@@ -193,3 +193,21 @@ def test_a_save_killed_before_its_switch_leaves_the_previous_save_loadable(world
         assert torch.equal(value, saved[name]), name
     fresh.save_checkpoint(str(tmp_path))  # the next save switches and removes the interrupted one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["save-2", "zero-complete.json"]
+
+
+def test_bf16_casts_keyword_inputs_too(world1):
+    """Found by the training review: engine(x=...) with bf16 compute passed the fp32 input on
+    as it was ('mat1 and mat2 must have the same dtype'); positional inputs were cast."""
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x=None, scale=1):
+            return self.lin(x) * scale
+
+    engine = initialize(Keyword(), {"bf16": {"enabled": True}})
+    out = engine(x=torch.ones(3, 4), scale=2)
+    assert out.dtype == torch.bfloat16
+    engine.backward(out.float().sum())
+    assert engine.step()

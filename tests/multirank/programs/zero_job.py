@@ -347,6 +347,26 @@ def ddp_edge_case(rank: int, world: int) -> None:
             {n: g for n, g in want.items() if g is not None}, "DataParallel two backwards of one forward", atol=1e-6)
 
 
+def engine_unused_case(rank: int, world: int) -> None:
+    """Found by the training review: a parameter only some ranks' forward uses completed its unit
+    at the end of backward there, so stages 0-2 started equal-sized units' reductions in another
+    order on those ranks and averaged them crosswise (a.weight off by 0.08, no error)."""
+    use = lambda r: r % 2 == 0  # noqa: E731
+    for stage in (0, 1, 2):
+        engine = initialize(Branchy(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+                                        "optimizer": OPT["sgd"]})
+        x, y = data(rank, 0)
+        engine.backward(nn.functional.mse_loss(engine(x, use(rank)), y))
+        engine.step()
+        ref, grads = Branchy(), branchy_grads(world, use)
+        with torch.no_grad():
+            for n, p in ref.named_parameters():  # the engine steps every parameter, unused ones included
+                if grads[n] is not None:
+                    p.add_(grads[n], alpha=-OPT["sgd"]["params"]["lr"])
+        compare(engine.full_state_dict(), dict(ref.named_parameters()),
+                f"stage {stage} parameter unused on some ranks", atol=1e-6)
+
+
 def overlap_case(rank: int, world: int) -> None:
     """Issue 29.4: the overlapped paths give what the unoverlapped ones give (within 1e-6) and
     what plain torch gives. DataParallel: a bucket per parameter, each all-reduced from its
@@ -433,6 +453,7 @@ def main() -> int:
         swapped_case(rank, world)
         bucket_view_case(rank, world)
         bf16_case(rank, world)
+        engine_unused_case(rank, world)
     if "checkpoint" in which:
         directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
         checkpoint_case(rank, world, directory)
