@@ -100,6 +100,9 @@ class ZeroConfig:
                                   "valid keys: err_beta in [0, 1), reset_T >= 0")
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
+        if self.stage3_prefetch_bucket_size < 0:
+            raise ConfigError(f"zero_optimization.stage3_prefetch_bucket_size = {self.stage3_prefetch_bucket_size} "
+                              "is invalid; valid: an integer >= 0 (0: no prefetch)")
         _check_groups(self)
 
     @property
@@ -174,8 +177,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
-        if self.gradient_clipping < 0:
-            raise ConfigError("gradient_clipping must be >= 0")
+        if not self.gradient_clipping >= 0:  # NaN too
+            raise ConfigError(f"gradient_clipping = {self.gradient_clipping!r} is invalid; valid: a number >= 0")
         if self.non_finite_grads not in ("skip", "raise"):
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
         _check_fault_tolerance(self)
@@ -186,9 +189,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "TrainConfig":
-        raw = dict(raw or {})
+        raw = dict(_table(raw or {}, "the training config"))
         _only(raw, _TOP_KEYS, "the training config")
-        zero = dict(raw.get("zero_optimization", {}))
+        zero = dict(_table(raw.get("zero_optimization", {}), "zero_optimization"))
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
@@ -197,7 +200,7 @@ class TrainConfig:
                    gradient_accumulation_steps=_number("gradient_accumulation_steps",
                                                        raw.get("gradient_accumulation_steps", 1), int),
                    gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
-                   bf16=bool(dict(raw.get("bf16", {})).get("enabled", False)),
+                   bf16=_enabled(raw.get("bf16", {})),
                    non_finite_grads=str(raw.get("non_finite_grads", "skip")),
                    fault_tolerance=raw.get("fault_tolerance", "off"))
 
@@ -257,14 +260,32 @@ def _number(key: str, v, typ: type):
     return typ(v)
 
 
+def _table(v, where: str) -> Mapping:
+    """A table of the config (a TOML table, a JSON object), or a ConfigError saying what came instead."""
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where} = {v!r:.100} is invalid; valid: a table of keys")
+    return v
+
+
+def _enabled(v) -> bool:
+    """DeepSpeed's ``"bf16": {"enabled": true}`` (a bare ``true`` was a TypeError)."""
+    on = _table(v, "bf16").get("enabled", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"bf16.enabled = {on!r} is invalid; valid: true or false")
+    return on
+
+
 def _optimizer(raw: Mapping) -> OptimSpec:
+    raw = _table(raw, "optimizer")
     kind = _OPTIMIZERS.get(str(raw.get("type", "")).lower())
     if kind is None:
         raise ConfigError(f"optimizer type {raw.get('type')!r} is invalid; valid: AdamW, LAMB, SGD")
-    params = dict(raw.get("params", {}))
+    params = dict(_table(raw.get("params", {}), "optimizer.params"))
     betas = params.pop("betas", None)
     if betas is not None:
-        params["beta1"], params["beta2"] = float(betas[0]), float(betas[1])
+        if isinstance(betas, (str, bytes)) or not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"optimizer.params.betas = {betas!r:.100} is invalid; valid: two numbers in [0, 1)")
+        params["beta1"], params["beta2"] = betas
     valid = {"lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps"}
     _only(params, valid | {"torch_adam", "adam_w_mode", "bias_correction"}, "optimizer.params")
     return OptimSpec(kind, **{k: v for k, v in params.items() if k in valid})

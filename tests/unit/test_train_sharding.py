@@ -41,6 +41,27 @@ def test_inconsistent_keys_are_config_errors(keys, says):
         zero(**keys)
 
 
+@pytest.mark.parametrize("raw,says", [
+    ({"bf16": True}, "bf16 = True is invalid"),  # was a TypeError
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
+    ({"zero_optimization": 3}, "zero_optimization = 3 is invalid"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": -5}}, "stage3_prefetch_bucket_size = -5"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping = nan"),
+    ({"optimizer": "adam"}, "optimizer = 'adam' is invalid"),  # was an AttributeError
+    ({"optimizer": {"type": "AdamW", "params": None}}, "optimizer.params = None"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}, "lr = '1e-3'"),  # failed only mid-step
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "lr = -1"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "betas = [0.9]"),  # was an IndexError
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "beta2 = 1.5"),
+    ({"optimizer": {"type": "SGD", "params": {"momentum": -0.5}}}, "momentum = -0.5"),
+])
+def test_malformed_values_are_config_errors(raw, says):
+    """Found by the training review: each was accepted, or failed with a bare TypeError,
+    IndexError or AttributeError (or inside the first optimizer step) instead."""
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace("(", r"\(")):
+        TrainConfig.from_dict(raw)
+
+
 def test_plans_at_a_world_size():
     assert plan(zero(stage=3), 4, 2) == Plan(3, 4, 1, 0)
     assert plan(zero(stage=3, zero_hpz_partition_size=2), 4, 4) == Plan(3, 4, 1, 2)
