@@ -211,3 +211,37 @@ def test_bf16_casts_keyword_inputs_too(world1):
     assert out.dtype == torch.bfloat16
     engine.backward(out.float().sum())
     assert engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_keeps_buffers_and_frozen_parameters(world1, tmp_path, stage):
+    """Found by the training review: a checkpoint held the trainable shards only, so a resumed
+    BatchNorm started from the fresh model's running statistics and a frozen parameter from its
+    fresh initialisation; the resumed step then differed from the straight one."""
+    def model(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+        m[2].bias.requires_grad_(False)
+        return m
+
+    cfg = {"zero_optimization": {"stage": stage}, "optimizer": OPTIMIZERS["adamw"][0]}
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+
+    def train(engine, part):
+        for x, y in part:
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    straight = initialize(model(0), cfg)
+    train(straight, batches[:2])
+    straight.save_checkpoint(str(tmp_path))
+    train(straight, batches[2:])
+    resumed = initialize(model(1), cfg)
+    resumed.load_checkpoint(str(tmp_path))
+    train(resumed, batches[2:])
+    want, got = straight.full_state_dict(), resumed.full_state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for name, buf in straight.module.named_buffers():
+        assert torch.equal(dict(resumed.module.named_buffers())[name], buf), name
