@@ -29,6 +29,7 @@ from torch import nn
 from commrt import distributed as dist
 from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.errors import ConfigError
 from commrt.train.breakdown import StepBreakdown, StepClock, trace_sink
 from commrt.train.layout import FIRST_BUCKET_BYTES, buckets
 
@@ -42,6 +43,11 @@ class DataParallel(nn.Module):
             cq.codec_for(comm_quant)  # ValueError naming the valid ones
         if error_feedback and comm_quant is None:
             raise ValueError("error_feedback needs comm_quant ('int8' or 'int4')")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ConfigError(f"DataParallel bucket_cap_mb = {bucket_cap_mb!r} is invalid; valid: a number > 0")
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ConfigError(f"DataParallel comm_dtype = {comm_dtype!r} is invalid; valid: None or a floating "
+                              "torch dtype (torch.bfloat16, torch.float16, torch.float32)")
         self.module, self.group = module, group
         self.comm_dtype, self.comm_quant = comm_dtype, comm_quant
         self.broadcast_buffers = broadcast_buffers
@@ -83,6 +89,10 @@ class DataParallel(nn.Module):
         self._next = 0  # the bucket whose all-reduce starts next: they start in index order
 
     def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            # evaluation, perhaps on one rank only: no collective, as torch DDP (a buffer
+            # broadcast here met the other ranks' next training forward, or waited out the deadline)
+            return self.module(*args, **kwargs)
         if self.broadcast_buffers and self.require_sync:
             with torch.no_grad():
                 for b in self.module.buffers():

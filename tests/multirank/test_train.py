@@ -13,7 +13,7 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping", "sta
             "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients",
             "DataParallel fp16 gradients", "DataParallel overlapped = one bucket",
             "DataParallel parameter unused on some ranks", "DataParallel mixed dtypes",
-            "DataParallel two backwards of one forward",
+            "DataParallel two backwards of one forward", "DataParallel evaluation on one rank",
             "DataParallel overlapped = torch", "stage 3 prefetched = serial", "stage 3 prefetched = torch"])
 
 

@@ -6,6 +6,7 @@ concatenation of every rank's batch.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import shutil
@@ -345,6 +346,29 @@ def ddp_edge_case(rank: int, world: int) -> None:
     want = branchy_grads(world, lambda r: True, losses=2)
     compare({n: p.grad for n, p in model.module.named_parameters() if p.grad is not None},
             {n: g for n, g in want.items() if g is not None}, "DataParallel two backwards of one forward", atol=1e-6)
+    for bad in ({"bucket_cap_mb": -1}, {"bucket_cap_mb": "25"}, {"comm_dtype": torch.int8}):
+        try:
+            DataParallel(Branchy(), **bad)
+        except ConfigError:
+            pass
+        else:
+            raise AssertionError(f"DataParallel accepted {bad}")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5))
+    fresh = copy.deepcopy(net)
+    model = DataParallel(net)
+    if rank == 0:  # evaluation on one rank: no collective (its buffer broadcast met the others' forward)
+        with torch.no_grad():
+            model(x)
+    nn.functional.mse_loss(model(x), y).backward()
+    want = {n: torch.zeros_like(p) for n, p in fresh.named_parameters()}
+    for r in range(world):  # BatchNorm normalises each rank's batch: the average of per-rank gradients
+        ref = copy.deepcopy(fresh)
+        nn.functional.mse_loss(ref(data(r, 0)[0]), data(r, 0)[1]).backward()
+        for n, p in ref.named_parameters():
+            want[n] += p.grad / world
+    compare({n: p.grad for n, p in model.module.named_parameters()}, want,
+            "DataParallel evaluation on one rank", atol=1e-6)
 
 
 def engine_unused_case(rank: int, world: int) -> None:
