@@ -245,3 +245,38 @@ def test_a_checkpoint_keeps_buffers_and_frozen_parameters(world1, tmp_path, stag
         assert torch.equal(got[name], want[name]), name
     for name, buf in straight.module.named_buffers():
         assert torch.equal(dict(resumed.module.named_buffers())[name], buf), name
+
+
+class ReadsEmbeddingAgain(nn.Module):
+    """Weight tying by use: the model's own forward reads the embedding after ``emb`` ran (and,
+    at stage 3, released it), once through a saved view and once as F.linear's saved weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(self.emb(idx)))
+        return h @ self.emb.weight.t() + nn.functional.linear(h, self.emb.weight)
+
+
+def test_stage3_gathers_a_parameter_read_outside_its_module(world1):
+    """Found by the training review: stage 3 failed in the first forward ('size mismatch ...
+    vec (0)') when a model read a module's parameter after that module's forward released it.
+    bf16 keeps stage 3 gathering at world size 1; stage 2 is the reference."""
+    def run(stage):
+        engine = initialize(ReadsEmbeddingAgain(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            idx = torch.randint(0, 11, (3, 5), generator=g)
+            out = engine(idx).float()
+            engine.backward(nn.functional.cross_entropy(out.reshape(-1, 11), idx.reshape(-1)))
+            assert engine.step()
+        return engine
+
+    want, engine = run(2).full_state_dict(), run(3)
+    assert not engine.zero.resident and engine.zero.live_bytes == 0  # released again after each use
+    for name, value in engine.full_state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
