@@ -163,6 +163,12 @@ class TrainConfig:
     non_finite_grads: str = "skip"
     """A NaN/inf in any rank's gradients: 'skip' the step on every rank (counted), or 'raise'
     an error naming the ranks. Parameters never receive a non-finite update."""
+    train_batch_size: int | None = None
+    """DeepSpeed's global batch (samples per optimizer step over every rank); the engine does
+    not split batches, so it only checks it: it must equal train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x the data-parallel world size (``check_batch``). None: unchecked."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """DeepSpeed's batch per rank and backward; only checked (``train_batch_size``)."""
     fault_tolerance: str = "off"
     """'replica': a replica that dies or times out is dropped at the step it failed in and the
     others go on; a restarted one rejoins with the live state (``train/replica_ft.py``). At
@@ -179,9 +185,27 @@ class TrainConfig:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         if not self.gradient_clipping >= 0:  # NaN too
             raise ConfigError(f"gradient_clipping = {self.gradient_clipping!r} is invalid; valid: a number >= 0")
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{key} = {v!r} is invalid; valid: an integer >= 1")
         if self.non_finite_grads not in ("skip", "raise"):
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
         _check_fault_tolerance(self)
+
+    def check_batch(self, world: int) -> None:
+        """DeepSpeed derives gradient_accumulation_steps from the two batch sizes; this engine
+        takes it as given, so sizes that imply another value are an error, not a silently
+        different optimizer step (a config written for DeepSpeed with train_batch_size 32, micro
+        batch 4 at 2 ranks means 4 accumulation steps, which this engine used to run as 1)."""
+        total, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if total is None or micro is None:
+            return
+        if total != micro * self.gradient_accumulation_steps * world:
+            raise ConfigError(f"train_batch_size = {total} is not train_micro_batch_size_per_gpu ({micro}) x "
+                              f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) x the data-parallel "
+                              f"world size ({world}) = {micro * self.gradient_accumulation_steps * world}; set "
+                              "gradient_accumulation_steps (not derived here) or drop the batch sizes")
 
     def with_stage(self, stage: int) -> "TrainConfig":
         """This config at another stage (a sharding strategy given by name is dropped with it)."""
@@ -202,6 +226,8 @@ class TrainConfig:
                    gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
                    bf16=_enabled(raw.get("bf16", {})),
                    non_finite_grads=str(raw.get("non_finite_grads", "skip")),
+                   train_batch_size=_batch(raw, "train_batch_size"),
+                   train_micro_batch_size_per_gpu=_batch(raw, "train_micro_batch_size_per_gpu"),
                    fault_tolerance=raw.get("fault_tolerance", "off"))
 
 
@@ -252,6 +278,11 @@ def _zero_value(key: str, v):
              "shard_group_size": "an integer >= 1 (leave it out for the ranks per node)",
              "mics_shard_size": "-1 (off) or an integer >= 1", "stage": "[0, 1, 2, 3]"}
     raise ConfigError(f"zero_optimization.{key} = {v!r} is invalid; valid: {valid.get(key, 'an integer')}")
+
+
+def _batch(raw: Mapping, key: str) -> int | None:
+    v = raw.get(key)
+    return None if v is None else _number(key, v, int)
 
 
 def _number(key: str, v, typ: type):

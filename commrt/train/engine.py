@@ -48,6 +48,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None 
 class Engine(GatherHooks):
     def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
         self.module, self.cfg, self.group = model, cfg, group
+        cfg.check_batch(dist.get_world_size(group))  # before any collective: every rank raises alike
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         src = group.ranks[0] if group is not None else 0
         with torch.no_grad():  # every replica starts from rank 0's values

@@ -130,3 +130,17 @@ def test_auto_weighs_the_measured_links():
     assert plan(zero(sharding_strategy="auto"), 8, 4, flat) == Plan(3, 8, 1, 0)
     # a setting that is not "auto" is never second-guessed
     assert plan(zero(stage=3, zero_hpz_partition_size=4), 8, 4, flat) == Plan(3, 8, 1, 4)
+
+
+def test_deepspeed_batch_sizes_must_agree_with_the_accumulation_steps():
+    """Found by the training review: train_batch_size and train_micro_batch_size_per_gpu were
+    accepted and ignored, so a DeepSpeed config that implies 4 accumulation steps (32 = 4 x 4 x 2)
+    ran with 1; now a ConfigError names the product, and consistent sizes pass."""
+    cfg = TrainConfig.from_dict({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match=r"= 8; set gradient_accumulation_steps"):
+        cfg.check_batch(2)
+    TrainConfig.from_dict({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 4}).check_batch(2)
+    TrainConfig.from_dict({"train_batch_size": 32}).check_batch(2)  # one of them alone: nothing to check
+    with pytest.raises(ConfigError, match="train_batch_size = 0"):
+        TrainConfig.from_dict({"train_batch_size": 0})
