@@ -107,13 +107,14 @@ class GatherHooks:
         """First forward: ``p`` was read while released; gather its unit for the innermost
         running forward, now and from now on."""
         v = self._unit_of[id(p)]
+        if v.full is not None:  # gathered: a parameter of no elements, which is no read from outside
+            return
         key = self._running[-1] if self._running else self._root
         with self.clock.span("bookkeeping"):
             self.zero.gather(v)
-        self._pins[id(v)] = self._pins.get(id(v), 0) + 1
-        if all(w is not v for w in self._outside[key]):
-            self._outside[key].append(v)
-            self._reads.setdefault(key, []).append(v)
+        self._pins[id(v)] = self._pins.get(id(v), 0) + 1  # until key's forward ends (_leave)
+        self._outside[key].append(v)
+        self._reads.setdefault(key, []).append(v)
 
     def _before_forward(self, u: UnitState, *_) -> None:
         with self.clock.span("bookkeeping"):

@@ -280,3 +280,50 @@ def test_stage3_gathers_a_parameter_read_outside_its_module(world1):
     assert not engine.zero.resident and engine.zero.live_bytes == 0  # released again after each use
     for name, value in engine.full_state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+
+
+def test_stage3_a_parameter_of_no_elements_is_no_outside_read(world1):
+    """A 0-element parameter has no values even when gathered: the first forward's read watch
+    must not take it for a released one (it pinned its unit for good, held after each forward)."""
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.e = nn.Linear(4, 2), nn.Parameter(torch.zeros(0))
+
+        def forward(self, x):
+            return self.lin(x) + self.e.sum() + self.e.sum()
+
+    engine = initialize(Empty(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3, 4)).float().sum())
+        assert engine.step()
+    assert not any(engine._pins.values()) and engine.zero.live_bytes == 0
+
+
+def test_stage3_over_one_shard_never_trains_on_values_from_before_a_step(world1):
+    """Found by the training review: over one shard a gather completes at once, so a unit the
+    backward prefetched after its own reduction (the model's own parameter beside a child's)
+    stayed gathered across the step and the next forward used its old values (42 away from
+    stage 2 after 4 SGD steps). bf16 keeps stage 3 gathering at world size 1."""
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.bias = nn.Linear(4, 2), nn.Parameter(torch.randn(2))
+
+        def forward(self, x):
+            return self.lin(x) + self.bias
+
+    def run(stage):
+        engine = initialize(Root(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                                     "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            engine.backward(engine(torch.randn(3, 4, generator=g)).float().square().sum())
+            assert engine.step()
+        return engine
+
+    want, engine = run(2).full_state_dict(), run(3)
+    assert engine.zero.live_bytes == 0
+    for name, value in engine.full_state_dict().items():
+        assert torch.equal(value, want[name]), name
