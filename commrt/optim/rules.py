@@ -34,6 +34,13 @@ class OptimSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"optimizer type {self.kind!r} is invalid; valid: {list(KINDS)}")
+        for name, lo, hi in (("lr", 0.0, math.inf), ("momentum", 0.0, math.inf), ("weight_decay", 0.0, math.inf),
+                             ("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0), ("eps", 0.0, math.inf)):
+            v = getattr(self, name)  # torch.optim's ranges; a string from a config file failed mid-step
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < hi:
+                raise ConfigError(f"optimizer {name} = {v!r} is invalid; valid: a number in [{lo}, {hi})")
+        if not isinstance(self.nesterov, bool):
+            raise ConfigError(f"optimizer nesterov = {self.nesterov!r} is invalid; valid: true or false")
         if self.nesterov and (self.momentum <= 0 or self.kind != "sgd"):
             raise ConfigError("nesterov needs SGD with momentum > 0")
 

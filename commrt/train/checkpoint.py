@@ -1,7 +1,9 @@
 """Sharded checkpoints of an ``Engine``: one file per rank (msgpack metadata + raw fp32 arrays,
 the parameter server's format; never pickle), loadable at the same or a different world size
 and stage: a loader rebuilds each parameter's values and optimizer state from the pieces the
-files hold, then keeps the range it owns.
+files hold, then keeps the range it owns. Each file also holds its rank's frozen parameters and
+persistent buffers (``module_state``); a load takes its own rank's at the same world size, else
+rank 0's.
 
 A save is complete only once rank 0 has written the marker ``zero-complete.json`` (last, after
 every rank's file is on disk): it names the step, the world size and each rank file's SHA-256.
@@ -37,6 +39,14 @@ MARKER = "zero-complete.json"
 log = logging.getLogger(__name__)
 
 
+def module_state(module) -> dict[str, torch.Tensor]:
+    """What the model holds outside the engine's shards: frozen parameters and persistent
+    buffers (BatchNorm's running statistics), by their state_dict names. Each rank's own (the
+    engine never averages buffers), as DeepSpeed saves rank 0's module state beside the shards."""
+    keys = module.state_dict(keep_vars=True)
+    return {n: t for n, t in keys.items() if not (isinstance(t, torch.nn.Parameter) and t.requires_grad)}
+
+
 def shard_state(engine) -> dict:
     z = engine.zero
     names = optim.state_names(z.spec)
@@ -44,7 +54,12 @@ def shard_state(engine) -> dict:
     for u in z.units:
         arrays.append(u.master.detach().float().clone())
         arrays += [u.state[n].clone() for n in names]
+    extra = module_state(engine.module)
+    # as fp32 (bf16 and fp16 fit) or int64 (counters, masks): two dtypes every file can hold
+    arrays += [t.detach().reshape(-1).to(torch.float32 if t.is_floating_point() else torch.int64, copy=True)
+               for t in extra.values()]
     meta = {"format": FORMAT, "rank": z.rank, "world": z.world, "stage": z.stage,
+            "module_state": [[n, list(t.shape), t.is_floating_point()] for n, t in extra.items()],
             "optimizer": z.spec.kind, "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "params": [[n, p_numel] for n, p_numel in zip(engine.names, _numels(engine))],
@@ -71,7 +86,8 @@ def save(engine, directory: str) -> str:
     os.makedirs(os.path.join(directory, sub), exist_ok=True)
     st = shard_state(engine)
     path = os.path.join(directory, sub, file_name(z.rank, z.world))
-    save_checkpoint(path, st["meta"], [a.numpy() for a in st["arrays"]], [1] * len(st["arrays"]))
+    save_checkpoint(path, st["meta"], [a.numpy() for a in st["arrays"]],
+                    [1 if a.is_floating_point() else 8 for a in st["arrays"]])  # float32 / int64
     mine = torch.frombuffer(bytearray(_sha256(path)), dtype=torch.uint8)
     digests = torch.empty(32 * z.world, dtype=torch.uint8)
     dist.all_gather_into_tensor(digests, mine, group=engine.group)  # also: every file is written
@@ -204,6 +220,10 @@ def load_shard_states(engine, states: list[dict]) -> None:
                 slot[-1][start:start + b - a] = True
         engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
         engine.micro_steps = meta["micro_steps"]
+        st["module_state"] = list(arrays)  # what follows the units
+    # this rank's own file at the same world size (an exact continuation), else rank 0's
+    own = [st for st in states if st["meta"].get("rank") == z.rank and st["meta"].get("world") == z.world]
+    _load_module_state(engine, (own or states)[0])
     for u in z.units:
         for k, a, b, start in pieces(u.layout, *u.own):
             slot = full.get(u.layout.params[k])
@@ -215,3 +235,23 @@ def load_shard_states(engine, states: list[dict]) -> None:
                 u.state[n][a:b].copy_(src[start:start + b - a])
         u.grad.zero_()
     z.publish()
+
+
+def _load_module_state(engine, st: dict) -> None:
+    """Frozen parameters and buffers back into the model (a checkpoint from before they were
+    saved has none: the model keeps its own)."""
+    saved = st["meta"].get("module_state")
+    if saved is None:
+        log.warning("checkpoint has no frozen parameters or buffers (written before they were saved); "
+                    "the model keeps its own")
+        return
+    mine = module_state(engine.module)
+    if sorted(n for n, _, _ in saved) != sorted(mine) or len(st["module_state"]) != len(saved):
+        raise ConfigError(f"checkpoint's frozen parameters and buffers {sorted(n for n, _, _ in saved)} do not "
+                          f"match this model's {sorted(mine)}")
+    with torch.no_grad():
+        for (name, shape, _), src in zip(saved, st["module_state"]):
+            dst = mine[name]
+            if list(dst.shape) != shape or src.numel() != dst.numel():
+                raise ConfigError(f"checkpoint's {name} has shape {shape}, this model's {list(dst.shape)}")
+            dst.copy_(src.view(dst.shape).to(dst.dtype))

@@ -100,6 +100,9 @@ class ZeroConfig:
                                   "valid keys: err_beta in [0, 1), reset_T >= 0")
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
+        if self.stage3_prefetch_bucket_size < 0:
+            raise ConfigError(f"zero_optimization.stage3_prefetch_bucket_size = {self.stage3_prefetch_bucket_size} "
+                              "is invalid; valid: an integer >= 0 (0: no prefetch)")
         _check_groups(self)
 
     @property
@@ -160,6 +163,12 @@ class TrainConfig:
     non_finite_grads: str = "skip"
     """A NaN/inf in any rank's gradients: 'skip' the step on every rank (counted), or 'raise'
     an error naming the ranks. Parameters never receive a non-finite update."""
+    train_batch_size: int | None = None
+    """DeepSpeed's global batch (samples per optimizer step over every rank); the engine does
+    not split batches, so it only checks it: it must equal train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x the data-parallel world size (``check_batch``). None: unchecked."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """DeepSpeed's batch per rank and backward; only checked (``train_batch_size``)."""
     fault_tolerance: str = "off"
     """'replica': a replica that dies or times out is dropped at the step it failed in and the
     others go on; a restarted one rejoins with the live state (``train/replica_ft.py``). At
@@ -174,11 +183,29 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
-        if self.gradient_clipping < 0:
-            raise ConfigError("gradient_clipping must be >= 0")
+        if not self.gradient_clipping >= 0:  # NaN too
+            raise ConfigError(f"gradient_clipping = {self.gradient_clipping!r} is invalid; valid: a number >= 0")
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{key} = {v!r} is invalid; valid: an integer >= 1")
         if self.non_finite_grads not in ("skip", "raise"):
             raise ConfigError(f"non_finite_grads = {self.non_finite_grads!r} is invalid; valid: ['skip', 'raise']")
         _check_fault_tolerance(self)
+
+    def check_batch(self, world: int) -> None:
+        """DeepSpeed derives gradient_accumulation_steps from the two batch sizes; this engine
+        takes it as given, so sizes that imply another value are an error, not a silently
+        different optimizer step (a config written for DeepSpeed with train_batch_size 32, micro
+        batch 4 at 2 ranks means 4 accumulation steps, which this engine used to run as 1)."""
+        total, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if total is None or micro is None:
+            return
+        if total != micro * self.gradient_accumulation_steps * world:
+            raise ConfigError(f"train_batch_size = {total} is not train_micro_batch_size_per_gpu ({micro}) x "
+                              f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) x the data-parallel "
+                              f"world size ({world}) = {micro * self.gradient_accumulation_steps * world}; set "
+                              "gradient_accumulation_steps (not derived here) or drop the batch sizes")
 
     def with_stage(self, stage: int) -> "TrainConfig":
         """This config at another stage (a sharding strategy given by name is dropped with it)."""
@@ -186,9 +213,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "TrainConfig":
-        raw = dict(raw or {})
+        raw = dict(_table(raw or {}, "the training config"))
         _only(raw, _TOP_KEYS, "the training config")
-        zero = dict(raw.get("zero_optimization", {}))
+        zero = dict(_table(raw.get("zero_optimization", {}), "zero_optimization"))
         _only(zero, _ZERO_KEYS, "zero_optimization")
         zero.pop("contiguous_gradients", None)
         zero.pop("reduce_scatter", None)
@@ -197,8 +224,10 @@ class TrainConfig:
                    gradient_accumulation_steps=_number("gradient_accumulation_steps",
                                                        raw.get("gradient_accumulation_steps", 1), int),
                    gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
-                   bf16=bool(dict(raw.get("bf16", {})).get("enabled", False)),
+                   bf16=_enabled(raw.get("bf16", {})),
                    non_finite_grads=str(raw.get("non_finite_grads", "skip")),
+                   train_batch_size=_batch(raw, "train_batch_size"),
+                   train_micro_batch_size_per_gpu=_batch(raw, "train_micro_batch_size_per_gpu"),
                    fault_tolerance=raw.get("fault_tolerance", "off"))
 
 
@@ -251,20 +280,43 @@ def _zero_value(key: str, v):
     raise ConfigError(f"zero_optimization.{key} = {v!r} is invalid; valid: {valid.get(key, 'an integer')}")
 
 
+def _batch(raw: Mapping, key: str) -> int | None:
+    v = raw.get(key)
+    return None if v is None else _number(key, v, int)
+
+
 def _number(key: str, v, typ: type):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()):
         raise ConfigError(f"{key} = {v!r} is invalid; expected {'an integer' if typ is int else 'a number'}")
     return typ(v)
 
 
+def _table(v, where: str) -> Mapping:
+    """A table of the config (a TOML table, a JSON object), or a ConfigError saying what came instead."""
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where} = {v!r:.100} is invalid; valid: a table of keys")
+    return v
+
+
+def _enabled(v) -> bool:
+    """DeepSpeed's ``"bf16": {"enabled": true}`` (a bare ``true`` was a TypeError)."""
+    on = _table(v, "bf16").get("enabled", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"bf16.enabled = {on!r} is invalid; valid: true or false")
+    return on
+
+
 def _optimizer(raw: Mapping) -> OptimSpec:
+    raw = _table(raw, "optimizer")
     kind = _OPTIMIZERS.get(str(raw.get("type", "")).lower())
     if kind is None:
         raise ConfigError(f"optimizer type {raw.get('type')!r} is invalid; valid: AdamW, LAMB, SGD")
-    params = dict(raw.get("params", {}))
+    params = dict(_table(raw.get("params", {}), "optimizer.params"))
     betas = params.pop("betas", None)
     if betas is not None:
-        params["beta1"], params["beta2"] = float(betas[0]), float(betas[1])
+        if isinstance(betas, (str, bytes)) or not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"optimizer.params.betas = {betas!r:.100} is invalid; valid: two numbers in [0, 1)")
+        params["beta1"], params["beta2"] = betas
     valid = {"lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps"}
     _only(params, valid | {"torch_adam", "adam_w_mode", "bias_correction"}, "optimizer.params")
     return OptimSpec(kind, **{k: v for k, v in params.items() if k in valid})

@@ -2,8 +2,12 @@
 optimizer.
 
 Gradients are copied into buckets (parameters in reverse registration order, about the order
-backward produces them; the first bucket at most 1 MiB, as torch DDP's) and each bucket's all-reduce starts from the gradient hooks as soon as
-it is full, so communication overlaps the rest of backward. At the end of backward (an autograd
+backward produces them; the first bucket at most 1 MiB, as torch DDP's) and each bucket's
+all-reduce starts from the gradient hooks as soon as it and every bucket before it are full (one
+order on every rank, whichever parameters each rank's forward used), so communication overlaps
+the rest of backward. A parameter that no rank produced a gradient for keeps ``p.grad`` as it
+was (None), as torch DDP with ``find_unused_parameters`` leaves it: each bucket carries one
+used-flag per parameter. At the end of backward (an autograd
 callback, as torch DDP does) the reductions are waited for and the averaged gradients written
 back to ``p.grad``, before the optimizer step. In fp32 (no ``comm_dtype``, no codec) each bucket
 is a buffer kept across steps and ``p.grad`` is left a view of it, as with torch DDP's
@@ -17,6 +21,7 @@ step (True: LoCo with DeepSpeed's err_beta 0.8 / reset_T 1024, or a dict of thos
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -24,6 +29,7 @@ from torch import nn
 from commrt import distributed as dist
 from commrt import quant as cq
 from commrt.collectives.reduce_ops import ReduceOp
+from commrt.runtime.errors import ConfigError
 from commrt.train.breakdown import StepBreakdown, StepClock, trace_sink
 from commrt.train.layout import FIRST_BUCKET_BYTES, buckets
 
@@ -37,6 +43,11 @@ class DataParallel(nn.Module):
             cq.codec_for(comm_quant)  # ValueError naming the valid ones
         if error_feedback and comm_quant is None:
             raise ValueError("error_feedback needs comm_quant ('int8' or 'int4')")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ConfigError(f"DataParallel bucket_cap_mb = {bucket_cap_mb!r} is invalid; valid: a number > 0")
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ConfigError(f"DataParallel comm_dtype = {comm_dtype!r} is invalid; valid: None or a floating "
+                              "torch dtype (torch.bfloat16, torch.float16, torch.float32)")
         self.module, self.group = module, group
         self.comm_dtype, self.comm_quant = comm_dtype, comm_quant
         self.broadcast_buffers = broadcast_buffers
@@ -48,14 +59,18 @@ class DataParallel(nn.Module):
         cap = max(1, int(bucket_cap_mb * (1 << 20)) // 4)
         self._buckets = [[self._params[i] for i in u.params]
                          for u in buckets([p.numel() for p in self._params], cap, 1, FIRST_BUCKET_BYTES // 4)]
-        self._bucket_of = {id(p): b for b, ps in enumerate(self._buckets) for p in ps}
+        self._slot = {id(p): (b, k) for b, ps in enumerate(self._buckets) for k, p in enumerate(ps)}
+        # a bucket of several dtypes reduces in their promoted one (fp32 beside bf16), never in
+        # whichever dtype its first parameter has: an fp32 gradient rounded to bf16 lost 3 digits
+        self._dtype = [comm_dtype or functools.reduce(torch.promote_types, [p.dtype for p in ps])
+                       for ps in self._buckets]
         # exact buckets of one dtype reduce in a buffer kept across steps, and the gradients are
         # left as views of it (torch DDP's gradient_as_bucket_view): no copy back, no allocation
         self._as_view = [comm_quant is None and len({p.dtype for p in ps}) == 1 for ps in self._buckets]
         self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
         loco = error_feedback if isinstance(error_feedback, dict) else None
         self._feedback = [cq.ErrorFeedback.from_loco(loco) if error_feedback else None for _ in self._buckets]
-        self._pending: list[int] = []
+        self._arm()
         self._inflight: list = []
         self._queued = False
         self.require_sync = True
@@ -66,12 +81,23 @@ class DataParallel(nn.Module):
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
+    def _arm(self) -> None:
+        """Before a backward (at forward, and after each reduction, so that a second backward of
+        one forward is reduced too): every bucket waits for all its gradients, none started."""
+        self._pending = [len(ps) for ps in self._buckets]
+        self._used = [[False] * len(ps) for ps in self._buckets]
+        self._next = 0  # the bucket whose all-reduce starts next: they start in index order
+
     def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            # evaluation, perhaps on one rank only: no collective, as torch DDP (a buffer
+            # broadcast here met the other ranks' next training forward, or waited out the deadline)
+            return self.module(*args, **kwargs)
         if self.broadcast_buffers and self.require_sync:
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b, self._src, self.group)
-        self._pending = [len(ps) for ps in self._buckets]
+        self._arm()
         self.clock.abandon()  # a backward that never reduced (no_sync, or none at all)
         with self.clock.span("forward"):
             out = self.module(*args, **kwargs)
@@ -99,28 +125,31 @@ class DataParallel(nn.Module):
         if not self._queued:  # wait for everything once backward has finished
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
-        b = self._bucket_of[id(p)]
+        b, k = self._slot[id(p)]
         self._pending[b] -= 1
-        if self._pending[b] == 0:
+        self._used[b][k] = True
+        # in index order only, as torch DDP does: every rank's n-th all-reduce must be the same
+        # bucket whatever order its hooks fired in (a parameter this rank's forward left out fills
+        # its bucket only in _finish; a bucket of the same size started before it was averaged
+        # with another rank's different bucket, without an error)
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
             with self.clock.span("bookkeeping"):
-                self._reduce(b)
+                self._reduce(self._next)
             self.reduced_during_backward += 1
 
     def _reduce(self, b: int) -> None:
         params = self._buckets[b]
+        self._pending[b], self._next = -1, b + 1  # reduced
         if self._alone and all(p.dtype == torch.float32 for p in params):
-            self._pending[b] = -1  # p.grad is already the average; a missing one becomes zeros
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            return
-        dtype = self.comm_dtype or params[0].dtype
+            return  # p.grad is already the average (a missing one stays None, as without DataParallel)
+        dtype = self._dtype[b]
         if self._as_view[b] and dtype == params[0].dtype:
             flat = self._fill_bucket(b)
         else:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                              for p in params])
-        self._pending[b] = -1  # reduced
+            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
+            if self.comm_quant is None:
+                parts.append(torch.tensor(self._used[b], dtype=dtype))
+            flat = torch.cat(parts)
         if self.comm_quant is not None:
             work = cq.all_reduce(flat, ReduceOp.AVG, self.group, True, quant=self.comm_quant,
                                  feedback=self._feedback[b])
@@ -130,13 +159,15 @@ class DataParallel(nn.Module):
 
     def _fill_bucket(self, b: int) -> torch.Tensor:
         """The bucket's gradients in its buffer, kept from step to step (a fresh one per step
-        page-faulted its whole size every time); a gradient that already is its view there
-        (the last step's, accumulated in place) is not copied."""
-        flat = self._flat[b]
+        page-faulted its whole size every time), then one flag per parameter: whether this rank
+        produced its gradient (``_finish_reductions``). A gradient that already is its view
+        there (the last step's, accumulated in place) is not copied."""
+        params, flat = self._buckets[b], self._flat[b]
         if flat is None:
-            flat = self._flat[b] = torch.empty(sum(p.numel() for p in self._buckets[b]), dtype=self._buckets[b][0].dtype)
+            numel = sum(p.numel() for p in params)
+            flat = self._flat[b] = torch.empty(numel + len(params), dtype=params[0].dtype)
         offset = 0
-        for p in self._buckets[b]:
+        for p in params:
             n = p.numel()
             dst = flat[offset:offset + n]
             if p.grad is None:
@@ -144,6 +175,7 @@ class DataParallel(nn.Module):
             elif p.grad.data_ptr() != dst.data_ptr() or not p.grad.is_contiguous():
                 dst.copy_(p.grad.reshape(-1))
             offset += n
+        flat[offset:] = torch.tensor(self._used[b], dtype=flat.dtype)
         return flat
 
     def _finish(self) -> None:
@@ -154,21 +186,28 @@ class DataParallel(nn.Module):
             self.clock.finish_step()
 
     def _finish_reductions(self) -> None:
-        for b, left in enumerate(self._pending):
-            if left > 0:  # some parameters got no gradient this time: reduce zeros for them
-                self._reduce(b)
+        while self._next < len(self._buckets):  # parameters without a gradient: zeros, in order
+            self._reduce(self._next)
         for work, b, flat in self._inflight:
             with self.clock.span("comm_waited"):
                 work.wait()
+            params = self._buckets[b]
+            # a parameter no rank produced a gradient for (unused, or frozen after wrapping) keeps
+            # its p.grad (None), as without DataParallel and with torch DDP; under comm_quant the
+            # flags are not sent and every parameter gets the average (zeros where unused)
+            used = flat[-len(params):].tolist() if self.comm_quant is None else [1] * len(params)
             offset = 0
-            for p in self._buckets[b]:
+            for p, u in zip(params, used):
                 n = p.numel()
                 g = flat[offset:offset + n].view(p.shape)
+                offset += n
+                if u == 0:
+                    continue
                 if flat is self._flat[b]:  # the gradient is a view of the bucket (no copy back)
                     p.grad = g
                 elif p.grad is None:
                     p.grad = g.to(p.dtype)  # back to fp32 for accumulation
                 else:
                     p.grad.copy_(g)
-                offset += n
         self._inflight, self._queued = [], False
+        self._arm()  # a second backward of the same forward is reduced as the first

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -23,9 +21,14 @@ from commrt.runtime.errors import CommError, ConfigError
 from commrt.train import checkpoint, groups, sharding
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.config import TrainConfig
+from commrt.train.gather_hooks import GatherHooks
 from commrt.train.units import UnitState
 from commrt.train.zero import Zero, ZeroSettings
 from commrt.train.zero_step import squared_norm
+
+
+def _cast(x, dtype: torch.dtype):
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
 
 class NonFiniteGradients(CommError):
@@ -42,9 +45,10 @@ def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None 
     return Engine(model, cfg, group)
 
 
-class Engine:
+class Engine(GatherHooks):
     def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
         self.module, self.cfg, self.group = model, cfg, group
+        cfg.check_batch(dist.get_world_size(group))  # before any collective: every rank raises alike
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         src = group.ranks[0] if group is not None else 0
         with torch.no_grad():  # every replica starts from rank 0's values
@@ -72,9 +76,11 @@ class Engine:
         self.clock = self.zero.clock
         self._no_sync = False
         self._sync_now = True
+        self._next_unit = 0  # stages 0-2: the unit whose reduction starts next (index order)
         self._hooks = []
         self._unit_of = {}
         self._order: list[UnitState] = []  # stage 3: units in the order the first forward ran them
+        self._gathers = False  # stage 3 with gathers: the hooks below, and the root's (__call__)
         self._next: dict[int, UnitState] = {}
         self._prev: dict[int, UnitState] = {}
         for u in self.zero.units:
@@ -86,10 +92,13 @@ class Engine:
 
     # -- forward / backward / step ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.dtype != torch.float32:
-            args = tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        if self.dtype != torch.float32:  # keyword inputs too: engine(x=...) met bf16 weights in fp32
+            args = tuple(_cast(a, self.dtype) for a in args)
+            kwargs = {k: _cast(v, self.dtype) for k, v in kwargs.items()}
         with self.clock.span("forward"):
-            return self.module(*args, **kwargs)
+            if not self._gathers:
+                return self.module(*args, **kwargs)
+            return self._gathering_forward(args, kwargs)
 
     forward = __call__
 
@@ -107,10 +116,16 @@ class Engine:
         self._sync_now = stage >= 2 or (self.is_gradient_accumulation_boundary() and not self._no_sync)
         for u in self.zero.units:
             u.pending = len(u.params)
+        self._next_unit = 0
         self.zero.begin_backward()
+        if self._gathers:  # what the model's own forward read (released by their reduction)
+            for v in self._outside[self._root]:
+                self.zero.gather(v)
         (loss / self.cfg.gradient_accumulation_steps).backward()
         with self.clock.span("bookkeeping"):
             if self._sync_now:  # units whose parameters got no gradient still take part
+                if self.zero.stage < 3:
+                    self._reduce_in_order(flush=True)
                 for u in self.zero.units:
                     if 0 < u.pending:
                         self.zero.reduce(u)
@@ -126,10 +141,27 @@ class Engine:
             return  # accumulate locally (no_sync, or not yet the accumulation boundary)
         u = self._unit_of[id(p)]
         u.pending -= 1
-        if u.pending == 0:
+        if u.pending == 0 and self.zero.stage < 3:
+            self._reduce_in_order()
+        elif u.pending == 0:  # stage 3: every rank gathered the same units, so it reduces them alike
             with self.clock.span("bookkeeping"):
                 self.zero.reduce(u)
             self.reduced_during_backward += 1  # started while backward runs: the overlap
+
+    def _reduce_in_order(self, flush: bool = False) -> None:
+        """Stages 0-2: start the units whose gradients are all in, in index order only, as torch
+        DDP does: every rank's n-th reduction must be the same unit whatever order its hooks
+        fired in (a parameter only some ranks' forward used completes its unit at the flush
+        there; a unit of the same size started before it was averaged crosswise, no error).
+        ``flush``: after backward, the rest too (their missing gradients count as zeros)."""
+        units = self.zero.units
+        while self._next_unit < len(units) and (flush or units[self._next_unit].pending == 0):
+            u = units[self._next_unit]
+            self._next_unit += 1
+            with self.clock.span("bookkeeping"):
+                self.zero.reduce(u)
+            u.pending = 0
+            self.reduced_during_backward += not flush  # started while backward runs: the overlap
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -204,82 +236,6 @@ class Engine:
         bad = [r for r in range(z.world) if vec[r] > 0]
         total = float(vec[z.world])
         return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf)
-
-    # -- stage 3 hooks ----------------------------------------------------------------------
-    def _install_gather_hooks(self, model: nn.Module) -> None:
-        """Gather before forward and before backward, free after forward; prefetch along the
-        order the first forward actually ran the modules in (not their registration order).
-        A module's forward may read a descendant's parameters without calling it
-        (``nn.MultiheadAttention`` reads ``out_proj.weight``): until its first forward has shown
-        which descendants run their own hooks, it gathers every descendant's unit, and from then
-        on the ones whose hooks did not run inside it (its ``_outside``), as FSDP2 gathers a
-        whole unit. Only the first forward of such a module holds its whole subtree gathered."""
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self._outside: dict[int, list[UnitState]] = {}  # unit -> descendants' units its forward gathers
-        self._learning: dict[int, dict[int, int]] = {}  # unit -> descendants' hook counts at its first forward
-        self._calls: dict[int, int] = {}  # unit -> times its own forward hook ran
-        for m in model.modules():
-            mine = [p for p in m.parameters(recurse=False) if id(p) in self._unit_of]
-            if not mine:
-                continue
-            u = self._unit_of[id(mine[0])]
-            below = {id(v): v for p in m.parameters() if id(p) in self._unit_of
-                     for v in [self._unit_of[id(p)]] if v is not u}
-            self._outside[id(u)] = list(below.values())
-            self._learning[id(u)] = dict.fromkeys(below, 0) if below else {}
-            self._hooks.append(m.register_forward_pre_hook(functools.partial(self._before_forward, u)))
-            self._hooks.append(m.register_forward_hook(functools.partial(self._after_forward, u)))
-            self._hooks.append(m.register_full_backward_pre_hook(functools.partial(self._before_backward, u)))
-
-    def _before_forward(self, u: UnitState, *_) -> None:
-        with self.clock.span("bookkeeping"):
-            self._calls[id(u)] = self._calls.get(id(u), 0) + 1
-            learning = self._learning.get(id(u))
-            if learning:  # first forward: note the descendants' hook counts before it
-                self._learning[id(u)] = {k: self._calls.get(k, 0) for k in learning}
-            for v in self._outside[id(u)]:
-                self.zero.gather(v)
-            self._use(u, self._next, True)
-
-    def _after_forward(self, u: UnitState, *_) -> None:
-        with self.clock.span("bookkeeping"):
-            learning = self._learning.pop(id(u), None)
-            outside = self._outside[id(u)]
-            if learning:  # keep the descendants whose own hooks did not run inside this forward
-                self._outside[id(u)] = [v for v in outside if self._calls.get(id(v), 0) == learning[id(v)]]
-            for v in outside:
-                self.zero.release(v)
-            self.zero.release(u)
-
-    def _before_backward(self, u: UnitState, *_) -> None:
-        with self.clock.span("bookkeeping"):
-            for v in self._outside[id(u)]:  # released by their gradient's reduction, as u is
-                self.zero.gather(v)
-            self._use(u, self._prev)
-
-    def _use(self, u: UnitState, ahead: dict, forward: bool = False) -> None:
-        if forward and not self._next and all(v is not u for v in self._order):
-            self._order.append(u)  # first pass: learn the execution order
-        self.zero.gather(u)
-        # prefetch the next units in execution order, up to stage3_prefetch_bucket_size elements
-        # (at least one unit when prefetch is on), as DeepSpeed's setting means
-        budget, nxt = self.cfg.zero.stage3_prefetch_bucket_size, ahead.get(id(u))
-        settle_ahead = True  # zero_defer: the next unit steps now, so its gather overlaps this compute
-        while nxt is not None and budget > 0:
-            if nxt.step_due is not None and settle_ahead:
-                self.zero.settle(nxt)  # local work only: every rank still issues the same gathers
-                settle_ahead = False
-            self.prefetched += nxt.full is None and nxt.gathering is None and nxt.step_due is None
-            if not self.zero.start_gather(nxt):
-                break  # its step is due first (zero_defer): gathered at its use
-            budget -= nxt.layout.padded
-            nxt = ahead.get(id(nxt))
-
-    def _learn_order(self) -> None:
-        if self.zero.stage == 3 and not self._next and self._order:
-            self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
-            self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
-            self.zero.hold_back(self._order)
 
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ ZeRO++ with ``overlap_comm`` issues every one of the engine's collectives from o
 fence, after which the engine's own calls (norms, LAMB, checkpoints) use the groups directly.
 
 One gradient, stages 2-3: ``Engine._on_grad`` (the parameter's post-accumulate hook) counts the
-unit down; the last one calls ``Zero.reduce``, which flattens the unit's gradients
+unit down; the last one calls ``Zero.reduce`` (stage 2: once every unit before it has started
+too, ``Engine._reduce_in_order``: one order on every rank), which flattens the unit's gradients
 (``_flatten_grads``), starts ``_start_reduce_scatter`` (here or on the comm stream) and queues
 ``shard_reduced`` to run when it is done; that adds the shard into ``UnitState.grad`` (hybrid:
 first ``_start_replica_all_reduce``, then ``replica_reduced``; with ``overlap_comm`` the two are

@@ -78,8 +78,12 @@ def _step_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict, spec,
 
 
 def drop_prefetches(z) -> None:
-    """Wait out stage-3 gathers that were started but never used: after the step they would
-    hand out the values from before it."""
+    """Wait out stage-3 gathers that were started but never used, and release units gathered
+    but not in use (a prefetch over one shard completes at once; a backward prefetch can land
+    after the unit's reduction): after the step they would hand out the values from before it.
+    Over one shard the next forward used them: stage 3 then trained on stale parameters (a
+    model with a parameter of its own beside a child module's, bf16 at world size 1, ended 42
+    away from stage 2)."""
     for u in z.units:
         if u.gathering is not None:
             with z.clock.span("comm_waited"):
@@ -87,6 +91,8 @@ def drop_prefetches(z) -> None:
             buf = u.gathering.args[1]
             z.count_live(-buf.numel() * buf.element_size())
             u.gathering = None
+        if z.stage == 3 and u.full is not None:
+            z.release(u)  # (nothing for resident units)
 
 
 def _lamb_apply(z, lamb: list) -> None:
@@ -114,6 +120,7 @@ def _lamb_apply(z, lamb: list) -> None:
 def publish(z) -> None:
     """Make the new values visible to the model (stages 0-2; stage 3 gathers on use)."""
     if z.stage == 3:
+        drop_prefetches(z)  # a load: no unit keeps the values from before it
         for u in z.units:
             u.fresh = False  # the next gather reads the new primary shards
         return

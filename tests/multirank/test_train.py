@@ -6,11 +6,14 @@ from tests.multirank.harness import run_ranks
 
 CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping", "stage 0 gradients in the bucket"]
          + [f"stage {s} {k}" for s in (1, 2, 3) for k in ("adamw", "lamb", "accumulation+clipping")]
+         + [f"stage {s} parameter unused on some ranks" for s in (0, 1, 2)]
          + ["stage 3 modules registered out of order", "stage 1 bf16", "stage 3 bf16", "checkpoint stage 2 -> stage 3",
             "resume stage 1 from file", "resume stage 1 from state_dict", "resume stage 3 from file",
             "resume stage 3 from state_dict", "memory accounting", "non-finite gradients: skip",
             "non-finite gradients: raise", "DataParallel", "DataParallel no_sync", "DataParallel bf16 gradients",
             "DataParallel fp16 gradients", "DataParallel overlapped = one bucket",
+            "DataParallel parameter unused on some ranks", "DataParallel mixed dtypes",
+            "DataParallel two backwards of one forward", "DataParallel evaluation on one rank",
             "DataParallel overlapped = torch", "stage 3 prefetched = serial", "stage 3 prefetched = torch"])
 
 

@@ -41,6 +41,27 @@ def test_inconsistent_keys_are_config_errors(keys, says):
         zero(**keys)
 
 
+@pytest.mark.parametrize("raw,says", [
+    ({"bf16": True}, "bf16 = True is invalid"),  # was a TypeError
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
+    ({"zero_optimization": 3}, "zero_optimization = 3 is invalid"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": -5}}, "stage3_prefetch_bucket_size = -5"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping = nan"),
+    ({"optimizer": "adam"}, "optimizer = 'adam' is invalid"),  # was an AttributeError
+    ({"optimizer": {"type": "AdamW", "params": None}}, "optimizer.params = None"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}, "lr = '1e-3'"),  # failed only mid-step
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "lr = -1"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "betas = [0.9]"),  # was an IndexError
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "beta2 = 1.5"),
+    ({"optimizer": {"type": "SGD", "params": {"momentum": -0.5}}}, "momentum = -0.5"),
+])
+def test_malformed_values_are_config_errors(raw, says):
+    """Found by the training review: each was accepted, or failed with a bare TypeError,
+    IndexError or AttributeError (or inside the first optimizer step) instead."""
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace("(", r"\(")):
+        TrainConfig.from_dict(raw)
+
+
 def test_plans_at_a_world_size():
     assert plan(zero(stage=3), 4, 2) == Plan(3, 4, 1, 0)
     assert plan(zero(stage=3, zero_hpz_partition_size=2), 4, 4) == Plan(3, 4, 1, 2)
@@ -109,3 +130,17 @@ def test_auto_weighs_the_measured_links():
     assert plan(zero(sharding_strategy="auto"), 8, 4, flat) == Plan(3, 8, 1, 0)
     # a setting that is not "auto" is never second-guessed
     assert plan(zero(stage=3, zero_hpz_partition_size=4), 8, 4, flat) == Plan(3, 8, 1, 4)
+
+
+def test_deepspeed_batch_sizes_must_agree_with_the_accumulation_steps():
+    """Found by the training review: train_batch_size and train_micro_batch_size_per_gpu were
+    accepted and ignored, so a DeepSpeed config that implies 4 accumulation steps (32 = 4 x 4 x 2)
+    ran with 1; now a ConfigError names the product, and consistent sizes pass."""
+    cfg = TrainConfig.from_dict({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match=r"= 8; set gradient_accumulation_steps"):
+        cfg.check_batch(2)
+    TrainConfig.from_dict({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 4}).check_batch(2)
+    TrainConfig.from_dict({"train_batch_size": 32}).check_batch(2)  # one of them alone: nothing to check
+    with pytest.raises(ConfigError, match="train_batch_size = 0"):
+        TrainConfig.from_dict({"train_batch_size": 0})

@@ -56,7 +56,7 @@ OPTIMIZERS = {"adamw": ({"type": "AdamW", "params": {"lr": 1e-2, "weight_decay":
                       lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01))}
 
 
-def _plain(steps, clip, kind):
+def _plain(steps, clip, kind, fill_unused=True):
     torch.manual_seed(0)
     model = Net()
     opt = OPTIMIZERS[kind][1](model.parameters())
@@ -64,7 +64,7 @@ def _plain(steps, clip, kind):
         opt.zero_grad(set_to_none=True)
         _loss(model, idx).backward()
         for p in model.parameters():  # the engine steps every parameter, a zero gradient included
-            if p.grad is None:
+            if p.grad is None and fill_unused:
                 p.grad = torch.zeros_like(p)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -119,7 +119,9 @@ def test_step_clock_counts_nested_spans_once():
 
 
 def test_data_parallel_equals_the_plain_torch_loop(world1):
-    want = _plain(4, 0.0, "sgd")
+    """Unlike the engine, DataParallel leaves an unused parameter's gradient None, as torch
+    does (it used to get zeros, which SGD's weight decay then moved)."""
+    want = _plain(4, 0.0, "sgd", fill_unused=False)
     torch.manual_seed(0)
     model = commrt.train.DataParallel(Net())
     opt = OPTIMIZERS["sgd"][1](model.parameters())
@@ -129,6 +131,7 @@ def test_data_parallel_equals_the_plain_torch_loop(world1):
         opt.step()
     for name, p in model.module.named_parameters():
         torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=1e-6, msg=name)
+    assert model.module.unused.weight.grad is None
     bd = model.step_breakdown()
     assert bd.forward > 0 and bd.backward > 0 and bd.optimizer == 0
     assert abs(bd.forward + bd.backward + bd.comm_waited + bd.bookkeeping - bd.total) < 1e-6
@@ -190,3 +193,137 @@ def test_a_save_killed_before_its_switch_leaves_the_previous_save_loadable(world
         assert torch.equal(value, saved[name]), name
     fresh.save_checkpoint(str(tmp_path))  # the next save switches and removes the interrupted one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["save-2", "zero-complete.json"]
+
+
+def test_bf16_casts_keyword_inputs_too(world1):
+    """Found by the training review: engine(x=...) with bf16 compute passed the fp32 input on
+    as it was ('mat1 and mat2 must have the same dtype'); positional inputs were cast."""
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x=None, scale=1):
+            return self.lin(x) * scale
+
+    engine = initialize(Keyword(), {"bf16": {"enabled": True}})
+    out = engine(x=torch.ones(3, 4), scale=2)
+    assert out.dtype == torch.bfloat16
+    engine.backward(out.float().sum())
+    assert engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_keeps_buffers_and_frozen_parameters(world1, tmp_path, stage):
+    """Found by the training review: a checkpoint held the trainable shards only, so a resumed
+    BatchNorm started from the fresh model's running statistics and a frozen parameter from its
+    fresh initialisation; the resumed step then differed from the straight one."""
+    def model(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+        m[2].bias.requires_grad_(False)
+        return m
+
+    cfg = {"zero_optimization": {"stage": stage}, "optimizer": OPTIMIZERS["adamw"][0]}
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+
+    def train(engine, part):
+        for x, y in part:
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    straight = initialize(model(0), cfg)
+    train(straight, batches[:2])
+    straight.save_checkpoint(str(tmp_path))
+    train(straight, batches[2:])
+    resumed = initialize(model(1), cfg)
+    resumed.load_checkpoint(str(tmp_path))
+    train(resumed, batches[2:])
+    want, got = straight.full_state_dict(), resumed.full_state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for name, buf in straight.module.named_buffers():
+        assert torch.equal(dict(resumed.module.named_buffers())[name], buf), name
+
+
+class ReadsEmbeddingAgain(nn.Module):
+    """Weight tying by use: the model's own forward reads the embedding after ``emb`` ran (and,
+    at stage 3, released it), once through a saved view and once as F.linear's saved weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(self.emb(idx)))
+        return h @ self.emb.weight.t() + nn.functional.linear(h, self.emb.weight)
+
+
+def test_stage3_gathers_a_parameter_read_outside_its_module(world1):
+    """Found by the training review: stage 3 failed in the first forward ('size mismatch ...
+    vec (0)') when a model read a module's parameter after that module's forward released it.
+    bf16 keeps stage 3 gathering at world size 1; stage 2 is the reference."""
+    def run(stage):
+        engine = initialize(ReadsEmbeddingAgain(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            idx = torch.randint(0, 11, (3, 5), generator=g)
+            out = engine(idx).float()
+            engine.backward(nn.functional.cross_entropy(out.reshape(-1, 11), idx.reshape(-1)))
+            assert engine.step()
+        return engine
+
+    want, engine = run(2).full_state_dict(), run(3)
+    assert not engine.zero.resident and engine.zero.live_bytes == 0  # released again after each use
+    for name, value in engine.full_state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+
+
+def test_stage3_a_parameter_of_no_elements_is_no_outside_read(world1):
+    """A 0-element parameter has no values even when gathered: the first forward's read watch
+    must not take it for a released one (it pinned its unit for good, held after each forward)."""
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.e = nn.Linear(4, 2), nn.Parameter(torch.zeros(0))
+
+        def forward(self, x):
+            return self.lin(x) + self.e.sum() + self.e.sum()
+
+    engine = initialize(Empty(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3, 4)).float().sum())
+        assert engine.step()
+    assert not any(engine._pins.values()) and engine.zero.live_bytes == 0
+
+
+def test_stage3_over_one_shard_never_trains_on_values_from_before_a_step(world1):
+    """Found by the training review: over one shard a gather completes at once, so a unit the
+    backward prefetched after its own reduction (the model's own parameter beside a child's)
+    stayed gathered across the step and the next forward used its old values (42 away from
+    stage 2 after 4 SGD steps). bf16 keeps stage 3 gathering at world size 1."""
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.bias = nn.Linear(4, 2), nn.Parameter(torch.randn(2))
+
+        def forward(self, x):
+            return self.lin(x) + self.bias
+
+    def run(stage):
+        engine = initialize(Root(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                                     "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            engine.backward(engine(torch.randn(3, 4, generator=g)).float().square().sum())
+            assert engine.step()
+        return engine
+
+    want, engine = run(2).full_state_dict(), run(3)
+    assert engine.zero.live_bytes == 0
+    for name, value in engine.full_state_dict().items():
+        assert torch.equal(value, want[name]), name

@@ -6,6 +6,7 @@ concatenation of every rank's batch.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import shutil
@@ -290,6 +291,106 @@ def ddp_case(rank: int, world: int) -> None:
                 f"DataParallel {name} gradients", atol=2e-2)
 
 
+class Branchy(nn.Module):
+    """Three linears of one size (one bucket each with a small cap: equal-sized all-reduces);
+    ``b`` only where the caller says, ``frozen`` never."""
+
+    def __init__(self, dtype_b: torch.dtype = torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(7, 5), nn.Linear(7, 5).to(dtype_b), nn.Linear(7, 5)
+        self.frozen = nn.Linear(7, 5)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x.to(self.b.weight.dtype)).float() if use_b else 0) + self.c(x)
+
+
+def branchy_grads(world: int, use, dtype_b=torch.float32, losses: int = 1) -> dict:
+    model = Branchy(dtype_b)
+    for _ in range(losses):
+        loss = sum(nn.functional.mse_loss(model(data(r, 0)[0], use(r)), data(r, 0)[1]) for r in range(world))
+        (loss / world).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def ddp_edge_case(rank: int, world: int) -> None:
+    """Found by the training review: a parameter only some ranks use (its bucket used to start
+    later there, so equal-sized buckets were averaged crosswise, without an error); one no rank
+    uses, or frozen after wrapping (got a zero p.grad, which AdamW's decay and moments move);
+    an fp32 gradient in a bucket whose first parameter is bf16 (reduced in bf16); two backwards
+    of one forward (the second was never reduced: replicas diverged)."""
+    cap = 40 * 4 / (1 << 20)  # 40 elements: one linear (35) per bucket
+    model = DataParallel(Branchy(), bucket_cap_mb=cap)
+    model.module.frozen.requires_grad_(False)
+    use = lambda r: r % 2 == 0  # noqa: E731
+    x, y = data(rank, 0)
+    nn.functional.mse_loss(model(x, use(rank)), y).backward()
+    got = {n: p.grad for n, p in model.module.named_parameters()}
+    want = branchy_grads(world, use)
+    assert got["frozen.weight"] is None and got["frozen.bias"] is None, "a frozen parameter got a gradient"
+    compare({n: g for n, g in got.items() if g is not None}, {n: g for n, g in want.items() if g is not None},
+            "DataParallel parameter unused on some ranks", atol=1e-6)
+    model = DataParallel(Branchy(), bucket_cap_mb=cap)
+    nn.functional.mse_loss(model(x, False), y).backward()
+    assert model.module.b.weight.grad is None, "a parameter no rank used got a gradient"
+    model = DataParallel(Branchy(torch.bfloat16))
+    assert len(model._buckets) == 1
+    nn.functional.mse_loss(model(x), y).backward()
+    want = branchy_grads(world, lambda r: True, torch.bfloat16)
+    compare({n: p.grad for n, p in model.module.named_parameters() if p.dtype == torch.float32 and p.grad is not None},
+            {n: g for n, g in want.items() if "frozen" not in n and "b." not in n}, "DataParallel mixed dtypes", atol=1e-6)
+    model = DataParallel(Branchy(), bucket_cap_mb=cap)
+    out = model(x)
+    for _ in range(2):
+        nn.functional.mse_loss(out, y).backward(retain_graph=True)
+    want = branchy_grads(world, lambda r: True, losses=2)
+    compare({n: p.grad for n, p in model.module.named_parameters() if p.grad is not None},
+            {n: g for n, g in want.items() if g is not None}, "DataParallel two backwards of one forward", atol=1e-6)
+    for bad in ({"bucket_cap_mb": -1}, {"bucket_cap_mb": "25"}, {"comm_dtype": torch.int8}):
+        try:
+            DataParallel(Branchy(), **bad)
+        except ConfigError:
+            pass
+        else:
+            raise AssertionError(f"DataParallel accepted {bad}")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5))
+    fresh = copy.deepcopy(net)
+    model = DataParallel(net)
+    if rank == 0:  # evaluation on one rank: no collective (its buffer broadcast met the others' forward)
+        with torch.no_grad():
+            model(x)
+    nn.functional.mse_loss(model(x), y).backward()
+    want = {n: torch.zeros_like(p) for n, p in fresh.named_parameters()}
+    for r in range(world):  # BatchNorm normalises each rank's batch: the average of per-rank gradients
+        ref = copy.deepcopy(fresh)
+        nn.functional.mse_loss(ref(data(r, 0)[0]), data(r, 0)[1]).backward()
+        for n, p in ref.named_parameters():
+            want[n] += p.grad / world
+    compare({n: p.grad for n, p in model.module.named_parameters()}, want,
+            "DataParallel evaluation on one rank", atol=1e-6)
+
+
+def engine_unused_case(rank: int, world: int) -> None:
+    """Found by the training review: a parameter only some ranks' forward uses completed its unit
+    at the end of backward there, so stages 0-2 started equal-sized units' reductions in another
+    order on those ranks and averaged them crosswise (a.weight off by 0.08, no error)."""
+    use = lambda r: r % 2 == 0  # noqa: E731
+    for stage in (0, 1, 2):
+        engine = initialize(Branchy(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+                                        "optimizer": OPT["sgd"]})
+        x, y = data(rank, 0)
+        engine.backward(nn.functional.mse_loss(engine(x, use(rank)), y))
+        engine.step()
+        ref, grads = Branchy(), branchy_grads(world, use)
+        with torch.no_grad():
+            for n, p in ref.named_parameters():  # the engine steps every parameter, unused ones included
+                if grads[n] is not None:
+                    p.add_(grads[n], alpha=-OPT["sgd"]["params"]["lr"])
+        compare(engine.full_state_dict(), dict(ref.named_parameters()),
+                f"stage {stage} parameter unused on some ranks", atol=1e-6)
+
+
 def overlap_case(rank: int, world: int) -> None:
     """Issue 29.4: the overlapped paths give what the unoverlapped ones give (within 1e-6) and
     what plain torch gives. DataParallel: a bucket per parameter, each all-reduced from its
@@ -376,6 +477,7 @@ def main() -> int:
         swapped_case(rank, world)
         bucket_view_case(rank, world)
         bf16_case(rank, world)
+        engine_unused_case(rank, world)
     if "checkpoint" in which:
         directory = os.path.join(os.environ.get("COMMRT_TEST_TMP", tempfile.gettempdir()), f"ckpt-{world}")
         checkpoint_case(rank, world, directory)
@@ -391,6 +493,7 @@ def main() -> int:
         nonfinite_case(rank, world)
     if "ddp" in which:
         ddp_case(rank, world)
+        ddp_edge_case(rank, world)
     if "overlap" in which:
         overlap_case(rank, world)
     commrt.destroy_process_group()
