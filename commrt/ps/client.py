@@ -31,15 +31,24 @@ Tensors = Mapping[str, "torch.Tensor | np.ndarray"]
 ZERO_COPY_MIN = 64 << 10
 
 
+def _read(t) -> torch.Tensor:
+    """A tensor the client only reads (an init's values, a push's gradients): a read-only numpy
+    array is copied, not refused (as_tensor's "collectives update tensors in place" named the
+    wrong cause: nothing writes it)."""
+    if isinstance(t, np.ndarray) and not t.flags.writeable:
+        t = t.copy()
+    return as_tensor(t)
+
+
 def _flat(t) -> torch.Tensor:
-    return as_tensor(t).detach().reshape(-1)
+    return _read(t).detach().reshape(-1)
 
 
-def _on_host(name: str, t, what: str) -> torch.Tensor:
+def _on_host(name: str, t, what: str, writes: bool = True) -> torch.Tensor:
     """``t`` as a tensor, refused unless in host memory: frames are read from it and pulls land
     in it through numpy (a CUDA tensor failed there with a TypeError, a push_pull's only after
-    its step was applied)."""
-    t = as_tensor(t)
+    its step was applied). ``writes``: a pull lands in it (a read-only array is refused)."""
+    t = as_tensor(t) if writes else _read(t)
     if t.device.type != "cpu":
         raise RequestRejected(None, what, f"{name} is on {t.device}: the parameter-server client reads "
                               "and writes host memory (pass CPU tensors, e.g. .cpu() copies)")
@@ -127,11 +136,11 @@ class PSClient(Exchange):
     # -- requests ---------------------------------------------------------------------------
     def _init(self, params: Tensors) -> None:
         specs, shapes = [], []
+        params = {name: _on_host(name, t, "ps.init", writes=False) for name, t in params.items()}
         for name, t in params.items():
-            _on_host(name, t, "ps.init")
             flat = _flat(t)
             specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
-            shapes.append([name, list(as_tensor(t).shape)])
+            shapes.append([name, list(t.shape)])
         segments = partition(specs, len(self._socks), self.cfg.ps.max_segment_bytes,
                              whole_tensors=self.cfg.ps.optimizer == "lamb")
         local = [[i for i, s in enumerate(segments) if s.server == k] for k in range(len(self._socks))]
@@ -174,8 +183,9 @@ class PSClient(Exchange):
                  [r.body[0] for r, _ in joined.values()])
         return start
 
-    def _selected(self, tensors: Tensors, what: str) -> dict[int, list[tuple[int, int]]]:
-        """Per server: (local id, global index) of every segment of the named tensors."""
+    def _selected(self, tensors: Tensors, what: str, writes: bool = True) -> dict[int, list[tuple[int, int]]]:
+        """Per server: (local id, global index) of every segment of the named tensors;
+        ``writes``: the call lands values in them."""
         if not self.segments:
             why = f" (the last init failed: {self._init_error})" if self._init_error else ""
             raise RequestRejected(None, what, f"call init(params) before push/pull{why}")
@@ -184,7 +194,7 @@ class PSClient(Exchange):
             raise RequestRejected(None, what, f"unknown parameter(s) {unknown[:5]}; init registered "
                                   f"{list(self._dtypes)[:5]}...")
         for name, t in tensors.items():
-            t = _on_host(name, t, what)
+            t = _on_host(name, t, what, writes)
             if tuple(t.shape) != self._shapes[name] or code_of(t.dtype) != self._dtypes[name]:
                 raise RequestRejected(None, what, f"{name}: expected shape {self._shapes[name]} and dtype "
                                       f"code {self._dtypes[name]}, got shape {tuple(t.shape)} and {t.dtype}")
@@ -197,7 +207,7 @@ class PSClient(Exchange):
 
     def _push(self, grads: Tensors, into: Tensors | None) -> None:
         op = P.PUSHPULL if into is not None else P.PUSH
-        sel = self._selected(grads, f"ps.{P.OP_NAMES[op]}")
+        sel = self._selected(grads, f"ps.{P.OP_NAMES[op]}", writes=False)
         if into is not None:
             self._selected(into, f"ps.{P.OP_NAMES[op]}")
             unpushed = [name for name in into if name not in grads]

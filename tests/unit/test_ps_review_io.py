@@ -358,3 +358,34 @@ def test_a_shard_stopped_by_a_full_disk_still_exits_with_its_status(tmp_path):
     out = server.core.handle(b"w0", [P.encode_request(P.PUSH, 0, 0, 5, [0, 1]), g[:4].tobytes(), g[4:].tobytes()], 0.0)
     assert P.decode_reply(out[0].frames[0]).status == P.FAILED
     assert server.serve(duration_s=1.0) == EXIT_STORAGE
+
+
+def test_read_only_arrays_can_be_pushed_but_not_pulled_into():
+    """init and push only read their arrays: a read-only numpy gradient (np.frombuffer of bytes,
+    a memory-mapped file) is sent, where as_tensor refused it ("collectives update tensors in
+    place"); a pull, which writes, still refuses one."""
+    import threading
+
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 1.0,
+                                        "timeout_s": 10}, "security": {"mode": "none"}}, environ={})
+    server = Server(cfg, 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    client = PSClient(cfg, worker=0)
+    try:
+        frozen = np.frombuffer(np.arange(4, dtype=np.float32).tobytes(), np.float32)
+        client.init({"w": frozen})
+        client.push({"w": frozen})
+        got = np.zeros(4, np.float32)
+        client.pull({"w": got})
+        np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32) * 0)  # w - lr * w
+        with pytest.raises(ValueError, match="read-only"):
+            client.pull({"w": frozen})
+    finally:
+        client.close()
+        server.stop()
+        serving.join(10)
