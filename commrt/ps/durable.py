@@ -78,6 +78,11 @@ def save_checkpoint(path: str, meta: dict, arrays: list[np.ndarray], codes: list
             os.unlink(tmp)  # a full disk gets its space back; the old checkpoint stays whole
         raise
     os.replace(tmp, path)
+    fsync_dir(path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make ``path``'s directory entry durable (a new or renamed file survives a machine crash)."""
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -103,8 +108,11 @@ class WriteAheadLog:
 
     def __init__(self, path: str, fsync: bool):
         self.path, self._fsync = path, fsync
+        new = not os.path.exists(path)
         self._fh = open(path, "ab")
         self.size = self._fh.tell()
+        if fsync and new:  # fsync of the file alone leaves a new file's name to a crash
+            fsync_dir(path)
 
     def append(self, meta: dict, arrays: list[np.ndarray], codes: list[int]) -> None:
         head = msgpack.packb(dict(meta, arrays=_describe(arrays, codes)), use_bin_type=True)
