@@ -10,6 +10,7 @@ from commrt.obs import logfmt
 def reporter(name: str, who: str) -> logging.Logger:
     """The logger a program reports through: INFO to stdout, each line prefixed once with
     ``[who]`` (``[rank 0]``, ``[worker 2]``), so interleaved output of several processes stays
-    attributable; ``commrt launch`` leaves such lines as they are (commrt/obs/logfmt.py)."""
+    attributable; ``commrt launch`` leaves a line that starts with its own label for the process
+    (``[rank N]``, ``[server I]``) as it is and labels the others (``[rank 0] [worker 0] ...``)."""
     logfmt.prefixed(who)
     return logging.getLogger(name)

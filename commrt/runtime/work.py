@@ -121,7 +121,7 @@ class Executor:
 
     Synchronous calls run inline in the caller's thread (no thread hop on the latency path)
     once every earlier asynchronous operation has finished; asynchronous calls go to one
-    worker thread. Whoever runs the current operation owns the group's sockets (hub.py's
+    worker thread. Whoever runs the current operation owns the group's sockets (transport.py's
     rules): the "turn" is taken and given back under ``_cv`` together with the queue, so an
     operation's position, its sequence number (assigned when it starts) and its turn agree.
     Every group has its own executor, so groups progress independently.

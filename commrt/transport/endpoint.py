@@ -2,7 +2,7 @@
 made by the process's ``Transport`` and dialled lazily, on the first send to or receive from a
 peer, so a rank holds connections only to the peers its algorithms talk to.
 
-An Endpoint has one owner at a time (hub.py's rules): the holder of the group executor's turn
+An Endpoint has one owner at a time (transport.py's ownership rules): the holder of the group executor's turn
 for collectives, the point-to-point engine's thread for point-to-point. Another thread may only
 ``cancel()`` it; the owner notices within one receive slice and raises ``GroupClosed``.
 Messages from one peer arrive in send order (ZeroMQ keeps per-pipe order); messages from

@@ -6,7 +6,7 @@ sockets did not take at once (p2p_send.py), matches arriving messages to posted 
 arrives early (bounded per peer). A receive's Work result is the sender's rank. Nothing
 blocks on one transfer, so irecv-then-isend on both sides cannot deadlock, and transfers
 overlap the caller's compute. The MPI progress-engine design, and NCCL's proxy thread, in
-small: one owner per socket (hub.py's rules), woken through an inproc pair.
+small: one owner per socket (transport.py's ownership rules), woken through an inproc pair.
 """
 from __future__ import annotations
 

@@ -30,7 +30,9 @@ OTHER_VARIABLES = {
     "COMMRT_DEPLOY_K8S_JOB": "`commrt node k8s`: the workers' Job name",
     "COMMRT_DEPLOY_K8S_PS": "`commrt node k8s`: the shards' StatefulSet",
     "COMMRT_PS_PRINT_STATS": "workers.ps_train: worker 0 logs every server's counters at the end",
+    "COMMRT_FT_STORE": "workers.train_lm with `fault_tolerance = \"replica\"`: the replicas' store (host:port, served outside the replicas)",
     "COMMRT_PYTHON": "deploy/slurm: the interpreter `node.sh` runs",
+    "COMMRT_HOME": "deploy/slurm: the repository the sbatch script runs from (default: where it was submitted)",
     "COMMRT_TORCH": "install / Dockerfile: the torch requirement to install",
 }
 RESERVED_PREFIXES = ("COMMRT_TEST_",)  # the test suite's own switches
