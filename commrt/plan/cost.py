@@ -16,8 +16,8 @@ all_reduce in up to ``segments_for`` pipelined pieces, each padded to a multiple
 Quantized collectives (``quant/collectives.py``, ``code(n)``: encoded bytes of n values, scales
 per block and the 4-byte padding included) go flat over any group but the world spanning nodes,
 which they cross in two hops (``quant/hierarchical.py``) whenever ``hierarchical`` says so for
-their fp32 size, whatever the compute dtype: exact fp32 collectives inside the node and only the
-codes across nodes:
+their fp32 size, whatever the compute dtype ("auto": by the size alone, no probe): exact fp32
+collectives inside the node and only the codes across nodes:
 
     all_gather      codes of the own part, all_gather over inter; fp32 all_gather of K x own over intra
     reduce_scatter  fp32 reduce_scatter of the K*M chunks over intra; the node sums' K chunks
@@ -160,12 +160,14 @@ def flat(t: Traffic, op: str, ranks: tuple[int, ...], nbytes: float, net: Net) -
     return net.seconds(intra, inter)
 
 
-def hierarchical(net: Net, is_world: bool, nbytes: float) -> bool:
+def hierarchical(net: Net, is_world: bool, nbytes: float, quantized: bool = False) -> bool:
     """Whether ``dispatch.wants_hierarchical`` sends this op through two levels; "auto" as the
-    runtime's probe would decide on a cluster with these bandwidths (``auto_helps``)."""
+    runtime's probe would decide on a cluster with these bandwidths (``auto_helps``), or, for a
+    quantized op, by the size alone (no probe)."""
     if not is_world or net.hierarchical == "never" or net.nodes < 2 or net.per_node < 2:
         return False
-    return net.hierarchical == "always" or (nbytes // net.per_node > net.small_bytes and auto_helps(net))
+    return net.hierarchical == "always" or (nbytes // net.per_node > net.small_bytes
+                                            and (quantized or auto_helps(net)))
 
 
 def auto_helps(net: Net) -> bool:
@@ -202,7 +204,7 @@ def collective(t: Traffic, op: str, ranks: tuple[int, ...], numel: int, itemsize
 
 def _two_hop(net: Net, ranks: tuple[int, ...], numel: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(intra, inter) when ``quant.hierarchical.levels`` takes the two hops for ``numel`` fp32 values."""
-    if not hierarchical(net, len(ranks) == net.world, numel * 4):
+    if not hierarchical(net, len(ranks) == net.world, numel * 4, quantized=True):
         return None
     return group(0, net.per_node), group(0, net.nodes, net.per_node)
 

@@ -40,11 +40,12 @@ from commrt.runtime.config import QuantConfig  # [quant] pieces: at most this ma
 
 def levels(group, nbytes: int):
     """(intra, inter) when ``group`` is the world spanning several nodes of M >= 2 ranks and
-    ``[comm] hierarchical`` wants it for ``nbytes``; None: the flat quantized path."""
+    ``[comm] hierarchical`` wants it for ``nbytes`` ("auto": whenever each rank's part across
+    nodes exceeds small_bytes, ``dispatch.wants_hierarchical``); None: the flat quantized path."""
     rt = world.current()
     if rt.topology is None or rt.topology.num_nodes < 2 or group not in (None, rt.world):
         return None
-    if not dispatch.wants_hierarchical(group, nbytes):
+    if not dispatch.wants_hierarchical(group, nbytes, "a quantized collective", quantized=True):
         return None
     return mesh.node_groups()
 

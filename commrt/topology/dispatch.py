@@ -34,12 +34,17 @@ HIERARCHY_HELPS = 1.1
 log = logging.getLogger(__name__)
 
 
-def wants_hierarchical(group, nbytes: int, op: str = "a collective") -> bool:
+def wants_hierarchical(group, nbytes: int, op: str = "a collective", quantized: bool = False) -> bool:
     """Whether ``group``'s collective of ``nbytes`` runs in two levels ([comm] hierarchical).
     Only the world group: its node groups can be made on demand, since every rank calls the
     world's collectives in the same order. "auto": above the size where each rank's part across
     nodes exceeds small_bytes, and only if the probe (``auto_choice``) found the two levels faster;
-    with ``check_call_sites`` the ranks taking two levels then check that all did (``_same_route``)."""
+    with ``check_call_sites`` the ranks taking two levels then check that all did (``_same_route``).
+    ``quantized`` (quant/hierarchical.py): "auto" takes two levels above that size without the
+    probe, which compares exact all_reduces. The flat quantized path sends the codes of every
+    rank's chunk for another node across, the two hops only the node sums' (ZeRO++ qgZ's
+    hierarchy): half the bytes across at 2 x 2, 1/M in general, where the exact flat
+    Rabenseifner is already within the probe's margin of two levels and stays flat."""
     rt = world.current()
     mode, topo = rt.config.comm.hierarchical, rt.topology
     if mode == "never" or (group is not None and group is not rt.world) or topo is None:
@@ -48,7 +53,7 @@ def wants_hierarchical(group, nbytes: int, op: str = "a collective") -> bool:
         return False
     if mode == "always":
         return True
-    if nbytes // topo.per_node() > rt.config.comm.small_bytes and auto_choice(rt).hierarchical:
+    if nbytes // topo.per_node() > rt.config.comm.small_bytes and (quantized or auto_choice(rt).hierarchical):
         if rt.config.comm.check_call_sites:
             _same_route(rt, op, nbytes)
         return True

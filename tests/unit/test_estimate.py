@@ -211,3 +211,19 @@ def test_unreadable_numbers_are_config_errors(argv):
     command.add_parser(p.add_subparsers())
     with pytest.raises(ConfigError):
         command.render(p.parse_args(["estimate", *argv]))
+
+
+def test_quantized_ops_take_two_hops_under_auto_where_the_exact_all_reduce_stays_flat():
+    """The default table's Rabenseifner is within the probe's margin of two levels at 2 x 2, so
+    "auto" keeps the exact all_reduce flat; a quantized op must not follow it there: its flat
+    path sends the codes of both chunks for the other node across (qgZ's all_to_all), two hops
+    only the node sum's. Both took the probe's verdict: 2 x 528 B across instead of 528."""
+    from commrt.plan import cost
+    net = cost.Net(nodes=2, per_node=2, small_bytes=1024)
+    assert not cost.auto_helps(net)
+    exact = cost.Traffic()
+    cost.collective(exact, "all_reduce", cost.group(0, 4), 1 << 20, 4, net)
+    assert set(exact.by_op) == {"all_reduce"}  # flat
+    est = estimate(Job(params=4096, stage=3, dtype="bf16", quant_grads="int4", units=(4096,)),
+                   Cluster(nodes=2, per_node=2, small_bytes=1024))
+    assert est.phases["gradient reduce_scatter"] == (8192, 528)
