@@ -18,7 +18,7 @@ MODES = ["exit0", "exit1", "abort", "sigkill", "sigterm", "sigstop"]
 # the shared-memory path (issue 17) by default on a kill and a freeze; the rest slow. A freeze
 # waits out the heartbeat bound (7 s a case): TCP's is by default at 3 ranks, shm's at 2
 SHM_DEFAULT = {("sigkill", 3), ("sigstop", 2)}
-TCP_SLOW = {("sigstop", 2), ("exit0", 2), ("exit1", 2), ("abort", 2), ("sigterm", 2)}  # 3 ranks cover these
+TCP_SLOW = {("sigstop", 2)}
 CASES = [pytest.param(m, n, "tcp", marks=pytest.mark.slow if (m, n) in TCP_SLOW else ())
          for m in MODES for n in (2, 3)] + [
     pytest.param(m, n, "shm", marks=() if (m, n) in SHM_DEFAULT else pytest.mark.slow)
