@@ -277,13 +277,6 @@ time.sleep(60)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 def test_a_crashed_ranks_children_do_not_outlive_the_launch(tmp_path):
     """Found in the hardening review (wtT4): the launcher signals each rank's process group only
@@ -295,9 +288,9 @@ def test_a_crashed_ranks_children_do_not_outlive_the_launch(tmp_path):
     assert (result.returncode, result.failed_rank) == (3, 0)
     child = int(pid_file.read_text())
     try:
-        assert not _alive(child), "rank 0's child outlived the launch"
+        assert not _running(child), "rank 0's child outlived the launch"
     finally:
-        if _alive(child):
+        if _running(child):
             os.kill(child, signal.SIGKILL)
 
 

@@ -1,7 +1,9 @@
 """The review of the parameter server (see test_ps_review.py), at the process level: a server
 shard on its own thread and real sockets, the client against it or against a fake server, files
 and settings. Each case names what it found."""
+import contextlib
 import os
+import threading
 import time
 
 import numpy as np
@@ -13,6 +15,27 @@ from commrt.ps.core import ServerCore
 from commrt.ps.state import ShardState
 
 SEGS = [["w", 0, 4, 1], ["w", 4, 6, 1]]
+
+
+@contextlib.contextmanager
+def _one_shard_and_client():
+    """A shard (lr 1, plain SGD) serving on its own thread on loopback, and worker 0's client."""
+    from commrt.launch import free_port
+    from commrt.ps.client import PSClient
+    from commrt.ps.server import Server
+    from commrt.runtime.config import load_config
+    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 1.0,
+                                        "timeout_s": 10}, "security": {"mode": "none"}}, environ={})
+    server = Server(cfg, 0)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    client = PSClient(cfg, worker=0)
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.stop()
+        serving.join(10)
 SHAPES = [["w", [6]]]
 
 # -- the shard's files are released on every exit path -------------------------------------------
@@ -267,22 +290,10 @@ def test_push_pull_into_other_tensors_than_pushed():
     the push had been applied (the step advanced, the caller could not tell); pushing a into
     {a, b} left b as it was without a word. Now the first writes a (b's values are dropped),
     the second is refused before anything is sent."""
-    import threading
-
     import torch
 
-    from commrt.launch import free_port
-    from commrt.ps.client import PSClient
-    from commrt.ps.server import Server
-    from commrt.runtime.config import load_config
     from commrt.runtime.errors import RequestRejected
-    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 1.0,
-                                        "timeout_s": 10}, "security": {"mode": "none"}}, environ={})
-    server = Server(cfg, 0)
-    serving = threading.Thread(target=server.serve, daemon=True)
-    serving.start()
-    client = PSClient(cfg, worker=0)
-    try:
+    with _one_shard_and_client() as (server, client):
         client.init({"a": torch.zeros(3), "b": torch.zeros(2)})
         a = torch.zeros(3)
         client.push_pull({"a": torch.ones(3), "b": torch.ones(2)}, {"a": a})
@@ -295,10 +306,6 @@ def test_push_pull_into_other_tensors_than_pushed():
         with pytest.raises(RequestRejected, match="host memory"):
             client.push_pull({"a": torch.ones(3)}, {"a": torch.zeros(3, device="meta")})
         assert client.step == 1 and server.core.state.version == 1
-    finally:
-        client.close()
-        server.stop()
-        serving.join(10)
 
 
 # -- resuming from a checkpoint another configuration wrote ---------------------------------------
@@ -365,19 +372,7 @@ def test_read_only_arrays_can_be_pushed_but_not_pulled_into():
     """init and push only read their arrays: a read-only numpy gradient (np.frombuffer of bytes,
     a memory-mapped file) is sent, where as_tensor refused it ("collectives update tensors in
     place"); a pull, which writes, still refuses one."""
-    import threading
-
-    from commrt.launch import free_port
-    from commrt.ps.client import PSClient
-    from commrt.ps.server import Server
-    from commrt.runtime.config import load_config
-    cfg = load_config(overrides={"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 1.0,
-                                        "timeout_s": 10}, "security": {"mode": "none"}}, environ={})
-    server = Server(cfg, 0)
-    serving = threading.Thread(target=server.serve, daemon=True)
-    serving.start()
-    client = PSClient(cfg, worker=0)
-    try:
+    with _one_shard_and_client() as (_, client):
         frozen = np.frombuffer(np.arange(4, dtype=np.float32).tobytes(), np.float32)
         client.init({"w": frozen})
         client.push({"w": frozen})
@@ -386,10 +381,6 @@ def test_read_only_arrays_can_be_pushed_but_not_pulled_into():
         np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32) * 0)  # w - lr * w
         with pytest.raises(ValueError, match="read-only"):
             client.pull({"w": frozen})
-    finally:
-        client.close()
-        server.stop()
-        serving.join(10)
 
 
 def test_a_new_write_ahead_log_under_fsync_makes_its_directory_entry_durable(tmp_path, monkeypatch):
