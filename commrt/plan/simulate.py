@@ -238,6 +238,11 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
             raise ConfigError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
                               f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform; "
                               f"leave it out with --algorithms")
+        log_steps = n * 2 * max(1, (n - 1).bit_length()) * pieces  # Rabenseifner's 2 log n, per piece
+        if phases is None and log_steps > HARD_LIMIT:  # 100,000 ranks took 39 s, 10^6 minutes and GBs
+            raise ConfigError(f"{collective}/{algorithm} at {n} ranks in {pieces} piece(s): about {log_steps} "
+                              f"rank-steps is beyond what the simulator replays ({HARD_LIMIT}); "
+                              "simulate fewer ranks (the tables go to 16,384) or a smaller size")
         parts, steps = schedule(collective, algorithm, n, root, pieces)
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)

@@ -74,3 +74,11 @@ def test_a_world_beyond_the_replay_limit_is_a_config_error():
     the command line before; now the one-line error naming --algorithms."""
     with pytest.raises(ConfigError, match="--algorithms"):
         command.render(_args("--collective", "reduce", "--algorithms", "ring", "--worlds", "2000", "--sizes", "4K"))
+
+
+def test_a_log_step_schedule_beyond_the_replay_limit_is_refused_at_once():
+    """recursive doubling at 1,000,000 ranks: only the ring and chain had a limit, so this
+    built and replayed ~20 million rank-steps (100,000 ranks took 39 s; a million, minutes and
+    gigabytes) before answering; now a one-line ConfigError before any schedule is built."""
+    with pytest.raises(ConfigError, match="rank-steps"):  # without the limit: the suite's 120 s timeout
+        command.render(_args("--algorithms", "recursive_doubling", "--worlds", "1000000", "--sizes", "4K"))
