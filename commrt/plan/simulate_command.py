@@ -57,6 +57,8 @@ def results(args, parse_size, parse_bandwidth) -> list[Result]:
                       cpu_msg=args.cpu_msg, cpu_byte=args.cpu_byte, cores=args.cores, sharing=args.sharing,
                       reduce_bw=parse_bandwidth(args.reduce_bw) if args.reduce_bw.strip() not in ("", "0") else 0.0)
         for size in [parse_size(s) for s in args.sizes.split(",")]:
+            if size % 4:  # the replay moves float32 elements: 2 B was simulated as 0 elements
+                raise ConfigError(f"--sizes {size}: bytes per rank of float32 elements, a multiple of 4")
             out += [simulate(net, args.collective, a, size) for a in algos]
     return out
 

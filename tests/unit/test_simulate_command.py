@@ -82,3 +82,11 @@ def test_a_log_step_schedule_beyond_the_replay_limit_is_refused_at_once():
     gigabytes) before answering; now a one-line ConfigError before any schedule is built."""
     with pytest.raises(ConfigError, match="rank-steps"):  # without the limit: the suite's 120 s timeout
         command.render(_args("--algorithms", "recursive_doubling", "--worlds", "1000000", "--sizes", "4K"))
+
+
+@pytest.mark.parametrize("size", ["2", "6"])
+def test_a_size_that_is_not_whole_float32_elements_is_refused(size):
+    """The replay moves float32 elements (nbytes // 4): --sizes 2 was simulated as an op of 0
+    elements and 6 as 4 B, each printed under the size asked for."""
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        command.render(_args("--sizes", size))
