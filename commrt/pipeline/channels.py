@@ -29,7 +29,7 @@ import torch
 
 from commrt import distributed as dist
 from commrt.runtime.errors import ProtocolError
-from commrt.pipeline.p2p import HEADER_BYTES, SendHandle, _bytes, decode_header, encode_header
+from commrt.pipeline.p2p import HEADER_BYTES, SendHandle, _bytes, allocate, decode_header, encode_header
 
 PREFIX = 64  # flag, metadata count, up to six int64 metadata; payloads start 64-byte aligned
 META_MAX = 6
@@ -181,7 +181,7 @@ class Channels:
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8)  # FALLBACK: all on the side tag
             dist.irecv(header, src, self.group, tag + SIDE_TAG).wait()
         msg.meta, specs = decode_header(header.numpy().tobytes())
-        msg.tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+        msg.tensors = allocate(specs, src)
         msg.works = [dist.irecv(_bytes(t), src, self.group, tag + SIDE_TAG) for t in msg.tensors if t.numel()]
         self._got[(src, tag, msg.index)] = layout_of(msg.tensors)
 

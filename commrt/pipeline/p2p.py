@@ -23,6 +23,7 @@ from commrt.runtime.errors import ProtocolError
 VERSION = 1
 HEADER_BYTES = 1024  # room for ~30 tensors of rank 4; a longer list is refused before sending
 MAX_NDIM, MAX_TENSORS, MAX_DIM = 8, 64, 1 << 40
+MAX_MESSAGE_BYTES = 1 << 40  # a tensor list's payloads together; a header claiming more is refused
 
 
 def encode_header(tensors: list[torch.Tensor], meta: tuple[int, ...] = ()) -> bytes:
@@ -53,13 +54,28 @@ def decode_header(data: bytes) -> tuple[tuple[int, ...], list[tuple[torch.dtype,
     meta, specs = obj[1], obj[2]
     if not all(_uint(v) for v in meta):
         raise ProtocolError(f"tensor-list metadata must be non-negative integers: {meta!r:.120}")
-    out = []
+    out, total = [], 0
     for spec in specs:
         if not (isinstance(spec, list) and 1 <= len(spec) <= MAX_NDIM + 1 and all(_uint(v) for v in spec)
                 and spec[0] in dtypes.NAMES and math.prod(spec[1:]) <= MAX_DIM):
             raise ProtocolError(f"bad tensor spec in header: {spec!r:.120}")
-        out.append((dtypes.BY_NAME[dtypes.NAMES[spec[0]]], tuple(spec[1:])))
+        dtype = dtypes.BY_NAME[dtypes.NAMES[spec[0]]]
+        total += math.prod(spec[1:]) * dtype.itemsize
+        out.append((dtype, tuple(spec[1:])))
+    if total > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"tensor-list header claims {total} bytes of payload (at most {MAX_MESSAGE_BYTES})")
     return tuple(meta), out
+
+
+def allocate(specs: list[tuple[torch.dtype, tuple[int, ...]]], src: int) -> list[torch.Tensor]:
+    """The receive buffers a decoded header asks for; memory the process cannot get is the
+    message's fault (a ProtocolError naming the sender), not an untyped allocator error."""
+    try:
+        return [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+    except (RuntimeError, MemoryError) as exc:
+        total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
+        raise ProtocolError(f"tensor-list header from rank {src} asks for {total} bytes, which this "
+                            f"process cannot allocate: {exc}".splitlines()[0]) from None
 
 
 def _uint(v) -> bool:
@@ -102,7 +118,7 @@ def recv_tensors(src: int, group=None, tag: int = 0) -> tuple[tuple[int, ...], l
     header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     dist.irecv(header, src, group, tag).wait()
     meta, specs = decode_header(header.numpy().tobytes())
-    out = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+    out = allocate(specs, src)
     works = [dist.irecv(_bytes(t), src, group, tag) for t in out if t.numel()]
     for w in works:
         w.wait()

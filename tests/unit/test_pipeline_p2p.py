@@ -47,6 +47,27 @@ def test_hostile_headers_are_protocol_errors():
         assert all(isinstance(d, torch.dtype) and all(x >= 0 for x in s) for d, s in specs)
 
 
+def _claiming(specs) -> bytes:
+    """A header as encode_header lays it out, with specs no real tensor list would have."""
+    import struct
+    import msgpack
+    body = msgpack.packb([1, [], specs])
+    return struct.pack("<I", len(body)) + body + bytes(HEADER_BYTES - 4 - len(body))
+
+
+def test_a_header_claiming_more_payload_than_a_message_may_carry_is_refused_before_allocating():
+    from commrt.runtime import dtypes
+    from commrt.pipeline.p2p import MAX_DIM, allocate
+    f64, f32 = dtypes.code_of(torch.float64), dtypes.code_of(torch.float32)
+    with pytest.raises(ProtocolError, match="claims 8796093022208 bytes"):
+        decode_header(_claiming([[f64, MAX_DIM]]))  # 2^40 doubles: each dimension within bounds, 8 TiB
+    with pytest.raises(ProtocolError, match="claims"):
+        decode_header(_claiming([[f32, 1 << 38]] * 5))  # five 1 TiB tensors
+    _, specs = decode_header(_claiming([[f32, 1 << 36], [f32, 3]]))  # 256 GiB: passes the header...
+    with pytest.raises(ProtocolError, match="from rank 3 asks for 1099511627824 bytes"):
+        allocate(specs * 4, 3)  # ...but not this process's memory (1 TiB, nothing committed): a typed error
+
+
 def test_p2pop_takes_only_isend_or_irecv():
     with pytest.raises(ValueError, match="isend or commrt.irecv"):
         P2POp(print, torch.zeros(1), 1)
