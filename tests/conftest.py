@@ -112,7 +112,8 @@ REPEATS = {
     "tests/multirank/test_reinit.py::test_reinit_on_the_same_port[gloo-together]",  # zmq together stays
     "tests/multirank/test_reinit.py::test_reinit_on_the_same_port[zmq-others_first]",
     # second round (CI 1236 s after the first): scenarios a default case or unit test also covers
-    "tests/multirank/test_pipeline.py::test_pipeline_by_data_parallel_trains_like_a_single_process",  # README case 5
+    # the composition alone (its parts, the schedules and DataParallel, keep their default tests)
+    "tests/multirank/test_pipeline.py::test_pipeline_by_data_parallel_trains_like_a_single_process",
     # the rejoin of a killed worker stays
     "tests/multirank/test_ps_join.py::test_a_worker_started_after_n_steps_joins_at_the_running_step_with_the_current_weights[ssp]",
     "tests/multirank/test_hierarchical.py::test_topology_getters_and_mesh[3-2]",  # the topology's unit tests stay
