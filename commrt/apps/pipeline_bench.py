@@ -106,6 +106,9 @@ def _report(args, log, runs, seconds, bubbles, cpu, rank: int, world: int) -> No
     log.info("model: %d blocks of %d, %d rows x %d tokens per batch, %d micro-batches, %d ranks, "
              "%d rounds of %d batches", args.blocks, args.dim, args.rows, args.seq, args.microbatches,
              world, args.rounds, args.steps)
+    every = getattr(args, "manual_gc_interval", 0)
+    log.info("python's collector: %s", f"off, a full collection every {every} steps of each schedule (in "
+             "the single process's rounds too: off)" if every else "automatic (--manual-gc-interval N: at steps)")
     log.info("%-12s %10s %8s  %-16s %6s  %-8s %-8s %-14s %s", "schedule", "samples/s", "vs 1 proc", "bubble per rank",
              "theory", "compute", "cpu", "other threads", "own us/mb per rank")
     log.info("%-12s %10.1f %8s", "single", single, "1.00x")  # compute, cpu: the ratio of the single

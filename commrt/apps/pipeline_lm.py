@@ -28,6 +28,7 @@ import commrt.train
 from commrt.apps import pipeline_bench, reporter
 from commrt.apps.pipeline_model import SCHEDULES, batch, build
 from commrt.pipeline.timeline import gantt, theory_bubble
+from commrt.train.config import load_train_config
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,6 +50,9 @@ def parse(argv):
     p.add_argument("--timeline", action="store_true", help="print each rank's last step and its bubble")
     p.add_argument("--bench", action="store_true", help="single-process vs pipelined samples/s")
     p.add_argument("--rounds", type=int, default=3, help="--bench: alternating rounds")
+    p.add_argument("--manual-gc-interval", type=int, default=None, metavar="N",
+                   help="Python's collector off, a full collection every N steps on every rank "
+                        "([train] manual_gc_interval of COMMRT_CONFIG; default there 0: automatic)")
     return p.parse_args(argv)
 
 
@@ -63,6 +67,8 @@ def check_args(args, environ=os.environ) -> str | None:
     if bad or args.blocks < 0:
         return f"{', '.join(bad + ([f'--blocks {args.blocks}'] if args.blocks < 0 else []))}: must be >= 1 " \
                "(--blocks >= 0)"
+    if args.manual_gc_interval is not None and args.manual_gc_interval < 0:
+        return f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0 (0: Python's automatic collector)"
     if args.rows % args.dp:
         return f"--rows {args.rows} is not a multiple of --dp {args.dp} (each replica takes rows / dp of a batch)"
     if args.rows // args.dp < args.microbatches:
@@ -161,6 +167,8 @@ def main(argv=None) -> int:
     code = self_launch(args, argv)
     if code is not None:
         return code
+    if args.manual_gc_interval is None:  # the config's, where the flag does not say
+        args.manual_gc_interval = load_train_config(os.environ.get("COMMRT_CONFIG")).manual_gc_interval
     commrt.init_process_group()
     log = reporter("pipeline_lm", f"rank {commrt.get_rank()}")
     if args.bench:

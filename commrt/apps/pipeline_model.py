@@ -70,9 +70,11 @@ def build(args, schedule: str, pp_group=None, dp_group=None, num_batches: int = 
     else:
         parts = split(model, n, by=how)
     stages = [PipelineStage(wrap_replicas(parts[s], args, dp_group), s, n, pp_group) for s in range(rank, n, ranks)]
-    loss_fn = loss
+    loss_fn, gc_every = loss, getattr(args, "manual_gc_interval", None) or 0
     if schedule == "pipedream":
-        sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=num_batches)
+        sched = PipeDream(stages[0], args.microbatches, loss_fn, lr=args.lr, num_batches=num_batches,
+                          manual_gc_interval=gc_every)
     else:
-        sched = SCHEDULES[schedule](stages if per_rank > 1 else stages[0], args.microbatches, loss_fn)
+        sched = SCHEDULES[schedule](stages if per_rank > 1 else stages[0], args.microbatches, loss_fn,
+                                    manual_gc_interval=gc_every)
     return stages, sched, n

@@ -71,7 +71,7 @@ def _train_lines(train, raw: dict, from_file: str) -> list[str]:
     zero_raw, opt_raw = raw.get("zero_optimization", {}), raw.get("optimizer", {})
     top = [("gradient_accumulation_steps", train.gradient_accumulation_steps),
            ("gradient_clipping", train.gradient_clipping), ("bf16", {"enabled": train.bf16}),
-           ("non_finite_grads", train.non_finite_grads)]
+           ("non_finite_grads", train.non_finite_grads), ("manual_gc_interval", train.manual_gc_interval)]
     zero = [(f.name, getattr(train.zero, f.name)) for f in dataclasses.fields(train.zero)]
     zero = [(k, None if (k, v) == ("shard_group_size", 0) else v) for k, v in zero]  # 0: unset (a node)
     opt = train.optimizer

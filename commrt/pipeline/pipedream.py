@@ -33,7 +33,7 @@ class PipeDream(PipelineSchedule):
     the newest version afterwards."""
 
     def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None, lr: float = 0.01,
-                 num_batches: int = 1, stash_weights: bool = True):
+                 num_batches: int = 1, stash_weights: bool = True, manual_gc_interval: int = 0):
         if num_batches < 1:
             raise ConfigError(f"PipeDream: num_batches must be >= 1, got {num_batches}")
         if data_parallel.replicated(stage.module):
@@ -45,7 +45,7 @@ class PipeDream(PipelineSchedule):
         self.micro, self.num_batches, self.lr, self.stash = num_microbatches, num_batches, lr, stash_weights
         self.staleness = max(1, math.ceil((stage.num_stages - 1) / num_microbatches))
         super().__init__([stage], num_microbatches * num_batches, loss_fn,
-                         S.pipedream_actions(stage.num_stages, num_microbatches, num_batches))
+                         S.pipedream_actions(stage.num_stages, num_microbatches, num_batches), manual_gc_interval)
         self.module = stage.module
         self.names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.versions_kept = 0  # most weight versions held at once, over the last step()

@@ -26,6 +26,7 @@ from commrt.pipeline.channels import Channels
 from commrt.pipeline.timeline import WAIT, Timeline
 from commrt.pipeline.stage import PipelineStage
 from commrt.pipeline.validate import validate
+from commrt.train.collector import ManualGC
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,11 @@ class PipelineSchedule:
     _batches = 1
     _copy_inputs = False  # True: the module gets copies of what was received (a recompute needs it intact)
 
-    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn, actions):
+    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn, actions,
+                 manual_gc_interval: int = 0):
+        # Python's collector between steps (TrainConfig.manual_gc_interval): a stage collecting
+        # mid-step stalls the stages waiting on it
+        self.collector = ManualGC(manual_gc_interval)
         self.stages = {s.stage_index: s for s in stages}
         self.num_microbatches, self.loss_fn, self.actions = num_microbatches, loss_fn, actions
         any_stage = stages[0]
@@ -129,10 +134,16 @@ class PipelineSchedule:
         finally:
             self._wait_sends(failed)
             self.timeline.finish()
+        self.collector.step()
         if self._outs:  # one value per micro-batch (a last stage computing its own loss) is stacked
             outs = [self._outs[m] for m in sorted(self._outs)]
             return torch.cat(outs) if outs[0].dim() else torch.stack(outs)
         return None
+
+    def close(self) -> None:
+        """Turn Python's automatic collector back on (``manual_gc_interval``; it stays off while
+        another schedule or engine of the process still collects at its steps)."""
+        self.collector.close()
 
     def _wait_sends(self, failed: BaseException | None) -> None:
         """Wait for this step's sends. After a failure a send often fails too (the peer went
@@ -300,26 +311,29 @@ class GPipe(PipelineSchedule):
     """All forwards, then all backwards (Huang et al. 2019): every micro-batch's activations live
     at once."""
 
-    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None):
-        super().__init__([stage], num_microbatches, loss_fn, S.gpipe_actions(stage.num_stages, num_microbatches))
+    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None, manual_gc_interval: int = 0):
+        super().__init__([stage], num_microbatches, loss_fn, S.gpipe_actions(stage.num_stages, num_microbatches),
+                         manual_gc_interval)
 
 
 class OneFOneB(PipelineSchedule):
     """1F1B with a flush per step (PipeDream-Flush, Narayanan et al. 2021): at most
     ``num_stages - stage`` micro-batches in flight on a stage."""
 
-    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None):
+    def __init__(self, stage: PipelineStage, num_microbatches: int, loss_fn=None, manual_gc_interval: int = 0):
         super().__init__([stage], num_microbatches, loss_fn,
-                         S.one_f_one_b_actions(stage.num_stages, num_microbatches))
+                         S.one_f_one_b_actions(stage.num_stages, num_microbatches), manual_gc_interval)
 
 
 class Interleaved1F1B(PipelineSchedule):
     """Several stages per rank (Megatron-LM's interleaved 1F1B): stage s on group rank s % P."""
 
-    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn=None):
+    def __init__(self, stages: list[PipelineStage], num_microbatches: int, loss_fn=None,
+                 manual_gc_interval: int = 0):
         ranks = stages[0].group_size
         per_rank = stages[0].num_stages // ranks
         if len(stages) != per_rank:
             raise ConfigError(f"Interleaved1F1B: this rank holds {per_rank} of the {stages[0].num_stages} stages, "
                               f"got {len(stages)}")
-        super().__init__(stages, num_microbatches, loss_fn, S.interleaved_actions(ranks, num_microbatches, per_rank))
+        super().__init__(stages, num_microbatches, loss_fn, S.interleaved_actions(ranks, num_microbatches, per_rank),
+                         manual_gc_interval)

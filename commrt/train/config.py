@@ -24,7 +24,7 @@ _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_c
               "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param", "overlap_step"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads",
-             "fault_tolerance"}
+             "fault_tolerance", "manual_gc_interval"}
 # FSDP's strategies (torch.distributed.fsdp.ShardingStrategy) as (ZeRO stage, hybrid)
 STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
               "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
@@ -180,7 +180,20 @@ class TrainConfig:
     group, ``train/replica_group.py``), where the engine's HYBRID_SHARD / MiCS / hpZ without
     fault tolerance also shard the parameters (ZeRO-3). Stages 1-3 without groups are refused."""
 
+    manual_gc_interval: int = 0
+    """Python's garbage collector at step boundaries (``train/collector.py``, Megatron-LM's
+    ``--manual-gc``): N >= 1: after the first step one full collection and ``gc.freeze()``,
+    then the automatic collector off and a full collection every N optimizer steps, on every
+    rank at the same step. 0: Python's automatic collector, untouched (it may run mid-step on
+    each rank at another moment: up to ~120 ms each, which a pipeline's other stages wait for).
+    The engine and the pipeline schedules (their ``manual_gc_interval`` argument) call it; the
+    collector is the process's, turned back on by ``close()``."""
+
     def __post_init__(self) -> None:
+        v = self.manual_gc_interval
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"manual_gc_interval = {v!r} is invalid; valid: an integer >= 0 (0: Python's "
+                              "automatic collector)")
         if self.gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         if not self.gradient_clipping >= 0:  # NaN too
@@ -228,7 +241,8 @@ class TrainConfig:
                    non_finite_grads=str(raw.get("non_finite_grads", "skip")),
                    train_batch_size=_batch(raw, "train_batch_size"),
                    train_micro_batch_size_per_gpu=_batch(raw, "train_micro_batch_size_per_gpu"),
-                   fault_tolerance=raw.get("fault_tolerance", "off"))
+                   fault_tolerance=raw.get("fault_tolerance", "off"),
+                   manual_gc_interval=_number("manual_gc_interval", raw.get("manual_gc_interval", 0), int))
 
 
 FAULT_TOLERANCE = ("off", "replica")

@@ -20,6 +20,7 @@ from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.errors import CommError, ConfigError
 from commrt.train import checkpoint, groups, sharding
 from commrt.train.breakdown import StepBreakdown
+from commrt.train.collector import ManualGC
 from commrt.train.config import TrainConfig
 from commrt.train.gather_hooks import GatherHooks
 from commrt.train.units import UnitState
@@ -68,6 +69,7 @@ class Engine(GatherHooks):
                                 # clipping needs the global norm before any unit steps
                                 overlap_step=z.overlap_step and cfg.gradient_clipping <= 0)
         self.zero = Zero(model, self.params, settings, group, groups.build(self.plan, group))
+        self.collector = ManualGC(cfg.manual_gc_interval)  # Python's collector between steps
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
         self.micro_steps = 0
@@ -181,7 +183,13 @@ class Engine(GatherHooks):
         with self.clock.span("optimizer"):
             took = self._step()
         self.clock.finish_step()
+        self.collector.step()  # outside the breakdown's step, inside the caller's
         return took
+
+    def close(self) -> None:
+        """Turn Python's automatic collector back on (``manual_gc_interval``: it stays off while
+        an engine or schedule of the process still collects at its steps)."""
+        self.collector.close()
 
     def settle(self) -> None:
         """Finish the last step now: with ``overlap_step`` (hybrid stage 3) its replica
