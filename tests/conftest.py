@@ -1,6 +1,7 @@
 """Keeps the default run inside CI's 15 minutes on a 2-core machine. The cases below repeat, at a
 larger world or on torch's gloo, what a default case already checks on our own path; they run
-with ``pytest -m slow`` (the whole list is in each one's node id)."""
+with ``pytest -m slow`` (the whole list is in each one's node id). The tests that make network
+namespaces share one xdist group (``_NETNS``)."""
 import pytest
 
 REPEATS = {
@@ -129,7 +130,17 @@ REPEATS = {
 }
 
 
+# The README's command runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). These
+# files make network namespaces (the emulated cluster binds 29500 inside them and lists
+# namespaces to check it left none): one worker runs them all, one after another.
+_NETNS = ("test_emulated", "test_multihost", "test_replica_ft_emulated", "test_replica_train_lm", "test_deploy",
+          "test_elastic", "test_estimate", "test_readme")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in REPEATS:
             item.add_marker(pytest.mark.slow)
+        if any(f"/{name}.py" in str(item.fspath) for name in _NETNS):
+            item.add_marker(pytest.mark.xdist_group("netns"))
+
