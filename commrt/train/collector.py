@@ -3,8 +3,9 @@
 Python's automatic collector runs when allocations outnumber deallocations, so in a training
 step it runs at no step's choosing, on each rank at a different moment. A full (generation 2)
 collection walks every tracked object, and importing torch leaves ~170,000 of them: 97-240 ms
-on a 2-core machine, several times per step on a pipeline stage, and while one stage collects,
-the stage waiting on it stalls too. Megatron-LM's ``--manual-gc`` and torchtitan's ``gc_freq``
+on a 2-core machine (5 times a rank in a 2-stage pipeline bench run of ~35 s), and while one rank
+collects, the ranks waiting on it stall too. On 2 ranks that was within the run-to-run spread
+(docs/PERFORMANCE.md); the stall grows with the ranks that wait. Megatron-LM's ``--manual-gc`` and torchtitan's ``gc_freq``
 do what this does:
 
 - at the end of the first step, one full collection, then ``gc.freeze()``: what set-up made
@@ -31,19 +32,20 @@ _open = 0              # ManualGC objects of this process not closed yet
 _was_enabled = True    # the collector's state before the first of them turned it off
 
 
+def check_interval(interval) -> None:
+    """``manual_gc_interval`` is an integer >= 0, or a ConfigError."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"manual_gc_interval = {interval!r} is invalid; valid: an integer >= 0 "
+                          "(0: Python's automatic collector)")
+
+
 class ManualGC:
     """Collect every ``interval`` calls of ``step()``; 0: leave Python's collector alone."""
 
     def __init__(self, interval: int):
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise ConfigError(f"manual_gc_interval = {interval!r} is invalid; valid: an integer >= 0 "
-                              "(0: Python's automatic collector)")
+        check_interval(interval)
         self.interval, self.steps, self.collections = interval, 0, 0
         self._active = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval > 0
 
     def step(self) -> None:
         """Call once at the end of every training step, on every rank."""

@@ -17,6 +17,7 @@ except ImportError:  # Python 3.10
 
 from commrt.runtime.errors import ConfigError
 from commrt.optim.rules import OptimSpec
+from commrt.train.collector import check_interval
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
               "stage3_prefetch_bucket_size", "contiguous_gradients", "reduce_scatter", "sharding_strategy",
@@ -190,10 +191,7 @@ class TrainConfig:
     collector is the process's, turned back on by ``close()``."""
 
     def __post_init__(self) -> None:
-        v = self.manual_gc_interval
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"manual_gc_interval = {v!r} is invalid; valid: an integer >= 0 (0: Python's "
-                              "automatic collector)")
+        check_interval(self.manual_gc_interval)
         if self.gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         if not self.gradient_clipping >= 0:  # NaN too
