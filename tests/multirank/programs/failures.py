@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 from commrt.runtime import bootstrap, rendezvous
@@ -54,6 +54,7 @@ def run(mode: str) -> None:
         start_together()
         commrt.init_process_group(world_size=WORLD + (RANK == 1), timeout=TIMEOUT_S if RANK == 0 else 5)
     elif mode == "nccl_half":
+        import torch  # the one mode on torch: a torch process group stands in for NCCL
         nccl_fails_on(1)
         commrt.init_process_group(backend="auto", timeout=TIMEOUT_S)
         t = torch.full((5,), float(RANK + 1))
@@ -68,25 +69,25 @@ def run(mode: str) -> None:
 
 def collective(mode: str) -> None:
     if mode == "dtype":
-        commrt.all_reduce(torch.ones(100, dtype=torch.float32 if RANK == 0 else torch.float64))
+        commrt.all_reduce(np.ones(100, np.float32 if RANK == 0 else np.float64))
     elif mode == "count":
-        commrt.all_reduce(torch.ones(100 + (RANK == 0)))
+        commrt.all_reduce(np.ones(100 + (RANK == 0), np.float32))
     elif mode == "skip":  # rank 0 skips one all_reduce; the next ones must not pair up wrongly
         if RANK != 0:
-            commrt.all_reduce(torch.ones(8))
-        commrt.all_reduce(torch.ones(8))
+            commrt.all_reduce(np.ones(8, np.float32))
+        commrt.all_reduce(np.ones(8, np.float32))
     elif mode == "op":
         if RANK == 0:
-            commrt.all_reduce(torch.ones(8))
+            commrt.all_reduce(np.ones(8, np.float32))
         else:
-            commrt.all_gather_into_tensor(torch.ones(8 * WORLD), torch.ones(8))
+            commrt.all_gather_into_tensor(np.ones(8 * WORLD, np.float32), np.ones(8, np.float32))
     elif mode == "dead":
-        commrt.all_reduce(torch.ones(10))
+        commrt.all_reduce(np.ones(10, np.float32))
         if RANK == WORLD - 1:
             os._exit(0)  # leaves without a word
         started = time.monotonic()
         try:
-            commrt.all_reduce(torch.ones(1 << 20))
+            commrt.all_reduce(np.ones(1 << 20, np.float32))
         finally:
             print(f"detected after {time.monotonic() - started:.2f}s", flush=True)
     elif mode == "after_error":
@@ -94,12 +95,13 @@ def collective(mode: str) -> None:
             collective("dtype")
         except commrt.CollectiveMismatch:
             pass
-        commrt.all_reduce(torch.ones(3))  # the group is poisoned: must refuse, not misbehave
+        commrt.all_reduce(np.ones(3, np.float32))  # the group is poisoned: must refuse, not misbehave
 
 
 def nccl_fails_on(victim: int) -> None:
     """Simulate a GPU box where NCCL's initialisation fails on one rank and works on the others
     (gloo stands in for NCCL where it works: a real torch process group that must be torn down)."""
+    import torch
     real = bootstrap._init_torch
 
     def init_torch(name, store, spec, *rest, **kw):

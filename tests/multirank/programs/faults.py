@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 
@@ -41,10 +41,10 @@ def subgroup(mode: str) -> int:
     commrt.init_process_group()
     groups = [commrt.new_group([0, 2]), commrt.new_group([1, 3])]
     group = groups[RANK % 2]
-    commrt.all_reduce(torch.ones(10), group=group)
+    commrt.all_reduce(np.ones(10, np.float32), group=group)
     if RANK % 2:
         return 0
-    big = torch.ones(16 << 20)
+    big = np.ones(16 << 20, np.float32)
     if RANK == 2:
         commrt.all_reduce(big, group=group, async_op=True)
         time.sleep(0.01)
@@ -62,8 +62,8 @@ def main() -> int:
     if sys.argv[2:] == ["subgroup"]:
         return subgroup(mode)
     commrt.init_process_group()
-    commrt.all_reduce(torch.ones(10))  # seq 2 (the init barrier was seq 1)
-    big = torch.ones(64 << 20)  # 256 MiB: well over 0.1 s of ring traffic even on a quiet machine
+    commrt.all_reduce(np.ones(10, np.float32))  # seq 2 (the init barrier was seq 1)
+    big = np.ones(64 << 20, np.float32)  # 256 MiB: well over 0.1 s of ring traffic even on a quiet machine
     if RANK == VICTIM:
         commrt.all_reduce(big, async_op=True)
         time.sleep(0.01)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 
@@ -38,10 +38,10 @@ def main() -> int:
     shape = sys.argv[1]
     root, victim, numel = (0, 1, 16 << 20) if shape == "chain" else (2, 4, 1 << 10)
     commrt.init_process_group()
-    commrt.all_reduce(torch.ones(10))
+    commrt.all_reduce(np.ones(10, np.float32))
     n = commrt.get_world_size()  # every rank sends to every other: each pair connected both ways,
-    commrt.all_to_all_single(torch.empty(n), torch.ones(n))  # so no goodbye needs a fresh dial
-    data = torch.full((numel,), 7.0) if RANK == root else torch.zeros(numel)
+    commrt.all_to_all_single(np.empty(n, np.float32), np.ones(n, np.float32))  # so no goodbye needs a fresh dial
+    data = np.full(numel, 7.0, np.float32) if RANK == root else np.zeros(numel, np.float32)
     if RANK == victim:  # frozen before the broadcast: nothing of it reaches the others
         freeze()
     time.sleep(0.1)  # the victim is stopped by now (its I/O thread too: it reads nothing)

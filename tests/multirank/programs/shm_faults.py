@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 from commrt.transport import handoff, shm
@@ -45,9 +45,9 @@ def main() -> int:
     try:
         commrt.init_process_group()
         if MODE == "mismatch":
-            commrt.all_reduce(torch.ones(10 + (RANK == VICTIM)))
+            commrt.all_reduce(np.ones(10 + (RANK == VICTIM), np.float32))
         elif MODE == "garbage":
-            commrt.all_reduce(torch.ones(10))
+            commrt.all_reduce(np.ones(10, np.float32))
             if RANK == VICTIM:  # garbage in the next step's header, published as if it were one
                 channel = commrt.distributed._rt().world.backend._shm
                 ctl, t = channel.ctl[RANK], channel.t + 1
@@ -57,8 +57,8 @@ def main() -> int:
                 ctl[shm.W_COUNTER] = t
                 time.sleep(2)  # rank 0 is already waiting for step t: let it read the garbage before
                 # our own all_reduce writes a real header over it
-            commrt.all_reduce(torch.ones(1000))  # rank 1's completes: rank 0 published valid data first
-            commrt.all_reduce(torch.ones(10))  # ... and its next op finds rank 0 gone
+            commrt.all_reduce(np.ones(1000, np.float32))  # rank 1's completes: rank 0 published valid data first
+            commrt.all_reduce(np.ones(10, np.float32))  # ... and its next op finds rank 0 gone
         print("NOT CAUGHT", flush=True)
     except commrt.CommError as exc:
         print(f"CAUGHT {type(exc).__name__}: {exc}", flush=True)
