@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 
@@ -23,18 +23,18 @@ K = 4
 SIZES = [1000, 1 << 16]  # 4 KB through the socket; 256 KiB through a ring on a shared-memory group
 
 
-def payload(src: int, i: int, size: int) -> torch.Tensor:
-    return torch.arange(size, dtype=torch.float32) + (src * 1000 + i)
+def payload(src: int, i: int, size: int) -> np.ndarray:
+    return np.arange(size, dtype=np.float32) + (src * 1000 + i)
 
 
 def take_all(n: int, size: int, tag: int) -> None:
     """(n-1)*K receives from any source: each sender's K messages, whole and in its order."""
     seen: dict[int, list[int]] = {p: [] for p in range(1, n)}
     for _ in range((n - 1) * K):
-        got = torch.full((size,), -1.0)
+        got = np.full(size, -1.0, np.float32)
         src = commrt.recv(got, tag=tag)
-        i = int(got[0].item()) - src * 1000
-        assert torch.equal(got, payload(src, i, size)), (src, i, got[:4])
+        i = int(got[0]) - src * 1000
+        assert np.array_equal(got, payload(src, i, size)), (src, i, got[:4])
         seen[src].append(i)
     assert seen == {p: list(range(K)) for p in range(1, n)}, seen
 
@@ -62,21 +62,21 @@ def match(rank: int, n: int) -> None:
             if any_first and commrt.get_backend() == "gloo":
                 continue
             if rank == 1:
-                commrt.recv(torch.empty(1), 0, tag=5)  # rank 0 has posted both
+                commrt.recv(np.empty(1, np.float32), 0, tag=5)  # rank 0 has posted both
                 for i in range(2):
                     commrt.send(payload(1, i, size), 0, tag=tag)
             elif rank == 0:
-                first, anyone = torch.empty(size), torch.empty(size)
+                first, anyone = np.empty(size, np.float32), np.empty(size, np.float32)
                 if any_first:
                     w2 = commrt.irecv(anyone, tag=tag)
                 w1 = commrt.irecv(first, 1, tag=tag)
                 if not any_first:
                     w2 = commrt.irecv(anyone, tag=tag)
-                commrt.send(torch.ones(1), 1, tag=5)
+                commrt.send(np.ones(1, np.float32), 1, tag=5)
                 w1.wait()
                 assert w2.result() == 1
                 want = [payload(1, int(any_first), size), payload(1, 1 - int(any_first), size)]
-                assert torch.equal(first, want[0]) and torch.equal(anyone, want[1]), (tag, first[0], anyone[0])
+                assert np.array_equal(first, want[0]) and np.array_equal(anyone, want[1]), (tag, first[0], anyone[0])
         commrt.barrier()
     if rank == 0:
         print("anysource match passed", flush=True)
@@ -86,7 +86,7 @@ def silent(rank: int, n: int) -> None:
     if rank == 0:
         start = time.monotonic()
         try:
-            commrt.recv(torch.empty(4), tag=99)
+            commrt.recv(np.empty(4, np.float32), tag=99)
         except commrt.PeerLost as exc:
             print(f"CAUGHT PeerLost after {time.monotonic() - start:.1f}s: {exc}", flush=True)
     commrt.barrier()
@@ -99,17 +99,17 @@ def dead(rank: int, n: int) -> None:
     if rank == 0:
         start = time.monotonic()
         try:
-            commrt.recv(torch.empty(4), tag=77)
+            commrt.recv(np.empty(4, np.float32), tag=77)
         except commrt.PeerLost as exc:
             print(f"CAUGHT PeerLost rank {exc.rank} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
-        commrt.send(torch.ones(1), 1, tag=5)
+        commrt.send(np.ones(1, np.float32), 1, tag=5)
         try:  # alive until rank 1 has it: a send is buffered, and exiting at once could lose it
-            commrt.recv(torch.empty(1), 1, tag=6)
+            commrt.recv(np.empty(1, np.float32), 1, tag=6)
         except commrt.PeerLost:
             pass  # rank 1 left, which it does only after its receive
     else:  # alive until rank 0 is done: only the last rank is lost
-        commrt.recv(torch.empty(1), 0, tag=5)
-        commrt.send(torch.ones(1), 0, tag=6)
+        commrt.recv(np.empty(1, np.float32), 0, tag=5)
+        commrt.send(np.ones(1, np.float32), 0, tag=6)
     os._exit(0)  # the survivors' teardown would wait on the dead rank
 
 

@@ -21,48 +21,48 @@ import subprocess
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 
 PIECE = 1 << 14  # float32 elements of one piece (COMMRT_COMM_CHUNK_BYTES = 64 KiB)
 
 
-def payload(numel: int, i: int) -> torch.Tensor:
-    return torch.arange(numel, dtype=torch.float32) + 1000 * i
+def payload(numel: int, i: int) -> np.ndarray:
+    return np.arange(numel, dtype=np.float32) + 1000 * i
 
 
 def mismatch(rank: int, group) -> None:
     if rank == 1:
         for i, numel in enumerate((4 * PIECE, PIECE, 4 * PIECE)):
             commrt.send(payload(numel, i), 2, group=group)
-        commrt.recv(torch.empty(1), 2, group=group, tag=9)  # alive until rank 2 has them all
+        commrt.recv(np.empty(1, np.float32), 2, group=group, tag=9)  # alive until rank 2 has them all
         return
     try:
-        commrt.recv(torch.empty(PIECE, dtype=torch.int32), 1, group=group)
+        commrt.recv(np.empty(PIECE, np.int32), 1, group=group)
         print("NOT CAUGHT: a mismatched receive completed", flush=True)
     except commrt.CollectiveMismatch as exc:
         print(f"CAUGHT CollectiveMismatch: {exc} (rank {exc.rank}, peer {exc.peer})", flush=True)
     for i, numel in ((1, PIECE), (2, 4 * PIECE)):
-        got = torch.full((numel,), -1.0)
+        got = np.full(numel, -1.0, np.float32)
         commrt.recv(got, 1, group=group)
-        assert torch.equal(got, payload(numel, i)), (i, got[:4])
+        assert np.array_equal(got, payload(numel, i)), (i, got[:4])
     print("the next messages arrived intact", flush=True)
-    commrt.send(torch.ones(1), 1, group=group, tag=9)
+    commrt.send(np.ones(1, np.float32), 1, group=group, tag=9)
 
 
 def lost(rank: int, group, mode: str) -> None:
     if rank == 1:
-        commrt.send(torch.ones(4), 2, group=group)  # rank 2's receive waits on us: dialled
-        commrt.recv(torch.empty(1), 2, group=group, tag=9)  # rank 2 has it: now go
+        commrt.send(np.ones(4, np.float32), 2, group=group)  # rank 2's receive waits on us: dialled
+        commrt.recv(np.empty(1, np.float32), 2, group=group, tag=9)  # rank 2 has it: now go
         if mode == "sigstop":  # frozen: only the heartbeats tell
             freeze()
         os.kill(os.getpid(), signal.SIGKILL)
-    commrt.recv(torch.empty(4), 1, group=group)
-    commrt.send(torch.ones(1), 1, group=group, tag=9)
+    commrt.recv(np.empty(4, np.float32), 1, group=group)
+    commrt.send(np.ones(1, np.float32), 1, group=group, tag=9)
     start = time.monotonic()
     try:
-        commrt.recv(torch.empty(4), 1, group=group)
+        commrt.recv(np.empty(4, np.float32), 1, group=group)
         print("NOT CAUGHT: a receive from a lost rank completed", flush=True)
     except commrt.PeerLost as exc:
         print(f"CAUGHT PeerLost: {exc} (rank {exc.rank}, after {time.monotonic() - start:.1f}s)", flush=True)
@@ -77,13 +77,13 @@ def freeze() -> None:
 
 def send_lost(rank: int, group, mode: str) -> None:
     if rank == 2:
-        commrt.recv(torch.empty(1), 1, group=group)  # rank 1's socket to us is up
+        commrt.recv(np.empty(1, np.float32), 1, group=group)  # rank 1's socket to us is up
         freeze() if mode == "sendstop" else os.kill(os.getpid(), signal.SIGKILL)
-    commrt.send(torch.ones(1), 2, group=group)
+    commrt.send(np.ones(1, np.float32), 2, group=group)
     start = time.monotonic()
     try:
         for _ in range(100000):  # 100 GiB: a ring and a socket's worth are taken at once
-            commrt.send(torch.ones(1 << 18), 2, group=group)
+            commrt.send(np.ones(1 << 18, np.float32), 2, group=group)
         print("NOT CAUGHT: every send to a lost rank completed", flush=True)
     except commrt.PeerLost as exc:
         print(f"CAUGHT PeerLost: {exc} (rank {exc.rank}, after {time.monotonic() - start:.1f}s)", flush=True)
@@ -104,13 +104,13 @@ def main() -> int:
         send_lost(rank, group, mode) if mode.startswith("send") else lost(rank, group, mode)
     survivor = 1 if mode.startswith("send") else 2
     if rank == survivor:  # rank 0 stays until we leave (a send is buffered; the last to go loses nothing)
-        commrt.send(torch.ones(1), 0, tag=9)
-        commrt.recv(torch.empty(1), 0, tag=10)
+        commrt.send(np.ones(1, np.float32), 0, tag=9)
+        commrt.recv(np.empty(1, np.float32), 0, tag=10)
     elif rank == 0:
-        commrt.recv(torch.empty(1), survivor, tag=9)
-        commrt.send(torch.ones(1), survivor, tag=10)
+        commrt.recv(np.empty(1, np.float32), survivor, tag=9)
+        commrt.send(np.ones(1, np.float32), survivor, tag=10)
         try:
-            commrt.recv(torch.empty(1), survivor, tag=11)
+            commrt.recv(np.empty(1, np.float32), survivor, tag=11)
         except commrt.PeerLost:
             pass  # the survivor left, which it does only after our word
     os._exit(0)  # the world's teardown would wait on the lost rank

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-import torch
+import numpy as np
 
 import commrt
 from commrt.transport import shm_p2p
@@ -37,11 +37,17 @@ def _announce_rings() -> None:
     shm_p2p.OutRing.reserve_memory = reserve_memory
 
 
-def expected(size: int, dtype: torch.dtype, dst: int, tag: int) -> torch.Tensor:
-    return ((torch.arange(size) * (dst + 3) + tag) % 113).to(dtype)
+def expected(size: int, dtype, dst: int, tag: int):
+    """What ``dst`` receives on ``tag``: float32 on numpy, or a torch tensor of ``dtype``."""
+    values = (np.arange(size) * (dst + 3) + tag) % 113
+    if dtype is np.float32:
+        return values.astype(np.float32)
+    import torch  # data: torch's dtypes (bfloat16 has no numpy one)
+    return torch.from_numpy(values).to(dtype)
 
 
 def data(rank: int, n: int) -> None:
+    import torch  # the one mode on torch tensors; the others run on numpy, without torch's import
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for tag, size in enumerate(SIZES):
             if rank == 0:
@@ -92,24 +98,25 @@ def mixed(rank: int, n: int) -> None:
         if rank == 0:
             if rnd % 3 == 1:
                 time.sleep(0.002)  # rank 1 has blocked on its socket by now
-            works = [commrt.isend(expected(s, torch.float32, rnd, t), 1, tag=t) for t, s in plan]
+            works = [commrt.isend(expected(s, np.float32, rnd, t), 1, tag=t) for t, s in plan]
             for w in works:
                 w.wait()
-            back = torch.empty(1024)
+            back = np.empty(1024, np.float32)
             commrt.recv(back, 1, tag=3)
-            assert torch.equal(back, expected(1024, torch.float32, rnd, 3)), rnd
+            assert np.array_equal(back, expected(1024, np.float32, rnd, 3)), rnd
         elif rank == 1:
             for tag in (2, 1):  # tag 2 first: tag 1's messages wait, matched later in order
                 for t, s in plan:
                     if t == tag:
-                        got = torch.full((s,), -1.0)
+                        got = np.full(s, -1.0, np.float32)
                         commrt.recv(got, 0, tag=t)
-                        assert torch.equal(got, expected(s, torch.float32, rnd, t)), (rnd, t, s)
-            commrt.send(expected(1024, torch.float32, rnd, 3), 0, tag=3)
+                        assert np.array_equal(got, expected(s, np.float32, rnd, t)), (rnd, t, s)
+            commrt.send(expected(1024, np.float32, rnd, 3), 0, tag=3)
 
 
 def sent_sizes(rank: int, n: int) -> list[int]:
     """The bytes of each send ``data`` makes this rank issue, in order."""
+    import torch
     if rank:
         return [(1 << 18) * 4]
     per_peer = [expected(s, d, 0, 0).numel() * expected(s, d, 0, 0).element_size()
@@ -120,14 +127,14 @@ def sent_sizes(rank: int, n: int) -> list[int]:
 
 def kill(rank: int, n: int) -> None:
     if rank == 1:
-        commrt.send(expected(1 << 20, torch.float32, 0, 1), 0, tag=1)
-        commrt.recv(torch.empty(1), 0, tag=2)  # rank 0 has it: now die with our ring mapped on both sides
+        commrt.send(expected(1 << 20, np.float32, 0, 1), 0, tag=1)
+        commrt.recv(np.empty(1, np.float32), 0, tag=2)  # rank 0 has it: now die with our ring mapped on both sides
         os.kill(os.getpid(), signal.SIGKILL)
     elif rank == 0:
-        got = torch.empty(1 << 20)
+        got = np.empty(1 << 20, np.float32)
         commrt.recv(got, 1, tag=1)
-        assert torch.equal(got, expected(1 << 20, torch.float32, 0, 1))
-        commrt.send(torch.ones(1), 1, tag=2)
+        assert np.array_equal(got, expected(1 << 20, np.float32, 0, 1))
+        commrt.send(np.ones(1, np.float32), 1, tag=2)
         try:
             commrt.recv(got, 1, tag=3)
         except commrt.PeerLost as exc:
@@ -138,11 +145,11 @@ def unreceived(rank: int, n: int) -> None:
     """Rank 1 puts a large message in its ring to rank 0, which never receives it, and is
     SIGKILLed: no process ever unlinks or unmaps anything, and nothing may be left."""
     if rank == 1:
-        commrt.isend(expected(1 << 20, torch.float32, 0, 1), 0, tag=1).wait()  # complete: in the ring
+        commrt.isend(expected(1 << 20, np.float32, 0, 1), 0, tag=1).wait()  # complete: in the ring
         os.kill(os.getpid(), signal.SIGKILL)
     elif rank == 0:
         try:
-            commrt.recv(torch.empty(1), 1, tag=3)
+            commrt.recv(np.empty(1, np.float32), 1, tag=3)
         except commrt.PeerLost as exc:
             print(f"CAUGHT PeerLost: {exc}", flush=True)
 
@@ -166,9 +173,9 @@ def groups(rank: int, n: int) -> None:
         group = commrt.new_group(list(range(n)))
         if i == 2:  # its point-to-point engine ran, and the rings carried a payload
             if rank == 0:
-                commrt.send(torch.ones(1 << 16), 1, group=group)
+                commrt.send(np.ones(1 << 16, np.float32), 1, group=group)
             elif rank == 1:
-                commrt.recv(torch.empty(1 << 16), 0, group=group)
+                commrt.recv(np.empty(1 << 16, np.float32), 0, group=group)
             commrt.barrier(group=group)  # not gone before its message arrived (1 s of linger)
         commrt.destroy_process_group(group)
         after = _memfds()

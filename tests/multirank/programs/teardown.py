@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-import torch
+import numpy as np
 import zmq
 
 import commrt
@@ -46,7 +46,7 @@ def inflight(folder: str) -> None:
         wait_signal(folder, "destroyed")
         commrt.destroy_process_group()
         return
-    work = commrt.all_reduce(torch.ones(1 << 20), async_op=True)
+    work = commrt.all_reduce(np.ones(1 << 20, np.float32), async_op=True)
     try:
         work.wait(timeout=0.5)
         print("NOT CAUGHT: the all_reduce completed without rank 1", flush=True)
@@ -60,7 +60,7 @@ def inflight(folder: str) -> None:
 
 def torchwork(folder: str) -> None:
     """gloo: is_completed() polling ends (AVG finished); an expired wait(timeout) is retryable."""
-    t = torch.full((1000,), float(RANK + 1))
+    t = np.full(1000, float(RANK + 1), np.float32)
     work = commrt.all_reduce(t, op=commrt.ReduceOp.AVG, async_op=True)
     deadline = time.monotonic() + WAIT_S
     while not work.is_completed():
@@ -68,10 +68,10 @@ def torchwork(folder: str) -> None:
             raise SystemExit("is_completed() never became True")
         time.sleep(0.001)
     want = sum(range(1, WORLD + 1)) / WORLD
-    assert torch.all(t == want), (t[:4], want)
+    assert np.all(t == want), (t[:4], want)
     if RANK == 1:
         wait_signal(folder, "expired")
-    u = torch.full((10,), float(RANK + 1))
+    u = np.full(10, float(RANK + 1), np.float32)
     work = commrt.all_reduce(u, async_op=True)
     if RANK == 0:
         try:
@@ -81,30 +81,30 @@ def torchwork(folder: str) -> None:
             print(f"EXPIRED {type(exc).__name__}", flush=True)
         signal(folder, "expired")
     work.wait(timeout=WAIT_S)
-    assert torch.all(u == sum(range(1, WORLD + 1))), u[:4]
+    assert np.all(u == sum(range(1, WORLD + 1))), u[:4]
     print(f"RESULT rank {RANK} ok", flush=True)
 
 
 def mismatch3(folder: str) -> None:
     """Rank 1 runs float64, the others float32 (a ring-sized tensor)."""
-    dtype = torch.float64 if RANK == 1 else torch.float32
-    commrt.all_reduce(torch.ones(1 << 18, dtype=dtype))
+    dtype = np.float64 if RANK == 1 else np.float32
+    commrt.all_reduce(np.ones(1 << 18, dtype))
 
 
 def queue(folder: str) -> None:
     """Hundreds of async all_reduces queued, then a sync one: queueing is not a peer's silence."""
     ops, timeout = int(os.environ.get("QUEUE_OPS", "600")), float(os.environ["COMMRT_COMM_TIMEOUT_S"])
-    t = torch.full((1 << 19,), float(RANK))
+    t = np.full(1 << 19, float(RANK), np.float32)
     if RANK == 1:
         time.sleep(timeout / 2)  # one rank late: still within the deadline of a peer's silence
     started = time.monotonic()
     works = [commrt.all_reduce(t, op=commrt.ReduceOp.MAX, async_op=True) for _ in range(ops)]
-    last = torch.full((4,), float(RANK))
+    last = np.full(4, float(RANK), np.float32)
     commrt.all_reduce(last)
     print(f"QUEUE DRAINED in {time.monotonic() - started:.2f}s (timeout {timeout:g}s)", flush=True)
     for w in works:
         w.wait(timeout=WAIT_S)
-    assert torch.all(t == WORLD - 1) and torch.all(last == sum(range(WORLD))), (t[:4], last)
+    assert np.all(t == WORLD - 1) and np.all(last == sum(range(WORLD))), (t[:4], last)
     print(f"RESULT rank {RANK} ok", flush=True)
 
 
@@ -137,7 +137,7 @@ def flood(folder: str) -> None:
 def _after_error(exc: BaseException) -> None:
     """The group must now refuse work with a clear error instead of misbehaving."""
     try:
-        commrt.all_reduce(torch.ones(3))
+        commrt.all_reduce(np.ones(3, np.float32))
         print("AFTER: the group still ran an all_reduce", flush=True)
     except commrt.CommError as nxt:
         print(f"AFTER {type(nxt).__name__}: {nxt}", flush=True)
@@ -158,7 +158,7 @@ def busy(folder: str) -> None:
         wait_signal(folder, "done")
         return
     try:
-        commrt.all_reduce(torch.ones(4 << 20))
+        commrt.all_reduce(np.ones(4 << 20, np.float32))
     finally:
         signal(folder, "done")
 
@@ -170,9 +170,9 @@ def p2p(folder: str) -> None:
     numels = {0: 3, 1: 5 << 20, 2: 0, 3: 700_000}
 
     def exchange(tags) -> None:
-        got = {tag: torch.zeros(numels[tag]) for tag in tags}
+        got = {tag: np.zeros(numels[tag], np.float32) for tag in tags}
         recvs = [commrt.irecv(got[tag], peer, tag=tag) for tag in tags]
-        sends = [commrt.isend(torch.full((numels[tag],), float(RANK * 10 + tag)), peer, tag=tag) for tag in tags]
+        sends = [commrt.isend(np.full(numels[tag], float(RANK * 10 + tag), np.float32), peer, tag=tag) for tag in tags]
         deadline = time.monotonic() + WAIT_S
         while not all(w.is_completed() for w in sends + recvs):  # progress without wait()
             assert time.monotonic() < deadline, "p2p made no progress without wait()"
@@ -180,7 +180,7 @@ def p2p(folder: str) -> None:
         for w in sends + recvs:
             w.wait(timeout=WAIT_S)
         for tag in tags:
-            assert torch.all(got[tag] == peer * 10 + tag), (tag, got[tag][:4])
+            assert np.all(got[tag] == peer * 10 + tag), (tag, got[tag][:4])
     threads = [threading.Thread(target=exchange, args=(tags,)) for tags in ([0, 1], [2, 3])]
     for th in threads:
         th.start()
@@ -200,9 +200,9 @@ def scale(folder: str) -> None:
     """Rendezvous, barrier and a small all_reduce; report this rank's open files and memory."""
     commrt.barrier()
     after_barrier = _fds()
-    t = torch.full((256,), float(RANK))
+    t = np.full(256, float(RANK), np.float32)
     commrt.all_reduce(t)
-    assert torch.all(t == sum(range(WORLD))), t[:4]
+    assert np.all(t == sum(range(WORLD))), t[:4]
     with open("/proc/self/status") as fh:
         rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS"))
     dialled = sorted(commrt.distributed._rt().world.backend._coll._out)  # peers with a connection
