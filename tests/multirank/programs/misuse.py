@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import sys
 
-import torch
+import numpy as np
 
 import commrt
-from tests.multirank.programs.common import assert_equal, init, reference, values
 
 
 def expect(exc_type, fragment: str, fn, *args, **kwargs):
@@ -25,11 +24,11 @@ def expect(exc_type, fragment: str, fn, *args, **kwargs):
 def destroyed(rank: int, n: int) -> None:
     """Every use of a destroyed group handle names the destruction, instead of KeyError."""
     group = commrt.new_group(list(range(n)))
-    t = torch.ones(4)
+    t = np.ones(4, np.float32)
     commrt.all_reduce(t, group=group)  # destroyed right after: its last messages still arrive
-    assert_equal(t, torch.full((4,), float(n)), "all_reduce on the group just before destroying it")
+    assert np.array_equal(t, np.full(4, float(n), np.float32)), "all_reduce on the group just before destroying it"
     commrt.destroy_process_group(group)
-    t = torch.ones(4)
+    t = np.ones(4, np.float32)
     expect(commrt.CommError, "destroyed", commrt.all_reduce, t, group=group)
     expect(commrt.CommError, "destroyed", commrt.broadcast, t, src=0, group=group)
     expect(commrt.CommError, "destroyed", commrt.barrier, group=group)
@@ -38,11 +37,13 @@ def destroyed(rank: int, n: int) -> None:
         expect(commrt.CommError, "destroyed", commrt.isend, t, dst=(rank + 1) % n, group=group)
     expect(commrt.CommError, "destroyed", commrt.destroy_process_group, group)
     commrt.all_reduce(t)  # the world is untouched
-    assert_equal(t, torch.full((4,), float(n)), "world all_reduce after a group was destroyed")
+    assert np.array_equal(t, np.full(4, float(n), np.float32)), "world all_reduce after a group was destroyed"
 
 
 def grad(rank: int, n: int) -> None:
     """Leaf tensors that require grad are updated in place, outside autograd, as in torch."""
+    import torch  # the one mode on torch tensors; the others run on numpy, without torch's import
+    from tests.multirank.programs.common import assert_equal, reference, values
     for numel in (5, 70001):  # small and ring paths
         parts = [values(numel, r, torch.float32, "SUM", numel) for r in range(n)]
         p = parts[rank].clone().requires_grad_(True)
@@ -70,12 +71,12 @@ def grad(rank: int, n: int) -> None:
 def _crossed_roots(rank: int) -> None:
     """Each rank believes it is broadcast's root: both only send, so the op itself returns; the
     stray message is caught at the next op, which names the earlier op and both roots."""
-    commrt.broadcast(torch.ones(8), src=rank)
-    commrt.all_reduce(torch.ones(8))
+    commrt.broadcast(np.ones(8, np.float32), src=rank)
+    commrt.all_reduce(np.ones(8, np.float32))
 
 
 def _crossed_destinations(rank: int) -> None:
-    commrt.reduce(torch.ones(8), dst=1 - rank)
+    commrt.reduce(np.ones(8, np.float32), dst=1 - rank)
     commrt.barrier()
 
 
@@ -84,8 +85,8 @@ def _split_lengths(rank: int) -> None:
     one stale element past rank 1's block, silently (the TCP path saw the piece's size). Over
     TCP rank 1 receives what it expects: rank 0's report reaches it at the barrier."""
     in_s, out_s = ([2, 2], [2, 2]) if rank == 0 else ([1, 3], [2, 3])
-    out = torch.zeros(sum(out_s))
-    commrt.all_to_all_single(out, torch.arange(4.0), out_s, in_s)
+    out = np.zeros(sum(out_s), np.float32)
+    commrt.all_to_all_single(out, np.arange(4, dtype=np.float32), out_s, in_s)
     commrt.barrier()
 
 
@@ -96,8 +97,8 @@ def _more_pieces(rank: int) -> None:
     rank 1, whose receive is right, hears rank 0's report at the barrier."""
     piece = (4 << 20) // 4
     in_s, out_s = ([1, 1], [1, piece]) if rank == 0 else ([piece + 3, 1], [1, 1])
-    out = torch.zeros(sum(out_s))
-    commrt.all_to_all_single(out, torch.arange(float(sum(in_s))), out_s, in_s)
+    out = np.zeros(sum(out_s), np.float32)
+    commrt.all_to_all_single(out, np.arange(sum(in_s), dtype=np.float32), out_s, in_s)
     if rank == 1:
         commrt.barrier()
 
@@ -106,18 +107,21 @@ def _empty_reduce(rank: int) -> None:
     """Rank 1 reduces no elements, the others 8: it sent nothing, went on to the barrier and
     waited there on rank 0, which waited in the reduce on it: both blamed the other as lost at
     the deadline (3 ranks). Rank 1 only sends in the reduce: the barrier hears the report."""
-    commrt.reduce(torch.ones(0 if rank == 1 else 8), dst=0)
+    commrt.reduce(np.ones(0 if rank == 1 else 8, np.float32), dst=0)
     commrt.barrier()
 
 
 # case -> (what each rank runs; rank 1 is the one that disagrees, what the error must name)
 MISMATCHES = {
-    "max_vs_sum": (lambda r: commrt.all_reduce(torch.ones(8), op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
-    "avg_vs_sum_ring": (lambda r: commrt.all_reduce(torch.ones(70001), op="AVG" if r else "SUM"),
+    "max_vs_sum": (lambda r: commrt.all_reduce(np.ones(8, np.float32), op="MAX" if r else "SUM"),
+                   ("reduce=SUM", "reduce=MAX")),
+    "avg_vs_sum_ring": (lambda r: commrt.all_reduce(np.ones(70001, np.float32), op="AVG" if r else "SUM"),
                         ("reduce=SUM", "reduce=AVG")),
-    "reduce_scatter_min": (lambda r: commrt.reduce_scatter_tensor(torch.ones(4), torch.ones(8), op="MIN" if r else "SUM"),
+    "reduce_scatter_min": (lambda r: commrt.reduce_scatter_tensor(np.ones(4, np.float32), np.ones(8, np.float32),
+                                                                  op="MIN" if r else "SUM"),
                            ("reduce=SUM", "reduce=MIN")),
-    "reduce_max": (lambda r: commrt.reduce(torch.ones(8), dst=0, op="MAX" if r else "SUM"), ("reduce=SUM", "reduce=MAX")),
+    "reduce_max": (lambda r: commrt.reduce(np.ones(8, np.float32), dst=0, op="MAX" if r else "SUM"),
+                   ("reduce=SUM", "reduce=MAX")),
     "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "broadcast", "noticed at")),
     "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "reduce", "noticed at")),
     "all_to_all_lengths": (_split_lengths, ("all_to_all", "rank 0 runs", "rank 1 runs")),
@@ -144,21 +148,26 @@ def tags(rank: int, n: int) -> None:
     """A tag the wire cannot carry is refused at the call, on both ends (issue 13.6); so is an
     all_to_all whose block to itself has another length sent than expected (numpy's broadcast
     error once, raised on one rank after its peers had started; our backend's check)."""
-    t = torch.ones(4)
+    t = np.ones(4, np.float32)
     if commrt.get_backend() == "zmq":
         expect(ValueError, f"rank {rank} sends itself 2 elements but expects 1", commrt.all_to_all_single,
-               torch.zeros(3), torch.zeros(4), [2, 1] if rank else [1, 2], [2, 2])
+               np.zeros(3, np.float32), np.zeros(4, np.float32), [2, 1] if rank else [1, 2], [2, 2])
     for bad in (2 ** 62, -1):
         expect(ValueError, "0 <= tag < 2**62", commrt.isend, t, dst=1 - rank, tag=bad)
         expect(ValueError, "0 <= tag < 2**62", commrt.irecv, t, src=1 - rank, tag=bad)
     expect(TypeError, "tag must be an integer", commrt.isend, t, dst=1 - rank, tag=1.5)
     big = 2 ** 62 - 1 if commrt.get_backend() == "zmq" else 2 ** 31 - 1  # torch's tags are C ints
     if rank == 0:
-        commrt.send(torch.arange(4.0), dst=1, tag=big)
+        commrt.send(np.arange(4, dtype=np.float32), dst=1, tag=big)
     else:
-        got = torch.zeros(4)
+        got = np.zeros(4, np.float32)
         commrt.recv(got, src=0, tag=big)
-        assert_equal(got, torch.arange(4.0), "send/recv with the largest tag")
+        assert np.array_equal(got, np.arange(4, dtype=np.float32)), "send/recv with the largest tag"
+
+
+def init() -> tuple[int, int]:
+    commrt.init_process_group()
+    return commrt.get_rank(), commrt.get_world_size()
 
 
 MODES = {"destroyed": destroyed, "grad": grad, "mismatch": mismatch, "tags": tags}
