@@ -11,13 +11,12 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 import commrt
-from tests.multirank.programs.common import DTYPES, OPS, reference, values
 
 
-def _same_everywhere(flat_world, t: torch.Tensor, what: str) -> None:
+def _same_everywhere(flat_world, t, what: str) -> None:
+    import torch
     raw = t.contiguous().view(-1).view(torch.uint8)
     got = torch.empty(raw.numel() * flat_world.size(), dtype=torch.uint8)
     commrt.all_gather_into_tensor(got, raw, group=flat_world)
@@ -25,13 +24,15 @@ def _same_everywhere(flat_world, t: torch.Tensor, what: str) -> None:
     assert all(torch.equal(rows[0], rows[r]) for r in range(len(rows))), f"{what}: ranks differ"
 
 
-def check_layout(k: int, m: int) -> None:
+def check_layout(k: int, m: int, train: bool) -> None:
+    """``train``: also the training layer's view (it imports torch: the modes on torch only)."""
     rank = commrt.get_rank()
     assert commrt.get_num_nodes() == k, commrt.get_num_nodes()
     assert commrt.get_local_world_size() == m
     assert commrt.get_node_rank() == rank // m and commrt.get_local_rank() == rank % m
-    from commrt.train import groups  # hybrid sharding's default group: the node, from the topology
-    assert groups.ranks_per_node() == m, groups.ranks_per_node()
+    if train:
+        from commrt.train import groups  # hybrid sharding's default group: the node, from the topology
+        assert groups.ranks_per_node() == m, groups.ranks_per_node()
 
 
 def check_mesh(k: int, m: int) -> None:
@@ -39,9 +40,9 @@ def check_mesh(k: int, m: int) -> None:
     mesh = commrt.init_device_mesh((k, m), ("inter", "intra"))
     assert commrt.get_process_group_ranks(mesh.get_group("intra")) == list(range(rank // m * m, rank // m * m + m))
     assert commrt.get_process_group_ranks(mesh.get_group("inter")) == list(range(rank % m, world, m))
-    t = torch.tensor([float(rank)])
+    t = np.array([float(rank)], np.float32)
     commrt.all_reduce(t, group=mesh.get_group("intra"))
-    assert t.item() == sum(range(rank // m * m, rank // m * m + m)), t
+    assert t[0] == sum(range(rank // m * m, rank // m * m + m)), t
     for shape in ((world, 1), (1, world), (m, k)):  # any 2-D shape that multiplies to the world
         other = commrt.init_device_mesh(shape, ("a", "b"))
         rows = commrt.get_process_group_ranks(other.get_group("b"))
@@ -50,6 +51,8 @@ def check_mesh(k: int, m: int) -> None:
 
 
 def check_matrix(flat_world) -> None:
+    import torch  # every torch dtype (bfloat16 among them) and nn.Parameter
+    from tests.multirank.programs.common import DTYPES, OPS, reference, values
     rank, world = commrt.get_rank(), commrt.get_world_size()
     for seed, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
         for numel in (0, 1, 7, 3 * world + 1, 20_001):  # empty, below, around and above the padding
@@ -82,6 +85,7 @@ def check_matrix(flat_world) -> None:
 def check_parameters(rank: int, world: int) -> None:
     """Tensors that require grad are reduced in place outside autograd, as on one level
     (issue 30.5: a 7-element nn.Parameter raised on two levels, and AVG left the SUM behind)."""
+    import torch
     for op in ("SUM", "AVG"):
         p = torch.nn.Parameter(torch.arange(7, dtype=torch.float32) + rank)
         commrt.all_reduce(p, op=op)
@@ -99,7 +103,7 @@ def check_bytes(flat_world, k: int, m: int) -> None:
     """Each rank's intra/inter bytes for one op equal the algorithms' formulas."""
     rank, world = commrt.get_rank(), commrt.get_world_size()
     n = 3 << 20  # bytes (and n // 4 elements) divisible by 2, 3, 4, 6 and 12; each level on its ring path
-    t = torch.ones(n // 4)
+    t = np.ones(n // 4, np.float32)
     commrt.all_reduce(t)  # makes the node groups first, outside the measurement
     s0 = commrt.comm_stats()
     commrt.all_reduce(t)
@@ -109,10 +113,10 @@ def check_bytes(flat_world, k: int, m: int) -> None:
     commrt.all_reduce(t, group=flat_world)
     flat = _delta(s0, commrt.comm_stats())
     assert sum(flat) == 2 * (world - 1) * n // world, flat
-    totals = torch.tensor([float(flat[1])])
+    totals = np.array([float(flat[1])])
     commrt.all_reduce(totals, group=flat_world)
-    assert totals.item() == k * 2 * (world - 1) * n // world, (totals.item(), flat)  # K boundary crossings
-    out = torch.empty(n // 4 // world)
+    assert totals[0] == k * 2 * (world - 1) * n // world, (totals[0], flat)  # K boundary crossings
+    out = np.empty(n // 4 // world, np.float32)
     s0 = commrt.comm_stats()
     commrt.reduce_scatter_tensor(out, t)
     assert _delta(s0, commrt.comm_stats()) == ((m - 1) * n // m, (k - 1) * n // (k * m))
@@ -123,6 +127,7 @@ def check_bytes(flat_world, k: int, m: int) -> None:
 
 def check_links(k: int, m: int) -> None:
     """The bandwidths "auto" sharding weighs, measured over the two-level groups, and its choice."""
+    import torch
     from commrt.train import groups, sharding
     from commrt.train.config import TrainConfig
     links = groups.measure_links()
@@ -152,10 +157,10 @@ def check_sizes(k: int, m: int) -> None:
     from commrt.runtime import world
     from commrt.topology import dispatch
     world.current().extras["hierarchical_auto"] = dispatch.AutoChoice(True, 1.0, 0.5, 0)
-    big = torch.ones(1 << 18, dtype=torch.float64)  # 2 MiB: each rank's part across is above small_bytes
+    big = np.ones(1 << 18, np.float64)  # 2 MiB: each rank's part across is above small_bytes
     commrt.all_reduce(big)  # every rank two levels: the node groups exist on every rank
-    assert torch.equal(big, torch.full_like(big, k * m))
-    mine = torch.ones(1 << 18 if commrt.get_rank() == 0 else 128, dtype=torch.float64)
+    assert np.array_equal(big, np.full_like(big, k * m))
+    mine = np.ones(1 << 18 if commrt.get_rank() == 0 else 128, np.float64)
     started = time.monotonic()
     try:
         commrt.all_reduce(mine)
@@ -178,7 +183,7 @@ def main() -> None:
         os.environ["COMMRT_COMM_ALGORITHMS"] = "all_reduce=ring"
     commrt.init_process_group()
     try:
-        check_layout(k, m)
+        check_layout(k, m, train=what in ("matrix", "links"))
         flat_world = commrt.new_group(list(range(commrt.get_world_size())))  # not the world: flat
         if what == "mesh":
             check_mesh(k, m)
