@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 import commrt
+from tests.multirank.programs import np_ref
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -13,29 +14,14 @@ OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
 
 def values(numel: int, rank: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
     """Small integers (exact in every dtype, so results must match the reference exactly)."""
-    rng = np.random.default_rng(seed * 1000 + rank)
-    if op == "PRODUCT":
-        v = rng.choice([1, 2] if dtype == torch.uint8 else [-1, 1, 2], size=numel)
-    else:
-        v = rng.integers(0 if dtype == torch.uint8 else -8, 9, size=numel)
-    return torch.from_numpy(v.astype(np.int64)).to(dtype)
+    return torch.from_numpy(np_ref.ints(numel, rank, op, seed, unsigned=dtype == torch.uint8)).to(dtype)
 
 
 def reference(parts: list[torch.Tensor], op: str) -> torch.Tensor:
     """What a single process computes: numpy on float64/int64, then cast back."""
     dtype = parts[0].dtype
     wide = np.stack([(p.double() if p.is_floating_point() else p.long()).numpy() for p in parts])
-    if op in ("SUM", "AVG"):
-        r = wide.sum(0)
-        if op == "AVG":
-            r = r / len(parts) if dtype.is_floating_point else np.floor_divide(r, len(parts))
-    elif op == "PRODUCT":
-        r = wide.prod(0)
-    elif op == "MAX":
-        r = wide.max(0)
-    else:
-        r = wide.min(0)
-    return torch.from_numpy(np.ascontiguousarray(r)).to(dtype)
+    return torch.from_numpy(np_ref.reduce_wide(wide, op, dtype.is_floating_point)).to(dtype)
 
 
 def assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
