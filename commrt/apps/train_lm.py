@@ -27,6 +27,7 @@ import commrt
 from commrt.apps import reporter
 from commrt.train import initialize
 from commrt.train.breakdown import StepBreakdown
+from commrt.train.collector import ManualGC
 from commrt.train.config import load_train_config
 from commrt.train.replica_ft import ReplicaFT
 from commrt.train.replica_group import group_size, layout
@@ -199,6 +200,7 @@ def train_replicas(args, cfg) -> int:
     ft = ReplicaFT(model, optimizer, replica, replicas,
                    store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                    serve_store=store is None and rank == 0, shard=shard, shards=shards)
+    collector = ManualGC(cfg.manual_gc_interval)  # [train] manual_gc_interval, as the engine
     loss_fn, step, times = nn.CrossEntropyLoss(), ft.start(), []
     while step < args.steps:
         tokens = batch(rank, step, args.batch, args.seq, args.vocab)
@@ -206,6 +208,7 @@ def train_replicas(args, cfg) -> int:
         loss = loss_fn(model(tokens[:, :-1]).reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         step = ft.step()
+        collector.step(at=step)  # the job's step: every replica collects at the same one
         times.append(time.perf_counter() - start)
         if step % args.log_every == 0 or step == 1:
             log.info("step %4d loss %.4f step time %7.1f ms, replicas %s", step, loss.item(),
@@ -218,6 +221,7 @@ def train_replicas(args, cfg) -> int:
     if args.out:
         _write_replica_out(f"{args.out}.{rank}", model, ft, times)
     ft.close()
+    collector.close()
     return 0
 
 

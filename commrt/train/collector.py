@@ -47,11 +47,13 @@ class ManualGC:
         self.interval, self.steps, self.collections = interval, 0, 0
         self._active = False
 
-    def step(self) -> None:
-        """Call once at the end of every training step, on every rank."""
+    def step(self, at: int | None = None) -> None:
+        """Call once at the end of every training step, on every rank. ``at``: the number of
+        steps done, as every rank counts them (a fault-tolerant replica that rejoined, or skipped
+        ahead, is at the job's step, not at its own count of calls); default: the calls."""
         if not self.interval:
             return
-        self.steps += 1
+        self.steps = self.steps + 1 if at is None else at
         if not self._active:
             self._start()
         elif self.steps % self.interval == 0:

@@ -187,8 +187,9 @@ class TrainConfig:
     then the automatic collector off and a full collection every N optimizer steps, on every
     rank at the same step. 0: Python's automatic collector, untouched (it may run mid-step on
     each rank at another moment: up to ~120 ms each, which a pipeline's other stages wait for).
-    The engine and the pipeline schedules (their ``manual_gc_interval`` argument) call it; the
-    collector is the process's, turned back on by ``close()``."""
+    The engine, the pipeline schedules (their ``manual_gc_interval`` argument) and ``train_lm``'s
+    replica loop (at the job's step) call it; the collector is the process's, turned back on by
+    ``close()``."""
 
     def __post_init__(self) -> None:
         check_interval(self.manual_gc_interval)

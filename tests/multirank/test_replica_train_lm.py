@@ -37,6 +37,7 @@ BATCH = 4
 CONFIG = f"""
 [train]
 fault_tolerance = "replica"
+manual_gc_interval = 5  # the collector at the job's step, across the node's death and rejoin
 [train.zero_optimization]
 sharding_strategy = "HYBRID_SHARD"
 [train.optimizer]

@@ -54,6 +54,19 @@ def test_cycles_live_until_every_nth_step_and_the_collector_comes_back_on_close(
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_replica_that_skipped_ahead_collects_at_the_jobs_steps():
+    """train_lm's replica loop passes the job's step: a replica that rejoined at step 6 collects
+    at 8 with the others (its 3rd call), not at its own 4th call."""
+    c = ManualGC(4)
+    c.step(at=6)  # its first step here: collect, freeze, collector off
+    ref = _garbage()
+    c.step(at=7)
+    assert ref() is not None and c.collections == 1
+    c.step(at=8)
+    assert ref() is None and c.collections == 2
+    c.close()
+
+
 def test_the_last_of_two_users_hands_the_collector_back():
     a, b = ManualGC(2), ManualGC(5)
     a.step(), b.step()
