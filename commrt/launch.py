@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,8 +28,37 @@ from commrt.runtime.processes import Stopped, _start, _status, _stop_everything,
 from commrt.runtime.processes import GRACE_S, REAP_S, _exited, _pump, _wait_exited  # noqa: F401
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (a bind to port 0, a connection's source)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = map(int, fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
+    """A port nothing on ``host`` is bound to now, for a server that binds it later, from below
+    the kernel's ephemeral range (not in ``avoid``). A port the kernel handed out to a bind to 0 and
+    released could be handed out again, to another process's bind to 0 or connection, before
+    the server binds it: torchrun's store failed with EADDRINUSE so, beside tests that opened
+    hundreds of sockets. Below the range only another picker like this one can take it, and two
+    pick the same port once in ~16,000. torch's default ports (29400-29599) are left alone."""
+    low, high = _ephemeral_ports()
+    pool = range(max(1024, low - 16384), low) if low - 1024 >= 1024 else range(high + 1, 65536)
+    pick = random.SystemRandom()
+    for _ in range(64):
+        port = pick.choice(pool)
+        if port in avoid or 29400 <= port < 29600:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # bound, or in TIME_WAIT: another
+                continue
+        return port
+    with socket.socket() as s:  # the range below is full: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -87,7 +117,10 @@ class Nodes:
 def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
     """Environment naming ``servers`` fresh loopback parameter-server addresses."""
     env = dict(os.environ if base is None else base)
-    env["COMMRT_PS_SERVERS"] = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(servers))
+    ports: list[int] = []
+    for _ in range(servers):
+        ports.append(free_port(avoid=ports))
+    env["COMMRT_PS_SERVERS"] = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
     env["COMMRT_PS_WORKERS"] = str(workers)
     return env
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,9 +25,8 @@ REPLICAS, STEPS, DIE_AT, PAUSE_S = 3, 60, 10, 0.1
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from commrt.launch import free_port
+    return free_port()
 
 
 def reference(history: list, width: int = 64) -> dict:

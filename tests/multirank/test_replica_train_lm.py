@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,9 +46,8 @@ params = {{lr = {LR}, momentum = 0.9}}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from commrt.launch import free_port
+    return free_port()
 
 
 def reference(history: list) -> dict:

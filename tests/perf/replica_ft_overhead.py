@@ -11,7 +11,6 @@ the division and optimizer step), per step, from ``comm_stats()["replica_ft"]["t
 """
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,9 +26,8 @@ env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
 
 def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from commrt.launch import free_port
+    return free_port()
 
 
 def run(off: bool) -> tuple[float, dict]:

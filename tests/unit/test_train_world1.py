@@ -2,7 +2,6 @@
 torch.optim.AdamW): every stage must give the same parameters, and report a step breakdown.
 World size 1 takes the engine's no-collective path (``Zero._reduce_alone``), so this is also
 the check that skipping the collective changed nothing."""
-import socket
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ from commrt.train.breakdown import StepBreakdown, StepClock
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from commrt.launch import free_port
+    return free_port()
 
 
 @pytest.fixture

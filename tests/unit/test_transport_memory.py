@@ -21,10 +21,9 @@ if sys.argv[1] == "keep":
     from commrt.transport.memory import keep_freed_memory
     assert keep_freed_memory() and keep_freed_memory()  # idempotent
 if sys.argv[1] == "library":  # what a library user does: a whole (one-rank) job, default config
-    import commrt, socket, torch
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import commrt, torch
+    from commrt.launch import free_port
+    port = free_port()
     commrt.init_process_group(backend="zmq", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     commrt.all_reduce(torch.ones(1 << 20))
     commrt.destroy_process_group()

@@ -2,7 +2,6 @@
 the torch.distributed backend "commrt" (env://, then tcp:// on a port rank 0 picks)."""
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -28,9 +27,8 @@ rank = dist.get_rank()
 torch_backend_sum(rank)
 store = dist.distributed_c10d._get_default_store()
 if rank == 0:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store.set("tcp_port", str(s.getsockname()[1]))
+    from commrt.launch import free_port
+    store.set("tcp_port", str(free_port()))
 port = int(store.get("tcp_port"))  # torch's store waits with its own timeout
 dist.destroy_process_group()
 # under torchrun torch's tcp:// expects the agent to serve every store (it serves MASTER_PORT
