@@ -133,10 +133,18 @@ _NETNS = ("test_emulated", "test_multihost", "test_replica_ft_emulated", "test_r
           "test_elastic", "test_estimate", "test_readme")
 
 
+# pyproject's 120 s per test bounds a hang; a multi-rank test is bounded by its launch's deadline
+# (run_ranks' timeout_s) and some take 40-65 s on two busy cores (quantized training, HYBRID_SHARD):
+# on a machine twice as slow 120 s would fail them, not a hang. Those without their own get this.
+MULTIRANK_TIMEOUT_S = 300
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in REPEATS:
             item.add_marker(pytest.mark.slow)
         if any(f"/{name}.py" in str(item.fspath) for name in _NETNS):
             item.add_marker(pytest.mark.xdist_group("netns"))
+        if "/tests/multirank/" in str(item.fspath) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(MULTIRANK_TIMEOUT_S))
 
