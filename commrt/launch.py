@@ -8,6 +8,7 @@ scheduler, a closed terminal) stop everything it started, as SIGINT does, and en
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -38,27 +39,35 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_given: collections.deque[int] = collections.deque(maxlen=256)  # this process's latest picks
+_given_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
-    """A port nothing on ``host`` is bound to now, for a server that binds it later, from below
-    the kernel's ephemeral range (not in ``avoid``). A port the kernel handed out to a bind to 0 and
-    released could be handed out again, to another process's bind to 0 or connection, before
-    the server binds it: torchrun's store failed with EADDRINUSE so, beside tests that opened
-    hundreds of sockets. Below the range only another picker like this one can take it, and two
-    pick the same port once in ~16,000. torch's default ports (29400-29599) are left alone."""
+    """A port nothing on ``host`` is bound to now, for a server that binds it later, from outside
+    the kernel's ephemeral range (not in ``avoid``, nor one this process picked lately). A port
+    the kernel handed out to a bind to 0 and released could be handed out again, to another
+    process's bind to 0 or connection, before the server binds it: torchrun's store failed with
+    EADDRINUSE so, beside tests that opened hundreds of sockets. Outside the range only another
+    picker like this one can take it, and two processes pick the same port once in ~16,000.
+    torch's default ports (29400-29599) are left alone."""
     low, high = _ephemeral_ports()
-    pool = range(max(1024, low - 16384), low) if low - 1024 >= 1024 else range(high + 1, 65536)
+    below, above = range(max(1024, low - 16384), low), range(high + 1, 65536)
+    pool = below if len(below) >= len(above) else above  # the larger side (both empty: the kernel's)
     pick = random.SystemRandom()
-    for _ in range(64):
-        port = pick.choice(pool)
-        if port in avoid or 29400 <= port < 29600:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:  # bound, or in TIME_WAIT: another
+    with _given_lock:
+        for _ in range(64 if pool else 0):
+            port = pick.choice(pool)
+            if port in avoid or port in _given or 29400 <= port < 29600:
                 continue
-        return port
-    with socket.socket() as s:  # the range below is full: the kernel's choice
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:  # bound, or in TIME_WAIT: another
+                    continue
+            _given.append(port)
+            return port
+    with socket.socket() as s:  # nothing free outside the range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

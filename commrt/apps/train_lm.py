@@ -201,6 +201,23 @@ def train_replicas(args, cfg) -> int:
                    store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                    serve_store=store is None and rank == 0, shard=shard, shards=shards)
     collector = ManualGC(cfg.manual_gc_interval)  # [train] manual_gc_interval, as the engine
+    try:
+        times = _replica_steps(args, rank, model, ft, collector, log)
+    finally:
+        collector.close()
+    stats = commrt.comm_stats()["replica_ft"]
+    steady = sorted(times[len(times) // 3:])
+    log.info("median step %.1f ms; per step (ms): %s", 1000 * steady[len(steady) // 2] if steady else 0.0,
+             ", ".join(f"{k} {1000 * v / max(len(times), 1):.2f}" for k, v in stats["time_s"].items()))
+    log.info("replica stats: %s", stats)
+    if args.out:
+        _write_replica_out(f"{args.out}.{rank}", model, ft, times)
+    ft.close()
+    return 0
+
+
+def _replica_steps(args, rank: int, model: nn.Module, ft: ReplicaFT, collector: ManualGC, log) -> list[float]:
+    """Train until ``args.steps``; each step's seconds."""
     loss_fn, step, times = nn.CrossEntropyLoss(), ft.start(), []
     while step < args.steps:
         tokens = batch(rank, step, args.batch, args.seq, args.vocab)
@@ -213,16 +230,7 @@ def train_replicas(args, cfg) -> int:
         if step % args.log_every == 0 or step == 1:
             log.info("step %4d loss %.4f step time %7.1f ms, replicas %s", step, loss.item(),
                      1000 * times[-1], ft.stats()["members"])
-    stats = commrt.comm_stats()["replica_ft"]
-    steady = sorted(times[len(times) // 3:])
-    log.info("median step %.1f ms; per step (ms): %s", 1000 * steady[len(steady) // 2] if steady else 0.0,
-             ", ".join(f"{k} {1000 * v / max(len(times), 1):.2f}" for k, v in stats["time_s"].items()))
-    log.info("replica stats: %s", stats)
-    if args.out:
-        _write_replica_out(f"{args.out}.{rank}", model, ft, times)
-    ft.close()
-    collector.close()
-    return 0
+    return times
 
 
 def _write_replica_out(path: str, model: nn.Module, ft: ReplicaFT, times: list[float]) -> None:

@@ -40,7 +40,8 @@ def check_interval(interval) -> None:
 
 
 class ManualGC:
-    """Collect every ``interval`` calls of ``step()``; 0: leave Python's collector alone."""
+    """Collect every ``interval`` steps (``step(at=)``, else calls of ``step()``); 0: leave
+    Python's collector alone."""
 
     def __init__(self, interval: int):
         check_interval(interval)

@@ -26,20 +26,33 @@ def test_avoid_gives_distinct_ports():
     assert len(set(addresses)) == 5 and env["COMMRT_PS_WORKERS"] == "2"
 
 
-def test_the_kernels_choice_when_the_range_below_is_taken(monkeypatch):
-    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (2049, 60999))  # a pool of 1024..2048
+def test_the_kernels_choice_when_every_port_outside_its_range_is_taken(monkeypatch):
+    real_low, real_high = launch._ephemeral_ports()
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (1024, 65435))  # outside: 65436..65535
+    monkeypatch.setattr(launch, "_given", launch.collections.deque(maxlen=256))
     taken = []
     try:
-        for port in range(1024, 2049):
+        for port in range(65436, 65536):
             s = socket.socket()
+            taken.append(s)
             try:
                 s.bind(("127.0.0.1", port))
-            except OSError:
-                s.close()
-                continue
-            taken.append(s)
+            except OSError:  # in use already: taken either way
+                pass
         port = launch.free_port()
-        assert port >= 2049, port
+        assert real_low <= port <= real_high, port
     finally:
         for s in taken:
             s.close()
+
+
+def test_no_port_outside_the_range_is_the_kernels_choice_not_an_error(monkeypatch):
+    low, high = launch._ephemeral_ports()
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (1024, 65535))  # a common tuning
+    assert low <= launch.free_port() <= high
+
+
+def test_one_process_never_gets_a_port_twice_in_a_row():
+    """launch() picks MASTER_PORT, then server_env the servers': they must differ."""
+    picks = [launch.free_port() for _ in range(200)]
+    assert len(set(picks)) == len(picks)

@@ -13,7 +13,6 @@ import sys
 import time
 
 import numpy as np
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
