@@ -21,6 +21,7 @@ import time
 import pytest
 
 from commrt import emulate
+from commrt.launch import free_port
 from commrt.transport.security import new_secret
 from tests.multirank.harness import ROOT, default_signals, emulated_cluster
 from tests.multirank.programs.elastic_job import reference
@@ -37,7 +38,7 @@ class Job:
         self.net = net
         self.dir, self.max_nodes, self.master, self.wrap = tmp_path, max_nodes, master, wrap or (lambda n: ([], {}))
         (tmp_path / "ckpt").mkdir()
-        self.nnodes, self.procs, self.logs, self.port = nnodes, {}, {}, 29500 if wrap else _free_port()
+        self.nnodes, self.procs, self.logs, self.port = nnodes, {}, {}, 29500 if wrap else free_port()
         self.env = {**os.environ, "PYTHONPATH": ROOT, "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "60",
                     "COMMRT_JOB_SECRET": new_secret()}  # every node the same secret, as a scheduler would give
 
@@ -82,11 +83,6 @@ class Job:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-
-
-def _free_port() -> int:
-    from commrt.launch import free_port
-    return free_port()
 
 
 def lose_and_regain(job: Job, victim: int, full: int, how: str = "kill") -> dict:
@@ -169,7 +165,7 @@ def _wrap(net):
 def test_a_launcher_without_the_job_secret_cannot_join_and_both_exit_saying_why(tmp_path):
     """The rendezvous is authenticated like every commrt store: node 1 with another secret is never
     answered (exit 4, EXIT_LOST); node 0 cannot gather MIN = 2 nodes (exit 3, EXIT_TOO_FEW)."""
-    port = _free_port()
+    port = free_port()
     base = {**os.environ, "PYTHONPATH": ROOT}
     procs = []
     for node in (0, 1):
@@ -187,7 +183,7 @@ def test_a_rank_failing_after_the_other_node_finished_ends_both_launchers_with_i
     """Node 0's rank exits 0 at once, node 1's with 7 half a second later: both launchers end with 7,
     saying why, within seconds (before: node 0 exited 0 after the join deadline, node 1 with 4,
     EXIT_LOST, after another)."""
-    port, secret = _free_port(), new_secret()
+    port, secret = free_port(), new_secret()
     rank = "import os, sys, time; n = os.environ['COMMRT_NODE_ID']; time.sleep(0.5 * (n == '1')); sys.exit(7 * (n == '1'))"
     procs = []
     for node in (0, 1):
@@ -208,7 +204,7 @@ def test_a_launcher_replaced_while_frozen_leaves_when_it_wakes(tmp_path):
     """Node 1's launcher freezes (SIGSTOP); the job goes on without it; a new launcher of node 1
     joins; then the old one wakes. It must stop its ranks and leave with EXIT_REPLACED, not run
     a second set of node 1's ranks in the next generation; the job finishes with the new one."""
-    port, secret = _free_port(), new_secret()
+    port, secret = free_port(), new_secret()
     rank = "import os, time; time.sleep(60 if os.environ['COMMRT_ELASTIC_GENERATION'] in ('0', '1') else 2)"
     env = {**os.environ, "PYTHONPATH": ROOT, "COMMRT_JOB_SECRET": secret}
     logs = [tmp_path / f"node{i}.log" for i in range(3)]

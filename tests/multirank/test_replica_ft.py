@@ -16,17 +16,13 @@ import time
 import pytest
 import torch
 
+from commrt.launch import free_port
 from commrt.runtime.config import load_config
 from commrt.train.replica_ft import serve
 from tests.multirank.harness import ROOT
 from tests.multirank.programs import replica_ft_job as job
 
 REPLICAS, STEPS, DIE_AT, PAUSE_S = 3, 60, 10, 0.1
-
-
-def _free_port() -> int:
-    from commrt.launch import free_port
-    return free_port()
 
 
 def reference(history: list, width: int = 64) -> dict:
@@ -66,7 +62,7 @@ def _wait_all(procs: list, timeout_s: float) -> None:
 
 @pytest.mark.slow  # 10-14 s; test_replica_ft_emulated kills and restarts a replica's node by default
 def test_kill_and_restart_a_replica(tmp_path):
-    port = _free_port()
+    port = free_port()
     transport, server = serve(load_config(), "127.0.0.1", port)
     out = [str(tmp_path / f"r{r}") for r in range(REPLICAS)]
     try:
@@ -112,7 +108,7 @@ def test_a_parameter_unused_on_one_replica_is_averaged_with_the_right_bucket(tmp
     gradient, so its hooks fill ``a``'s bucket only. Every replica must all-reduce the buckets
     in the same order (b's, then a's): one that started a's first summed it with the other's b
     (same size: no error, a wrong average)."""
-    port = _free_port()
+    port = free_port()
     transport, server = serve(load_config(), "127.0.0.1", port)
     out = [str(tmp_path / f"r{r}") for r in range(2)]
     steps = 4

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from commrt.launch import free_port
 from commrt.runtime.config import load_config
 from commrt.train.replica_ft import serve
 from tests.multirank import test_replica_ft as base
@@ -38,7 +39,7 @@ def _job(tmp_path, others: list = ()):
     prefix, and the list the test puts its processes in (``others``: processes it took out of
     it). On the way out, however the test left, a process still stopped is continued (it then
     ends by itself) and the store closed."""
-    port = base._free_port()
+    port = free_port()
     transport, server = serve(load_config(), "127.0.0.1", port)
     procs: list = []
     try:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from commrt.apps.train_lm import TinyLM, batch
-from commrt.launch import rank_env
+from commrt.launch import free_port, rank_env
 from commrt.runtime.config import load_config
 from commrt.train.replica_ft import serve
 from tests.multirank.harness import ROOT, default_signals
@@ -43,11 +43,6 @@ sharding_strategy = "HYBRID_SHARD"
 type = "SGD"
 params = {{lr = {LR}, momentum = 0.9}}
 """
-
-
-def _free_port() -> int:
-    from commrt.launch import free_port
-    return free_port()
 
 
 def reference(history: list) -> dict:
@@ -96,11 +91,11 @@ def _logs(tmp_path) -> str:
 
 def test_a_node_of_an_hsdp_job_dies_and_the_other_finishes(tmp_path):
     (tmp_path / "job.toml").write_text(CONFIG)
-    ft_port = _free_port()
+    ft_port = free_port()
     transport, server = serve(load_config(), "127.0.0.1", ft_port)
     procs, victims = [], range(PER_NODE, 2 * PER_NODE)
     try:
-        procs = [_spawn(tmp_path, _free_port(), ft_port, r) for r in range(NODES * PER_NODE)]
+        procs = [_spawn(tmp_path, free_port(), ft_port, r) for r in range(NODES * PER_NODE)]
         end = time.monotonic() + 120
         while _applied(tmp_path, victims[0]) < KILL_AFTER:
             assert time.monotonic() < end and all(p.poll() is None for p in procs), _logs(tmp_path)
