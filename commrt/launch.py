@@ -22,6 +22,7 @@ import time
 from collections import deque
 from typing import IO, Callable, Sequence
 
+from commrt.runtime import addresses
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
 from commrt.runtime.processes import Stopped, _start, _status, _stop_everything, _stop_on_signals  # noqa: F401 (Stopped: cli)
@@ -54,22 +55,27 @@ def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
     low, high = _ephemeral_ports()
     below, above = range(max(1024, low - 16384), low), range(high + 1, 65536)
     pool = below if len(below) >= len(above) else above  # the larger side (both empty: the kernel's)
-    pick = random.SystemRandom()
+    pick, host, fam = random.SystemRandom(), addresses.bare(host), addresses.family(host)
     with _given_lock:
         for _ in range(64 if pool else 0):
             port = pick.choice(pool)
             if port in avoid or port in _given or 29400 <= port < 29600:
                 continue
-            with socket.socket() as s:
+            with socket.socket(fam) as s:
                 try:
                     s.bind((host, port))
                 except OSError:  # bound, or in TIME_WAIT: another
                     continue
             _given.append(port)
             return port
-    with socket.socket() as s:  # nothing free outside the range: the kernel's choice
+    with socket.socket(fam) as s:  # nothing free outside the range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _loopback(master_addr: str) -> str:
+    """The loopback address of ``master_addr``'s family, where free_port looks."""
+    return "::1" if addresses.is_ipv6(master_addr) else "127.0.0.1"
 
 
 @dataclasses.dataclass
@@ -123,13 +129,13 @@ class Nodes:
 
 
 
-def server_env(servers: int, workers: int, base: dict | None = None) -> dict:
-    """Environment naming ``servers`` fresh loopback parameter-server addresses."""
+def server_env(servers: int, workers: int, base: dict | None = None, host: str = "127.0.0.1") -> dict:
+    """Environment naming ``servers`` fresh parameter-server addresses on ``host`` (loopback)."""
     env = dict(os.environ if base is None else base)
     ports: list[int] = []
     for _ in range(servers):
-        ports.append(free_port(avoid=ports))
-    env["COMMRT_PS_SERVERS"] = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+        ports.append(free_port(host, avoid=ports))
+    env["COMMRT_PS_SERVERS"] = ",".join(addresses.tcp_url(host, p) for p in ports)
     env["COMMRT_PS_WORKERS"] = str(workers)
     return env
 
@@ -157,9 +163,10 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
         raise ValueError(f"nproc ({nproc}) and nnodes ({nodes.nnodes}) must be >= 1 and node_rank "
                          f"({nodes.node_rank}) in 0..{nodes.nnodes - 1}")
     out = out or sys.stdout
-    port = port or free_port()
+    loopback = _loopback(nodes.master_addr)
+    port = port or free_port(loopback)
     world = nproc * nodes.nnodes
-    base = server_env(servers, world, env) if servers else dict(os.environ if env is None else env)
+    base = server_env(servers, world, env, loopback) if servers else dict(os.environ if env is None else env)
     _reuse_freed_memory(base)
     base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * len(nodes.here()))))
     with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
@@ -231,9 +238,9 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
             pumps.append(t)
         for attempt in range(max_restarts + 1):
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
-            code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix,
-                                           port if attempt == 0 else free_port(), services, stop_on_failure,
-                                           lock, pumps, pids, ranks, nodes)
+            at = port if attempt == 0 else free_port(_loopback(nodes.master_addr))
+            code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix, at, services,
+                                           stop_on_failure, lock, pumps, pids, ranks, nodes)
             if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
                 break
             note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "

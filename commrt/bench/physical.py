@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from commrt.runtime import addresses
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.store import wait_for
 from commrt.bench import metrics
@@ -31,7 +32,7 @@ class TcpRing:
         rank used to dial its own ``host`` with the neighbour's port: over two nodes, itself."""
         if n == 1:
             return cls(None, None)
-        listener = socket.create_server((host, 0))
+        listener = socket.create_server((addresses.bare(host), 0), family=addresses.family(host))
         listener.settimeout(timeout_s)
         store.set(f"tcp/addr/{rank}", f"{advertise or host}:{listener.getsockname()[1]}".encode())
         right = (rank + 1) % n

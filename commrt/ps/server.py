@@ -13,6 +13,7 @@ import time
 import zmq
 
 from commrt.optim import rules as optim
+from commrt.runtime import addresses
 from commrt.runtime.config import Config
 from commrt.runtime.errors import ConfigError, ProtocolError
 from commrt.transport.security import check_bind, is_loopback
@@ -32,7 +33,7 @@ def optim_spec(cfg: Config) -> optim.OptimSpec:
 
 
 def split_address(addr: str) -> tuple[str, int]:
-    host, _, port = addr[len("tcp://"):].rpartition(":")
+    host, port = addresses.split(addr)
     return host, int(port)
 
 

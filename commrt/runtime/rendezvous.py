@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 import msgpack
 
+from commrt.runtime import addresses
 from commrt.runtime.errors import CommError, ConfigError, RendezvousError
 from commrt.runtime.store import wait_for
 from commrt.runtime.store_core import ABORT, TIMEOUT
@@ -87,7 +88,11 @@ def _port(text: str, what: str) -> int:
 
 
 def lookup(host: str, what: str) -> str:
-    """``host``'s IPv4 address, or a ``ConfigError`` saying which setting names an unknown host."""
+    """``host``'s IPv4 address (an IPv6 literal stays itself, without brackets), or a
+    ``ConfigError`` saying which setting names an unknown host."""
+    ip = addresses.literal(host)
+    if ip is not None:
+        return ip
     try:
         return socket.gethostbyname(host)
     except OSError as exc:
@@ -106,9 +111,9 @@ def advertised_host(bind_host: str, advertise_host: str, master_host: str) -> st
         return advertise_host
     if bind_host not in WILDCARDS:
         return bind_host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(addresses.family(master_host), socket.SOCK_DGRAM) as s:
         try:
-            s.connect((master_host, 9))
+            s.connect((addresses.bare(master_host), 9))
             return s.getsockname()[0]
         except OSError as exc:
             raise ConfigError(f"bind_host {bind_host!r} needs advertise_host: no route to the "

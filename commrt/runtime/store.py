@@ -14,6 +14,7 @@ import time
 
 import zmq
 
+from commrt.runtime import addresses
 from commrt.runtime.errors import RendezvousError
 from commrt.runtime.store_core import ABORT, MAX_FRAME, OK, TIMEOUT, StoreCore
 from commrt.transport.rpc import DEFER, Call, RpcClient, RpcLost, RpcRejected, RpcServer, RpcTimeout
@@ -91,8 +92,8 @@ class StoreClient:
 
     def __init__(self, transport, host: str, port: int, timeout_s: float,
                  via: tuple[str, str, str] | None = None, absent_s: float | None = None):
-        self.where, self.timeout_s = f"{host}:{port}", timeout_s
-        address, peer, self.via = via or (f"tcp://{host}:{port}", "rank0", "")
+        self.where, self.timeout_s = addresses.join(host, port), timeout_s
+        address, peer, self.via = via or (addresses.tcp_url(host, port), "rank0", "")
         self.name = f"rendezvous store at {self.where}" + (f" via {self.via}" if self.via else "")
         self._rpc = RpcClient(transport, address, peer, max_frame=MAX_FRAME, name=self.name,
                               lost_after_s=transport.cfg.comm.heartbeat_s if self.via else None)

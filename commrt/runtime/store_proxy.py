@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from commrt.runtime import addresses
 from commrt.runtime.errors import ProtocolError, RendezvousError
 from commrt.runtime.store import NoProxy, StoreClient, retired
 from commrt.runtime.store_core import MAX_FRAME, MAX_WAIT_S
@@ -136,7 +137,7 @@ class StoreProxy:
         self.who = f"the store proxy of node {node} on rank {rank}"
         self._down, self.address = _listen(transport, proxy_name(transport.guard.secret, host, port, node))
         try:
-            self._up = transport.dial(zmq.DEALER, f"tcp://{host}:{port}", "rank0", max_frame=MAX_FRAME)
+            self._up = transport.dial(zmq.DEALER, addresses.tcp_url(host, port), "rank0", max_frame=MAX_FRAME)
             self._events = self._up.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         except BaseException:
             self._down.close(linger=0)

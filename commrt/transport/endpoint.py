@@ -17,6 +17,7 @@ import time
 
 import zmq
 
+from commrt.runtime import addresses
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
 from commrt.transport import notices
 from commrt.transport.liveness import Liveness
@@ -57,7 +58,7 @@ class Endpoint:
         # than poll + non-blocking read) for at most this long between liveness/deadline checks
         self._slice_s = min(SLICE_MS, max(1, int(heartbeat_s * 1000) // 4)) / 1000
         self.inbound.setsockopt(zmq.RCVTIMEO, int(self._slice_s * 1000))
-        self.address = f"tcp://{advertise_host or bind_host}:{bound.rsplit(':', 1)[1]}"
+        self.address = addresses.tcp_url(advertise_host or bind_host, bound.rsplit(":", 1)[1])
         self.peer_addresses: dict[int, str] = {}
         self._resolve = None  # (peers, op, lost) -> {peer: address}: addresses learnt on first use
         self._out: dict[int, zmq.Socket] = {}

@@ -26,6 +26,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from commrt.runtime import addresses
 from commrt.runtime.config import Config
 from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import ConfigError
@@ -41,7 +42,8 @@ MIN_SECRET = 16  # characters, from the environment or a file alike
 
 def is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        ip = addresses.literal(host) or socket.gethostbyname(host)
+        return ipaddress.ip_address(ip).is_loopback
     except (OSError, ValueError):
         return False
 
@@ -50,7 +52,7 @@ def _resolvable(host: str) -> None:
     if host in ("0.0.0.0", "*", "", "::"):
         return
     try:
-        socket.getaddrinfo(host, None)
+        socket.getaddrinfo(addresses.bare(host), None)
     except OSError as exc:
         raise ConfigError(f"host {host!r} (bind_host or the rendezvous address) cannot be resolved: "
                           f"{exc}") from None

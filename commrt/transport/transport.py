@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from commrt.runtime import addresses
 from commrt.runtime.config import Config
 from commrt.transport.security import Guard
 
@@ -118,14 +119,16 @@ class Transport:
         try:
             self._tune(sock, max_frame, self.cfg.comm.timeout_s if handshake_s is None else handshake_s)
             self.guard.server(sock)
+            if addresses.is_ipv6(host):
+                sock.setsockopt(zmq.IPV6, 1)
             if port:
-                sock.bind(f"tcp://{host}:{port}")
+                sock.bind(addresses.tcp_url(host, port))
             else:
-                port = sock.bind_to_random_port(f"tcp://{host}")
+                port = sock.bind_to_random_port("tcp://" + addresses.url_host(host))
         except BaseException:
             sock.close(linger=0)
             raise
-        return sock, f"tcp://{host}:{port}"
+        return sock, addresses.tcp_url(host, port)
 
     def listen_local(self, kind: int, name: str, *, max_frame: int | None = None) -> tuple[zmq.Socket, str]:
         """Like ``listen``, on a Unix socket in the abstract namespace (``ipc://@name``: no
@@ -156,6 +159,8 @@ class Transport:
             self.guard.client(sock, peer)
             if before_connect is not None:  # e.g. a monitor, so it sees the first handshake
                 before_connect(sock)
+            if address.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(address)
         except BaseException:
             sock.close(linger=0)

@@ -6,21 +6,21 @@ import io
 import os
 import sys
 
-from commrt.launch import launch
+from commrt.launch import Nodes, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_ranks(nproc: int, program: str, *args: str, timeout_s: float = 90.0,
               env: dict | None = None, expect_fail: bool = False, servers: int = 0,
-              stop_on_failure: bool = True):
+              stop_on_failure: bool = True, master_addr: str = "127.0.0.1"):
     """Run ``python -m tests.multirank.programs.<program> args`` as ``nproc`` ranks."""
     out = io.StringIO()
     full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "COMMRT_COMM_TIMEOUT_S": os.environ.get("COMMRT_COMM_TIMEOUT_S", "30"), **(env or {})}
     cmd = [sys.executable, "-m", f"tests.multirank.programs.{program}", *args]
     result = launch(nproc, cmd, out=out, timeout_s=timeout_s, env=full_env, servers=servers,
-                    stop_on_failure=stop_on_failure)
+                    stop_on_failure=stop_on_failure, nodes=Nodes(master_addr=master_addr))
     text = out.getvalue()
     if result.returncode == 124:
         raise AssertionError(f"{program} x{nproc} timed out after {timeout_s}s; output:\n{text[-6000:]}")

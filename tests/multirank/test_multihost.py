@@ -94,6 +94,56 @@ def test_torch_store_listens_where_ours_does():
     assert all(a.startswith("127.0.0.1:") for a in listening), listening
 
 
+# -- IPv6 ------------------------------------------------------------------------------------
+
+V6_LOOPBACK = "[00000000000000000000000000000001]:"  # ::1 as listening() prints it
+
+
+def _ipv6_loopback() -> None:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback (::1)")
+
+
+@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "auto"), ("gloo", "auto")])
+def test_an_ipv6_job_meets_listens_and_dials_over_ipv6(backend, intra):
+    """MASTER_ADDR=::1 and bind_host ::1: the store, every rank's sockets (and torch's TCPStore
+    under gloo) listen on ::1 only, ranks advertise tcp://[::1]:port, and the collectives match
+    the reference. Before, lookup() sent ::1 to gethostbyname (IPv4 only) and failed init."""
+    _ipv6_loopback()
+    port, secret = free_port("::1"), new_secret()
+    extra = dict(COMMRT_COMM_BACKEND=backend, COMMRT_COMM_INTRA_NODE=intra, COMMRT_CLUSTER_BIND_HOST="::1",
+                 COMMRT_JOB_SECRET=secret)
+    outs = run_all([(_program("multihost"), _env(r, 3, "::1", port, **extra)) for r in range(3)])
+    for r, out in enumerate(outs):
+        assert f"rank {r}: multihost passed on 3 ranks" in out, out
+        listening = re.search(r"LISTENING (.*)", out).group(1).split()
+        ours = [a for a in listening if a.startswith(V6_LOOPBACK)]
+        if backend == "gloo":  # gloo's own pair listener is on the loopback interface, IPv4 here
+            assert len(ours) >= (2 if r == 0 else 0), out  # rank 0: our store and torch's TCPStore
+            assert all(a in ours or a.startswith("127.0.0.1:") for a in listening), out
+        else:
+            assert ours and ours == listening, out
+        if backend == "zmq":
+            advertised = re.findall(r"tcp://[^',\]]*\]?:\d+", re.search(r"ADVERTISED (.*)", out).group(1))
+            assert advertised and all(a.startswith("tcp://[::1]:") for a in advertised), out
+
+
+def test_a_wildcard_ipv6_bind_advertises_the_address_that_routes_to_the_master():
+    """bind_host :: with the master at ::1: the route to it picks ::1, never :: itself."""
+    _ipv6_loopback()
+    port, secret = free_port("::1"), new_secret()
+    extra = dict(COMMRT_COMM_BACKEND="zmq", COMMRT_CLUSTER_BIND_HOST="::", COMMRT_SECURITY_ALLOW_INSECURE="1",
+                 COMMRT_JOB_SECRET=secret)
+    outs = run_all([(_program("multihost"), _env(r, 2, "::1", port, **extra)) for r in range(2)])
+    for out in outs:
+        advertised = re.search(r"ADVERTISED (.*)", out).group(1)
+        assert "tcp://[::1]:" in advertised and "[::]" not in advertised, out
+
+
 # -- two network namespaces ------------------------------------------------------------------
 
 def _ip(*args: str) -> None:

@@ -93,6 +93,22 @@ def test_sync_equals_single_process(tmp_path, kind, servers, workers):
     assert not np.allclose(ref, np.concatenate([v.numpy().ravel() for v in make_params().values()]))
 
 
+def test_servers_and_workers_over_ipv6(tmp_path):
+    """The launcher's servers on ::1 (its master address's loopback), tcp://[::1]:port in
+    [ps] servers: sync training still equals the single-process run."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback (::1)")
+    _, out = run_ranks(2, "ps_job", str(tmp_path), str(STEPS), env=ps_env("sgd"), servers=1, master_addr="::1",
+                       timeout_s=60)
+    assert "listening on tcp://[::1]:" in out, out
+    ref = reference("sgd", 2, STEPS, **REF_HP["sgd"])
+    for w in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"params-{w}.npy", allow_pickle=False), ref, rtol=0, atol=1e-6)
+
+
 def test_dead_worker_in_sync_mode_is_named(tmp_path):
     env = ps_env("sgd", worker_timeout_s=3)  # generous: a slow live worker must not be blamed
     _, out = run_job(tmp_path, 3, 2, env, "10", "--die-at", "3")

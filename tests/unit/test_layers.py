@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TIERS = [
     # the vocabulary every layer speaks: typed errors, settings, dtypes, Work handles
-    ["commrt.runtime.errors", "commrt.runtime.dtypes", "commrt.runtime.arrays", "commrt.runtime.config",
+    ["commrt.runtime.errors", "commrt.runtime.addresses", "commrt.runtime.dtypes", "commrt.runtime.arrays", "commrt.runtime.config",
      "commrt.runtime.work"],
     # pure pieces that depend on nothing above the vocabulary
     ["commrt.topology.nodes", "commrt.obs.flight", "commrt.obs.analyze", "commrt.obs.trace", "commrt.obs.comms",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from commrt.runtime import addresses
 from commrt.runtime.config.checks import (MAX_TIMEOUT_S, check_bytes, check_choice, check_non_negative,
                                           check_positive, check_seconds, check_types, invalid)
 
@@ -16,8 +17,11 @@ def _endpoint(addr: str) -> bool:
     ZMQError from connect, and 'tcp://h:99999' as a server that never answers."""
     if not addr.startswith("tcp://"):
         return False
-    host, colon, port = addr[6:].rpartition(":")
-    return bool(host and colon and port.isdecimal() and 0 < int(port) <= 65535)
+    try:
+        host, port = addresses.split(addr)
+    except ValueError:
+        return False
+    return bool(host and port.isdecimal() and 0 < int(port) <= 65535)
 
 
 @dataclass(frozen=True)
@@ -108,5 +112,6 @@ class PsConfig:
             raise invalid("ps", "metrics_port", self.metrics_port, "valid: 0 (off) to 65535")
         for addr in self.servers:
             if not _endpoint(addr):
-                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port' (port 1-65535)")
+                raise invalid("ps", "servers", addr, "each entry must be 'tcp://host:port' (port 1-65535; an IPv6 "
+                              "address in brackets: tcp://[::1]:5000)")
 
