@@ -49,7 +49,7 @@ def split(text: str) -> tuple[str, str]:
         host, sep, port = rest[1:].partition("]:")
         if not sep or not host:
             raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. tcp://[::1]:29500")
-        ipaddress.IPv6Address(host.split("%", 1)[0])  # ValueError if it is not one
+        ipaddress.IPv6Address(host)  # ValueError if it is not one (a zone, %eth0, is kept)
         return host, port
     host, sep, port = rest.rpartition(":")
     if not sep or ":" in host:
@@ -58,8 +58,8 @@ def split(text: str) -> tuple[str, str]:
 
 
 def literal(host: str) -> str | None:
-    """``host`` as an IP address literal (brackets removed), or None if it is a name."""
+    """``host`` as an IP address literal (brackets removed, a zone kept), or None if it is a name."""
     try:
-        return str(ipaddress.ip_address(bare(host).split("%", 1)[0]))
+        return str(ipaddress.ip_address(bare(host)))
     except ValueError:
         return None

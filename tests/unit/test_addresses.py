@@ -28,7 +28,7 @@ def test_split_refuses_an_unbracketed_ipv6_or_a_missing_port(text):
 
 def test_literal_and_family():
     assert addresses.literal("[::1]") == "::1" and addresses.literal("127.0.0.1") == "127.0.0.1"
-    assert addresses.literal("localhost") is None
+    assert addresses.literal("localhost") is None and addresses.literal("fe80::1%eth0") == "fe80::1%eth0"
     assert addresses.is_ipv6("::1") and addresses.is_ipv6("[::1]") and not addresses.is_ipv6("host")
 
 
