@@ -142,6 +142,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
     except BaseException:
         transport.close()
         raise
+    backend = None  # closed on failure: a zmq one holds an ~8 MiB shared-memory segment
     try:
         hello = {"config": cfg.digest(), "backend": name, "node": hint,
                  "where": cfg.cluster.advertise_host}
@@ -168,6 +169,8 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         else:
             raise ConfigError(f"unknown backend '{name}'; valid: ['auto', 'zmq', 'gloo', 'nccl']")
     except BaseException:
+        if backend is not None:
+            backend.close()
         if owns_store:
             if server is not None:
                 server.close(linger_s=1.0)
@@ -263,10 +266,14 @@ def _refuse_or_fall_back(cfg: Config, spec: rendezvous.RendezvousSpec, causes: s
     log.warning("NCCL %s (%s); falling back to zmq", what, causes)
     zcfg = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend="zmq"))
     fallback = ZmqBackend(transport, zcfg, spec.rank, spec.world_size, 0)
-    table = rendezvous.exchange(store, spec.rank, spec.world_size, {"config": cfg.digest(), "backend": "zmq",
-                                "addr": fallback.addresses}, timeout_s, namespace + "fallback/")
-    fallback.connect([peer["addr"] for peer in table])
-    fallback.barrier()
+    try:
+        table = rendezvous.exchange(store, spec.rank, spec.world_size, {"config": cfg.digest(), "backend": "zmq",
+                                    "addr": fallback.addresses}, timeout_s, namespace + "fallback/")
+        fallback.connect([peer["addr"] for peer in table])
+        fallback.barrier()
+    except BaseException:  # init_world never sees it: close its shared-memory segment here
+        fallback.close()
+        raise
     return fallback
 
 
