@@ -163,11 +163,16 @@ def _agree_with_first(store, hello: dict, timeout_s: float, ns: str) -> bytes:
 
 def gather(store, hello: dict, world_size: int, timeout_s: float, ns: str) -> list[dict]:
     """Wait (in the store: one parked request, no polling) until every rank joined, then read
-    all hellos in one request and check them against ours."""
+    all hellos in one request and check them against ours. A mismatch aborts the rendezvous for
+    every rank, as in ``meet``: a rank told a larger WORLD_SIZE would otherwise wait out its
+    timeout and blame a rank that does not exist."""
     _all_joined(store, world_size, timeout_s, ns)
     table = [msgpack.unpackb(v) for v in store.mget(hello_keys(ns, range(world_size)))]
     for peer in table:
-        _check_compatible(hello, peer)
+        problem = _incompatibility(hello, peer)
+        if problem:
+            store.set(ns + "abort", problem.encode())
+            raise RendezvousError(problem)
     return table
 
 
@@ -294,12 +299,6 @@ def _all_joined(store, world_size: int, timeout_s: float, ns: str) -> None:
 
 def _who(h: dict) -> str:
     return f"{h.get('host')} pid {h.get('pid')} ({h.get('addr', '?')})"
-
-
-def _check_compatible(mine: dict, theirs: dict) -> None:
-    problem = _incompatibility(mine, theirs)
-    if problem:
-        raise RendezvousError(problem)
 
 
 def _incompatibility(mine: dict, theirs: dict) -> str:

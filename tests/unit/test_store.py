@@ -3,6 +3,7 @@ server and clients over loopback: malformed requests, re-initialisation on the s
 a 4096-rank rendezvous."""
 import math
 import threading
+import time
 
 import msgpack
 import pytest
@@ -257,6 +258,28 @@ def test_a_huge_world_size_gets_the_real_cause(transport):
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("sizes", [(3, 2), (2, 3)])
+def test_a_world_size_mismatch_in_exchange_fails_every_rank_at_once(store, sizes):
+    """The gloo/nccl rendezvous (exchange): the rank that finds the mismatch aborts it for all,
+    as meet does. The rank told the larger WORLD_SIZE waited out its timeout and blamed a rank
+    that does not exist ("missing: 2")."""
+    out, clients = {}, {r: store() for r in (0, 1)}
+
+    def rank(r):
+        try:
+            rendezvous.exchange(clients[r], r, sizes[r], {"config": "d", "backend": "gloo"}, 20, "x/")
+        except RendezvousError as exc:
+            out[r] = str(exc)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - start < 10, out  # not the 20 s timeout
+    assert len(out) == 2 and out[0] == out[1] and "world size" in out[0], out
 
 
 def test_waits_that_timed_out_do_not_pile_up_in_the_store():
