@@ -296,17 +296,19 @@ def _init_torch(name: str, store, spec: rendezvous.RendezvousSpec, timeout_s: fl
 def _leave_together(rt: Runtime, within_s: float = 10.0) -> None:
     """Rank 0 hosts the stores torch's process group talks to: if it exits while another rank is
     still tearing its group down, that rank can die in C++ (std::terminate). So rank 0 waits,
-    briefly, until every rank has finished its teardown."""
+    briefly, until every rank has finished its teardown. The keys carry the runtime's namespace:
+    runtimes sharing one store (replica groups, the benchmark's backends) each count their own."""
+    done = rt.namespace + "shutdown/done"
     try:
-        rt.store.add("shutdown/done", 1, timeout_s=LEAVING_CALL_S)
+        rt.store.add(done, 1, timeout_s=LEAVING_CALL_S)
         # a rank this one saw die never counts itself: the first rank to report it counts it
         # (rank 0 waited out ``within_s`` after every pipeline over gloo that lost a stage)
         for peer in sorted(set().union(*(getattr(g.backend, "lost", ()) for g in rt.groups + [rt.world]))):
-            if rt.store.add(f"shutdown/lost/{peer}", 1, timeout_s=LEAVING_CALL_S) == 1:
-                rt.store.add("shutdown/done", 1, timeout_s=LEAVING_CALL_S)
+            if rt.store.add(f"{rt.namespace}shutdown/lost/{peer}", 1, timeout_s=LEAVING_CALL_S) == 1:
+                rt.store.add(done, 1, timeout_s=LEAVING_CALL_S)
         if rt.world.rank != 0:
             return
-        if rt.store.wait_count("shutdown/done", rt.world.size(), None, within_s)[0] != OK:
+        if rt.store.wait_count(done, rt.world.size(), None, within_s)[0] != OK:
             log.warning("rank 0: not every rank finished its teardown within %gs", within_s)
     except CommError as exc:  # a peer already gone: nothing left to wait for
         log.warning("shutdown handshake skipped: %s", exc)
