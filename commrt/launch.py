@@ -238,7 +238,7 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
             pumps.append(t)
         for attempt in range(max_restarts + 1):
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
-            at = port if attempt == 0 else free_port(_loopback(nodes.master_addr))
+            at = _attempt_port(port, attempt, nodes)
             code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix, at, services,
                                            stop_on_failure, lock, pumps, pids, ranks, nodes)
             if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
@@ -256,6 +256,18 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
     if failed is not None and failed < 0:
         tails[failed] = list(stails[-1 - failed])
     return LaunchResult(code, failed, tails, pids + [p.pid for p in services], failures)
+
+
+def _attempt_port(port: int, attempt: int, nodes: Nodes) -> int:
+    """MASTER_PORT of an attempt. Every host's launcher must give its ranks the same one, so a
+    job of several launchers keeps ``port``: a port picked here would be this host's alone and
+    the nodes could never meet again. The store rebinds it at once (ZeroMQ listens with
+    SO_REUSEADDR; a port still held retries, StoreServer's bind_within_s) and its incarnation
+    token refuses a straggler of the last attempt. A launch that starts every rank takes a
+    fresh port, so that nothing of the last attempt can reach the new store at all."""
+    if attempt == 0 or not nodes.whole_job():
+        return port
+    return free_port(_loopback(nodes.master_addr))
 
 
 def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, stop_on_failure,

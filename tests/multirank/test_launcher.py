@@ -197,6 +197,30 @@ def test_max_restarts_keeps_the_parameter_servers_running(tmp_path):
     assert "attempt 1 server-status: server 0 holds 1 segments, 32 bytes" in text, text  # state kept
 
 
+RESTARTING_RANK = ("import os, sys, numpy as np, commrt\n"
+                   "if os.environ['COMMRT_RESTART_COUNT'] == '0': sys.exit(3)\n"
+                   "commrt.init_process_group(); a = np.ones(4, np.float32); commrt.all_reduce(a)\n"
+                   "print('SUM', a.sum(), 'MASTER_PORT', os.environ['MASTER_PORT'], flush=True)\n"
+                   "commrt.destroy_process_group()\n")
+
+
+def test_max_restarts_re_forms_a_job_of_several_launchers():
+    """Two launchers, one node each (--nnodes 2, not elastic): every rank of attempt 0 fails, both
+    restart, and attempt 1's ranks must meet again. Each launcher gave attempt 1 a port it had
+    picked alone (free_port), so the nodes disagreed on MASTER_PORT and rank 0 timed out."""
+    from commrt.transport.security import new_secret
+    port = free_port()
+    env = {**ENV, "COMMRT_JOB_SECRET": new_secret(), "COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_TIMEOUT_S": "10"}
+    procs = [subprocess.Popen([sys.executable, "-m", "commrt.cli", "launch", "-n", "1", "--nnodes", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--max-restarts", "1", "--timeout", "60", "--", sys.executable, "-c", RESTARTING_RANK],
+                              env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              preexec_fn=default_signals) for node in (0, 1)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all(f"SUM 8.0 MASTER_PORT {port}" in out and "restarting the group (1/1)" in out for out in outs), outs
+
+
 def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "commrt.cli", *args], env={**ENV, **kw.pop("env", {})},
                           cwd=ROOT, capture_output=True, text=True, timeout=100, **kw)
