@@ -153,6 +153,8 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     they are stopped (SIGTERM: a final checkpoint) once the ranks are done.
     ``stop_on_failure=False`` lets the other ranks run on after one fails (fault-injection tests
     watch how they notice); the first failure is still reported.
+    ``timeout_s``: the whole launch's bound, restarts included; when it passes every process is
+    stopped and the result is 124.
     ``max_restarts``: after a failure, stop every rank and start the whole group again, up to
     this many times (the program resumes from its own checkpoint; TORCHELASTIC_RESTART_COUNT
     and COMMRT_RESTART_COUNT tell it which attempt it is). Servers keep running throughout.
@@ -169,8 +171,9 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     base = server_env(servers, world, env, loopback) if servers else dict(os.environ if env is None else env)
     _reuse_freed_memory(base)
     base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * len(nodes.here()))))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s  # one clock for every attempt
     with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
-        return _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
+        return _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_args,
                     stop_on_failure, max_restarts, nodes)
 
 
@@ -224,8 +227,10 @@ def _job_credentials(env: dict, config: str | None, nproc: int, servers: int, al
         yield
 
 
-def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server_args,
+def _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_args,
          stop_on_failure, max_restarts, nodes) -> LaunchResult:
+    """The servers, then the ranks, restarted after a failure while restarts and time are left
+    (``deadline``: launch's timeout_s as a time.monotonic() instant, shared by every attempt)."""
     lock = threading.Lock()
     stails = {i: deque(maxlen=200) for i in range(servers)}
     services, ranks, pumps, pids, failures = [], [], [], [], []
@@ -239,9 +244,9 @@ def _run(nproc, cmd, config, out, timeout_s, base, prefix, port, servers, server
         for attempt in range(max_restarts + 1):
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
             at = _attempt_port(port, attempt, nodes)
-            code, failed, tails = _attempt(nproc, cmd, config, out, timeout_s, env, prefix, at, services,
+            code, failed, tails = _attempt(nproc, cmd, config, out, deadline, env, prefix, at, services,
                                            stop_on_failure, lock, pumps, pids, ranks, nodes)
-            if code == 0 or failed is None or failed < 0 or attempt == max_restarts:
+            if code == 0 or failed is None or failed < 0 or attempt == max_restarts or _expired(deadline):
                 break
             note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "
                     f"group ({attempt + 1}/{max_restarts})")
@@ -270,7 +275,11 @@ def _attempt_port(port: int, attempt: int, nodes: Nodes) -> int:
     return free_port(_loopback(nodes.master_addr))
 
 
-def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, stop_on_failure,
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _attempt(nproc, cmd, config, out, deadline, env, prefix, port, services, stop_on_failure,
              lock, pumps, pids, procs, nodes) -> tuple[int, int | None, dict]:
     """One start of the group; its processes are added to ``procs`` as they start."""
     ranks = [(n, n * nproc + r) for n in nodes.here() for r in range(nproc)]  # (node, global rank)
@@ -285,11 +294,11 @@ def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, st
             pids.append(p.pid)
             pumps.append(t)
         mine = procs[first:]
-        code, failed = _watch(mine, timeout_s, services)
+        code, failed = _watch(mine, deadline, services)
         if failed is not None and failed >= 0:
             failed = ranks[failed][1]
         if failed is not None and failed >= 0 and not stop_on_failure:
-            if _watch(mine, timeout_s, services, until_all=True)[0] == 124:
+            if _watch(mine, deadline, services, until_all=True)[0] == 124:
                 code, failed = 124, None  # the others never finished
     except BaseException:  # KeyboardInterrupt included: never leave ranks behind
         _stop_everything(procs)
@@ -299,11 +308,11 @@ def _attempt(nproc, cmd, config, out, timeout_s, env, prefix, port, services, st
     return code, failed, {r: list(t) for r, t in tails.items()}
 
 
-def _watch(procs: list[subprocess.Popen], timeout_s: float | None,
+def _watch(procs: list[subprocess.Popen], deadline: float | None,
            services: Sequence[subprocess.Popen] = (), until_all: bool = False) -> tuple[int, int | None]:
     """Wait for the ranks; a failed rank (or a service that exits early) ends the wait, unless
-    ``until_all``. Services are reported as rank -1 - index."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    ``until_all``; 124 at ``deadline`` (launch's, not this wait's: timeout_s bounds the whole
+    launch, restarts included). Services are reported as rank -1 - index."""
     while True:
         pending = False
         for rank, p in enumerate(procs):

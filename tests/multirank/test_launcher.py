@@ -197,6 +197,28 @@ def test_max_restarts_keeps_the_parameter_servers_running(tmp_path):
     assert "attempt 1 server-status: server 0 holds 1 segments, 32 bytes" in text, text  # state kept
 
 
+def _failing_rank(after_s: float) -> list[str]:
+    """Rank 1 exits 1 after ``after_s`` (on every attempt); rank 0 sleeps until it is stopped."""
+    return [sys.executable, "-c", f"import os, sys, time\nif os.environ['RANK'] == '1':\n"
+                                  f"    time.sleep({after_s}); sys.exit(1)\ntime.sleep(60)\n"]
+
+
+def test_the_timeout_bounds_the_whole_launch_restarts_included():
+    """Each attempt (--max-restarts) restarted the clock: a rank failing every 1.5 s under a 3 s
+    timeout ran 4 attempts for 6.5 s and ended with its own code, never 124."""
+    start = time.monotonic()
+    result = launch(2, _failing_rank(1.5), out=io.StringIO(), timeout_s=3.0, max_restarts=3)
+    assert result.returncode == 124 and len(result.failures) == 1, (result.returncode, result.failures)
+    assert time.monotonic() - start < 4.5
+
+
+def test_the_timeout_bounds_the_wait_for_the_others_after_a_failure():
+    """stop_on_failure=False waits a second time, for the ranks left: its clock restarted too."""
+    start = time.monotonic()
+    result = launch(2, _failing_rank(1.0), out=io.StringIO(), timeout_s=2.0, stop_on_failure=False)
+    assert result.returncode == 124 and time.monotonic() - start < 2.7, time.monotonic() - start
+
+
 RESTARTING_RANK = ("import os, sys, numpy as np, commrt\n"
                    "if os.environ['COMMRT_RESTART_COUNT'] == '0': sys.exit(3)\n"
                    "commrt.init_process_group(); a = np.ones(4, np.float32); commrt.all_reduce(a)\n"
