@@ -3,11 +3,12 @@ the bootstrap store. Duplicates, missing ranks and incompatible builds are error
 which ranks, never hangs.
 
 Two ways to end it. ``exchange``: every rank reads every hello (n per rank, n^2 served by rank
-0's store; gloo/nccl, and the zmq world without torchrun's node variables). ``meet`` (issue 32.5):
-each rank checks its hello against rank 0's before it counts as joined (equality is transitive,
-so the job agrees when all agree with rank 0); rank 0 alone reads every hello, checks the layout
-and publishes it compactly (runs of node sizes); the others read a peer's hello only when they
-first dial it (``Hellos``), so a rank reads O(its peers) hellos, not n."""
+0's store; gloo/nccl, and the zmq backend NCCL falls back to). ``meet`` (issue 32.5; every zmq
+world): each rank checks its hello against rank 0's before it counts as joined (equality is
+transitive, so the job agrees when all agree with rank 0); rank 0 alone reads every hello, checks
+the layout and publishes it compactly (runs of node sizes); the others read a peer's hello only
+when they first dial it (``Hellos``), so a rank reads O(its peers) hellos, not n. Without
+torchrun's node variables, or on shared memory, rank 0 has every rank read every hello instead."""
 from __future__ import annotations
 
 import os
