@@ -7,7 +7,8 @@ all-reduce starts from the gradient hooks as soon as it and every bucket before 
 order on every rank, whichever parameters each rank's forward used), so communication overlaps
 the rest of backward. A parameter that no rank produced a gradient for keeps ``p.grad`` as it
 was (None), as torch DDP with ``find_unused_parameters`` leaves it: each bucket carries one
-used-flag per parameter. At the end of backward (an autograd
+used-flag per parameter, set by any backward since the last reduction (``no_sync`` micro-steps
+included, as torch DDP counts them). At the end of backward (an autograd
 callback, as torch DDP does) the reductions are waited for and the averaged gradients written
 back to ``p.grad``, before the optimizer step. In fp32 (no ``comm_dtype``, no codec) each bucket
 is a buffer kept across steps and ``p.grad`` is left a view of it, as with torch DDP's
@@ -70,6 +71,7 @@ class DataParallel(nn.Module):
         self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)
         loco = error_feedback if isinstance(error_feedback, dict) else None
         self._feedback = [cq.ErrorFeedback.from_loco(loco) if error_feedback else None for _ in self._buckets]
+        self._clear_used()
         self._arm()
         self._inflight: list = []
         self._queued = False
@@ -83,9 +85,11 @@ class DataParallel(nn.Module):
 
     def _arm(self) -> None:
         """Before a backward (at forward, and after each reduction, so that a second backward of
-        one forward is reduced too): every bucket waits for all its gradients, none started."""
+        one forward is reduced too): every bucket waits for all its gradients, none started.
+        The used-flags are not reset here but after each reduction (``_clear_used``): a
+        parameter used only in ``no_sync`` micro-steps holds an accumulated gradient that the
+        synchronised backward must reduce, as torch DDP counts usage across no_sync steps."""
         self._pending = [len(ps) for ps in self._buckets]
-        self._used = [[False] * len(ps) for ps in self._buckets]
         self._next = 0  # the bucket whose all-reduce starts next: they start in index order
 
     def forward(self, *args, **kwargs):
@@ -120,14 +124,14 @@ class DataParallel(nn.Module):
             self.require_sync = old
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        b, k = self._slot[id(p)]
+        self._used[b][k] = True  # under no_sync too: its accumulated gradient is reduced later
         if not self.require_sync:
             return
         if not self._queued:  # wait for everything once backward has finished
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
-        b, k = self._slot[id(p)]
         self._pending[b] -= 1
-        self._used[b][k] = True
         # in index order only, as torch DDP does: every rank's n-th all-reduce must be the same
         # bucket whatever order its hooks fired in (a parameter this rank's forward left out fills
         # its bucket only in _finish; a bucket of the same size started before it was averaged
@@ -210,4 +214,10 @@ class DataParallel(nn.Module):
                 else:
                     p.grad.copy_(g)
         self._inflight, self._queued = [], False
+        self._clear_used()
         self._arm()  # a second backward of the same forward is reduced as the first
+
+    def _clear_used(self) -> None:
+        """No parameter has produced a gradient since the last reduction (at construction and
+        after each one: the flags span the no_sync micro-steps before a synchronised backward)."""
+        self._used = [[False] * len(ps) for ps in self._buckets]
