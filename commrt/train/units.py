@@ -25,7 +25,7 @@ class UnitState:
         self.state: dict[str, torch.Tensor] = {}
         self.pending = 0
         self.grad_zero = False  # stages 2-3: ``grad`` is zeros (the step cleared it), so a reduced shard may replace it
-        self.reduced = False  # stages 0-1: ``grad`` (which p.grad views) holds a reduced gradient not yet stepped
+        self.reduced = False  # stage 1's reduce-scatter: ``grad``'s own shard holds a reduced gradient not yet stepped
         self.gathering = None  # zero.Followup of an all-gather in flight (finishes in Zero._gathered)
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the in-node copy
         self.fresh = False  # hpZ: the secondary copy holds the values of the last step

@@ -154,8 +154,11 @@ class Zero(Gathering, Deferring):
         if self.stage == 1 and self.rgroup is None and not self.qgz and self.dtype == torch.float32:
             # each rank steps only its shard: a reduce-scatter into it carries half an all-reduce's bytes
             flat = self._flatten_grads(u)
-            work = self._issue("reduce_scatter", self._start_reduce_scatter, u.grad[u.own[0]:u.own[1]], flat, u)
-            self._track(work, self.shard_scattered, u, flat)
+            own = u.grad[u.own[0]:u.own[1]]
+            out = torch.empty_like(own) if u.reduced else own  # a pending reduced gradient is added to
+            u.reduced = True
+            work = self._issue("reduce_scatter", self._start_reduce_scatter, out, flat, u)
+            self._track(work, self.shard_scattered, u, out)
             self.progress()
             return
         if self.stage < 2 and not self.qgz and self.dtype == torch.float32:
@@ -188,16 +191,11 @@ class Zero(Gathering, Deferring):
         self.progress()
 
     def begin_backward(self) -> None:
-        """Before a backward: gradient buffers that ``p.grad`` views (``_flatten_grads``) still
-        holding a reduced gradient no step consumed start from zero again, so the new backward
-        replaces it as it replaced a ``p.grad`` of its own before (accumulation windows begin
-        after a step, which zeroes them, or here)."""
+        """Before a backward. A reduced gradient no step consumed yet stays in ``u.grad`` at
+        every stage, and the new backward's is added to it, as torch adds a second backward
+        into ``p.grad`` without ``zero_grad`` (stages 0-1 used to drop it, 2-3 to add it)."""
         if self.defer:  # units the last forward did not gather: their landing and step first
             self.settle_all()
-        for u in self.units:
-            if u.reduced:
-                u.grad.zero_()
-                u.reduced = False
 
     def _reduce_alone(self, u: UnitState) -> None:
         """World size 1: what the collective path leaves in ``u.grad``, without the flat copy,
@@ -206,11 +204,9 @@ class Zero(Gathering, Deferring):
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
             dst = u.grad[off:off + n]
             if p.grad is None:
-                if self.stage < 2:  # stages 0-1 replace the gradient; 2-3 add to the shard
-                    dst.zero_()
                 continue
             g = p.grad.reshape(-1)
-            dst.add_(g) if self.stage >= 2 else dst.copy_(g)
+            dst.add_(g)  # onto zeros after a step, else onto the gradient no step consumed yet
             u.grad_zero = False
             p.grad = None
             if not self.nonfinite and not all_finite(g):
@@ -223,7 +219,8 @@ class Zero(Gathering, Deferring):
         let go), or ``into`` (stages 0-1 in fp32: the unit's gradient buffer itself), which
         ``p.grad`` then views, so later backwards accumulate into it in place as torch DDP's
         ``gradient_as_bucket_view`` does: no copy, and no fresh gradient tensors for autograd
-        to allocate and page-fault each step (``begin_backward`` and ``update`` zero it)."""
+        to allocate and page-fault each step (``update`` zeroes it). A gradient there that no
+        step consumed yet stays: this backward's adds to it (in place where ``p.grad`` views it)."""
         if into is None:  # every element is written below: no zero-fill of the whole unit first
             flat = torch.empty(u.layout.padded, dtype=self.dtype)
             flat[u.layout.numel:].zero_()  # the padding
@@ -232,15 +229,14 @@ class Zero(Gathering, Deferring):
         for p, off, n in zip(u.params, u.layout.offsets, u.layout.numels):
             g, dst = p.grad, flat[off:off + n]
             if g is None:
-                dst.zero_()
+                if into is None:
+                    dst.zero_()
             elif into is None:
                 dst.copy_(g.reshape(-1))
                 p.grad = None
             elif g.data_ptr() != dst.data_ptr():  # the first step, or the caller replaced p.grad
-                dst.copy_(g.reshape(-1))
+                dst.add_(g.reshape(-1))
                 p.grad = dst.view(g.shape)
-        if into is not None:
-            u.reduced = True
         if not all_finite(flat):
             self.nonfinite = True  # noted before the reduction mixes it into every rank
             if self.qgz:  # the step will be skipped; the codec would refuse the values
@@ -272,13 +268,17 @@ class Zero(Gathering, Deferring):
         return dist.all_reduce(out, ReduceOp.AVG, self.rgroup, async_op=True)
 
     def grad_all_reduced(self, u: UnitState, flat: torch.Tensor) -> None:
-        """Stages 0-1: the group's average is the unit's gradient (reduced in place in fp32)."""
+        """Stages 0-1: the group's average is the unit's gradient (reduced in place in fp32),
+        added to a reduced gradient no step consumed yet (zeros after a step)."""
         if flat is not u.grad:
-            u.grad.copy_(flat)
+            u.grad.add_(flat)
 
-    def shard_scattered(self, u: UnitState, flat: torch.Tensor) -> None:
-        """Stage 1: the average of this rank's shard is in ``u.grad`` (``flat``, the local
-        gradients the reduce-scatter read, may go now)."""
+    def shard_scattered(self, u: UnitState, out: torch.Tensor) -> None:
+        """Stage 1: the average of this rank's shard is in ``u.grad`` (reduce-scattered there),
+        or in ``out`` beside a reduced gradient no step consumed yet, which it is added to."""
+        own = u.grad[u.own[0]:u.own[1]]
+        if out.data_ptr() != own.data_ptr():
+            own.add_(out)
 
     def shard_reduced(self, u: UnitState, out: torch.Tensor) -> None:
         """Stages 2-3: the shard group's average of this rank's shard arrived; hybrid sharding

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 import commrt
-from commrt.train import DataParallel
-from tests.multirank.programs.zero_job import compare, data
+from commrt.train import DataParallel, initialize
+from tests.multirank.programs.zero_job import compare, data, make_model
+
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
 
 class TwoHeads(nn.Module):
@@ -46,7 +48,36 @@ def ddp_no_sync_case(rank: int, world: int) -> None:
             atol=1e-6)
 
 
-CASES = {"ddp_no_sync": ddp_no_sync_case}
+def _two_backwards_reference(world: int, steps: int) -> dict:
+    """torch: two backwards (micro-batches 0 and 1 of the global batch) add up before each step."""
+    model = make_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["params"]["lr"])
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            xs, ys = zip(*(data(r, step, micro) for r in range(world)))
+            nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def two_backwards_case(rank: int, world: int) -> None:
+    """Two engine.backward() calls before one step() (gradient_accumulation_steps 1): stages 0-1
+    dropped the first backward's gradient, stages 2-3 added both, as torch does (0.044 apart)."""
+    want = _two_backwards_reference(world, steps=2)
+    for stage, bf16 in ((0, False), (1, False), (2, False), (3, False), (0, True), (1, True)):
+        engine = initialize(make_model(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+                                           "optimizer": SGD, "bf16": {"enabled": bf16}})
+        for step in range(2):
+            for micro in range(2):
+                x, y = data(rank, step, micro)
+                engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        compare(engine.full_state_dict(), want, f"stage {stage}{' bf16' if bf16 else ''} two backwards, one step",
+                atol=1e-2 if bf16 else 1e-6)
+
+
+CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case}
 
 
 def main() -> int:
