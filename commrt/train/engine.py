@@ -109,9 +109,24 @@ class Engine(GatherHooks):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps``; bucket reductions start inside."""
+        self._check_trainable()
         with self.clock.span("backward"):
             self._backward(loss)
         self.micro_steps += 1
+
+    def _check_trainable(self) -> None:
+        """The parameters that train are fixed at initialize (they are the units' flat buffers and
+        optimizer state): one frozen after it would still be stepped (a zero gradient moves it by
+        AdamW's momentum and weight decay, where torch skips a parameter without ``.grad``), and
+        one unfrozen after it would get gradients no step applies. Refused, before any backward."""
+        for name, p in zip(self.names, self.params):
+            if not p.requires_grad:
+                raise ConfigError(f"parameter {name} was frozen (requires_grad False) after initialize; freeze "
+                                  "parameters before initialize: the engine's units are fixed at initialize")
+        if sum(p.requires_grad for p in self.module.parameters()) > len(self.params):
+            late = [n for n, p in self.module.named_parameters() if p.requires_grad and n not in self.names]
+            raise ConfigError(f"parameter(s) {late} were unfrozen (requires_grad True) after initialize; set "
+                              "requires_grad before initialize: the engine's units are fixed at initialize")
 
     def _backward(self, loss: torch.Tensor) -> None:
         stage = self.zero.stage

@@ -7,6 +7,7 @@ from torch import nn
 
 import commrt
 from commrt.launch import free_port
+from commrt.runtime.errors import ConfigError
 from commrt.train import initialize
 
 
@@ -51,3 +52,52 @@ def test_two_backwards_before_one_step_add_up(world1, stage, bf16):
     got = engine.full_state_dict()
     for name, want in ref.named_parameters():
         assert torch.allclose(got[name], want, atol=1e-2 if bf16 else 1e-6), name
+
+
+def _adamw(stage: int) -> dict:
+    return {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}}
+
+
+def _freeze_before_initialize_equals_torch(stage: int) -> None:
+    """A parameter frozen before initialize is not the engine's: never stepped, kept as it is."""
+    ref = _net()
+    ref[0].requires_grad_(False)
+    frozen = ref[0].weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.01, weight_decay=0.1,
+                            foreach=False)
+    model = _net()
+    model[0].requires_grad_(False)
+    engine = initialize(model, _adamw(stage))
+    for step in range(3):
+        opt.zero_grad()
+        _loss(ref, step).backward()
+        opt.step()
+        engine.backward(_loss(engine, step))
+        engine.step()
+    got = engine.full_state_dict()
+    assert torch.equal(got["0.weight"], frozen) and torch.equal(model[0].weight.detach(), frozen)
+    for name, want in ref.named_parameters():
+        assert torch.allclose(got[name], want, atol=1e-6), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_freezing_is_honoured_before_initialize_and_refused_after(world1, stage):
+    """A layer frozen after initialize kept moving (AdamW momentum and decay on a zero gradient,
+    where torch skips a parameter without .grad); one unfrozen after it would never be stepped."""
+    _freeze_before_initialize_equals_torch(stage)
+    engine = initialize(_net(), _adamw(stage))
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.module[0].requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"parameter 0\.weight was frozen .* before initialize"):
+        engine.backward(_loss(engine, 1))
+    engine.module[0].requires_grad_(True)
+    engine.module[2].bias.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"parameter 2\.bias was frozen"):
+        engine.backward(_loss(engine, 1))
+    model = _net()
+    model[0].requires_grad_(False)
+    engine = initialize(model, _adamw(stage))
+    engine.module[0].weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"\['0\.weight'\] were unfrozen"):
+        engine.backward(_loss(engine, 1))
