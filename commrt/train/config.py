@@ -156,6 +156,9 @@ def _check_groups(z: ZeroConfig) -> None:
 class TrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     optimizer: OptimSpec = field(default_factory=lambda: OptimSpec("adamw", lr=1e-3))
+    """DeepSpeed's ``optimizer`` table: type AdamW (or Adam, run as AdamW), LAMB or SGD, with lr,
+    betas, eps, weight_decay, momentum, nesterov; ``adam_w_mode`` and ``bias_correction`` only
+    as true (their default; false is a ConfigError, not Adam with L2 decay or raw moments)."""
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     """Clip the global gradient norm (over all shards) to this value; 0 disables."""
@@ -332,7 +335,20 @@ def _optimizer(raw: Mapping) -> OptimSpec:
         params["beta1"], params["beta2"] = betas
     valid = {"lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps"}
     _only(params, valid | {"torch_adam", "adam_w_mode", "bias_correction"}, "optimizer.params")
+    _only_true(params)
     return OptimSpec(kind, **{k: v for k, v in params.items() if k in valid})
+
+
+def _only_true(params: Mapping) -> None:
+    """DeepSpeed's ``adam_w_mode`` and ``bias_correction`` are accepted for its configs' sake, but
+    the engine runs only what they default to: decoupled weight decay (AdamW; LAMB adds it to the
+    direction) with bias-corrected moments. ``false`` was silently run as ``true``."""
+    for key, runs in (("adam_w_mode", "decoupled weight decay (AdamW), not Adam with L2 decay"),
+                      ("bias_correction", "bias-corrected moments")):
+        v = params.get(key, True)
+        if v is not True:
+            raise ConfigError(f"optimizer.params.{key} = {v!r} is not supported; valid: true (the engine runs "
+                              f"{runs}), or leave it out")
 
 
 def load_train_config(path: str | os.PathLike | None) -> TrainConfig:

@@ -54,6 +54,10 @@ def test_inconsistent_keys_are_config_errors(keys, says):
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "betas = [0.9]"),  # was an IndexError
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "beta2 = 1.5"),
     ({"optimizer": {"type": "SGD", "params": {"momentum": -0.5}}}, "momentum = -0.5"),
+    # accepted and ignored (AdamW with bias correction ran): refused, saying what runs
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "adam_w_mode = False is not supported"),
+    ({"optimizer": {"type": "LAMB", "params": {"bias_correction": False}}}, "bias_correction = False is not"),
+    ({"optimizer": {"type": "AdamW", "params": {"bias_correction": "false"}}}, "bias_correction = 'false'"),
 ])
 def test_malformed_values_are_config_errors(raw, says):
     """Found by the training review: each was accepted, or failed with a bare TypeError,
