@@ -195,9 +195,11 @@ class Engine(GatherHooks):
         """Apply the optimizer at an accumulation boundary; returns whether a step was taken."""
         if self.micro_steps % self.cfg.gradient_accumulation_steps or self._no_sync:
             return False
-        with self.clock.span("optimizer"):
-            took = self._step()
-        self.clock.finish_step()
+        try:
+            with self.clock.span("optimizer"):
+                took = self._step()
+        finally:  # a step that raised (NonFiniteGradients) is reported, not added to the next one
+            self.clock.finish_step()
         self.collector.step()  # outside the breakdown's step, inside the caller's
         return took
 
@@ -214,7 +216,8 @@ class Engine(GatherHooks):
         self.zero.settle_all()
 
     def step_breakdown(self) -> StepBreakdown | None:
-        """Where the last optimizer step's time went (None before the first step)."""
+        """Where the last optimizer step's time went (None before the first step); a step that
+        was skipped or raised (``non_finite_grads``) counts as one, so the next starts afresh."""
         return self.clock.last
 
     def _step(self) -> bool:

@@ -1,6 +1,8 @@
 """Edge cases of the training engine at world size 1 found by the training review, each against
 plain torch (the multi-rank ones are in tests/multirank/test_train_edges.py)."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,7 @@ from torch import nn
 import commrt
 from commrt.launch import free_port
 from commrt.runtime.errors import ConfigError
-from commrt.train import initialize
+from commrt.train import NonFiniteGradients, initialize
 
 
 @pytest.fixture
@@ -101,3 +103,28 @@ def test_freezing_is_honoured_before_initialize_and_refused_after(world1, stage)
     engine.module[0].weight.requires_grad_(True)
     with pytest.raises(ConfigError, match=r"\['0\.weight'\] were unfrozen"):
         engine.backward(_loss(engine, 1))
+
+
+class _Slow(nn.Linear):
+    """A forward that takes ``delay`` seconds (set per step by the test)."""
+    delay = 0.0
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return super().forward(x)
+
+
+def test_a_step_that_raised_is_not_added_to_the_next_steps_breakdown(world1):
+    """non_finite_grads 'raise' skipped StepClock.finish_step: the failed step's forward and
+    backward time went into the next step's step_breakdown()."""
+    engine = initialize(_Slow(4, 2), {"non_finite_grads": "raise"})
+    x = torch.randn(3, 4)
+    engine.module.delay = 0.2
+    engine.backward(engine(x).sum() * float("nan"))
+    with pytest.raises(NonFiniteGradients):
+        engine.step()
+    assert engine.step_breakdown().forward >= 0.2  # the step that raised is the one reported
+    engine.module.delay = 0.0
+    engine.backward(engine(x).sum())
+    assert engine.step()
+    assert engine.step_breakdown().forward < 0.1, engine.step_breakdown()
