@@ -60,7 +60,7 @@ def shard_state(engine) -> dict:
                for t in extra.values()]
     meta = {"format": FORMAT, "rank": z.rank, "world": z.world, "stage": z.stage,
             "module_state": [[n, list(t.shape), t.is_floating_point()] for n, t in extra.items()],
-            "optimizer": z.spec.kind, "global_steps": engine.global_steps,
+            "optimizer": z.spec.kind, "optimizer_state": list(names), "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "params": [[n, p_numel] for n, p_numel in zip(engine.names, _numels(engine))],
             "units": [[list(u.layout.params), list(u.layout.offsets), list(u.layout.numels),
@@ -207,6 +207,7 @@ def load_shard_states(engine, states: list[dict]) -> None:
             raise ConfigError("checkpoint does not match this model and optimizer "
                               f"(format {meta.get('format')}, optimizer {meta.get('optimizer')}, "
                               f"{len(meta['params'])} parameters vs {len(want)})")
+        _check_state_names(meta, names)
         arrays = iter(st["arrays"])
         for idx, offs, numels, numel, padded, lo, hi in meta["units"]:
             lay = Unit(tuple(idx), tuple(offs), tuple(numels), numel, padded)
@@ -235,6 +236,18 @@ def load_shard_states(engine, states: list[dict]) -> None:
                 u.state[n][a:b].copy_(src[start:start + b - a])
         u.grad.zero_()
     z.publish()
+
+
+def _check_state_names(meta: dict, names: list[str]) -> None:
+    """The per-element state arrays saved with each unit are the ones this optimizer keeps: SGD
+    with momentum keeps a buffer, without it none, so a change of momentum between save and
+    load read the arrays misaligned (a raw RuntimeError, or values taken for state). A file
+    written before the names were saved is read as before."""
+    saved = meta.get("optimizer_state")
+    if saved is not None and list(saved) != list(names):
+        raise ConfigError(f"checkpoint's optimizer state {list(saved)} differs from this optimizer's {list(names)} "
+                          "(its settings changed between save and load, e.g. SGD momentum 0 vs > 0); load it "
+                          "with the optimizer settings it was saved with")
 
 
 def _load_module_state(engine, st: dict) -> None:

@@ -128,3 +128,27 @@ def test_a_step_that_raised_is_not_added_to_the_next_steps_breakdown(world1):
     engine.backward(engine(x).sum())
     assert engine.step()
     assert engine.step_breakdown().forward < 0.1, engine.step_breakdown()
+
+
+def _sgd(momentum: float):
+    return initialize(_net(), {"zero_optimization": {"stage": 0, "reduce_bucket_size": 10},
+                               "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": momentum}}})
+
+
+@pytest.mark.parametrize("saved,loaded", [(0.0, 0.9), (0.9, 0.0)])
+def test_a_checkpoint_of_other_optimizer_state_is_a_config_error(world1, tmp_path, saved, loaded):
+    """SGD momentum changed between save and load: the state arrays were read misaligned (a raw
+    RuntimeError, or values taken for momentum)."""
+    engine = _sgd(saved)
+    engine.backward(_loss(engine, 0))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    state = engine.state_dict()
+    with pytest.raises(ConfigError, match=r"optimizer state .* differs from this optimizer's"):
+        _sgd(loaded).load_checkpoint(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"optimizer state .* differs from this optimizer's"):
+        _sgd(loaded).load_state_dict(state)
+    del state["meta"]["optimizer_state"]  # as written before the names were saved: loads as then
+    same = _sgd(saved)
+    same.load_state_dict(state)
+    assert all(torch.equal(v, engine.full_state_dict()[k]) for k, v in same.full_state_dict().items())
