@@ -10,9 +10,7 @@ median DDP step time of each backend and their ratio (commrt / gloo).
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
 import statistics
 import time
 
@@ -23,6 +21,7 @@ from torch import nn
 import commrt
 
 from commrt.apps import reporter
+from commrt.runtime import torch_init
 
 SIZES = {"4KiB": 4 << 10, "64MiB": 64 << 20}
 
@@ -83,6 +82,14 @@ def ddp_steps(group, iters: int, log) -> None:
              c / g)
 
 
+def gloo_world(rank: int, world: int) -> None:
+    """torch's default group on gloo, its TCPStore served by rank 0 on MASTER_ADDR only (on a
+    free port told through commrt's broadcast), gloo on the interface commrt advertises."""
+    store = torch_init.shared_store(rank, 120.0, commrt.broadcast)
+    with torch_init.gloo_interface(commrt.get_config()):
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="torch API on 'commrt' vs commrt's own API; DDP vs gloo")
     ap.add_argument("--iters", type=int, default=30)
@@ -90,16 +97,7 @@ def main(argv=None) -> int:
     commrt.init_process_group(backend="zmq")
     rank, world = commrt.get_rank(), commrt.get_world_size()
     log = reporter(__name__, f"rank {rank}") if rank == 0 else logging.getLogger("quiet")
-    port = torch.zeros(1, dtype=torch.int64)  # torch's store on a free port, told through ours
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # rank 0's, as commrt's own store
-    store = dist.TCPStore(host, 0, world, True, timeout=datetime.timedelta(seconds=120),
-                          wait_for_workers=False) if rank == 0 else None
-    if rank == 0:
-        port[0] = store.port
-    commrt.broadcast(port, 0)
-    if rank != 0:
-        store = dist.TCPStore(host, int(port), world, False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    gloo_world(rank, world)
     group = dist.new_group(backend="commrt")
     overhead(group, args.iters, log)
     ddp_steps(group, args.iters, log)

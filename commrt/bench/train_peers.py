@@ -13,17 +13,16 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
-import os
 import resource
 import warnings
 
-import torch
 import torch.distributed as tdist
 from torch import nn
 
 import commrt
 from commrt.integrations.tdist import register as tdist_register
 from commrt.obs.stats import split_by_node
+from commrt.runtime import torch_init
 
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -33,18 +32,10 @@ class TorchGroups:
 
     def __init__(self):
         rank, world = commrt.get_rank(), commrt.get_world_size()
-        # rank 0's address: the one its commrt store already serves at (MASTER_ADDR); 127.0.0.1
-        # sent the ranks of other nodes to their own host, to wait out the 120 s store timeout
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = torch.zeros(1, dtype=torch.int64)
-        store = tdist.TCPStore(host, 0, world, True, timeout=STORE_TIMEOUT,
-                               wait_for_workers=False) if rank == 0 else None
-        if rank == 0:
-            port[0] = store.port
-        commrt.broadcast(port, 0)
-        if rank != 0:
-            store = tdist.TCPStore(host, int(port), world, False, timeout=STORE_TIMEOUT)
-        tdist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+        # served by rank 0 on MASTER_ADDR only (where its commrt store is), not on every interface
+        store = torch_init.shared_store(rank, STORE_TIMEOUT.total_seconds(), commrt.broadcast)
+        with torch_init.gloo_interface(commrt.get_config()):
+            tdist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
         self.groups = {"gloo": tdist.group.WORLD, "commrt": tdist.new_group(backend="commrt")}
 
     def close(self) -> None:

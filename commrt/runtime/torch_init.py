@@ -67,17 +67,36 @@ def gloo_interface(cfg: Config):
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
+def serve_store(host: str, timeout_s: float):
+    """A TCPStore server listening on ``host`` only (any free port; ``.port`` says which).
+    ``TCPStore(host, 0, world, True)`` ignores ``host`` and listens, unauthenticated, on every
+    interface; a descriptor bound here keeps it where the job's own store is."""
+    fd = _listening_socket(host)
+    return torch.distributed.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                      wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+
+
+def shared_store(rank: int, timeout_s: float, broadcast):
+    """torch's TCPStore for a program already in a commrt world: rank 0 serves it at its own
+    MASTER_ADDR (where its commrt store is; 127.0.0.1 would send other nodes' ranks to their
+    own host), and the port reaches the others through ``broadcast`` (commrt.broadcast)."""
+    host = rendezvous.lookup(os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_ADDR")
+    tstore = serve_store(host, timeout_s) if rank == 0 else None
+    port = torch.tensor([tstore.port if tstore else 0], dtype=torch.int64)
+    broadcast(port, 0)
+    if tstore is not None:
+        return tstore
+    return torch.distributed.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def torch_store(store, spec: rendezvous.RendezvousSpec, timeout_s: float, namespace: str):
     """torch's TCPStore, served by rank 0 on a port handed out through our store."""
-    td = datetime.timedelta(seconds=timeout_s)
     if spec.rank == 0:
-        fd = _listening_socket(spec.host)
-        tstore = torch.distributed.TCPStore(spec.host, 0, None, True, timeout=td, wait_for_workers=False,
-                                            master_listen_fd=fd, use_libuv=True)
+        tstore = serve_store(spec.host, timeout_s)
         store.set(f"{namespace}torch/port", str(tstore.port).encode())
         return tstore
     port = int(wait_for(store, [f"{namespace}torch/port"], timeout_s, "torch store port")[0])
-    return torch.distributed.TCPStore(spec.host, port, None, False, timeout=td)
+    return torch.distributed.TCPStore(spec.host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def torch_backend_string(name: str, requested: str) -> str:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from commrt.bench.train import build_parser, strategies
+from commrt.runtime.config import load_config
 
 TINY = ["--dim", "32", "--layers", "1", "--seq", "8", "--vocab", "64", "--steps", "3", "--warmup", "1"]
 ALL = ["plain torch", "commrt DataParallel", "commrt stage 0", "commrt stage 3", "torch DDP gloo",
@@ -114,5 +115,6 @@ def test_torch_groups_reach_rank_0_at_master_addr(monkeypatch):
     monkeypatch.setattr(train_peers.commrt, "get_rank", lambda: 1)
     monkeypatch.setattr(train_peers.commrt, "get_world_size", lambda: 2)
     monkeypatch.setattr(train_peers.commrt, "broadcast", lambda t, src: t.fill_(4242))
+    monkeypatch.setattr(train_peers.commrt, "get_config", lambda: load_config(environ={}))
     train_peers.TorchGroups()
     assert dialled == [("10.1.2.3", 4242, False)]
