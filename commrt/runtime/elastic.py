@@ -20,6 +20,8 @@ The protocol is a handful of keys:
 - ``stop/<g>``: why generation ``g`` ends: every member stops its ranks and asks for ``g + 1``.
 - ``latest``: the newest plan, so an agent that (re)starts asks for the one after it.
 - ``finished``: every member's ranks exited 0; agents end.
+- ``coordinator``: a counter node 0's coordinator bumps every tick; an agent waiting for a plan
+  while it stands still for the join deadline ends (``EXIT_LOST``) instead of waiting for ever.
 
 ``Membership`` is the decision logic, pure (time and beats in, actions out) so that it is tested
 without sockets; the ``Coordinator`` thread feeds it from the store and writes its decisions.
@@ -223,22 +225,50 @@ class Coordinator:
     def __init__(self, client, policy: Policy, say: Callable[[str], None]):
         self.client, self.say = client, say
         self.membership = Membership(policy, time.monotonic())
+        self.written, self.ended = -1, False  # the newest plan written; a finish or abort written
         self._quit = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="commrt-elastic-coordinator", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        """Tick until closed. Anything unexpected (a bug, a beat it cannot read) ends the job
+        with EXIT_LOST, saying why: a silently dead thread left every agent waiting for ever on a
+        store that still answers."""
+        try:
+            self._ticks()
+        except Exception as exc:
+            log.exception("elastic coordinator failed")
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._abort(f"node 0's elastic coordinator failed: {detail}")
+
+    def _ticks(self) -> None:
         nodes = list(range(self.membership.policy.max_nodes))
         keys = [f"beat/{n}" for n in nodes]
+        count = 0
         while not self._quit.wait(BEAT_S / 2):
+            count += 1
             try:
+                self.client.set("coordinator", str(count).encode())  # agents see it is alive
                 raw = self.client.mget(keys)
-                beats = {n: (unpack(v) if v is not None else None) for n, v in zip(nodes, raw)}
             except RendezvousError as exc:  # its own store, in this process: an overloaded host
                 log.warning("elastic coordinator: %s; trying again", exc)
                 continue
+            beats = {n: (unpack(v) if v is not None else None) for n, v in zip(nodes, raw)}
             for action in self.membership.tick(time.monotonic(), beats):
                 self._apply_surely(action)
+
+    def _abort(self, why: str) -> None:
+        """End the job from a coordinator that cannot go on: the running generation stops, and
+        the plan after the newest one written is an abort, which every agent waits for."""
+        if self.ended:
+            return
+        self.membership.finished = True
+        try:
+            if self.written >= 0:
+                self._apply_surely(("stop", self.written, why))
+            self._apply_surely(("plan", self.written + 1, {"abort": why, "code": EXIT_LOST}))
+        except Exception:  # the agents' own deadline (elastic_agent._await_plan) ends them
+            log.exception("elastic coordinator: the abort could not be written either")
 
     def _apply_surely(self, action: tuple) -> None:
         """A decision is taken once: write it until the store takes it (or the launcher ends)."""
@@ -267,9 +297,11 @@ class Coordinator:
                          f"({plan['reason']})")
             self.client.set(f"plan/{g}", pack(plan))
             self.client.set("latest", str(g).encode())
+            self.written, self.ended = g, "abort" in plan
         elif action[0] == "finish":
             self.say(f"generation {self.membership.gen} finished on every node")
             self.client.set("finished", b"1")
+            self.ended = True
 
     def close(self) -> None:
         self._quit.set()

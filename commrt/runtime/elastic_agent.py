@@ -113,27 +113,48 @@ def _latest(client, policy: Policy) -> int:
 
 
 def _await_plan(client, beater: Beater, g: int, policy: Policy, end: float | None):
-    """(g, plan), or an Outcome: finished, the job's timeout, or the rendezvous lost for good."""
-    # bounded without a deadline of its own: the coordinator forms or aborts a generation within
-    # its join deadline, and a store that stops answering ends the wait after the same time
+    """(g, plan), or an Outcome: finished, the job's timeout, or the rendezvous lost for good.
+    The coordinator forms or aborts a generation within its join deadline, and a store that
+    stops answering ends the wait after the same time; a store that answers while node 0's
+    coordinator stands still (its thread dead) ends it too. A plan itself may be long in coming:
+    a node beyond MAX waits while a generation runs."""
+    alive = _CoordinatorWatch(policy)
     while True:
         now = time.monotonic()
         if end is not None and now >= end:
             return Outcome(124, "the launch's --timeout passed while waiting for a generation")
         try:
             status, value = client.wait([f"plan/{g}"], "finished", BEAT_S)
-            why = replaced(client, beater)
+            newest, tick = client.mget([f"agent/{beater.node}", "coordinator"])
         except RendezvousError as exc:
             if beater.lost_since is not None and now - beater.lost_since > policy.join_timeout_s:
                 return Outcome(EXIT_LOST, f"lost the rendezvous: {exc}")
             time.sleep(RETRY_S)  # a store that refuses (node 0 restarted: another incarnation) answers at once
             continue
-        if why is not None:
-            return Outcome(EXIT_REPLACED, why)
+        if newest is not None and int(newest) > beater.state.get("start", 0):
+            return Outcome(EXIT_REPLACED, _replaced_why(beater, int(newest)))
         if status == ABORT:
             return Outcome(0, "the job finished")
         if status == OK:
             return g, unpack(value[0])
+        if alive.stalled(tick):
+            return Outcome(EXIT_LOST, f"node 0's elastic coordinator has not ticked for {alive.limit_s:g}s "
+                           "while its store answers (its thread died: see node 0's log); giving up")
+
+
+class _CoordinatorWatch:
+    """Whether node 0's coordinator has stood still for the join deadline plus the settle
+    time: its ``coordinator`` counter unchanged (or never seen) for that long."""
+
+    def __init__(self, policy: Policy):
+        self.limit_s = policy.join_timeout_s + policy.settle_s
+        self.last, self.since = None, time.monotonic()
+
+    def stalled(self, tick) -> bool:
+        now = time.monotonic()
+        if tick is not None and bytes(tick) != self.last:
+            self.last, self.since = bytes(tick), now
+        return now - self.since > self.limit_s
 
 
 def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end: float | None,
@@ -177,13 +198,6 @@ def _watch(client, beater: Beater, g: int, procs: Sequence, policy: Policy, end:
                 _stop_everything(procs)
                 return None
         time.sleep(0.05)
-
-
-def replaced(client, beater: Beater) -> str | None:
-    """Why this launcher must leave, or None: a newer one of its node id has started (this one
-    was frozen or cut off meanwhile); the coordinator ignores its beats from then on."""
-    newest = client.mget([f"agent/{beater.node}"])[0]
-    return None if newest is None or int(newest) <= beater.state.get("start", 0) else _replaced_why(beater, int(newest))
 
 
 def _replaced_why(beater: Beater, newest: int) -> str:

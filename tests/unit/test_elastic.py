@@ -7,9 +7,10 @@ import time
 import pytest
 
 from commrt.runtime import elastic_agent
-from commrt.runtime.elastic import (DONE, EXIT_LOST, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Membership, Policy,
-                                    parse_nnodes)
+from commrt.runtime.elastic import (DONE, EXIT_LOST, EXIT_TOO_FEW, FAILED, IDLE, RUNNING, Coordinator, Membership,
+                                    Policy, pack, parse_nnodes)
 from commrt.runtime.errors import RendezvousError
+from commrt.runtime.store_core import ABORT, OK, TIMEOUT
 
 
 class Cluster:
@@ -240,3 +241,67 @@ def test_a_member_finishing_just_after_another_failed_ends_the_job_with_the_fail
     c.beat(1, IDLE, 0)
     (plan,) = plans(c.tick())
     assert plan[1] == 1 and plan[2]["code"] == 7 and "as node(s) [0] finished" in plan[2]["abort"], plan
+
+
+class FakeStore:
+    """Node 0's store as the coordinator and an agent use it, in one process; it keeps answering.
+    ``ticking``: mget of "coordinator" shows a new value each time (a live coordinator)."""
+
+    def __init__(self, ticking: bool = False):
+        self.data, self.ticking, self.ticks = {}, ticking, 0
+
+    def mget(self, keys):
+        if self.ticking:
+            self.ticks += 1
+            self.data["coordinator"] = str(self.ticks).encode()
+        return [self.data.get(k) for k in keys]
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def wait(self, keys, abort, timeout_s):
+        time.sleep(min(timeout_s, 0.02))
+        if abort in self.data:
+            return [ABORT, self.data[abort]]
+        values = [self.data.get(k) for k in keys]
+        return [OK, values] if all(v is not None for v in values) else [TIMEOUT, keys]
+
+
+def _idle_beat(node: int) -> bytes:
+    return pack({"id": f"a{node}", "seq": 1, "state": IDLE, "gen": -1, "addr": "127.0.0.1", "port": 1, "start": 1})
+
+
+def _until(cond, within_s: float = 3.0) -> bool:
+    end = time.monotonic() + within_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_coordinator_that_fails_ends_the_running_generation_and_the_job_saying_why():
+    """An unreadable beat (another version's, a corrupted write) raised out of the coordinator's
+    thread: it died silently, node 0's store kept answering, and every agent waited for ever."""
+    store = FakeStore()
+    store.set("beat/0", _idle_beat(0))
+    coord = Coordinator(store, Policy(1, 2, settle_s=0.1), lambda line: None)
+    try:
+        assert _until(lambda: "plan/0" in store.data)
+        store.set("beat/1", b"\xc1")  # not msgpack
+        assert _until(lambda: "plan/1" in store.data), store.data
+    finally:
+        coord.close()
+    assert b"coordinator failed" in store.data["stop/0"]
+    beater = type("B", (), {"lost_since": None, "node": 0, "state": {"start": 1}})()
+    g, plan = elastic_agent._await_plan(store, beater, 1, Policy(1, 2), None)
+    assert g == 1 and plan["code"] == EXIT_LOST and "coordinator failed" in plan["abort"], plan
+
+
+def test_an_agent_gives_up_on_a_coordinator_that_stands_still_but_waits_on_a_live_one():
+    beater = type("B", (), {"lost_since": None, "node": 1, "state": {"start": 1}})()
+    policy = Policy(1, 2, join_timeout_s=0.4, settle_s=0.1)
+    t0 = time.monotonic()
+    got = elastic_agent._await_plan(FakeStore(), beater, 0, policy, None)
+    assert got.code == EXIT_LOST and "not ticked" in got.why and time.monotonic() - t0 < 2.0, got
+    # a node beyond MAX waits for as long as a generation runs: a live coordinator is no reason to leave
+    got = elastic_agent._await_plan(FakeStore(ticking=True), beater, 0, policy, time.monotonic() + 1.0)
+    assert got.code == 124, got
