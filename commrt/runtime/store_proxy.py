@@ -39,6 +39,7 @@ from commrt.runtime import addresses
 from commrt.runtime.errors import ProtocolError, RendezvousError
 from commrt.runtime.store import NoProxy, StoreClient, retired
 from commrt.runtime.store_core import MAX_FRAME, MAX_WAIT_S
+from commrt.transport import security
 from commrt.transport.rpc import ERROR, MAX_REQ_ID, REQUEST, SLICE_S, Envelope, decode, encode
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,13 @@ def use_proxy(enabled: bool, backend: str, hint: list[int] | None, world_size: i
 
 def proxy_name(secret: bytes, host: str, port: int, node: int) -> str:
     """The abstract socket name of ``node``'s proxy for the store at ``host:port``: every rank
-    of the node computes it alone; without the job secret it cannot be guessed."""
-    digest = hashlib.sha256(b"|".join([secret, host.encode(), str(port).encode(), str(node).encode()]))
-    return f"commrt-store-{digest.hexdigest()[:24]}"
+    of the node computes it alone; without the job secret it cannot be guessed. Every local
+    user can list it (/proc/net/unix), so it comes from the stretched secret (security.derive):
+    a fast hash of it would test guesses at a user-chosen secret offline, millions a second.
+    Without a secret (curve, none) there is nothing to hide and nothing to stretch."""
+    where = f"store-proxy|{host}|{port}|{node}"
+    digest = security.derive(secret, where) if secret else hashlib.sha256(where.encode()).hexdigest()
+    return f"commrt-store-{digest[:24]}"
 
 
 def forward_deadline(method: str, body, now: float, timeout_s: float) -> float:

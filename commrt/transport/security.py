@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -125,6 +127,19 @@ def job_secret(cfg: Config, environ=os.environ) -> bytes:
     if len(value) < MIN_SECRET:
         raise ConfigError(f"the job secret in {path} is shorter than {MIN_SECRET} characters")
     return value.encode()
+
+
+def derive(secret: bytes, purpose: str) -> str:
+    """A value (64 hex digits) of the job secret for ``purpose``, fit to show where others can
+    read it (an abstract socket name in /proc/net/unix, torch's unauthenticated store): each
+    guess at the secret costs 2**20 PBKDF2 rounds, not one hash, and values for different
+    purposes reveal nothing of each other."""
+    return hmac.new(_stretched(secret), purpose.encode(), hashlib.sha256).hexdigest()
+
+
+@functools.lru_cache(maxsize=4)  # ~0.2 s once per process and secret, not once per use
+def _stretched(secret: bytes) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", secret, b"commrt/job-secret/v1", 1 << 20)
 
 
 def keygen(directory: str, names: list[str]) -> None:

@@ -2,8 +2,12 @@
 and clients over loopback and abstract Unix sockets, in one process: waits forwarded
 concurrently over one upstream connection, and typed errors (never a hang) when the store, or
 the proxy, is gone or silent."""
+import hashlib
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -48,6 +52,20 @@ def test_the_proxy_name_needs_the_job_secret():
     names = {proxy_name(s, "127.0.0.1", 2900, n) for s in (b"a" * 16, b"b" * 16) for n in (1, 2)}
     assert len(names) == 4 and all(len(n) < 100 for n in names)
     assert proxy_name(b"a" * 16, "127.0.0.1", 2900, 1) == proxy_name(b"a" * 16, "127.0.0.1", 2900, 1)
+
+
+def test_the_proxy_name_is_no_fast_hash_of_the_secret_and_every_process_derives_the_same():
+    """Every local user can list abstract socket names (/proc/net/unix): one SHA-256 of the secret
+    and the public host, port and node let them test guesses at a chosen secret offline."""
+    secret, where = b"our-team-secret-2024", ("10.0.0.1", 29500, 1)
+    name = proxy_name(secret, *where)
+    fast = hashlib.sha256(b"|".join([secret, b"10.0.0.1", b"29500", b"1"])).hexdigest()[:24]
+    assert name.startswith("commrt-store-") and name != f"commrt-store-{fast}"
+    code = f"from commrt.runtime.store_proxy import proxy_name; print(proxy_name({secret!r}, *{where!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert other.stdout.strip() == name, other.stderr
+    assert proxy_name(secret + b"!", *where) != name
 
 
 @pytest.fixture()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import hashlib
 import logging
 import os
 import threading
@@ -75,13 +73,10 @@ def _connect(backend: ZmqBackend, store: TorchStore, cfg: Config, rank: int, siz
 def secret_check(cfg: Config) -> str:
     """A value equal on ranks with one job secret (``secret`` mode; "" otherwise). torch's store
     is readable by anyone who reaches it, so this is PBKDF2 (2**20 rounds, ~0.2 s once per
-    process): guessing a secret of 16+ characters from it is out of reach."""
-    return _stretch(security.job_secret(cfg)) if cfg.security.mode == "secret" else ""
-
-
-@functools.lru_cache(maxsize=4)  # once per process and secret, not once per group
-def _stretch(secret: bytes) -> str:
-    return hashlib.pbkdf2_hmac("sha256", secret, b"commrt/tdist/secret-check/v1", 1 << 20).hex()[:32]
+    process, security.derive): guessing a secret of 16+ characters from it is out of reach."""
+    if cfg.security.mode != "secret":
+        return ""
+    return security.derive(security.job_secret(cfg), "tdist/secret-check")[:32]
 
 
 def check_secrets(table: list[dict], rank: int, store, ns: str, timeout_s: float) -> None:
