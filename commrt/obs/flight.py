@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from commrt.obs.trace import open_new
+from commrt.obs.trace import replace_with_json
 
 QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
 VERSION = 1
@@ -123,10 +123,7 @@ def write_dump(directory: str, dump: dict) -> str:
     """Atomically (a reader never sees half a dump); a later dump of the same rank replaces it."""
     os.makedirs(directory, exist_ok=True)
     path = dump_path(directory, dump["rank"])
-    tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
-    with open_new(tmp) as fh:
-        json.dump(dump, fh, indent=1)
-    os.replace(tmp, path)
+    replace_with_json(path, f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}", dump, indent=1)
     return path
 
 

@@ -7,6 +7,7 @@ NTP-synchronised hosts) line up in a merged file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,13 +59,24 @@ def open_new(path: str):
     return os.fdopen(fd, "w")
 
 
+def replace_with_json(path: str, tmp: str, value, **dump_kw) -> None:
+    """``value`` as JSON at ``path``, written to ``tmp`` first and renamed (a reader never sees
+    half a file). A write that fails (a full disk, EFBIG) removes ``tmp``: a partial file per
+    failed dump would pile up in the very directory that ran out of space."""
+    try:
+        with open_new(tmp) as fh:
+            json.dump(value, fh, **dump_kw)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
 def write(path: str, events: list[dict]) -> None:
     """Atomically: a reader (or a merge) never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open_new(tmp) as fh:
-        json.dump(document(events), fh)
-    os.replace(tmp, path)
+    replace_with_json(path, f"{path}.tmp{os.getpid()}", document(events))
 
 
 def load(path: str) -> list[dict]:

@@ -226,6 +226,24 @@ def test_trace_and_flight_files_are_never_written_through_a_planted_link(tmp_pat
     assert not os.path.islink(flight.dump_path(str(tmp_path), 0))
 
 
+
+def test_a_failed_trace_or_flight_write_leaves_no_temporary_file(tmp_path):
+    """A write that fails part-way (a full disk; EFBIG under RLIMIT_FSIZE here) left the partial
+    ``<path>.tmp<pid>...`` behind, one per failed dump, in the directory that was full."""
+    import resource
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old_limit[1]))
+    try:
+        with pytest.raises(OSError):
+            flight.write_dump(str(tmp_path), {"rank": 0, "version": 1, "groups": [{"pad": "y" * 100_000}]})
+        with pytest.raises(OSError):
+            trace.write(str(tmp_path / "trace.json"), [{"pad": "z" * 100_000}])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert os.listdir(tmp_path) == []
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STOPPED_RANK = """
 import os, signal, sys, time, types
