@@ -24,6 +24,7 @@ import shutil
 import subprocess
 
 from commrt.runtime.errors import ConfigError
+from commrt.runtime.processes import _stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,11 @@ def clean_leftovers() -> list[str]:
     for ns in _namespaces():
         m = re.match(rf"^{PREFIX}(\d+)-", ns)
         if m and not _alive(int(m.group(1))):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            gone.append(ns)
+            why = _delete_one(ns)
+            if why is None:
+                gone.append(ns)
+            else:
+                log.warning("could not remove the namespace %s left by a killed emulated run: %s", ns, why)
     if gone:
         log.warning("removed %d network namespaces left by a killed emulated run: %s", len(gone), gone)
     return gone
@@ -203,12 +207,44 @@ def cluster(nnodes: int, shape: LinkShape):
     clean_leftovers()
     tag = f"{os.getpid()}-{secrets.token_hex(3)}"
     names, cmds = plan(tag, nnodes, shape)
+    # SIGTERM/SIGHUP become Stopped from here on (launch() installs the same only for the run):
+    # otherwise one during setup or teardown killed the process with the namespaces in place
+    with _stop_on_signals():
+        try:
+            for cmd in cmds:
+                _run(cmd)
+            log.info("emulated cluster: %d nodes at %s%s (namespaces %s)", nnodes, shape.rate,
+                     f", {shape.delay} delay" if shape.delay else "", ", ".join(names))
+            yield Cluster(tuple(names[1:]), shape)
+        finally:  # deleting a namespace deletes its veth end (and so the pair) and its qdiscs
+            _delete_all(list(reversed(names)))
+
+
+def _delete_all(names: list[str]) -> None:
+    """Delete every namespace of ``names``, each on its own: one that fails or hangs, or a signal
+    or ^C arriving meanwhile, must not leave the rest behind. What could not be deleted is
+    logged (the next emulated run deletes it, once this process is gone); an interruption is
+    raised again when every one has been tried."""
+    failed, interrupted = [], None
+    for ns in names:
+        for _ in range(2):  # once more when an interruption cut the first try short
+            try:
+                why = _delete_one(ns)
+                break
+            except BaseException as exc:  # Stopped, KeyboardInterrupt: finish the cleanup first
+                interrupted, why = interrupted or exc, f"interrupted by {exc!r}"
+        if why is not None:
+            failed.append(f"{ns} ({why})")
+    if failed:
+        log.error("emulated cluster: could not delete %d network namespace(s): %s", len(failed), "; ".join(failed))
+    if interrupted is not None:
+        raise interrupted
+
+
+def _delete_one(ns: str) -> str | None:
+    """Delete namespace ``ns``: None, or why it failed."""
     try:
-        for cmd in cmds:
-            _run(cmd)
-        log.info("emulated cluster: %d nodes at %s%s (namespaces %s)", nnodes, shape.rate,
-                 f", {shape.delay} delay" if shape.delay else "", ", ".join(names))
-        yield Cluster(tuple(names[1:]), shape)
-    finally:  # deleting a namespace deletes its veth end (and so the pair) and its qdiscs
-        for ns in reversed(names):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:  # TimeoutExpired included
+        return f"{type(exc).__name__}: {exc}"
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit status {proc.returncode}")
