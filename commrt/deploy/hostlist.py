@@ -108,7 +108,7 @@ def parse_hostfile(text: str) -> list[Host]:
         slots = None
         for word in words[1:]:
             key, _, value = word.partition("=")
-            if key != "slots" or not value.isdigit() or int(value) < 1:
+            if key != "slots" or not value.isdecimal() or int(value) < 1:  # isdigit() takes "²", which int() refuses
                 raise ConfigError(f"host file line {number}: {word!r} is invalid; expected 'slots=N' (N >= 1)")
             slots = int(value)
         if not _HOST.match(words[0]) or words[0].startswith("-"):

@@ -25,7 +25,7 @@ def register(key: str, fn: Callable[[], Any]) -> None:
 
 
 def _peer_rank(name: str) -> int | None:
-    return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
+    return int(name[4:]) if name.startswith("rank") and name[4:].isdecimal() else None
 
 
 def split_by_node(sent: dict[tuple, int], same_node: list[bool], msgs: dict[tuple, int] | None = None) -> dict:

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from commrt.apps import launch_cmd
-from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist, tasks_per_node
+from commrt.deploy.hostlist import MAX_HOSTS, expand_hostlist, parse_hostfile, tasks_per_node
 from commrt.deploy.plan import job_from_env
+from commrt.obs import stats
 from commrt.runtime import bootstrap, rendezvous
 from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import ConfigError
@@ -120,6 +121,23 @@ def test_scheduler_counts_that_are_not_numbers_are_config_errors(value):
     """str.isdigit() accepts superscripts, which int() refuses: a ValueError traceback."""
     with pytest.raises(ConfigError, match="COMMRT_DEPLOY_NPROC"):
         job_from_env({"COMMRT_DEPLOY_WORKER_NODES": "1", "COMMRT_DEPLOY_NPROC": value})
+
+
+@pytest.mark.parametrize("slots", ["\u00b2", "1\u00b2"])
+def test_host_file_slots_that_are_not_numbers_are_config_errors_naming_the_line(slots):
+    """isdigit() again (deploy/hostlist.py): 'slots=²' passed it and int() raised a bare ValueError,
+    a traceback from `commrt launch --hostfile`."""
+    with pytest.raises(ConfigError, match="host file line 2: 'slots="):
+        parse_hostfile(f"node1 slots=2\nnode2 slots={slots}\n")
+    assert parse_hostfile("node1 slots=12\n")[0].slots == 12
+
+
+def test_algorithm_sizes_and_peer_names_with_superscripts_are_refused_not_a_valueerror():
+    """The same isdigit() in [comm] algorithms' sizes (a ValueError from load_config) and in the
+    peer names comm_stats parses (a ValueError from comm_stats for a peer named 'rank²')."""
+    with pytest.raises(ConfigError, match="algorithms"):
+        load_config(overrides={"comm": {"algorithms": "all_reduce=ring@\u00b2-4MiB"}}, environ={})
+    assert stats._peer_rank("rank\u00b2") is None and stats._peer_rank("rank12") == 12
 
 
 def test_host_list_products_within_the_bound_expand():

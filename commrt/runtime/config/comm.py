@@ -29,7 +29,7 @@ def _bytes(text: str, entry: str) -> int | None:
         return None
     digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(digits):]
-    if not digits.isdigit() or unit not in _UNITS:
+    if not digits.isdecimal() or unit not in _UNITS:  # isdigit() takes "²", which int() refuses
         raise invalid("comm", "algorithms", entry, f"size {text!r}: expected an integer with an optional unit "
                       "(B, KiB, MiB, GiB)")
     return int(digits) * _UNITS[unit]
