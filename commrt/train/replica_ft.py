@@ -60,7 +60,27 @@ def serve(cfg: Config, host: str, port: int) -> tuple[Transport, StoreServer]:
     every commrt store, not off this host unencrypted unless ``allow_insecure`` (check_bind)."""
     check_bind(cfg, [host])
     transport = Transport(cfg, "ft-store")
-    return transport, StoreServer(transport, host, port)
+    try:
+        return transport, StoreServer(transport, host, port)
+    except BaseException:  # a port in use: the transport's context and ZAP thread outlived the error
+        transport.close()
+        raise
+
+
+def _open_store(transport: Transport, host: str, port: int, serve_store: bool,
+                timeout_s: float) -> tuple[StoreServer | None, StoreClient]:
+    """The replicas' store (served here when ``serve_store``) and a client of it. A failure
+    closes what was opened, ``transport`` included: its zmq context and ZAP thread outlived
+    the error in a process that went on, or retried."""
+    server = None
+    try:
+        server = StoreServer(transport, host, port) if serve_store else None
+        return server, StoreClient(transport, host, port, timeout_s)
+    except BaseException:
+        if server is not None:
+            server.close()
+        transport.close()
+        raise
 
 
 @dataclasses.dataclass
@@ -111,8 +131,7 @@ class ReplicaFT(Generations):
         if serve_store:  # before any socket: as every commrt store, not off the host unencrypted
             check_bind(self.cfg, [self.host])
         self._ctl = Transport(self.cfg, f"replica{replica}-ft")
-        self._server = StoreServer(self._ctl, self.host, self.port) if serve_store else None
-        self.store = StoreClient(self._ctl, self.host, self.port, timeout_s)
+        self._server, self.store = _open_store(self._ctl, self.host, self.port, serve_store, timeout_s)
         self.rt = None
         self._outer = world.get()  # the default world before ours (commrt bench's): restored on close
         self.plan: q.Plan | None = None

@@ -2,6 +2,8 @@
 groups HYBRID_SHARD / MiCS / hpZ map to (issue 33.2)."""
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -93,6 +95,34 @@ def test_the_replicas_store_is_not_served_off_the_host_unencrypted():
     with pytest.raises(ConfigError, match="refusing to listen on .*192.0.2.1"):
         ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 2, "192.0.2.1:1", load_config(environ={}),
                   serve_store=True)
+
+
+def test_a_store_that_cannot_be_served_closes_its_transport(monkeypatch):
+    """StoreServer raising (its port in use) left the Transport made just before it open: its zmq
+    context and, in secret mode, its ZAP thread lived on in a process that went on or retried."""
+    from commrt.train import replica_ft
+    made = []
+
+    class Recorded(replica_ft.Transport):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+    monkeypatch.setattr(replica_ft, "Transport", Recorded)
+    real = replica_ft.StoreServer  # a port in use is retried for 10 s (a store closed a moment ago)
+    monkeypatch.setattr(replica_ft, "StoreServer", lambda t, host, port: real(t, host, port, bind_within_s=0.0))
+    monkeypatch.setenv("COMMRT_JOB_SECRET", "x" * 32)
+    cfg = load_config(environ={})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        where = busy.getsockname()
+        with pytest.raises(Exception, match="127.0.0.1"):
+            serve(cfg, *where)
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(Exception, match="127.0.0.1"):
+            ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 2, f"127.0.0.1:{where[1]}", cfg,
+                      serve_store=True)
+    assert len(made) == 2 and all(t.closed for t in made)
 
 
 def test_the_state_transfer_carries_every_group_setting_a_scheduler_changes():
