@@ -29,6 +29,32 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def narrow_int(buf) -> bool:
+    """An integer buffer of fewer than 64 bits (bool is not a number here)."""
+    if isinstance(buf, np.ndarray):
+        return buf.dtype.kind in "iu" and buf.dtype.itemsize < 8
+    return not (buf.is_floating_point() or buf.is_complex()) and buf.element_size() < 8 \
+        and buf.dtype != sys.modules["torch"].bool
+
+
+def widened(flat, op: ReduceOp, wb: Callable[[], None] | None, fresh: bool = False):
+    """(buffer to reduce, write-back): an integer AVG narrower than 64 bits runs on a 64-bit
+    copy, so that the sum of n values cannot wrap before the division (int8 100 on 3 ranks
+    averaged to 14); the write-back stores the average, which fits, into ``flat`` and runs
+    ``wb``. ``fresh``: an output the op fills, not read first (no copy of its values).
+    Every rank of an AVG widens alike, so the wire sees one dtype."""
+    if op != ReduceOp.AVG or not narrow_int(flat):
+        return flat, wb
+    if isinstance(flat, np.ndarray):
+        wide = np.empty(flat.shape, np.int64) if fresh else flat.astype(np.int64)  # uint8 and int32 fit
+        store = lambda: np.copyto(flat, wide, casting="unsafe")  # noqa: E731
+    else:
+        torch = sys.modules["torch"]
+        wide = torch.empty(flat.shape, dtype=torch.int64) if fresh else flat.to(torch.int64)
+        store = lambda: flat.copy_(wide)  # noqa: E731
+    return wide, (lambda: (store(), wb and wb())) if wb else store
+
+
 def flat_view(obj, what: str = "tensor") -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""

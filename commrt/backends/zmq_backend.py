@@ -27,7 +27,7 @@ from commrt.transport.endpoint import MismatchReport, encode_report
 from commrt.transport.memory import keep_freed_memory
 from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
-from commrt.backends.base import check_same_dtype, flat_view, same_kind, split_bounds
+from commrt.backends.base import check_same_dtype, flat_view, same_kind, split_bounds, widened
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.backends.zmq_shm import make_segment, open_channel, shares_memory
 
@@ -248,6 +248,7 @@ class ZmqBackend:
                                     lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
                                     async_op, reduce=op)
         flat, wb = flat_view(tensor)
+        flat, wb = widened(flat, op, wb)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
 
@@ -266,6 +267,8 @@ class ZmqBackend:
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
+        out, wb = widened(out, op, wb, fresh=True)
+        inp, _ = widened(inp, op, None)
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
                                 lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
 
@@ -281,6 +284,10 @@ class ZmqBackend:
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         flat, wb = flat_view(tensor)
+        if self.rank == dst:  # the others' buffers are inputs only: nothing to store back
+            flat, wb = widened(flat, op, wb)
+        else:
+            flat, _ = widened(flat, op, None)
         return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 

@@ -25,7 +25,7 @@ from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
 from commrt.runtime.dtypes import as_tensor
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.work import CommTimeout, Work
-from commrt.backends.base import split_bounds
+from commrt.backends.base import split_bounds, widened
 
 _OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
         ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT, ReduceOp.MIN: tdist.ReduceOp.MIN,
@@ -151,11 +151,14 @@ class TorchBackend:
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t, back = _dense(tensor)
+        t, back = widened(t, op, back)  # integer AVG: summed in 64 bits, not wrapped
         w = tdist.all_reduce(t, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("all_reduce", w, async_op, _then(self._avg(t, op), back))
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         (out, back), inp = _dense(output), as_tensor(input).contiguous()
+        out, back = widened(out, op, back, fresh=True)
+        inp, _ = widened(inp, op, None)
         w = _REDUCE_SCATTER(out, inp, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce_scatter_tensor", w, async_op, _then(self._avg(out, op), back))
 
@@ -171,6 +174,7 @@ class TorchBackend:
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         t, back = _dense(tensor)
+        t, back = widened(t, op, back) if self.rank == dst else (widened(t, op, None)[0], None)
         after = _then(self._avg(t, op), back) if self.rank == dst else None
         if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged
             t = t.clone()

@@ -12,9 +12,10 @@ import time
 
 import numpy as np
 
+from commrt.backends.base import narrow_int
 from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.runtime import world
+from commrt.runtime import dtypes, world
 from commrt.runtime.arrays import flat_plain, is_contiguous, nbytes, numel
 from commrt.runtime.errors import CollectiveMismatch, ConfigError
 from commrt.runtime.group import ProcessGroup
@@ -152,7 +153,7 @@ def segments_for(nbytes: int, chunk_bytes: int) -> int:
 
 def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
     """``group.backend.all_reduce``, or the two-level composition on the world spanning nodes."""
-    if not route(group, "all_reduce", tensor):
+    if not route(group, "all_reduce", tensor) or _int_avg(op, tensor):
         return group.backend.all_reduce(tensor, op, async_op)
     flat = flat_plain(tensor)  # route() admits contiguous buffers only
     segments = segments_for(nbytes(flat), world.current().config.comm.chunk_bytes)
@@ -161,7 +162,7 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
 
 
 def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
-    if not route(group, "reduce_scatter", output, input):
+    if not route(group, "reduce_scatter", output, input) or _int_avg(op, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
     out, inp = flat_plain(output), flat_plain(input)
     return _submit("reduce_scatter_tensor", lambda lv: hierarchical.reduce_scatter(lv.intra, lv.inter, out, inp, op),
@@ -180,6 +181,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       group: ProcessGroup, async_op: bool = False) -> Work | None:
     """No two-level form: the group's backend, under the same calling convention as the others."""
     return group.backend.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+
+
+def _int_avg(op: ReduceOp, buf) -> bool:
+    """An integer AVG below 64 bits: the flat path, whose backend sums it in 64 bits
+    (backends.base.widened); the two levels' partial sums would wrap."""
+    return op == ReduceOp.AVG and narrow_int(dtypes.as_buffer(buf))
 
 
 def route(group, kind: str, *tensors) -> bool:

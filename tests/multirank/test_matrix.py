@@ -24,3 +24,11 @@ def test_matrix_tiny_pipeline_pieces():
     run_ranks(3, "matrix", env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_COMM_INTRA_NODE": "tcp",
                                 "COMMRT_COMM_CHUNK_BYTES": "8192",
                                 "COMMRT_COMM_SMALL_BYTES": "64"}, timeout_s=300)
+
+
+@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
+def test_integer_avg_does_not_wrap(backend, intra):
+    """int8 / uint8 / int32 AVG of values whose sum over 3 ranks overflows the dtype equals the
+    floored int64 average (backends.base.widened), on the TCP and shared-memory paths and gloo."""
+    _, out = run_ranks(3, "int_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
+    assert out.count("int avg passed") == 3
