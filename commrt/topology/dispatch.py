@@ -16,7 +16,7 @@ from commrt.backends.base import narrow_int
 from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import dtypes, world
-from commrt.runtime.arrays import flat_plain, is_contiguous, nbytes, numel
+from commrt.runtime.arrays import flat_plain, is_contiguous, is_tensor, nbytes, numel
 from commrt.runtime.errors import CollectiveMismatch, ConfigError
 from commrt.runtime.group import ProcessGroup
 from commrt.runtime.work import Work
@@ -134,13 +134,30 @@ def auto_stats() -> dict | None:
     return None if choice is None else dataclasses.asdict(choice)
 
 
-def _submit(name: str, fn, async_op: bool) -> Work | None:
+def _submit(name: str, fn, async_op: bool, back=None) -> Work | None:
+    """Run ``fn(levels)`` on the levels' executor, then ``back`` (a copy's write-back)."""
     rt = world.current()
     levels = levels_of(rt)
+    run = (lambda: fn(levels)) if back is None else (lambda: (fn(levels), back()))
     if async_op:
-        return levels.executor.submit(name, lambda: fn(levels))
-    levels.executor.run(name, lambda: fn(levels), rt.config.comm.timeout_s)
+        return levels.executor.submit(name, run)
+    levels.executor.run(name, run, rt.config.comm.timeout_s)
     return None
+
+
+def _plain(x):
+    """(flat contiguous buffer, write-back or None): a non-contiguous one runs on a copy. Which
+    path an op takes must not depend on a rank's memory layout: a rank whose strided view went
+    the flat way while its peers went the two levels stalled them all (and skipped joining the
+    node groups that levels_of creates on every rank)."""
+    if is_contiguous(x):
+        return flat_plain(x), None
+    if isinstance(x, np.ndarray):
+        flat = np.ascontiguousarray(x).reshape(-1)
+        return flat, lambda: np.copyto(x, flat.reshape(x.shape))
+    t = x.detach()
+    flat = t.contiguous().view(-1)
+    return flat, lambda: t.copy_(flat.view(t.shape))
 
 
 def segments_for(nbytes: int, chunk_bytes: int) -> int:
@@ -155,26 +172,26 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
     """``group.backend.all_reduce``, or the two-level composition on the world spanning nodes."""
     if not route(group, "all_reduce", tensor) or _int_avg(op, tensor):
         return group.backend.all_reduce(tensor, op, async_op)
-    flat = flat_plain(tensor)  # route() admits contiguous buffers only
+    flat, back = _plain(tensor)
     segments = segments_for(nbytes(flat), world.current().config.comm.chunk_bytes)
     return _submit("all_reduce", lambda lv: hierarchical.all_reduce(lv.intra, lv.inter, flat, op, segments),
-                   async_op)
+                   async_op, back)
 
 
 def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "reduce_scatter", output, input) or _int_avg(op, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
-    out, inp = flat_plain(output), flat_plain(input)
+    (out, back), (inp, _) = _plain(output), _plain(input)
     return _submit("reduce_scatter_tensor", lambda lv: hierarchical.reduce_scatter(lv.intra, lv.inter, out, inp, op),
-                   async_op)
+                   async_op, back)
 
 
 def all_gather_into_tensor(output, input, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "all_gather", output, input):
         return group.backend.all_gather_into_tensor(output, input, async_op)
-    out, inp = flat_plain(output), flat_plain(input)
+    (out, back), (inp, _) = _plain(output), _plain(input)
     return _submit("all_gather_into_tensor", lambda lv: hierarchical.all_gather(lv.intra, lv.inter, out, inp),
-                   async_op)
+                   async_op, back)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *,
@@ -196,7 +213,8 @@ def route(group, kind: str, *tensors) -> bool:
     rt = world.current()
     if rt.topology is None or rt.topology.num_nodes < 2 or group is not rt.world:
         return False  # the common case, decided in three attribute reads
-    if not all(is_contiguous(t) for t in tensors) \
+    # contiguity is each rank's own affair (_plain copies): every rank must take the same path
+    if not all(isinstance(t, np.ndarray) or is_tensor(t) for t in tensors) \
             or len({t.dtype for t in tensors}) != 1:
         return False
     n = rt.world.size()

@@ -43,6 +43,13 @@ def test_hierarchical_matrix_equals_the_reference_on_every_rank(k, m, chunk):
     assert out.count("hier matrix passed") == k * m
 
 
+def test_strided_views_on_some_ranks_take_the_two_levels_like_the_others():
+    """Which path an op takes depends on what every rank agrees on, not on one rank's memory
+    layout: the strided views run on a copy (dispatch._plain)."""
+    out = run_layout(2, 2, "strided", env={"COMMRT_COMM_HIERARCHICAL": "always", "COMMRT_COMM_TIMEOUT_S": "20"})
+    assert out.count("hier strided passed") == 4
+
+
 @pytest.mark.parametrize("k,m", [(2, 2), (3, 2)])
 def test_byte_counters_follow_the_formulas(k, m):
     """The formulas are the ring's (node-boundary crossings per ring edge): programs/hier.py pins

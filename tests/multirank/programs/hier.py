@@ -172,6 +172,34 @@ def check_sizes(k: int, m: int) -> None:
     raise AssertionError(f"rank {commrt.get_rank()}: an all_reduce of other sizes on other ranks completed")
 
 
+def check_strided() -> None:
+    """Even ranks hand the two-level ops strided views, odd ranks contiguous arrays, of the same
+    values: every rank must take the same path (a strided rank used to go the flat way alone,
+    and the others waited for it), and the views get the results."""
+    from tests.multirank.programs.np_ref import reference, values
+    rank, world = commrt.get_rank(), commrt.get_world_size()
+
+    def laid_out(a: np.ndarray) -> np.ndarray:
+        if rank % 2:
+            return a.copy()
+        room = np.zeros((a.size, 3), a.dtype)
+        room[:, 1] = a
+        return room[:, 1]  # every third element: not contiguous
+
+    for numel in (1, 7, 4099):
+        parts = [values(numel, r, np.float32, "SUM", numel) for r in range(world)]
+        t = laid_out(parts[rank])
+        commrt.all_reduce(t)
+        assert np.array_equal(t, reference(parts, "SUM")), f"all_reduce {numel}"
+        full = [values(numel * world, r, np.int32, "MAX", numel) for r in range(world)]
+        out = laid_out(np.zeros(numel, np.int32))
+        commrt.reduce_scatter_tensor(out, laid_out(full[rank]), op="max")
+        assert np.array_equal(out, reference(full, "MAX")[rank * numel:(rank + 1) * numel]), f"RS {numel}"
+        gathered = laid_out(np.zeros(numel * world, np.float32))
+        commrt.all_gather_into_tensor(gathered, laid_out(parts[rank]))
+        assert np.array_equal(gathered, np.concatenate(parts)), f"all_gather {numel}"
+
+
 def main() -> None:
     k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
@@ -194,6 +222,8 @@ def main() -> None:
             return
         elif what == "matrix":
             check_matrix(flat_world)
+        elif what == "strided":
+            check_strided()
         else:
             check_bytes(flat_world, k, m)
         print(f"rank {commrt.get_rank()}: hier {what} passed", flush=True)
