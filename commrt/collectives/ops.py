@@ -155,10 +155,23 @@ def all_gather(ctx: OpContext, out, inp) -> None:
     ctx.flush()
 
 
+def _agree_on_root(ctx: OpContext) -> None:
+    """One empty message to the right neighbour, one from the left, before a rooted op: its
+    header carries the root, so ranks that disagree about it raise CollectiveMismatch at once
+    (if the roots differ anywhere, they differ between some pair of neighbours). Without it,
+    ranks that each took another for the root each waited for its parent for the whole
+    deadline and then blamed a live rank (2 ranks calling broadcast(src=1 - rank)); shared
+    memory compares every rank's header already. Costs one small message's latency."""
+    left, right = ring_neighbours(ctx.rank, ctx.size)
+    ctx.send(right)
+    ctx.recv(left)
+
+
 def broadcast(ctx: OpContext, flat, src: int) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n == 1:
         return
+    _agree_on_root(ctx)
     algorithm = ctx.algorithm("broadcast", numel * ctx.itemsize)
     if algorithm != "chain" or not numel:
         _scheduled(ctx, "broadcast", algorithm, flat, root=src)
@@ -179,6 +192,7 @@ def reduce(ctx: OpContext, flat, dst: int, op: ReduceOp) -> None:
     """Only ``dst``'s tensor receives the result; the others are left unchanged."""
     n, numel = ctx.size, numel_of(flat)
     if n > 1:
+        _agree_on_root(ctx)
         algorithm = ctx.algorithm("reduce", numel * ctx.itemsize)
         if algorithm == "ring" and numel:
             _ring_reduce_to(ctx, flat, dst, op)

@@ -24,6 +24,15 @@ def test_collective_mismatch(mode):
         assert "rank 0" in msg and "rank 1" in msg, msg
 
 
+@pytest.mark.parametrize("mode,n", [("root_broadcast", 2), ("root_reduce", 3)])
+def test_ranks_that_disagree_about_the_root_fail_at_once_over_tcp(mode, n):
+    """On TCP a non-root rank only hears from its parent: ranks that each took another for the
+    root waited out the deadline (30 s here) and blamed a live rank as lost (ops._agree_on_root)."""
+    _, out = run_ranks(n, "failures", mode, env={**ENV, "COMMRT_COMM_INTRA_NODE": "tcp"}, timeout_s=40)
+    errors = caught(out)
+    assert len(errors) == n and all(kind == "CollectiveMismatch" and "root=" in msg for kind, msg in errors), out
+
+
 def test_group_refuses_after_failure():
     _, out = run_ranks(2, "failures", "after_error", env=ENV, timeout_s=40)
     assert [k for k, _ in caught(out)] == ["CommError", "CommError"], out

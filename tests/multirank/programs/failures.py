@@ -81,6 +81,12 @@ def collective(mode: str) -> None:
             commrt.all_reduce(np.ones(8, np.float32))
         else:
             commrt.all_gather_into_tensor(np.ones(8 * WORLD, np.float32), np.ones(8, np.float32))
+    elif mode == "root_broadcast":  # each of 2 ranks takes the other for the root
+        commrt.broadcast(np.ones(8, np.float32), src=1 - RANK)
+        commrt.barrier()
+    elif mode == "root_reduce":  # rank 0 reduces to itself, the others to rank 1
+        commrt.reduce(np.ones(8, np.float32), dst=0 if RANK == 0 else 1)
+        commrt.barrier()  # a leaf whose reduce only sent learns of it here
     elif mode == "dead":
         commrt.all_reduce(np.ones(10, np.float32))
         if RANK == WORLD - 1:
