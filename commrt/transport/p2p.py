@@ -48,14 +48,15 @@ class P2PEngine(CallerProgress):
         the world does); a failed transfer's PeerLost or CollectiveMismatch names those."""
         self._ep, self._timeout_s, self._members = ep, timeout_s, members
         # sends (PUSH sockets, out rings, _out's queues), _posted, the wake socket's sending
-        # end and the endpoint's monitors; re-entrant: a Work callback may post from under it
+        # end and the endpoint's monitors. No Work finishes under it (_finish_sends): its
+        # callbacks may post, and a poster holds the PointToPoint lock while it waits for this
         self._tx = threading.RLock()
         self._posted: collections.deque = collections.deque()  # receives posted while the socket was busy
         self._wake_tx, self._wake_rx = ep.transport.inproc_pair(f"p2p{ep.group}")
         self._reader = Reader(self._wake)  # the inbound socket, Matching and the in rings
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._out = Sender(ep, timeout_s, self._fail)
+        self._out = Sender(ep, timeout_s)
         self._match = Matching(ep.rank, self._bind, _release, time.monotonic)
         self._rings: shm_p2p.Rings | None = None
         self._inboxes: dict = {}  # peer -> mailbox.Inbox, with the rings
@@ -90,9 +91,9 @@ class P2PEngine(CallerProgress):
             with self._tx:
                 self._check_open(op)
                 self._start()
-                done, wake = self._out.post(op)
-            if done and not op.work._done.is_set():
-                op.work._finish(None, None)
+                wake = self._out.post(op)
+                settled = self._out.settled()  # only op: the engine takes its own under _tx
+            self._finish_sends(settled)
             if wake:
                 self._wake()
             return op.work
@@ -165,6 +166,8 @@ class P2PEngine(CallerProgress):
                         self._reader.release()
                 with self._tx:
                     self._out.progress(now)
+                    settled = self._out.settled()
+                self._finish_sends(settled)
         except BaseException as exc:  # a bug here must not leave callers waiting for ever
             log.exception("group %d: point-to-point engine failed", self._ep.group)
             self._stop(exc)
@@ -287,6 +290,16 @@ class P2PEngine(CallerProgress):
             op.work._finish(None, error)
         if overdue:
             self._reader.landed()  # a waiter queued for the socket sees its receive is done
+
+    def _finish_sends(self, settled: list) -> None:
+        """Finish the Works of sends the Sender decided, outside ``_tx``: their callbacks may post.
+        A callback's own failure is logged (as a receive's is, matching.py), not left to stop
+        the engine with the rest of ``settled`` unfinished."""
+        for op, error in settled:
+            try:
+                op.work._finish(None, error)
+            except Exception:
+                log.exception("rank %d: a done-callback of a send to rank %d failed", self._ep.rank, op.dst)
 
     def _fail(self, op, error: BaseException) -> None:
         if not op.work._done.is_set():

@@ -1,13 +1,15 @@
 """The send side of the point-to-point engine (p2p.py): per-destination queues in posting order,
 pieces pushed as the socket or the shared-memory ring takes them, and sends whose zero-copy
 buffers ZeroMQ still reads ("draining"). The engine calls every method here under its lock
-(``P2PEngine._tx``): the PUSH sockets and the out rings have one owner at a time.
+(``P2PEngine._tx``): the PUSH sockets and the out rings have one owner at a time. Nothing here
+finishes a Work: a send's outcome is decided here and handed over (``Sender.settled``) for the
+engine to finish after it lets go of that lock, since a Work's done-callbacks may post.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -26,35 +28,54 @@ class Send:
     tag: int
     seq: int
     frames: list  # [(header, payload)] pieces in order
-    work: Any  # the caller's Work handle (work.py, a layer above): _finish / is_completed
+    work: Any  # the caller's Work handle (work.py, a layer above), finished by the engine (settled)
     sent: int = 0
     trackers: list = field(default_factory=list)
     since: float = 0.0  # last progress
+    over: bool = False  # its outcome is decided (Sender._settle): nothing here touches it again
 
 
 class Sender:
-    def __init__(self, ep: Endpoint, timeout_s: float, fail: Callable[[Send, BaseException], None]):
-        self._ep, self._timeout_s, self._fail = ep, timeout_s, fail
+    def __init__(self, ep: Endpoint, timeout_s: float):
+        self._ep, self._timeout_s = ep, timeout_s
         self.rings: shm_p2p.Rings | None = None  # set by P2PEngine.use_shm before the first transfer
         self._queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._draining: list[Send] = []
+        self._settled: list[tuple[Send, BaseException | None]] = []
 
-    def post(self, op: Send) -> tuple[bool, bool]:
-        """Send what goes out now; (done, wake): the Work is complete, or the engine has the rest.
-        To a peer whose connection is lost (liveness.py) nothing goes: ZeroMQ would take it and
-        drop it, or hold it, and the send fail only at its deadline (a receive fails at once)."""
+    def post(self, op: Send) -> bool:
+        """Send what goes out now; whether the engine must wake for the rest (else ``op`` is
+        settled). To a peer whose connection is lost (liveness.py) nothing goes: ZeroMQ would
+        take it and drop it, or hold it, and the send fail only at its deadline (a receive
+        fails at once)."""
         live = self._ep.live
         if live.down and live.is_lost(op.dst, op.since):
-            self._fail(op, live.lost(op.dst, "send", op.seq, op.since))
-            return True, False
+            self._settle(op, live.lost(op.dst, "send", op.seq, op.since))
+            return False
         queue = self._queues[op.dst]
         if queue or not self._push(op, op.since):
             queue.append(op)  # behind the queued ones (send order), or the rest of its pieces
-            return False, True
-        if op.trackers:  # ZeroMQ still reads our buffers: the engine watches them
+            return True
+        if op.trackers and not op.over:  # ZeroMQ still reads our buffers: the engine watches them
             self._draining.append(op)
-            return False, True
-        return True, False
+            return True
+        self._settle(op, None)
+        return False
+
+    def settled(self) -> list[tuple[Send, BaseException | None]]:
+        """The sends decided since the last call, as (send, error or None), for the engine to
+        finish once it has let go of its lock: a done-callback may isend, which takes the
+        group's PointToPoint lock, and a thread inside isend holds that lock while it waits for
+        the engine's (review_pp item 1: the two deadlocked for ever)."""
+        settled = self._settled
+        if settled:
+            self._settled = []
+        return settled
+
+    def _settle(self, op: Send, error: BaseException | None) -> None:
+        if not op.over:
+            op.over = True
+            self._settled.append((op, error))
 
     def busy(self) -> bool:
         """Pieces wait for the pipe, or buffers for ZeroMQ: the engine polls briefly."""
@@ -64,25 +85,29 @@ class Sender:
         live = self._ep.live
         for dst in [d for d in live.down if live.is_lost(d, now)]:  # what waits for it never goes
             queued, draining = self.take(dst)
-            for op in queued + draining:
-                self._fail(op, live.lost(dst, "send", op.seq, now))
+            self._settled += [(op, live.lost(dst, "send", op.seq, now)) for op in queued + draining]
         for queue in self._queues.values():
             while queue and self._push(queue[0], now):
                 op = queue.popleft()
                 self._draining.append(op)
-                if queue and not op.work._done.is_set():  # the pipe moved: the next one waits from now
+                if queue and not op.over:  # the pipe moved: the next one waits from now
                     queue[0].since = max(queue[0].since, now)
         self._draining = [op for op in self._draining if not self._drained(op, now)]
 
     def take(self, peer: int | None) -> tuple[list[Send], list[Send]]:
-        """Remove the queued sends to ``peer`` (every one when None), to be failed; with them the
-        draining ones, which stay watched (they drop out once their Work is done)."""
+        """Remove the queued and the draining sends to ``peer`` (every one when None) not yet
+        decided, for the caller to fail: they are its to finish, and decided here (``over``)."""
+        mine = lambda op: not op.over and (peer is None or op.dst == peer)
         queued = []
         for queue in self._queues.values():
-            for op in [op for op in queue if peer is None or op.dst == peer]:
+            for op in [op for op in queue if mine(op)]:
                 queue.remove(op)
                 queued.append(op)
-        return queued, [op for op in self._draining if peer is None or op.dst == peer]
+        draining = [op for op in self._draining if mine(op)]
+        for op in queued + draining:
+            op.over = True
+        self._draining = [op for op in self._draining if not op.over]
+        return queued, draining
 
     def _push(self, op: Send, now: float) -> bool:
         """Send what the pipe takes; True once every piece is queued."""
@@ -114,7 +139,7 @@ class Sender:
                 sock.send(encode_header(header), zmq.SNDMORE | zmq.NOBLOCK)
             except zmq.Again:
                 if now - op.since > self._timeout_s:
-                    self._fail(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
+                    self._settle(op, PeerLost(op.dst, "send", op.seq, f"could not send within {self._timeout_s:g}s"))
                     return True
                 return False
             if place is not None:
@@ -144,12 +169,12 @@ class Sender:
         self.rings.sent_on_socket(dst)
 
     def _drained(self, op: Send, now: float) -> bool:
-        if op.work._done.is_set():
+        if op.over:
             return True
         if all(t.done for t in op.trackers):
-            op.work._finish(None, None)
+            self._settle(op, None)
             return True
         if now - op.since > self._timeout_s:
-            self._fail(op, PeerLost(op.dst, "send", op.seq, "send not drained before the deadline"))
+            self._settle(op, PeerLost(op.dst, "send", op.seq, "send not drained before the deadline"))
             return True
         return False
