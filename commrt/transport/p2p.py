@@ -103,16 +103,19 @@ class P2PEngine(CallerProgress):
         if self._reader.try_take(threading.get_ident()):
             try:
                 self._check_open(op)
-                self._take_posted()  # earlier receives first: matching is in posting order
-                self._match_recv(op)
+                if not self._posted:
+                    self._match_recv(op)
+                    return op.work
             finally:
                 self._reader.release()
-        else:  # someone reads the socket: the engine matches it on its next turn
-            with self._tx:
-                self._check_open(op)
-                self._posted.append(op)
-                self._start()
-            self._wake()
+        # Someone reads the socket, or receives posted meanwhile wait: the reader matches them
+        # in posting order. Not this thread: it holds the PointToPoint lock, and matching one
+        # runs its done-callbacks, which may post (a second take of that lock hangs for ever).
+        with self._tx:
+            self._check_open(op)
+            self._posted.append(op)
+            self._start()
+        self._wake()
         return op.work
 
     def _check_open(self, op) -> None:

@@ -178,3 +178,30 @@ def test_a_message_left_in_the_mailbox_without_a_doorbell_is_read_within_a_slice
     finally:
         if waiter.is_alive():
             p2p1.isend(np.zeros(0, np.float32), 0, tag=8).wait(TIMEOUT_S)
+
+
+def test_a_receive_posted_behind_others_runs_none_of_their_callbacks_under_the_p2p_lock(pair):
+    """irecv holds the group's PointToPoint lock while it posts; a receive posted earlier, while
+    another thread read the socket, waits in _posted with a done-callback that sends. The new
+    receive matched it against the message kept for it and ran that callback in the poster's
+    thread, still under the lock the callback's isend takes: that thread hung for ever. The
+    engine thread is kept from starting, so only the threads here read the socket."""
+    (engine, p2p0), (_, p2p1) = pair
+    engine._thread = threading.Thread()  # never started: _start sees an engine
+    try:
+        assert engine._reader.try_take("another reader")
+        first = p2p0.irecv(np.zeros(4, np.float32), 1, tag=1)  # the socket is busy: into _posted
+        forwarded = []
+        first.add_done_callback(lambda w: forwarded.append(p2p0.isend(np.ones(1, np.float32), 1, tag=9)))
+        p2p1.isend(np.full(4, 1.0, np.float32), 0, tag=1).wait(TIMEOUT_S)
+        _until(lambda: engine._read_all() or engine._match.early_bytes[1], "the tag-1 message is kept")
+        engine._reader.release()
+        poster = threading.Thread(target=p2p0.irecv, args=(np.zeros(4, np.float32), 1, 2), daemon=True)
+        poster.start()
+        poster.join(5.0)
+        assert not poster.is_alive(), "irecv hangs: an earlier receive's callback ran under its lock"
+        assert first.wait(TIMEOUT_S) and len(forwarded) == 1
+        got = np.zeros(1, np.float32)
+        assert p2p1.irecv(got, 0, tag=9).wait(TIMEOUT_S) and got[0] == 1.0
+    finally:
+        engine._thread = None  # close() closes the sockets itself
