@@ -123,23 +123,32 @@ class Channels:
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, meta: tuple[int, ...]) -> SendHandle:
-        """Post the channel's next message; returns at once."""
+        """Post the channel's next message; returns at once. It counts as sent (``sent``, which
+        notices.tell reads) only once posted: one that raised first (a header it cannot encode)
+        is still owed, so the neighbour waiting for it gets the step's failure notice there,
+        where it waited out its whole deadline (review_pp item 2)."""
         i = self._out.get((dst, tag), 0)
-        self._out[(dst, tag)] = i + 1
         sent = [t.detach().contiguous() for t in tensors]
-        layout, before = layout_of(sent), self._sent.get((dst, tag, i))
+        layout = layout_of(sent)
+        handle = self._post(sent, dst, tag, meta, layout, self._sent.get((dst, tag, i)))
+        self._out[(dst, tag)] = i + 1
         self._sent[(dst, tag, i)] = layout
-        if before is not None and frame_bytes(before) <= COMBINE_MAX:
-            same = before == layout
-            size = frame_bytes(before)
-            buf = pack_frame(sent, meta, size, DATA if same else FALLBACK, self._reuse(size))
-            work = dist.isend(buf, dst, self.group, tag)
-            self._spare = [*self._spare[-SPARE + 1:], (work, buf)]
-            if same:
-                return SendHandle([work], [buf])
-            rest = self._split(sent, dst, tag + SIDE_TAG, tag + SIDE_TAG, meta)
-            return SendHandle([work, *rest.works], [buf, *rest._keep])
-        return self._split(sent, dst, tag, tag + SIDE_TAG, meta)
+        return handle
+
+    def _post(self, sent, dst: int, tag: int, meta, layout: tuple, before: tuple | None) -> SendHandle:
+        """The message in the form both ends expect after ``before`` (module docstring)."""
+        if before is None or frame_bytes(before) > COMBINE_MAX:
+            return self._split(sent, dst, tag, tag + SIDE_TAG, self._header(sent, meta))
+        same = before == layout
+        header = None if same else self._header(sent, meta)  # may raise: before the frame goes
+        size = frame_bytes(before)
+        buf = pack_frame(sent, meta, size, DATA if same else FALLBACK, self._reuse(size))
+        work = dist.isend(buf, dst, self.group, tag)
+        self._spare = [*self._spare[-SPARE + 1:], (work, buf)]
+        if same:
+            return SendHandle([work], [buf])
+        rest = self._split(sent, dst, tag + SIDE_TAG, tag + SIDE_TAG, header)
+        return SendHandle([work, *rest.works], [buf, *rest._keep])
 
     def sent(self, dst: int, tag: int) -> int:
         """Messages posted on (dst, tag) this step."""
@@ -154,9 +163,12 @@ class Channels:
                 return buf
         return None
 
-    def _split(self, sent, dst: int, head_tag: int, side_tag: int, meta) -> SendHandle:
-        """p2p's header on ``head_tag``, every payload on ``side_tag``."""
-        header = torch.frombuffer(bytearray(encode_header(sent, meta)), dtype=torch.uint8)
+    @staticmethod
+    def _header(sent, meta) -> torch.Tensor:
+        return torch.frombuffer(bytearray(encode_header(sent, meta)), dtype=torch.uint8)
+
+    def _split(self, sent, dst: int, head_tag: int, side_tag: int, header: torch.Tensor) -> SendHandle:
+        """p2p's ``header`` on ``head_tag``, every payload on ``side_tag``."""
         works = [dist.isend(header, dst, self.group, head_tag)]
         works += [dist.isend(_bytes(t), dst, self.group, side_tag) for t in sent if t.numel()]
         return SendHandle(works, [header, *sent])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from commrt import distributed as dist
+from commrt.runtime import dtypes
 from commrt.runtime.errors import CommError, ConfigError, ProtocolError
 from commrt.pipeline import data_parallel, notices
 from commrt.pipeline import schedules as S
@@ -42,6 +43,20 @@ class _Slot:
     grads_out: list | None = None  # gradients of the outputs, received from the next stage
     grads_in: list | None = None  # gradients of the inputs, for the previous stage
     extra: dict = field(default_factory=dict)  # what a subclass keeps per micro-batch
+
+
+def _check_sendable(stage: int, mb: int, outputs: list) -> None:
+    """Refuse, naming it, a stage output the wire cannot carry: said here, not as an
+    AttributeError or a TypeError from deep inside the send."""
+    bad = next((i for i, o in enumerate(outputs) if not isinstance(o, torch.Tensor)), None)
+    if bad is not None:
+        raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is {type(outputs[bad]).__name__}, "
+                          f"not a tensor; a stage that sends returns a tensor or a tuple of tensors")
+    bad = next((i for i, o in enumerate(outputs) if dtypes.dtype_name(o.dtype) not in dtypes.CODES), None)
+    if bad is not None:
+        raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is a {outputs[bad].dtype} tensor, "
+                          f"which cannot be sent to the next stage; valid dtypes: {list(dtypes.CODES)} "
+                          "(a bool mask can go as uint8: mask.to(torch.uint8))")
 
 
 def _tag(dst_stage: int, forward: bool) -> int:
@@ -235,10 +250,8 @@ class PipelineSchedule:
             slot.inputs, slot.cells = _entries(slot.received, self._copy_inputs)
         out = self._call(stage, mb, slot)
         slot.outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        bad = next((i for i, o in enumerate(slot.outputs) if not isinstance(o, torch.Tensor)), None)
-        if bad is not None and stage < self.num_stages - 1:  # said here, not as an AttributeError in the send
-            raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is {type(slot.outputs[bad]).__name__}, "
-                              f"not a tensor; a stage that sends returns a tensor or a tuple of tensors")
+        if stage < self.num_stages - 1:
+            _check_sendable(stage, mb, slot.outputs)
         if stage == self.num_stages - 1:
             self._outs[mb] = slot.outputs[0].detach()
             (tgt,) = self._targets[mb]

@@ -143,6 +143,16 @@ def test_a_stage_that_raises_over_gloo_is_named_at_once():
         assert out.count(f"OK {case}\n") == 2, out[-3000:]
 
 
+def test_an_output_that_cannot_be_sent_is_named_at_once_on_the_stage_waiting_for_it():
+    """Stage 0 returns a bool mask (not a wire dtype), then 65 tensors (more than a header
+    holds), with one micro-batch: its send raised before anything went but counted as sent, so
+    the notice did not follow and stage 1 waited out the 60 s deadline for a PeerLost naming a
+    live rank (review_pp item 2). Now rank 0 raises naming the output and rank 1 StageFailed."""
+    _, out = run_ranks(2, "pipeline_edges", "unsendable=bool", "unsendable=many", env=EDGES_ENV, timeout_s=45)
+    for what in ("bool", "many"):
+        assert out.count(f"OK unsendable {what}\n") == 2, out[-3000:]
+
+
 def test_a_dead_stage_of_a_pipeline_subgroup_is_named_by_its_global_rank(edges_at_three_ranks):
     """A pipeline on ranks [0, 2] of 3, as a device mesh's "pp" groups are; rank 2 dies mid-step."""
     assert "OK subgroup peer lost 2\n" in edges_at_three_ranks, edges_at_three_ranks[-3000:]

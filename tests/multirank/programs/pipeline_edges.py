@@ -2,12 +2,15 @@
 and a stage that modifies its input in place, against a single-process reference; a stage that
 raises mid-step; ranks whose schedules disagree; a dead stage of a pipeline subgroup.
 
+Also stage outputs that cannot be sent (a bool mask, too many tensors).
+
 ``pipeline_edges <case> [<case> ...]`` (see main); every check prints 'OK <case>' or raises.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -216,6 +219,42 @@ def fails(rank: int, world: int, bad: int, where: str) -> None:
     print(f"OK fails {bad} {where}", flush=True)
 
 
+class Unsendable(nn.Module):
+    """Stage 0 whose outputs cannot cross the wire: ``what`` "bool" (a mask; bool is not in the
+    wire's dtype list) or "many" (65 tensors: more than one message's header holds)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.lin, self.what = nn.Linear(6, 6), what
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h, h > 0) if self.what == "bool" else tuple(h[:, i % 6] for i in range(65))
+
+
+def unsendable(rank: int, what: str) -> None:
+    """Stage 0's only message of its channel (one micro-batch) cannot be sent: rank 0 raises
+    saying why, and rank 1, owed that message, gets StageFailed at once. Before, the message
+    counted as sent although nothing went, so no notice followed and rank 1 waited out its
+    deadline (60 s here), then blamed rank 0 as lost."""
+    group = commrt.new_group([0, 1])
+    module = Unsendable(what) if rank == 0 else nn.Linear(6, 6)
+    sched = OneFOneB(PipelineStage(module, rank, 2, group=group), 1, lambda out, y: out.float().sum())
+    why = {"bool": "torch.bool", "many": "65 tensors"}[what]
+    start = time.monotonic()
+    try:
+        sched.step(*((torch.randn(4, 6),) if rank == 0 else ()), target=torch.zeros(4, 6) if rank else None)
+        raise AssertionError(f"rank {rank}: the step finished although stage 0's output cannot be sent")
+    except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        assert rank == 0 and why in str(exc), exc
+    except StageFailed as exc:
+        took = time.monotonic() - start
+        assert rank == 1 and exc.rank == 0 and why in str(exc), exc
+        assert took < 15, f"rank 1 was told after {took:.1f}s"
+    commrt.barrier()
+    print(f"OK unsendable {what}", flush=True)
+
+
 def mismatch(rank: int) -> None:
     """Two ranks built with different micro-batch counts: a ConfigError naming both counts on
     the rank that receives first, StageFailed carrying it on the other."""
@@ -256,7 +295,7 @@ def die_in_subgroup(rank: int) -> None:
 
 def main() -> int:
     """Runs each case named on the command line, in order: ``layouts``, ``inplace``, ``mismatch``,
-    ``fails=<rank>:<where>``, ``die_in_subgroup`` (one launch for several: each costs seconds)."""
+    ``fails=<rank>:<where>``, ``unsendable=<bool|many>``, ``die_in_subgroup`` (one launch for several: each costs seconds)."""
     rank, world = init()
     for case in sys.argv[1:]:
         mode, _, arg = case.partition("=")
@@ -273,6 +312,8 @@ def main() -> int:
             die_in_subgroup(rank)
         elif mode == "mismatch":
             mismatch(rank)
+        elif mode == "unsendable":
+            unsendable(rank, arg)
         else:
             raise ValueError(f"unknown case {case!r}")
     commrt.destroy_process_group()
