@@ -78,6 +78,10 @@ class P2PEngine(CallerProgress):
             return error.in_group(self._members, self._ep.group)
         return error
 
+    def _global(self, rank: int) -> int:
+        """The global rank of group rank ``rank``, for errors named() does not translate."""
+        return rank if self._members is None else self._members[rank]
+
     def work(self, name: str) -> P2PWork:
         """The handle of a transfer about to be posted here."""
         return P2PWork(name, self, receive=name == "recv")
@@ -269,8 +273,8 @@ class P2PEngine(CallerProgress):
         if self._match.keep(msg) <= UNEXPECTED_BYTES:
             return
         self._fail_all(lambda op: ProtocolError(
-            f"rank {self._ep.rank}: peer rank {h.src} sent more than {UNEXPECTED_BYTES >> 20} MiB "
-            "of point-to-point data no receive was posted for"), peer=h.src)
+            f"rank {self._global(self._ep.rank)}: peer rank {self._global(h.src)} of group {self._ep.group} sent "
+            f"more than {UNEXPECTED_BYTES >> 20} MiB of point-to-point data no receive was posted for"), peer=h.src)
         self._match.drop_early(h.src)
 
     def _from_ring(self, msg: Message) -> Message | None:

@@ -10,8 +10,8 @@ import pytest
 
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.runtime.config import load_config
-from commrt.runtime.errors import GroupClosed
-from commrt.transport import Endpoint, Transport, segments, shm_p2p
+from commrt.runtime.errors import GroupClosed, ProtocolError
+from commrt.transport import Endpoint, Transport, p2p, segments, shm_p2p
 from commrt.transport.mailbox import W_MHEAD, W_SPIN
 from commrt.transport.p2p import P2PEngine
 from commrt.transport.progress import ENGINE
@@ -205,3 +205,16 @@ def test_a_receive_posted_behind_others_runs_none_of_their_callbacks_under_the_p
         assert p2p1.irecv(got, 0, tag=9).wait(TIMEOUT_S) and got[0] == 1.0
     finally:
         engine._thread = None  # close() closes the sockets itself
+
+
+def test_a_flood_of_unreceived_data_is_a_protocol_error_naming_global_ranks(pair, monkeypatch):
+    """A subgroup's transport numbers peers by group rank; the flood error said "peer rank 1"
+    for group [3, 8]'s rank 1, which a user reads as global rank 1, another process."""
+    (engine, p2p0), (_, p2p1) = pair
+    engine._members = [3, 8]  # as a subgroup's backend builds it (ZmqBackend: members=)
+    monkeypatch.setattr(p2p, "UNEXPECTED_BYTES", 64)
+    waiting = p2p0.irecv(np.zeros(4, np.float32), 1, tag=1)
+    p2p1.isend(np.zeros(32, np.float32), 0, tag=2).wait(TIMEOUT_S)  # 128 bytes nobody asked for
+    with pytest.raises(ProtocolError) as caught:
+        waiting.wait(TIMEOUT_S)
+    assert "rank 3: peer rank 8 of group 0 sent more than" in str(caught.value), caught.value
