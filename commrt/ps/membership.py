@@ -86,9 +86,10 @@ class Membership:
             # the step cannot complete now: answer all of its pushes at once, naming the same workers
             # (a push answered a tick before another would be named as missing by the later one)
             stuck += [p for (_, step), p in self.pushes.items() if step == self.state.version and p not in stuck]
+        named = f"{missing}" if len(missing) <= 32 else f"{missing[:32]} and {len(missing) - 32} more"
         for p in stuck:
             msg = (f"server {self.index}: {P.OP_NAMES[p.req.op]} step {p.req.step} of worker "
-                   f"{p.req.worker} waited {self.cfg.worker_timeout_s:g}s for worker(s) {missing}")
+                   f"{p.req.worker} waited {self.cfg.worker_timeout_s:g}s for worker(s) {named}")
             out.append(P.routed(p.ident, P.LOST, p.req.req_id, [msg, missing]))
             self.waiting.remove(p)
         return out

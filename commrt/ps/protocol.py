@@ -25,6 +25,7 @@ VERSION = 3  # 2: init carries full shapes; FAILED replies. 3: JOIN; init replie
 MAX_HEADER_BYTES = 4 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 1024
+MAX_TEXT = 64 << 10  # a reply's message (an error naming workers or segments), within the header bound
 MAX_DIMS = 64
 _INT_MAX = 1 << 62
 
@@ -55,11 +56,11 @@ def _no_ext(code: int, data: bytes):
     raise ProtocolError(f"msgpack extension type {code} is not allowed")
 
 
-def _unpack(buf, max_map: int) -> Any:
+def _unpack(buf, max_map: int, max_str: int = MAX_NAME) -> Any:
     if len(buf) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        return msgpack.unpackb(buf, raw=False, max_str_len=MAX_NAME, max_bin_len=0,
+        return msgpack.unpackb(buf, raw=False, max_str_len=max_str, max_bin_len=0,
                                max_array_len=MAX_SEGMENTS, max_map_len=max_map, max_ext_len=0,
                                ext_hook=_no_ext, strict_map_key=True)
     except ProtocolError:
@@ -127,11 +128,24 @@ class Routed(NamedTuple):
 
 
 def routed(ident: bytes, status: int, req_id: int, body: Any, payload: list | None = None) -> Routed:
+    if body and type(body) is list and type(body[0]) is str and len(body[0]) > MAX_TEXT:
+        body = [clip(body[0]), *body[1:]]  # a message the client can read, whatever it names
     return Routed(ident, [encode_reply(status, req_id, body), *(payload or [])])
 
 
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to fit ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    tail = f" ... ({len(text) - limit + 64} more characters)"
+    return text[:limit - 64] + tail
+
+
 def decode_reply(buf) -> Reply:
-    msg = _unpack(buf, max_map=4096)
+    """A server's answer. Its message may be longer than a request's names (an error naming two
+    segment descriptions, or the missing workers): with the request's limit, a LOST or ERROR
+    reply went unread and the client re-sent the request, for ever in a sync job."""
+    msg = _unpack(buf, max_map=4096, max_str=MAX_TEXT)
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError("reply must be [version, status, req_id, body]")
     if type(msg[1]) is not int or msg[1] not in STATUSES or not _is_count(msg[2]):

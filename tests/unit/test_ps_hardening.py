@@ -185,3 +185,29 @@ def test_the_log_is_checkpointed_away_at_its_size_bound(tmp_path):
     again = ServerCore(core.cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 1))
     again.resume()
     assert np.array_equal(_params(again), _params(core)) and again.state.version == 60
+
+
+def test_an_error_naming_long_segment_names_reaches_the_client_readable():
+    """Two descriptions of a 489-character parameter name (legal: under MAX_NAME) made an ERROR
+    reply the client's header limits could not decode: it re-sent the init and finally blamed
+    an unreadable header instead of saying that the segments differ."""
+    name = "encoder." + "layers.0.attention." * 25 + "weight"
+    core = ServerCore(PsConfig(servers=("tcp://127.0.0.1:1",), workers=2), 0, ShardState(optim.OptimSpec("sgd"), 2))
+    (_, seeded), = _init(core, 0, True, segs=[[name, 0, 4, 1], [name, 4, 6, 1]], shapes=[[name, [2, 3]]])
+    assert seeded.status == P.OK
+    (_, reply), = _init(core, 1, False, segs=[[name, 0, 5, 1], [name, 5, 6, 1]], shapes=[[name, [2, 3]]])
+    assert reply.status == P.ERROR and "segments differ" in reply.body[0] and name in reply.body[0]
+
+
+def test_a_lost_reply_naming_hundreds_of_workers_is_readable_and_short():
+    """Sync, 320 workers, 264 silent: every waiting push gets LOST naming them. The message grew
+    past the client's string limit: it dropped the reply, re-sent the push and waited again,
+    for ever. Now it lists 32 and counts the rest; the body keeps every id."""
+    workers, pushing = 320, 56
+    core = _core(workers=workers, worker_timeout_s=30.0)
+    for w in range(pushing):
+        assert _push(core, w, 0, now=1.0) == []  # parked until the step is complete
+    lost = [P.decode_reply(r.frames[0]) for r in core.tick(100.0)]
+    assert len(lost) == pushing and all(r.status == P.LOST for r in lost)
+    assert lost[0].body[1] == list(range(pushing, workers)) and "and 232 more" in lost[0].body[0]
+    assert P.clip("x" * (P.MAX_TEXT + 10)).endswith("(74 more characters)")
