@@ -31,11 +31,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SLAB = 1 << 17  # elements per encode step: its fp32 temporaries fit in L2
 
 
+F32_MAX = float(np.finfo(np.float32).max)  # a decoded value (qmax * scale) must stay below it
+
+
 def scale_range_problem(block: int, absmax: float, scale_dtype: str) -> str:
     """Why a block's scale overflowed, and the way out that exists for this scale dtype."""
     fix = ("use scale_dtype fp32" if scale_dtype != "fp32" else
-           "no scale dtype holds it: absmax / qmax is beyond float32's largest value; rescale the tensor or send it "
-           "unquantized")
+           "no scale dtype holds it: absmax / qmax (or qmax x its scale, rounded up) is beyond float32's "
+           "largest value; rescale the tensor or send it unquantized")
     return f"block {block}: absmax {absmax:.6g} needs a scale beyond {scale_dtype}'s range; {fix}"
 
 
@@ -168,6 +171,7 @@ class Codec:
             # value rounds down to it, then up to inf here
             low = s.astype(np.float64) < exact
             s[low] = np.nextafter(s[low], np.inf, dtype=sdt)
+            s[s.astype(np.float64) * self.qmax > F32_MAX] = np.inf  # decode's qmax * scale: inf
         problem = None
         if not np.isfinite(absmax).all():
             flat = rows.reshape(-1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from commrt.quant.codecs import Codec, _slabs, scale_range_problem
+from commrt.quant.codecs import F32_MAX, Codec, _slabs, scale_range_problem
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16}  # same-width integer views
@@ -92,7 +92,7 @@ def _scales(codec: Codec, rows: torch.Tensor, offset: int) -> tuple[torch.Tensor
     # scales are >= 0, so +0 steps to the smallest subnormal and the largest finite to inf
     bits = s.view(_BITS[sdt])
     bits.add_((s.double() < exact).to(bits.dtype))
-    ok = torch.isfinite(s)
+    ok = torch.isfinite(s) & (s.double() * codec.qmax <= F32_MAX)  # decode's qmax * scale: finite
     if bool(ok.all()):  # one host sync per slab
         return s, None
     if not bool(torch.isfinite(absmax).all()):

@@ -115,6 +115,21 @@ def test_marking_gives_the_same_bytes_and_message_as_numpy(device):
         assert not torch_codec.marked(codec, torch_encode(x.nan_to_num(0, 0, 0), codec, device)[0], 1003)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_block_at_float32s_largest_value_is_marked_not_decoded_to_inf(device):
+    """int8 rounds the scale up, so 127 x scale of a block whose absmax is float32's largest
+    value overflowed to inf on decode, and encode said nothing. Both codecs mark it alike."""
+    x = torch.tensor([float(np.finfo(np.float32).max), 1.0, -3.0, 0.5])
+    want, (_, want_msg) = numpy_encode(x, Codec(8, 2), mark=True)
+    got, (_, got_msg) = torch_encode(x, Codec(8, 2), device, mark=True)
+    assert want_msg and want_msg == got_msg and "block 0" in want_msg and "rescale the tensor" in want_msg
+    assert np.array_equal(got.cpu().numpy(), want) and Codec(8, 2).marked(want, 4)
+    decoded = Codec(8, 2).decode(want, 4)
+    assert np.isnan(decoded[:2]).all() and np.allclose(decoded[2:], [-3.0, 0.5], atol=3 / 127)  # within s/2
+    fine = torch.tensor([3.3e38, 1.0])  # 127 x its scale stays finite: encoded as before
+    assert numpy_encode(fine, Codec(8, 2), mark=True)[1][1] is None
+
+
 def test_wrong_sizes_and_dtypes_are_refused():
     codec = Codec(8)
     with pytest.raises(ValueError, match="out has 3 bytes, a chunk of 10 needs 16"):
