@@ -83,7 +83,8 @@ CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case}
 def main() -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
-    CASES[sys.argv[1]](commrt.get_rank(), commrt.get_world_size())
+    for case in sys.argv[1].split(","):  # several cases in one launch: one torch import per rank
+        CASES[case](commrt.get_rank(), commrt.get_world_size())
     commrt.destroy_process_group()
     return 0
 
