@@ -197,10 +197,12 @@ def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namesp
     ``needs_all(table)``, asked on rank 0: whether every rank needs every hello anyway (e.g. a
     shared-memory world connects to every rank at init); so are ranks without node hints."""
     ns = namespace + "rdzv/"
-    hello = _claim(store, rank, world_size, info, timeout_s, ns)
-    first = _agree_with_first(store, hello, timeout_s, ns) if rank != 0 else None
+    end = time.monotonic() + timeout_s  # one deadline for the waits below: each with a whole
+    left = lambda: max(0.001, end - time.monotonic())  # noqa: E731 - timeout_s let init take 2-3x it
+    hello = _claim(store, rank, world_size, info, left(), ns)
+    first = _agree_with_first(store, hello, left(), ns) if rank != 0 else None
     store.add(ns + "joined", 1)
-    _all_joined(store, world_size, timeout_s, ns)
+    _all_joined(store, world_size, left(), ns, timeout_s)
     table = None
     if rank == 0:
         raw = store.mget(hello_keys(ns, range(world_size)))
@@ -209,7 +211,7 @@ def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namesp
         store.set(ns + "layout", msgpack.packb(record))
     else:
         raw = [first]
-        record = msgpack.unpackb(wait_for(store, [ns + "layout"], timeout_s, "rendezvous (rank 0's layout)",
+        record = msgpack.unpackb(wait_for(store, [ns + "layout"], left(), "rendezvous (rank 0's layout)",
                                           ns + "abort")[0])
         if record.get("full"):
             every = store.mget(hello_keys(ns, range(world_size)))
@@ -283,16 +285,17 @@ def hello_keys(ns: str, ranks) -> list[str]:
     return [f"{ns}hello/{r}/1" for r in ranks]
 
 
-def _all_joined(store, world_size: int, timeout_s: float, ns: str) -> None:
+def _all_joined(store, world_size: int, timeout_s: float, ns: str, total_s: float | None = None) -> None:
     """Wait (one parked request) until every rank joined; an abort or the deadline is a
-    ``RendezvousError``, the deadline's naming the missing ranks (and told to all who joined)."""
+    ``RendezvousError``, the deadline's naming the missing ranks (and told to all who joined).
+    ``total_s``: the whole rendezvous's timeout, which the message names (default timeout_s)."""
     abort_key = ns + "abort"
     status, value = store.wait_count(ns + "joined", world_size, abort_key, timeout_s)
     if status == ABORT:
         raise RendezvousError(bytes(value).decode(errors="replace"))
     if status == TIMEOUT:
         missing = [r for r, v in enumerate(store.mget(hello_keys(ns, range(world_size)))) if v is None]
-        msg = (f"{len(missing)} of {world_size} ranks never joined within {timeout_s:g}s "
+        msg = (f"{len(missing)} of {world_size} ranks never joined within {total_s or timeout_s:g}s "
                f"(WORLD_SIZE {world_size}); missing: {rank_ranges(missing)}")
         store.set(abort_key, msg.encode())  # everyone who did join gets the same answer
         raise RendezvousError(msg)

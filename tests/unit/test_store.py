@@ -298,3 +298,26 @@ def test_waits_that_timed_out_do_not_pile_up_in_the_store():
     _req(core, "set", "never", b"!")
     _req(core, "add", "n", 1)
     assert core.take_answered() == [("late", [OK, [b"!"]]), ("count", [OK, 1])]
+
+
+def test_meets_waits_share_one_deadline(store):
+    """meet's waits (rank 0's hello, every rank joined, the layout) each took a whole timeout_s:
+    rank 1 waiting for rank 0, which came just before the timeout, then waited a whole timeout
+    more for rank 2, which never came. With one deadline it gives up at timeout_s."""
+    timeout_s, out = 3.0, {}
+    clients = {r: store() for r in (0, 1)}
+
+    def rank(r, delay):
+        time.sleep(delay)
+        try:
+            rendezvous.meet(clients[r], r, 3, {"config": "d", "backend": "zmq"}, timeout_s, "m/")
+        except RendezvousError as exc:
+            out[r] = (time.monotonic() - start, str(exc))
+    start = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(0, 2.0)), threading.Thread(target=rank, args=(1, 0.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(out) == {0, 1} and all("missing: 2" in msg for _, msg in out.values()), out
+    assert out[1][0] < timeout_s + 1.0, out  # its own deadline (3 s), not 2.0 + a whole timeout_s (5 s)
