@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from commrt.backends.base import narrow_int
+from commrt.backends.base import flat_view, narrow_int
 from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import dtypes, world
@@ -152,12 +152,7 @@ def _plain(x):
     node groups that levels_of creates on every rank)."""
     if is_contiguous(x):
         return flat_plain(x), None
-    if isinstance(x, np.ndarray):
-        flat = np.ascontiguousarray(x).reshape(-1)
-        return flat, lambda: np.copyto(x, flat.reshape(x.shape))
-    t = x.detach()
-    flat = t.contiguous().view(-1)
-    return flat, lambda: t.copy_(flat.view(t.shape))
+    return flat_view(x if isinstance(x, np.ndarray) else x.detach())  # the backends' copy and write-back
 
 
 def segments_for(nbytes: int, chunk_bytes: int) -> int:
