@@ -11,7 +11,10 @@ The torch codec made each step a pass over memory (issue 34 measured int8 encode
 device copy's bytes per second); the kernels read the values once and write the bytes once.
 A chunk with a block that cannot be encoded (a non-finite value, an fp16 scale out of range)
 comes back from the kernel with a non-finite scale, and the torch codec encodes it again, so
-the error message and the marked bytes are the reference's own.
+the error message and the marked bytes are the reference's own. So does a chunk whose largest
+scale times qmax overflows float32 (a block at float32's largest value: its scale, rounded up,
+would decode to inf); the kernel stores that scale as it is, and the check is on the one value
+already read back, so it costs nothing.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import math
 import torch
 
 from commrt.quant import torch_codec
-from commrt.quant.codecs import Codec
+from commrt.quant.codecs import F32_MAX, Codec
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ def encode_into(codec: Codec, out: torch.Tensor, x: torch.Tensor, generator: tor
         return 0.0, None
     scales = _launch_encode(codec, out, x, tile, num_warps)
     top = float(scales.max())  # the one host sync, as the torch codec's
-    if not math.isfinite(top):  # scales are >= 0: a NaN or inf is a block the reference must name
+    if not math.isfinite(top) or top * codec.qmax > F32_MAX:  # scales are >= 0: a block the reference must name
         return torch_codec.encode_into(codec, out, x, generator, offset, mark)
     return top, None
 

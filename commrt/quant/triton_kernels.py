@@ -10,7 +10,8 @@ libdevice calls may flush subnormals, so the rounding steps are inline PTX: ``di
 with ``.ftz``. The block absmax is taken on the bit patterns (``|x|`` as an integer orders as
 the float does; NaN and inf sort above every finite value), so no float compare can flush a
 subnormal or drop a NaN. A block that cannot be encoded gets a non-finite scale here; the
-caller sees it and hands the chunk to the reference codec, which names or marks the block.
+caller sees it and hands the chunk to the reference codec, which names or marks the block (as
+it does a block at float32's largest value, whose finite scale x qmax overflows: fused.py).
 
 ``FAST`` (issue 34, round 2) replaces the per-element ``div.rn`` by one ``rcp.rn`` a row and a
 ``mul.rn`` an element, y = RN(x * RN(1/s)), and keeps the exact division only where it could

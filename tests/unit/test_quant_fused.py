@@ -209,6 +209,53 @@ def test_every_block_size_and_odd_lengths(bits, block, split):
     assert_fused_identical(adversarial(block + 1, torch.bfloat16, "normal"), Codec(bits, block))
 
 
+class _RoundedUpScales:
+    """Stands in for the kernel on a block at float32's largest value: it stores that block's
+    scale as the kernel does (absmax / qmax in fp64, to fp32, up one step where that went
+    down), finite, and junk codes. 127 x that scale overflows float32 on decode."""
+
+    def __getitem__(self, grid):
+        def launch(x, scales, codes, n, BLOCK, QMAX, **kw):
+            pad = torch.zeros(scales.numel() * BLOCK, dtype=torch.float64)
+            pad[:n] = x.double().abs()
+            exact = pad.view(-1, BLOCK).amax(dim=1) / QMAX
+            s = exact.float()
+            s = torch.where(s.double() < exact, torch.nextafter(s, torch.tensor(float("inf"))), s)
+            scales.copy_(s)
+            codes.fill_(0x55)
+        return launch
+
+
+def test_a_block_whose_scale_decodes_past_float32_is_encoded_again_by_the_reference(monkeypatch):
+    """The kernel's scale for a block at float32's largest value is finite, but 127 x it is
+    not: the fused path kept it, and the value decoded to inf where the numpy and torch codecs
+    mark the block (a67e904). encode_into now checks qmax x the largest scale, which it reads
+    back anyway."""
+    fake = type("K", (), {"_encode8_kernel": _RoundedUpScales(), "_encode4_kernel": _RoundedUpScales()})
+    monkeypatch.setattr(fused, "_kernels", lambda: fake)
+    monkeypatch.setattr(fused, "unfit", lambda codec, t: None)
+    x = torch.tensor([float(np.finfo(np.float32).max), 1.0, -3.0, 0.5])
+    for codec in (Codec(8, 2), Codec(8, 4)):  # int4's scale, x 7, stays finite
+        out = torch.empty(codec.nbytes(4), dtype=torch.uint8)
+        got_scale, got_msg = fused.encode_into(codec, out, x, mark=True)
+        want, (want_scale, want_msg) = numpy_encode(x, codec, mark=True)
+        assert want_msg and "block 0" in want_msg and codec.marked(want, 4), codec
+        assert np.array_equal(out.numpy(), want) and got_scale == want_scale and got_msg == want_msg
+        assert not np.isinf(codec.decode(out.numpy(), 4)).any()
+
+
+@pytest.mark.cuda
+@cuda
+def test_fused_marks_a_block_at_float32s_largest_value(split):
+    x = torch.tensor([float(np.finfo(np.float32).max), 1.0, -3.0, 0.5] * 1000)
+    for codec in (Codec(8, 2), Codec(4, 2), Codec(8, 256)):
+        got = torch.empty(codec.nbytes(x.numel()), dtype=torch.uint8, device="cuda")
+        scale, msg = fused.encode_into(codec, got, x.cuda(), mark=True)
+        want, (want_scale, want_msg) = numpy_encode(x, codec, mark=True)
+        assert (want_msg is not None) == (codec.bits == 8)  # int4's scale, x 7, stays finite
+        assert np.array_equal(got.cpu().numpy(), want) and scale == want_scale and msg == want_msg
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
