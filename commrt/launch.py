@@ -26,6 +26,7 @@ from commrt.runtime import addresses
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
 from commrt.runtime.processes import Stopped, _start, _status, _stop_everything, _stop_on_signals  # noqa: F401 (Stopped: cli)
+from commrt.runtime.processes import say
 # deploy/ssh.py drives its hosts' processes with the same mechanics, imported from here
 from commrt.runtime.processes import GRACE_S, REAP_S, _exited, _pump, _wait_exited  # noqa: F401
 
@@ -251,9 +252,7 @@ def _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_
             note = (f"rank {failed} failed with exit code {code} (attempt {attempt + 1}); restarting the "
                     f"group ({attempt + 1}/{max_restarts})")
             failures.append(note)
-            with lock:
-                out.write(f"[launch] {note}\n")
-                out.flush()
+            say(out, lock, f"[launch] {note}")
     finally:  # every rank of every attempt too: a signal may have cut an attempt short
         _stop_everything(ranks + services)
     for t in pumps:

@@ -59,14 +59,28 @@ MAX_LINE = 1 << 16  # a rank writing without newlines (progress bars, binary) is
 
 def _pump(label: str, stream: IO[bytes], out: IO[str], lock: threading.Lock, tail: deque, prefix: bool) -> None:
     # bounded reads: readline() alone held a rank's whole newline-free output in the launcher
+    passing = True
     for raw in iter(lambda: stream.readline(MAX_LINE), b""):
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
-        with lock:
+        if passing:
             # one label per line: a program's log format may have written it already (obs/logfmt.py)
-            out.write(f"[{label}] {line}\n" if prefix and not line.startswith(f"[{label}]") else line + "\n")
-            out.flush()
+            passing = say(out, lock, f"[{label}] {line}" if prefix and not line.startswith(f"[{label}]") else line)
     stream.close()
+
+
+def say(out: IO[str], lock: threading.Lock, line: str) -> bool:
+    """Write ``line`` to the launcher's output; False once that output is gone (its reader ended:
+    ``commrt launch ... | head``). The pumps then go on draining the ranks' pipes, keeping only
+    their tails: a pump that died on BrokenPipeError left its rank blocked on a full pipe, and
+    the launch hung."""
+    with lock:
+        try:
+            out.write(line + "\n")
+            out.flush()
+            return True
+        except (OSError, ValueError):  # ValueError: the stream was closed
+            return False
 
 
 def _exited(p: subprocess.Popen) -> bool:

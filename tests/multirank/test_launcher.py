@@ -351,3 +351,20 @@ def test_output_without_newlines_is_passed_on_in_bounded_pieces():
     lines = out.getvalue().splitlines()
     assert max(len(l) for l in lines) <= MAX_LINE + len("[rank 0] ")
     assert sum(l.count("x") for l in lines) == 1 << 20
+
+
+class _ClosedReader(io.StringIO):
+    """The launcher's output after its reader went away (``commrt launch ... | head``)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_ranks_finish_when_the_launchers_output_is_closed():
+    """Found in review C: with the reader of the launcher's output gone (``| head``), the pump
+    thread died on BrokenPipeError, nobody drained the rank's pipe, and a rank printing more than
+    a pipe holds (64 KiB) blocked for ever: the launch hung (here until its timeout, 124)."""
+    program = "for i in range(20000): print('x' * 100)\nprint('done')"
+    result = launch(2, [sys.executable, "-c", program], out=_ClosedReader(), env=ENV, timeout_s=30)
+    assert (result.returncode, result.failed_rank) == (0, None), result.describe()
+    assert result.tails[0][-1] == result.tails[1][-1] == "done"  # still kept for an error report
