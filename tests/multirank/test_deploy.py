@@ -107,6 +107,31 @@ def test_hosts_launcher_runs_a_collective_job_over_ssh(tmp_path):
     assert sent.count("BatchMode") == 2 and secret not in sent and secret not in out
 
 
+@pytest.mark.parametrize("security", ["curve", "secret"])
+def test_slurm_sbatch_refuses_a_credentials_directory_it_did_not_make(tmp_path, security):
+    """Found in review C: the batch script made its credentials with ``mkdir -p`` / ``keygen`` in
+    ``$CREDENTIALS_DIR/.commrt-credentials-$SLURM_JOB_ID``, a name anyone can predict, so a
+    directory made there in advance by another user (a group-shared submit directory) was used
+    as it was: its owner could replace allow.txt or a rank's key while the job ran. And the
+    EXIT trap deleted that directory, whoever's it was. Now the directory must be new (0700)."""
+    fakebin, calls = tmp_path / "bin", tmp_path / "srun.log"
+    fakebin.mkdir()
+    (fakebin / "srun").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (fakebin / "srun").chmod(0o755)
+    planted = tmp_path / ".commrt-credentials-4242"
+    planted.mkdir()
+    planted.chmod(0o777)
+    (planted / "planted").write_text("")
+    env = _base_env(PATH=f"{fakebin}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+                    SLURM_SUBMIT_DIR=ROOT, WORKER_NODES="2", NPROC="1", SERVERS="0", COMMRT_PYTHON=PY,
+                    CREDENTIALS_DIR=str(tmp_path), SECURITY=security)
+    proc = subprocess.run(["bash", "deploy/slurm/commrt.sbatch", "true"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and not calls.exists(), proc.stdout + proc.stderr
+    assert sorted(p.name for p in planted.iterdir()) == ["planted"], "credentials written into it"
+    assert "already exists" in proc.stderr, proc.stderr
+
+
 FAKE_SSH = """#!/bin/sh
 # -o BatchMode=yes HOST COMMAND: host 'bad' fails at once, the others run until their stdin ends
 read -r secret
