@@ -1,6 +1,8 @@
 """The small subcommands: keygen, server-status, flight-record, trace-merge, estimate."""
 from __future__ import annotations
 
+import os
+import stat
 import sys
 
 from commrt.plan import command as estimate_command  # argparse and formulas: light until --measure runs
@@ -11,11 +13,33 @@ def _keygen(args) -> int:
     if args.ranks < 1 or args.servers < 0:
         raise SystemExit(f"commrt keygen: -n {args.ranks} must be >= 1 and -s {args.servers} >= 0")
     names = [f"rank{r}" for r in range(args.ranks)] + [f"server{i}" for i in range(args.servers)]
-    keygen(args.directory, names)
+    try:
+        _key_directory(args.directory)
+        keygen(args.directory, names)
+    except OSError as exc:
+        raise SystemExit(f"commrt keygen: cannot write the keys to {args.directory}: {exc.strerror or exc}") from None
     print(f"wrote {len(names)} key pairs (mode 0600) and allow.txt to {args.directory}; give every "
           f"process [security] mode = 'curve', keys_dir = '{args.directory}' (each reads only its own "
           ".key file: copy rank<r>.key to rank r's host only)")
     return 0
+
+
+def _key_directory(directory: str) -> None:
+    """Make ``directory`` (0700), or accept an existing one only if it is this user's and nobody
+    else can write it: whoever can write there can swap allow.txt or a .key for their own (the
+    readers check neither), and so join the job or pose as one of its processes."""
+    try:
+        os.makedirs(directory, mode=0o700)
+        return
+    except FileExistsError:  # made here, not checked and then made: nobody can slip one in between
+        pass
+    st = os.stat(directory)
+    why = (f"owned by another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else
+           f"writable by others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+           else None)
+    if why:
+        raise SystemExit(f"commrt keygen: {directory} is {why}: they could replace the keys; give a new "
+                         "directory (keygen makes it, mode 0700) or one only you can write")
 
 
 def _server_status(args) -> int:

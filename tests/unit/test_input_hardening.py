@@ -179,6 +179,27 @@ def test_keygen_refuses_a_job_without_ranks(tmp_path):
     assert not (tmp_path / "keys").exists()
 
 
+def test_keygen_refuses_a_directory_others_can_write(tmp_path):
+    """Found in review C: keygen wrote into an existing directory whatever its mode, so in a
+    shared (group- or world-writable) one anyone could later replace allow.txt with their own
+    public key, or a rank's .key with a pair they know; the readers check neither."""
+    from commrt.cli import main
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SystemExit, match="writable by others"):
+        main(["keygen", str(shared), "-n", "1"])
+    assert not list(shared.iterdir())
+
+
+def test_keygen_where_it_cannot_write_is_one_line(tmp_path):
+    """Found in review C: a directory keygen cannot make was a FileNotFoundError traceback."""
+    from commrt.cli import main
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="commrt keygen: cannot write"):
+        main(["keygen", str(tmp_path / "file" / "keys"), "-n", "1"])
+
+
 def test_launch_hosts_with_an_ssh_that_does_not_exist_names_it(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("node-a\nnode-b\n")
