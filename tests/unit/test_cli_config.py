@@ -42,6 +42,19 @@ def test_prints_every_section_as_toml_with_sources_and_round_trips(tmp_path, cap
     assert TrainConfig.from_dict(tomllib.loads(out)["train"]) == TrainConfig.from_dict(tomllib.loads(f.read_text())["train"])
 
 
+def test_strings_beyond_the_basic_plane_round_trip(tmp_path, capsys):
+    """Found in review C: strings were rendered with json.dumps, whose escapes for characters
+    beyond U+FFFF are UTF-16 surrogate pairs ("\\ud83d\\ude00"), which TOML refuses: the output
+    of ``commrt config`` for a path with such a character was not a config file at all."""
+    f = tmp_path / "c.toml"
+    f.write_text('[log]\ntrace_file = "/runs/\U0001F600/\U00020000.json"\n', encoding="utf-8")
+    code, out, _ = _config(capsys, str(f))
+    assert code == 0
+    again = tmp_path / "again.toml"
+    again.write_text(out, encoding="utf-8")
+    assert load_config(again, environ={}) == load_config(f, environ={})
+
+
 def test_validates_train_and_says_where_a_bad_value_came_from(tmp_path, capsys, monkeypatch):
     f = tmp_path / "c.toml"
     f.write_text("[train.zero_optimization]\nstag = 3\n")

@@ -15,12 +15,20 @@ def toml_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+        return _basic_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, Mapping):
         return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def _basic_string(text: str) -> str:
+    """A TOML basic string, in ASCII. JSON's escapes are TOML's, except that json.dumps writes a
+    character beyond U+FFFF as a UTF-16 surrogate pair, which TOML refuses: it gets \\UXXXXXXXX."""
+    body = json.dumps(text, ensure_ascii=False)  # quotes, backslashes and control characters escaped
+    return "".join(c if ord(c) < 0x7F else f"\\u{ord(c):04X}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08X}"
+                   for c in body)
 
 
 def section_lines(name: str, items: Iterable[tuple[str, Any, str]]) -> list[str]:
