@@ -209,15 +209,31 @@ def cluster(nnodes: int, shape: LinkShape):
     names, cmds = plan(tag, nnodes, shape)
     # SIGTERM/SIGHUP become Stopped from here on (launch() installs the same only for the run):
     # otherwise one during setup or teardown killed the process with the namespaces in place
+    made: list[str] = []  # the namespaces that may exist: a setup that failed made only some
     with _stop_on_signals():
         try:
             for cmd in cmds:
-                _run(cmd)
+                _build(cmd, made)
             log.info("emulated cluster: %d nodes at %s%s (namespaces %s)", nnodes, shape.rate,
                      f", {shape.delay} delay" if shape.delay else "", ", ".join(names))
             yield Cluster(tuple(names[1:]), shape)
         finally:  # deleting a namespace deletes its veth end (and so the pair) and its qdiscs
-            _delete_all(list(reversed(names)))
+            _delete_all(list(reversed(made)))
+
+
+def _build(cmd: list[str], made: list[str]) -> None:
+    """Run one setup command, adding the namespace an ``ip netns add`` makes to ``made`` before
+    it runs (a signal may land after the kernel made it) and taking it out again when the
+    command failed (nothing was made: deleting it would be reported as a failure)."""
+    adds = cmd[:3] == ["ip", "netns", "add"]
+    if adds:
+        made.append(cmd[3])
+    try:
+        _run(cmd)
+    except ConfigError:
+        if adds:
+            made.pop()
+        raise
 
 
 def _delete_all(names: list[str]) -> None:

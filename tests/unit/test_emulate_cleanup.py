@@ -39,6 +39,7 @@ try:
         pass
 except Stopped as exc:
     print("STOPPED", exc)
+print("MADE", " ".join(cmd[3] for cmd in made if cmd[:3] == ["ip", "netns", "add"]))
 print("DELETED", " ".join(deleted), flush=True)
 """
 
@@ -51,8 +52,9 @@ def test_sigterm_while_the_cluster_is_made_or_deleted_still_deletes_every_namesp
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and lines[0] == "STOPPED stopped by SIGTERM", (proc.returncode, proc.stderr[-2000:])
-    deleted = lines[-1].split()[1:]
-    assert len(set(deleted)) == 3 and all(n.startswith(emulate.PREFIX) for n in deleted), lines  # switch + 2 nodes
+    made, deleted = lines[-2].split()[1:], lines[-1].split()[1:]
+    assert set(deleted) == set(made) and all(n.startswith(emulate.PREFIX) for n in deleted), lines
+    assert len(made) == (3 if when == "teardown" else 1), lines  # switch + 2 nodes; the switch alone so far
 
 
 def test_one_deletion_that_hangs_does_not_keep_the_others(monkeypatch, caplog):
@@ -71,3 +73,32 @@ def test_one_deletion_that_hangs_does_not_keep_the_others(monkeypatch, caplog):
         nodes = net.namespaces
     assert len(attempted) == 3 and set(nodes) < set(attempted)
     assert "could not delete 2 network namespace(s)" in caplog.text and "TimeoutExpired" in caplog.text
+
+
+def test_a_setup_that_fails_deletes_what_it_made_and_reports_no_leftovers(monkeypatch, caplog):
+    """Found in review C: when a setup command failed (a DELAY on a kernel without netem, the
+    first node's tc), every planned namespace was deleted, those never made too, and each of
+    those failures was logged as an ERROR "could not delete N network namespace(s)": the user
+    was told namespaces were left behind when none were."""
+    made, attempted = set(), []
+
+    def run(cmd):
+        if cmd[:3] == ["ip", "netns", "add"]:
+            made.add(cmd[3])
+        if cmd[:2] == ["tc", "-n"] and "-n0" in cmd[2]:
+            raise emulate.ConfigError("this kernel has no netem qdisc")
+
+    def delete(cmd, **kw):
+        attempted.append(cmd[-1])
+        gone = cmd[-1] in made
+        made.discard(cmd[-1])
+        return subprocess.CompletedProcess(cmd, 0 if gone else 1, "", "" if gone else "No such file or directory")
+    monkeypatch.setattr(emulate, "check_usable", lambda shape: None)
+    monkeypatch.setattr(emulate, "clean_leftovers", lambda: [])
+    monkeypatch.setattr(emulate, "_run", run)
+    monkeypatch.setattr(emulate.subprocess, "run", delete)
+    with pytest.raises(emulate.ConfigError, match="netem"):
+        with emulate.cluster(3, emulate.parse_shape("1gbit")):
+            pass
+    assert not made and len(attempted) == 2, attempted  # the switch and node 0: all that was made
+    assert "could not delete" not in caplog.text, caplog.text
