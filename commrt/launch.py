@@ -165,6 +165,9 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
     if nproc < 1 or nodes.nnodes < 1 or not (nodes.node_rank is None or 0 <= nodes.node_rank < nodes.nnodes):
         raise ValueError(f"nproc ({nproc}) and nnodes ({nodes.nnodes}) must be >= 1 and node_rank "
                          f"({nodes.node_rank}) in 0..{nodes.nnodes - 1}")
+    if servers and nodes.nnodes > 1:  # on this host's loopback: every node would train on shards of its own
+        raise ValueError(f"servers ({servers}) are started on this host's loopback, which the ranks of "
+                         f"{nodes.nnodes} nodes cannot all reach: start them apart and list them in [ps] servers")
     out = out or sys.stdout
     loopback = _loopback(nodes.master_addr)
     port = port or free_port(loopback)

@@ -33,7 +33,8 @@ def add_arguments(lp: argparse.ArgumentParser) -> None:
     lp.add_argument("--config", help="TOML config handed to every rank (COMMRT_CONFIG); default none")
     lp.add_argument("--timeout", type=float, help="stop everything after this many seconds; default: no limit")
     lp.add_argument("--servers", type=int, default=0,
-                    help="also start this many parameter-server shards (COMMRT_PS_SERVERS is set); default 0")
+                    help="also start this many parameter-server shards on this host's loopback (COMMRT_PS_SERVERS is "
+                         "set; one-node jobs only); default 0")
     lp.add_argument("--max-restarts", type=int, default=0, help="after a failure, restart the whole group this "
                     "many times (resume from your checkpoint); default 0")
     lp.add_argument("--curve", action="store_true",
@@ -167,6 +168,10 @@ def _nodes(args) -> "launcher.Nodes":
     if args.node_rank is None or not args.master_addr or not args.master_port:
         raise SystemExit("commrt launch: --nnodes > 1 needs --node-rank, --master-addr and --master-port on every "
                          "host (or --emulate-network RATE to run every node on this one)")
+    if args.servers:
+        raise SystemExit(f"commrt launch: --servers with --nnodes {args.nnodes} would start shards on every host's "
+                         "loopback, out of the other nodes' reach: start them with `commrt server --index I` and "
+                         "list them in [ps] servers (deploy/README.md)")
     if not 0 <= args.node_rank < args.nnodes:
         raise SystemExit(f"commrt launch: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1}")
     return launcher.Nodes(args.nnodes, args.node_rank, args.master_addr)

@@ -161,6 +161,19 @@ def test_launch_refuses_out_of_range_arguments(argv, needle, capsys):
         launch_cmd.main(argv)
 
 
+def test_launch_of_one_node_of_several_refuses_servers(capsys):
+    """Found in review C: ``--servers S`` with ``--nnodes N > 1`` started S shards on every host's
+    loopback, each told to expect all N x G workers (COMMRT_PS_WORKERS): every node's workers
+    trained against their own shards, unreachable from the other nodes, so a sync job ended in
+    PeerLost after the worker timeout and an async one silently trained N separate models."""
+    from commrt.launch import Nodes, launch
+    with pytest.raises(SystemExit, match="--servers"):
+        launch_cmd.main(["-n", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                         "--master-port", "29999", "--servers", "1", "--", "true"])
+    with pytest.raises(ValueError, match="servers"):
+        launch(1, ["true"], servers=1, nodes=Nodes(2, 0, "127.0.0.1"))
+
+
 def test_launch_of_a_missing_program_is_an_exit_status_not_a_traceback(capsys):
     assert launch_cmd.main(["-n", "2", "--", "/nonexistent/commrt-test-program"]) == 127
     assert "/nonexistent/commrt-test-program" in capsys.readouterr().err
