@@ -28,8 +28,11 @@ from commrt.deploy.hostlist import Host
 def _start(argv: list[str], label: str, secret: str, out: IO[str], lock: threading.Lock, tail: deque):
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True)
-    p.stdin.write((secret + "\n").encode())
-    p.stdin.flush()  # left open: its end tells the host to stop
+    try:
+        p.stdin.write((secret + "\n").encode())
+        p.stdin.flush()  # left open: its end tells the host to stop
+    except BrokenPipeError:  # ssh ended already (a bad option, a host it refused): _wait reports its status
+        pass
     t = threading.Thread(target=_pump, args=(label, p.stdout, out, lock, tail, True), daemon=True)
     t.start()
     return p, t

@@ -6,6 +6,7 @@ a collective job with the reference's results. Needs root and iproute2 (CI runs 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 
 from commrt import emulate
+from commrt.deploy import ssh
+from commrt.deploy.hostlist import Host
 from commrt.runtime.errors import ConfigError
 from commrt.launch import free_port
 from commrt.transport.security import new_secret
@@ -156,6 +159,27 @@ def test_hosts_launcher_hands_the_secret_over_stdin_and_stops_the_rest_on_a_fail
     assert sorted(seen.read_text().split("\n")[:-1]) == [f"{h} {secret}" for h in ("bad", "good1", "good2")]
     assert "[good1] good1 stopped" in proc.stdout and "[good2] good2 stopped" in proc.stdout, proc.stdout
     assert "stopped every host" in proc.stderr and secret not in proc.stdout + proc.stderr
+
+
+def test_hosts_launcher_reports_an_ssh_that_ended_at_once(tmp_path, monkeypatch):
+    """Found in review C: an ssh that ended before the launcher wrote it the secret (a typo in
+    --ssh such as '-p 22x', a wrapper that fails at once) made that write a BrokenPipeError
+    traceback out of ``commrt launch --hosts``, without ssh's own message or exit status, and
+    left that ssh unreaped. Here each ssh has ended before launch_hosts writes to it."""
+    real = ssh.subprocess.Popen
+
+    def ended(*args, **kwargs):
+        p = real(*args, **kwargs)
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped
+        return p
+    fake = tmp_path / "ssh"
+    fake.write_text("#!/bin/sh\necho 'Bad port' >&2\nexit 255\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(ssh.subprocess, "Popen", ended)
+    out = io.StringIO()
+    code = ssh.launch_hosts([Host("node01", None), Host("node02", None)], 1, ["true"], 29500, str(fake),
+                            env=_base_env(COMMRT_JOB_SECRET=new_secret()), out=out, timeout_s=60)
+    assert code == 255 and out.getvalue().count("Bad port") == 2, out.getvalue()
 
 
 @pytest.mark.slow
