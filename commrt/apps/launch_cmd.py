@@ -9,6 +9,7 @@ import sys
 
 from commrt import launch as launcher
 from commrt.apps.elastic_launch import launch_elastic
+from commrt.runtime.config import unknown_variables
 from commrt.runtime.errors import CommError
 
 
@@ -56,6 +57,9 @@ def run(args) -> int:
     if not cmd:
         raise SystemExit("commrt launch: give the command to run after --")
     _check_numbers(args)
+    for name in unknown_variables(os.environ):  # the ranks would ignore it without a word
+        print(f"commrt launch: warning: {name} is set but no setting reads it (misspelt? 'commrt config "
+              "--env-table' lists them all)", file=sys.stderr)
     env = dict(os.environ, COMMRT_SECURITY_MODE="curve") if args.curve else None
     try:
         return _run(args, cmd, env)

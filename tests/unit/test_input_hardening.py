@@ -174,6 +174,14 @@ def test_launch_of_one_node_of_several_refuses_servers(capsys):
         launch(1, ["true"], servers=1, nodes=Nodes(2, 0, "127.0.0.1"))
 
 
+def test_launch_warns_about_a_misspelt_setting_variable(capsys, monkeypatch):
+    """Found in review C: a misspelt variable (COMMRT_COMM_BAKEND=gloo) reached every rank and was
+    ignored without a word: the job ran on the default backend. Only `commrt config` said so."""
+    monkeypatch.setenv("COMMRT_COMM_BAKEND", "gloo")
+    assert launch_cmd.main(["-n", "1", "--timeout", "60", "--", sys.executable, "-c", "pass"]) == 0
+    assert "warning: COMMRT_COMM_BAKEND is set but no setting reads it" in capsys.readouterr().err
+
+
 def test_launch_of_a_missing_program_is_an_exit_status_not_a_traceback(capsys):
     assert launch_cmd.main(["-n", "2", "--", "/nonexistent/commrt-test-program"]) == 127
     assert "/nonexistent/commrt-test-program" in capsys.readouterr().err
