@@ -86,6 +86,8 @@ def test_plaintext_beyond_loopback_is_refused_unless_allowed():
     ('[comm]\ntimeout_s = nan\n', "[comm] timeout_s = nan is invalid"),
     ('[comm]\nheartbeat_s = inf\n', "[comm] heartbeat_s = inf is invalid; it must be > 0 and <= 3600"),
     ('[ps]\ntimeout_s = inf\n', "[ps] timeout_s = inf is invalid; it must be > 0 and <= 1000000"),
+    ('[cluster]\nrendezvous = "tcp://10.0.0.1"\n', "[cluster] rendezvous = 'tcp://10.0.0.1' is invalid"),
+    ('[cluster]\nrendezvous = "tcp://node0:29k"\n', "[cluster] rendezvous = 'tcp://node0:29k' is invalid"),
     ('[comms]\nbackend = "zmq"\n', "unknown section [comms]; valid: ['comm', 'cluster', 'security', 'ps', 'quant', 'log', 'train']"),
 ])
 def test_out_of_range_values_and_unknown_sections_are_config_errors(tmp_path, text, needle):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from commrt.runtime.config.checks import (MAX_HEARTBEAT_S, MAX_TIMEOUT_S, check_at_least, check_bytes,
                                           check_choice, check_seconds, check_types, invalid)
@@ -130,6 +131,17 @@ class CommConfig:
                           f"it must exceed chunk_bytes ({self.chunk_bytes}) by at least 4096")
 
 
+def _tcp_url(text: str) -> bool:
+    """``tcp://host:port`` as rendezvous.resolve reads it (urllib: host and a port in 1-65535)."""
+    if not text.startswith("tcp://"):
+        return False
+    url = urlparse(text)
+    try:  # .port raises ValueError for a port that is not a number or beyond 65535
+        return bool(url.hostname and url.port)
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     rendezvous: str = "env://"
@@ -152,8 +164,9 @@ class ClusterConfig:
         check_types("cluster", self)
         check_at_least("cluster", "world_size", self.world_size, 0)
         check_at_least("cluster", "rank", self.rank, -1)
-        if not (self.rendezvous == "env://" or self.rendezvous.startswith("tcp://")):
-            raise invalid("cluster", "rendezvous", self.rendezvous, "valid: 'env://' or 'tcp://host:port'")
+        if not (self.rendezvous == "env://" or _tcp_url(self.rendezvous)):
+            raise invalid("cluster", "rendezvous", self.rendezvous,
+                          "valid: 'env://' or 'tcp://host:port' (port 1-65535)")
         if not self.bind_host:
             raise invalid("cluster", "bind_host", self.bind_host, "give an interface's address (e.g. '127.0.0.1')")
 
