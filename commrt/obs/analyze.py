@@ -23,7 +23,8 @@ class Finding:
     """The global rank to blame."""
     seq: int
     op: str
-    """The collective the others entered (absent, behind) or the one this rank ran (mismatch)."""
+    """The newest collective the others entered (absent), the first one this rank missed
+    (behind) or the one this rank ran (mismatch)."""
     detail: str
 
 
@@ -86,11 +87,21 @@ def _stragglers(gid: int, ranks: list[int], by_rank: dict[int, dict], present: s
                                  f"rank {r} left no flight record (it died, or went on without an error); "
                                  f"ranks {leaders} stopped in {_describe(entered)}"))
         elif last[r] < newest:
+            # the collective it missed is the one after its last, not the newest: async ops let
+            # the others issue several past a stuck rank
+            missed = _entered(by_rank, last[r] + 1)
+            ahead = sorted(x for x, s in last.items() if s > last[r])
             mine = _collectives(by_rank[r]).get(last[r]) if r in by_rank else None
-            found.append(Finding("behind", gid, r, last[r] + 1, op,
-                                 f"rank {r} never entered seq {last[r] + 1} ({op}) that ranks {leaders} "
+            name = missed["op"] if missed else "?"
+            found.append(Finding("behind", gid, r, last[r] + 1, name,
+                                 f"rank {r} never entered seq {last[r] + 1} ({name}) that ranks {ahead} "
                                  f"entered; its last: {_describe(mine)}"))
     return found
+
+
+def _entered(by_rank: dict[int, dict], seq: int) -> dict | None:
+    """Some rank's record of collective ``seq`` (None when every ring has moved past it)."""
+    return next((e for g in by_rank.values() if (e := _collectives(g).get(seq)) is not None), None)
 
 
 def analyze(dumps: list[dict], world_size: int | None = None) -> tuple[list[Finding], list[str]]:
