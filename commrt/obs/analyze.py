@@ -5,9 +5,10 @@ collective on every member):
 - absent: a member left no record. It died (or never saw an error: a rank that skipped a
   collective and went on) while the others waited in the collective they had entered.
 - behind: a rank whose last collective is older than the newest one the others entered is
-  missing from that one (the lowest last-seq ranks).
-- mismatch: at one seq, ranks disagree on op, size or dtype; the ranks outside the largest
-  agreeing set are named (with two ranks, both).
+  missing from the one after its last (the lowest last-seq ranks).
+- mismatch: at one seq, ranks disagree on op, size or dtype (not on size for all_to_all_single,
+  whose split sizes differ per rank by design); the ranks outside the largest agreeing set are
+  named (with two ranks, both).
 """
 from __future__ import annotations
 
@@ -28,8 +29,17 @@ class Finding:
     detail: str
 
 
+# collectives whose size differs per rank by design: all_to_all_single with split sizes (each
+# rank sends what it routes); they are compared by op and dtype only
+SIZED_PER_RANK = ("all_to_all_single",)
+
+
 def _sig(entry: dict) -> tuple:
-    return entry["op"], entry["nbytes"], entry["dtype"]
+    return entry["op"], None if entry["op"] in SIZED_PER_RANK else entry["nbytes"], entry["dtype"]
+
+
+def _show(sig: tuple) -> str:
+    return f"{sig[0]} {sig[2]}" if sig[1] is None else f"{sig[0]} {sig[1]} B {sig[2]}"
 
 
 def _describe(entry: dict | None) -> str:
@@ -65,9 +75,8 @@ def _mismatches(gid: int, by_rank: dict[int, dict]) -> list[Finding]:
         for r, sig in sorted(sigs.items()):
             if sig != majority:
                 others = sorted({s for s in sigs.values() if s != sig})
-                found.append(Finding("mismatch", gid, r, seq, sig[0],
-                                     f"rank {r} runs {sig[0]} {sig[1]} B {sig[2]} at seq {seq}; others run "
-                                     + ", ".join(f"{o[0]} {o[1]} B {o[2]}" for o in others)))
+                found.append(Finding("mismatch", gid, r, seq, sig[0], f"rank {r} runs {_show(sig)} at seq {seq}; "
+                                     "others run " + ", ".join(_show(o) for o in others)))
     return found
 
 

@@ -18,3 +18,17 @@ def test_a_rank_two_collectives_behind_is_blamed_for_the_one_it_missed():
     findings, lines = analyze.analyze([_dump(0, ops), _dump(1, ops[:1]), _dump(2, ops)])
     assert [(f.kind, f.rank, f.seq, f.op) for f in findings] == [("behind", 1, 2, "all_gather_into_tensor")]
     assert "never entered seq 2 (all_gather_into_tensor)" in findings[0].detail, lines
+
+
+def test_an_uneven_all_to_all_is_not_a_mismatch():
+    """all_to_all_single with split sizes (MoE routing) sends a different number of bytes from
+    each rank by design: the analysis blamed every rank of it as a mismatch (a tie), beside the
+    rank that really was absent. A different op or dtype at that seq is still one."""
+    def ops(nbytes, op="all_to_all_single", dtype="float32"):
+        return [{"seq": 1, "op": op, "nbytes": nbytes, "dtype": dtype},
+                {"seq": 2, "op": "all_reduce", "nbytes": 40, "state": "started"}]
+    findings, lines = analyze.analyze([_dump(0, ops(48)), _dump(1, ops(64))], 3)
+    assert [(f.kind, f.rank) for f in findings] == [("absent", 2)], lines
+    findings, _ = analyze.analyze([_dump(0, ops(48)), _dump(1, ops(64)), _dump(2, ops(64, dtype="int8"))])
+    assert [(f.kind, f.rank, f.op) for f in findings] == [("mismatch", 2, "all_to_all_single")]
+    assert "float32" in findings[0].detail and "int8" in findings[0].detail
