@@ -167,8 +167,9 @@ class Observer:
             groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
             if self._spans:
                 groups[trace.TRAIN_TID] = "train step (forward, backward, optimizer, comm_waited, bookkeeping)"
+            events, groups = trace.nest(self.events, groups)
             try:
-                trace.write(self.trace_path, trace.track_names(self.rank, groups) + self.events)
+                trace.write(self.trace_path, trace.track_names(self.rank, groups) + events)
             except OSError as exc:
                 log.error("cannot write the trace to %s: %s", self.trace_path, exc)
             if self.dropped:

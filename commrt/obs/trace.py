@@ -1,4 +1,5 @@
-"""Chrome/Perfetto trace files: one process track per rank, one thread per group.
+"""Chrome/Perfetto trace files: one process track per rank, one thread per group (and lanes
+beside it for its ops that overlap without nesting, ``nest``).
 
 The Trace Event Format (the JSON object form with ``traceEvents``), which ui.perfetto.dev and
 chrome://tracing both open: "X" complete events (ts and dur in microseconds) and "M" metadata
@@ -17,6 +18,8 @@ _SENTINEL = 987654321  # stands for the rank while a template is turned into a p
 
 
 TRAIN_TID = 1 << 20  # the track of a training engine's step spans, apart from the groups' (their ids)
+LANE_SHIFT = 24
+"""Lane N of track ``tid`` is thread ``tid | N << LANE_SHIFT`` (see ``nest``)."""
 
 
 def rank_path(template: str, rank: int) -> str:
@@ -39,6 +42,35 @@ def track_names(rank: int, groups: dict[int, str]) -> list[dict]:
     for gid, label in sorted(groups.items()):
         events.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": gid, "args": {"name": label}})
     return events
+
+
+def nest(events: list[dict], names: dict[int, str]) -> tuple[list[dict], dict[int, str]]:
+    """One rank's "X" events, each on the first lane of its track (tid) where it nests, and
+    ``names`` (tid -> track name) with the extra lanes named. The format requires the X events of
+    one thread to nest, and Perfetto drops those that do not; a group's ops overlap without
+    nesting when a sync op is issued behind queued async ones (its record starts at issue) or
+    point-to-point ops complete out of order. Times compared in integer ns, as Perfetto does."""
+    out, opened, lanes = [], {}, {}  # opened: (tid, lane) -> ends of the events still open there
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        start = round(e["ts"] * 1000)
+        end, tid, lane = start + round(e["dur"] * 1000), e["tid"], 0
+        while True:
+            ends = opened.setdefault((tid, lane), [])
+            while ends and ends[-1] <= start:
+                ends.pop()
+            if not ends or end <= ends[-1]:
+                break
+            lane += 1
+        ends.append(end)
+        if lane:
+            e = {**e, "tid": tid | lane << LANE_SHIFT}
+            lanes[tid] = max(lanes.get(tid, 0), lane)
+        out.append(e)
+    named = dict(names)
+    for tid, most in lanes.items():
+        for lane in range(1, most + 1):
+            named[tid | lane << LANE_SHIFT] = f"{names.get(tid, f'track {tid}')}, overlapping ops {lane}"
+    return out, named
 
 
 def document(events: list[dict]) -> dict:
