@@ -92,7 +92,9 @@ class CommsLog:
     def rows(self) -> list[dict]:
         """One dict per key, most total time first: the data of ``commrt.comms_summary()``."""
         out = []
-        for (op, buck, group, backend, size), t in self.table.items():
+        # a snapshot (list() copies in C, under the GIL): async ops complete on their groups'
+        # threads and may add a row while a program reads the table
+        for (op, buck, group, backend, size), t in list(self.table.items()):
             s = sorted(t.samples[-SAMPLES:])
             alg = t.nbytes / t.seconds / 1e9 if t.seconds > 0 else 0.0
             out.append({"op": op, "bucket": buck, "group": group, "backend": backend, "group_size": size,

@@ -81,3 +81,26 @@ def test_overlapping_ops_of_one_group_nest_on_their_tracks(tmp_path):
     assert _unnested(events) == []
     named = {e["tid"] for e in events if e["name"] == "thread_name"}
     assert {e["tid"] for e in events if e["ph"] == "X"} <= named
+
+
+def test_the_comms_summary_can_be_read_while_ops_complete(monkeypatch):
+    """Async ops complete on their groups' threads and add rows to the comms log while a program
+    reads ``commrt.comms_summary()``: a row added meanwhile (a new size bucket) raised
+    'RuntimeError: dictionary changed size during iteration' in the reader (seen with a thread
+    adding while another read, within seconds). Here the add happens at a fixed point of the
+    read, as that thread's would."""
+    from commrt.obs import comms
+    log = comms.CommsLog()
+    log.add("all_reduce", 4096, 0, "zmq", 2, 1e-4)
+    real = comms.percentile
+    added = []
+
+    def percentile_and_a_completion(values, q):
+        if not added:
+            added.append(log.add("all_reduce", 1 << 20, 0, "zmq", 2, 1e-3))
+        return real(values, q)
+
+    monkeypatch.setattr(comms, "percentile", percentile_and_a_completion)
+    rows = log.rows()
+    assert [r["bucket"] for r in rows] in ([4096], [1 << 20, 4096])
+    assert len(log.rows()) == 2
