@@ -224,7 +224,9 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0) -> int:
 # -- observability (commrt/obs): every op above passes _begin and _call -------------------------
 def _start_observing(rt: bootstrap.Runtime) -> None:
     global _observer, _last_observer
-    _observer = _last_observer = Observer(rt.config, rt.world.rank, rt.world.size())
+    # the store's incarnation marks this run's flight records (None: torchrun's agent store)
+    _observer = _last_observer = Observer(rt.config, rt.world.rank, rt.world.size(),
+                                          getattr(rt.store, "incarnation", None))
 
 
 def _stop_observing() -> None:

@@ -113,11 +113,24 @@ def _entered(by_rank: dict[int, dict], seq: int) -> dict | None:
     return next((e for g in by_rank.values() if (e := _collectives(g).get(seq)) is not None), None)
 
 
+def _newest_job(dumps: list[dict]) -> tuple[list[dict], list[int]]:
+    """The dumps of the job that wrote the latest one, and the ranks of the others' (stale files
+    of an earlier run in a reused flight_dir: counted, they blamed the ranks of this one)."""
+    if len({d.get("job") for d in dumps}) < 2:
+        return dumps, []
+    when = lambda d: d["time"] if isinstance(d.get("time"), (int, float)) else 0.0  # noqa: E731
+    job = max(dumps, key=when).get("job")
+    return [d for d in dumps if d.get("job") == job], sorted(d["rank"] for d in dumps if d.get("job") != job)
+
+
 def analyze(dumps: list[dict], world_size: int | None = None) -> tuple[list[Finding], list[str]]:
     """(findings, report lines). ``world_size``: if known, ranks with no dump at all count too."""
+    dumps, stale = _newest_job(dumps)
     world = world_size or max((d.get("world_size", 0) for d in dumps), default=0)
     present = sorted(d["rank"] for d in dumps)
     lines = [f"flight records of ranks {present} (world size {world})"]
+    if stale:
+        lines.append(f"left out the records of ranks {stale}: written by another job (an earlier run)")
     missing = sorted(set(range(world)) - set(present))
     if missing:
         lines.append(f"no record from ranks {missing}")

@@ -108,9 +108,12 @@ class GroupRing:
                 "entries": [r.as_dict(wall0) for r in self.entries()]}
 
 
-def snapshot(rank: int, world_size: int, reason: str, rings: list[GroupRing], wall0: float) -> dict:
-    """A rank's dump: what ``commrt flight-record`` reads."""
-    return {"version": VERSION, "rank": rank, "world_size": world_size, "pid": os.getpid(),
+def snapshot(rank: int, world_size: int, reason: str, rings: list[GroupRing], wall0: float,
+             job: int | None = None) -> dict:
+    """A rank's dump: what ``commrt flight-record`` reads. ``job``: the same on every rank of one
+    run and not the next's (the bootstrap store's incarnation), so a stale record of an earlier
+    run in the same directory is told apart; None where unknown."""
+    return {"version": VERSION, "rank": rank, "world_size": world_size, "job": job, "pid": os.getpid(),
             "host": os.uname().nodename, "time": round(time.time(), 6), "reason": reason,
             "groups": [g.as_dict(wall0) for g in rings]}
 

@@ -26,9 +26,11 @@ MAX_TRACE_EVENTS = 1 << 21  # ~0.5 GiB of JSON at most; later events are counted
 
 
 class Observer:
-    def __init__(self, cfg: Config, rank: int, world_size: int):
+    def __init__(self, cfg: Config, rank: int, world_size: int, job: int | None = None):
+        """``job``: this run's mark in the flight records (flight.snapshot)."""
         c = cfg.log
         self.rank, self.world_size, self.entries, self.flight_dir = rank, world_size, c.flight_entries, c.flight_dir
+        self.job = job
         self.comms = comms.CommsLog() if c.comms else None
         self.verbose = c.comms and c.verbose
         self.trace_path = trace.rank_path(c.trace_file, rank) if c.trace_file else ""
@@ -124,7 +126,8 @@ class Observer:
         if self._last_dump[0] == reason and now - self._last_dump[1] < 1.0:
             return None  # the same error again (a polling wait, every async op of a broken group)
         self._last_dump = (reason, now)
-        data = flight.snapshot(self.rank, self.world_size, reason, list(self.rings.values()), self.wall0)
+        data = flight.snapshot(self.rank, self.world_size, reason, list(self.rings.values()), self.wall0,
+                               self.job)
         if not self.flight_dir:
             log.warning("%s; no flight record written (set [log] flight_dir to keep one)", reason)
             return None

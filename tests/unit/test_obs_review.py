@@ -104,3 +104,24 @@ def test_the_comms_summary_can_be_read_while_ops_complete(monkeypatch):
     rows = log.rows()
     assert [r["bucket"] for r in rows] in ([4096], [1 << 20, 4096])
     assert len(log.rows()) == 2
+
+
+def test_a_stale_flight_record_of_an_earlier_job_is_left_out(tmp_path):
+    """A flight_dir in the config is reused by the next run of the job. Run 1 reached seq 500;
+    in run 2 rank 1 was killed (no record of its own) while ranks 0 and 2 waited at seq 21:
+    rank 1's file from run 1 made the analysis blame ranks 0 and 2 as 'behind' rank 1. The
+    records now carry the job (the bootstrap store's incarnation) and only the newest job's count."""
+    def job(dump, number, when):
+        return {**dump, "job": number, "time": when}
+    old = [{"seq": s, "op": "all_reduce", "nbytes": 40} for s in range(450, 501)]
+    new = [{"seq": s, "op": "all_reduce", "nbytes": 40} for s in range(1, 22)]
+    dumps = [job(_dump(0, new), 7, 2000.0), job(_dump(1, old), 5, 1000.0), job(_dump(2, new), 7, 2001.0)]
+    findings, lines = analyze.analyze(dumps, 3)
+    assert [(f.kind, f.rank, f.seq) for f in findings] == [("absent", 1, 21)], lines
+    assert any("ranks [1]" in line and "another job" in line for line in lines), lines
+    cfg = load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": str(tmp_path)})
+    obs = Observer(cfg, 0, 1, job=7)
+    try:
+        assert obs.dump("requested") and json.load(open(tmp_path / "rank0.json"))["job"] == 7
+    finally:
+        obs.close()
