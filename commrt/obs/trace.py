@@ -9,6 +9,8 @@ NTP-synchronised hosts) line up in a merged file.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
 import re
@@ -132,10 +134,12 @@ def rank_files(pattern_or_files: list[str]) -> list[str]:
     """The per-rank files, given either the files or the configured trace_file template."""
     if len(pattern_or_files) != 1 or os.path.exists(pattern_or_files[0]):
         return list(pattern_or_files)
-    template = pattern_or_files[0]
-    probe = rank_path(template, _SENTINEL)
-    directory = os.path.dirname(os.path.abspath(probe))
-    regex = re.compile(re.escape(os.path.basename(probe)).replace(str(_SENTINEL), r"(\d+)") + "$")
-    found = sorted((int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory)
-                   if (m := regex.match(n)))
+    # the rank may stand in the directories too (rank_path replaces every {rank}): glob the whole
+    # path, then keep the paths whose every {rank} is the same number
+    head, *rest = os.path.abspath(rank_path(pattern_or_files[0], _SENTINEL)).split(str(_SENTINEL))
+    regex = re.compile(re.escape(head) + r"(?P<r>\d+)" + r"(?P=r)".join(map(re.escape, rest)) + r"\Z")
+    found = sorted((int(m["r"]), p) for p in glob.glob("*".join(map(glob.escape, [head, *rest])))
+                   if (m := regex.match(p)))
+    if not found and not os.path.isdir(os.path.dirname(head)):  # say which directory is missing
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.path.dirname(head))
     return [p for _, p in found]

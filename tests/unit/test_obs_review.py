@@ -125,3 +125,15 @@ def test_a_stale_flight_record_of_an_earlier_job_is_left_out(tmp_path):
         assert obs.dump("requested") and json.load(open(tmp_path / "rank0.json"))["job"] == 7
     finally:
         obs.close()
+
+
+def test_trace_merge_finds_the_files_of_a_template_with_the_rank_in_a_directory(tmp_path):
+    """``{rank}`` may stand anywhere in [log] trace_file (each rank's writes made its directory),
+    but the template's files were only looked for in one directory, the sentinel's:
+    ``commrt trace-merge OUT /run{rank}/trace.json`` failed with 'No such file or directory:
+    .../run987654321'."""
+    template = str(tmp_path / "run{rank}" / "trace-{rank}.json")
+    for rank in (0, 1, 10):
+        trace.write(trace.rank_path(template, rank), [trace.complete_event("barrier", rank, 0, 1e15, 1.0, {})])
+    trace.write(str(tmp_path / "run2" / "trace-3.json"), [])  # not one of the template's: ranks differ
+    assert trace.rank_files([template]) == [str(tmp_path / f"run{r}" / f"trace-{r}.json") for r in (0, 1, 10)]
