@@ -192,7 +192,7 @@ def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
     if g is None:
         return None
     peer = g.group_rank(dst, "dst")
-    return _call(_begin(g, "send", tensor, True, dst), g.backend.isend, tensor, peer, tag)
+    return _call(_begin(g, "send", tensor, True, dst, p2p=True), g.backend.isend, tensor, peer, tag)
 
 
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0) -> Work | None:
@@ -202,7 +202,8 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0) -> Work | No
     if g is None:
         return None
     peer = None if src is None else g.group_rank(src, "src")
-    return _call(_begin(g, "recv", tensor, True, -1 if src is None else src), g.backend.irecv, tensor, peer, tag)
+    rec = _begin(g, "recv", tensor, True, -1 if src is None else src, p2p=True)  # -1: from any source
+    return _call(rec, g.backend.irecv, tensor, peer, tag)
 
 
 def send(tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -236,15 +237,17 @@ def _stop_observing() -> None:
     _observer = None
 
 
-def _begin(g: ProcessGroup, op: str, tensor, async_op: bool, peer: int = -1):
-    """The op's flight record (a sync op is started, an async one queued); None when not observed."""
+def _begin(g: ProcessGroup, op: str, tensor, async_op: bool, peer: int = -1, p2p: bool = False):
+    """The op's flight record (a sync op is started, an async one queued); None when not observed.
+    ``p2p`` apart from ``peer``: a receive from any source has none, and numbered as a collective
+    it put the receiver's collective seqs one ahead of every other rank's."""
     obs = _observer
     if obs is None:
         return None
     if tensor is None:
-        return obs.begin(g, op, 0, None, peer, async_op, peer >= 0)
+        return obs.begin(g, op, 0, None, peer, async_op, p2p)
     t = dtypes.as_buffer(tensor)
-    return obs.begin(g, op, nbytes(t), t.dtype, peer, async_op, peer >= 0)
+    return obs.begin(g, op, nbytes(t), t.dtype, peer, async_op, p2p)
 
 
 def _call(rec, fn, *args):

@@ -1,0 +1,20 @@
+"""Review of the observability layer (revB), on real ranks: each test failed before its fix."""
+from commrt.obs import analyze, flight
+from tests.multirank.harness import run_ranks
+
+
+def test_a_receive_from_any_source_is_not_numbered_as_a_collective(tmp_path):
+    """``recv(t)`` without ``src`` reached the recorder with peer -1, which it took for a
+    collective: the receiver's collective seq ran one ahead of the sender's from then on, and
+    the analysis of two healthy ranks reported every later collective as a mismatch."""
+    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_LOG_FLIGHT_DIR": str(tmp_path)}
+    run_ranks(2, "obs_anysource", env=env, timeout_s=60)
+    dumps = flight.read_dumps(str(tmp_path))
+    findings, lines = analyze.analyze(dumps, 2)
+    assert findings == [], "\n".join(lines)
+    for d in dumps:
+        (world,) = d["groups"]
+        assert [(e["seq"], e["op"]) for e in world["entries"] if e["kind"] == "coll"] == \
+            [(1, "all_reduce"), (2, "all_reduce"), (3, "broadcast")], d["rank"]
+        assert [(e["kind"], e["op"]) for e in world["entries"] if e["op"] in ("send", "recv")] == \
+            [("p2p", "recv" if d["rank"] == 0 else "send")]
