@@ -24,7 +24,7 @@ from commrt.collectives import aliasing
 from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
 from commrt.runtime.dtypes import as_tensor
 from commrt.runtime.errors import CommError, PeerLost
-from commrt.runtime.work import CommTimeout, Work
+from commrt.runtime.work import Work
 from commrt.backends.base import split_bounds, widened
 
 _OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.AVG: tdist.ReduceOp.SUM,
@@ -95,7 +95,7 @@ class TorchWork(Work):
             while not self.is_completed():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+                    raise self._timeout(timeout)
                 time.sleep(min(pause, remaining))  # torch offers no wait-with-timeout that
                 pause = min(pause * 2, 5e-3)      # leaves the work usable afterwards
         return super().wait(0)
@@ -108,7 +108,7 @@ class TorchWork(Work):
                 self._complete_with(exc)
             done = False
         if done is False:
-            raise CommTimeout(f"{self.name} did not complete within {timeout}s")
+            raise self._timeout(timeout)
         self._complete(waited=True)
 
     def _complete_with(self, exc: Exception) -> None:

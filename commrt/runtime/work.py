@@ -103,10 +103,7 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; re-raise the operation's error. ``timeout`` in seconds."""
         if not self._done.wait(timeout):
-            exc = CommTimeout(f"{self.name} did not complete within {timeout}s")
-            if self._flight is not None:
-                self._flight.timed_out(exc)
-            raise exc
+            raise self._timeout(timeout)
         if self._error is not None:
             raise self._error
         return True
@@ -114,6 +111,15 @@ class Work:
     def result(self) -> Any:
         self.wait()
         return self._result
+
+    def _timeout(self, timeout: float) -> CommTimeout:
+        """The error of a wait that ran out (the op stays pending), told to the op's flight
+        record first (a rank that gives up may be stuck: the recorder dumps). Every backend's
+        Work raises its timeouts through here."""
+        exc = CommTimeout(f"{self.name} did not complete within {timeout}s")
+        if self._flight is not None:
+            self._flight.timed_out(exc)
+        return exc
 
 
 class Executor:

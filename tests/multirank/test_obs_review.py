@@ -1,4 +1,6 @@
 """Review of the observability layer (revB), on real ranks: each test failed before its fix."""
+import pytest
+
 from commrt.obs import analyze, flight
 from tests.multirank.harness import run_ranks
 
@@ -18,3 +20,15 @@ def test_a_receive_from_any_source_is_not_numbered_as_a_collective(tmp_path):
             [(1, "all_reduce"), (2, "all_reduce"), (3, "broadcast")], d["rank"]
         assert [(e["kind"], e["op"]) for e in world["entries"] if e["op"] in ("send", "recv")] == \
             [("p2p", "recv" if d["rank"] == 0 else "send")]
+
+
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_a_wait_that_times_out_writes_the_flight_record_on_every_backend(backend, tmp_path):
+    """README: a CommTimeout from ``Work.wait(timeout)`` writes the flight record. On gloo (and
+    nccl) the timeout was raised by the torch backend's own wait, which never told the
+    recorder: no record at all."""
+    env = {"COMMRT_COMM_BACKEND": backend, "COMMRT_LOG_FLIGHT_DIR": str(tmp_path)}
+    _, out = run_ranks(2, "obs_timeout", env=env, timeout_s=90)
+    assert "[rank 0] CAUGHT CommTimeout" in out, out
+    (dump,) = flight.read_dumps(str(tmp_path))
+    assert dump["rank"] == 0 and dump["reason"].startswith("CommTimeout"), dump["reason"]
