@@ -39,6 +39,7 @@ class Observer:
         self.rings: dict[int, flight.GroupRing] = {}
         self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock
         self._closed = False
+        self._closing = self._term_pending = False  # close() writing; a SIGTERM came meanwhile
         self._spans = False  # a training engine's step spans were traced
         self._last_dump: tuple[str, float] = ("", 0.0)
         self._old_handlers = self._install_handlers()
@@ -149,6 +150,9 @@ class Observer:
         Write them, then end as SIGTERM would have."""
         if self.flight_dir:
             self.dump("SIGTERM (stopped from outside, e.g. by commrt launch after another rank failed)")
+        if self._closing:  # it interrupted close() writing the trace: close() ends the process after
+            self._term_pending = True
+            return
         self.close()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
@@ -160,12 +164,22 @@ class Observer:
         """Once, at destroy_process_group or at exit: write the trace, log the table (rank 0)."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._closing = True
         atexit.unregister(self.close)
-        if threading.current_thread() is threading.main_thread():
-            for sig, (old, mine) in self._old_handlers.items():
-                if signal.getsignal(sig) == mine:  # a handler the program set since is left alone
-                    signal.signal(sig, old)
+        try:
+            self._write_out()
+        finally:
+            # the handlers go back only now: SIGTERM while the trace was written (seconds, for
+            # a big one) ended the process at once, leaving no trace and its temporary file
+            self._closing = False
+            if threading.current_thread() is threading.main_thread():
+                for sig, (old, mine) in self._old_handlers.items():
+                    if signal.getsignal(sig) == mine:  # a handler the program set since is left alone
+                        signal.signal(sig, old)
+            if self._term_pending:  # ends as that SIGTERM would have (via _on_term off the main thread)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def _write_out(self) -> None:
         if self.events is not None:
             groups = {gid: f"group {gid} {list(r.ranks)} ({r.backend})" for gid, r in self.rings.items()}
             if self._spans:

@@ -1,5 +1,9 @@
 """Review of the observability layer (revB): each test failed before its fix."""
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import types
 
@@ -137,3 +141,35 @@ def test_trace_merge_finds_the_files_of_a_template_with_the_rank_in_a_directory(
         trace.write(trace.rank_path(template, rank), [trace.complete_event("barrier", rank, 0, 1e15, 1.0, {})])
     trace.write(str(tmp_path / "run2" / "trace-3.json"), [])  # not one of the template's: ranks differ
     assert trace.rank_files([template]) == [str(tmp_path / f"run{r}" / f"trace-{r}.json") for r in (0, 1, 10)]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STOPPED_WHILE_WRITING = """
+import os, signal, sys, types
+from commrt.obs import trace
+from commrt.obs.observer import Observer
+from commrt.runtime.config import load_config
+obs = Observer(load_config(None, environ={"COMMRT_LOG_TRACE_FILE": sys.argv[1] + "/trace.json"}), 0, 2)
+g = types.SimpleNamespace(group_id=0, ranks=(0, 1), rank=0, backend=types.SimpleNamespace(name="zmq"))
+for _ in range(3):
+    obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
+real = trace.nest
+def nest_then_stopped(*args):  # the launcher's SIGTERM arrives while close() writes the trace
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args)
+trace.nest = nest_then_stopped
+obs.close()  # destroy_process_group, or exit
+sys.exit(3)  # not reached: SIGTERM still ends the process
+"""
+
+
+def test_a_rank_stopped_while_it_writes_its_trace_finishes_the_trace_first(tmp_path):
+    """close() gave the SIGTERM handler back before it wrote the trace, so SIGTERM during the
+    write (a big trace takes seconds; commrt launch stops the ranks when another fails) ended
+    the process at once: no trace, and its partial temporary file left behind. Now the write
+    ends first, then the process ends by SIGTERM as before."""
+    proc = subprocess.run([sys.executable, "-c", _STOPPED_WHILE_WRITING, str(tmp_path)], timeout=60,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert os.listdir(tmp_path) == ["trace.rank0.json"]
+    assert [e["args"]["seq"] for e in trace.load(str(tmp_path / "trace.rank0.json")) if e["ph"] == "X"] == [1, 2, 3]
