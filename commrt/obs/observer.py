@@ -40,6 +40,7 @@ class Observer:
         self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock
         self._closed = False
         self._closing = self._term_pending = False  # close() writing; a SIGTERM came meanwhile
+        self._pid = os.getpid()  # the rank's; a forked child inherits this object (see _on_term)
         self._spans = False  # a training engine's step spans were traced
         self._last_dump: tuple[str, float] = ("", 0.0)
         self._old_handlers = self._install_handlers()
@@ -141,13 +142,20 @@ class Observer:
         return path
 
     def _on_signal(self, signum, frame) -> None:
-        self.dump("SIGUSR1")
+        if os.getpid() == self._pid:  # a forked child writes nothing (see _on_term)
+            self.dump("SIGUSR1")
 
     def _on_term(self, signum, frame) -> None:
         """Stopped from outside: ``commrt launch`` stops every rank within milliseconds of one
         failing, long before the survivors' heartbeats (3 intervals) would raise PeerLost, so
         without this a dead rank's job left no flight record at all (nor the survivors' traces).
-        Write them, then end as SIGTERM would have."""
+        Write them, then end as SIGTERM would have. A forked child of the rank (a DataLoader
+        worker) inherits this handler, and commrt launch signals the rank's whole process group:
+        it only ends, its records being a stale copy that it wrote over the rank's own."""
+        if os.getpid() != self._pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.flight_dir:
             self.dump("SIGTERM (stopped from outside, e.g. by commrt launch after another rank failed)")
         if self._closing:  # it interrupted close() writing the trace: close() ends the process after
@@ -161,8 +169,9 @@ class Observer:
         return self.comms.rows() if self.comms is not None else []
 
     def close(self) -> None:
-        """Once, at destroy_process_group or at exit: write the trace, log the table (rank 0)."""
-        if self._closed:
+        """Once, at destroy_process_group or at exit: write the trace, log the table (rank 0).
+        Not in a forked child (one that exits through atexit): its events are a stale copy."""
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = self._closing = True
         atexit.unregister(self.close)

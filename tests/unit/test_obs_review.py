@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from commrt.obs import analyze, trace
+from commrt.obs import analyze, flight, trace
 from commrt.obs.observer import Observer
 from commrt.runtime.config import load_config
 
@@ -173,3 +173,39 @@ def test_a_rank_stopped_while_it_writes_its_trace_finishes_the_trace_first(tmp_p
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert os.listdir(tmp_path) == ["trace.rank0.json"]
     assert [e["args"]["seq"] for e in trace.load(str(tmp_path / "trace.rank0.json")) if e["ph"] == "X"] == [1, 2, 3]
+
+
+_FORKED_WORKER = """
+import os, signal, sys, time, types
+from commrt.obs import flight
+from commrt.obs.observer import Observer
+from commrt.runtime.config import load_config
+out = sys.argv[1]
+obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": out, "COMMRT_LOG_TRACE_FILE": out + "/trace.json"}), 1, 2)
+g = types.SimpleNamespace(group_id=0, ranks=(0, 1), rank=1, backend=types.SimpleNamespace(name="zmq"))
+obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
+child = os.fork()  # a DataLoader worker (fork start method) of this rank
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+for _ in range(2):
+    obs.issued(obs.begin(g, "all_reduce", 400, "float32"), None)
+time.sleep(0.5)
+os.kill(child, signal.SIGTERM)  # commrt launch stops the rank's whole process group
+_, status = os.waitpid(child, 0)
+print("CHILD", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exit", sorted(os.listdir(out)))
+obs.dump("requested")
+obs.close()
+"""
+
+
+def test_a_forked_worker_stopped_with_sigterm_writes_no_record_of_its_own(tmp_path):
+    """A rank's forked children (DataLoader workers) inherit the observer's SIGTERM handler, and
+    commrt launch signals the rank's whole process group: each worker wrote its own flight
+    record and trace as the rank's, from its copy of the rank's memory at fork (seq 1 here,
+    the rank was at 3), over or under the rank's own files. The worker now just ends."""
+    proc = subprocess.run([sys.executable, "-c", _FORKED_WORKER, str(tmp_path)], timeout=60, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    assert f"CHILD {int(signal.SIGTERM)} []" in proc.stdout, proc.stdout + proc.stderr
+    assert [g["last_seq"] for g in flight.read_dumps(str(tmp_path))[0]["groups"]] == [3]
