@@ -2,10 +2,12 @@
 log: a client retrying in a loop wrote 1,241 lines in 17 s and a PS worker 21,000 (issue 30
 item 14). ``RateLimited`` logs the first ``burst`` of each kind per ``interval_s``, counts the
 rest, and says how many it held back when the kind next comes up after the interval (there is
-no timer thread: a flood that stops is summarised by ``flush()`` or its next occurrence).
+no timer thread: a flood that stops is summarised by ``flush()``, which runs at exit, or by its
+next occurrence).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -24,6 +26,7 @@ class RateLimited:
         self._log, self._burst, self._interval, self._clock = logger, burst, interval_s, clock
         self._lock = threading.Lock()
         self._kinds: dict[str, list] = {}  # key -> [window start, logged, held back]
+        atexit.register(self.flush)  # else a flood that stopped was never counted (nothing else flushes)
 
     def warning(self, key: str, msg: str, *args) -> None:
         self.log(logging.WARNING, key, msg, *args)

@@ -59,3 +59,28 @@ def test_rejected_ps_requests_log_a_few_lines_not_one_each(caplog):
         for i in range(500):
             server._rejected(b"id", SimpleNamespace(op=pull, worker=0, req_id=i), "worker 0 has no accepted init")
     assert server.counters["rejected"] == 500 and len(caplog.records) <= ratelimit.BURST
+
+
+_FLOOD_THEN_EXIT = """
+import logging, sys
+from commrt.obs.ratelimit import RateLimited
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+limited = RateLimited(logging.getLogger("test.flood"), burst=3, interval_s=60)
+for i in range(100):
+    limited.warning("wrong secret", "refused connection %d", i)
+"""
+
+
+def test_a_flood_that_stopped_is_counted_when_the_process_ends():
+    """Found in review (revB): the count of a flood that stopped was only logged by flush() or
+    by the kind's next occurrence after the interval, and nothing called flush(): 97 refused
+    connections beyond the first 3 were never reported. Now each limiter flushes at exit."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _FLOOD_THEN_EXIT], timeout=60, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("refused connection") == 3
+    assert "97 more wrong secret warnings" in proc.stdout, proc.stdout
