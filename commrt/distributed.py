@@ -22,7 +22,7 @@ from commrt.runtime.arrays import nbytes
 from commrt.runtime.config import Config, load_config
 from commrt.runtime.errors import CommError
 from commrt.runtime.group import NON_GROUP_MEMBER, ProcessGroup
-from commrt.runtime.work import Work
+from commrt.runtime.work import Work, on_turn
 from commrt.topology import dispatch
 from commrt.transport.wire import MAX_TAG
 
@@ -254,11 +254,14 @@ def _call(rec, fn, *args):
     """Issue an op and tell its record how it went (an async one's end comes from its Work)."""
     if rec is None:
         return fn(*args)
+    on_turn.hook = rec.turn  # a sync op on zmq starts when it gets the group's turn
     try:
         work = fn(*args)
     except BaseException as exc:
         rec.end(exc)
         raise
+    finally:
+        on_turn.hook = None
     return Observer.issued(rec, work)
 
 

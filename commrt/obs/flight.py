@@ -39,6 +39,12 @@ class Record:
         if self.state == QUEUED:
             self.state, self.started = STARTED, time.perf_counter()
 
+    def turn(self) -> None:
+        """A sync op got its group's turn (runtime/work.on_turn): it starts now, not at issue,
+        when async ops were queued before it (their time is not its own)."""
+        if self.state == STARTED:
+            self.started = time.perf_counter()
+
     def done(self, error: BaseException | None) -> None:
         """An async op completed or failed (``Work._finish``); exactly once even when that
         races with the op's registration (``Observer.issued``)."""

@@ -70,8 +70,9 @@ class Observer:
         if ring is None:
             ring = self.rings[g.group_id] = flight.GroupRing(self, g.group_id, g.ranks, g.rank,
                                                               g.backend.name, self.entries)
-        # a sync op holds the group from here (its turn is taken inside the call); async and
-        # point-to-point ops wait in a queue until their owner thread starts them
+        # a sync op starts here, and again when it gets its group's turn inside the call
+        # (Record.turn: async ops queued before it may run first); async and point-to-point ops
+        # wait in a queue until their owner thread starts them
         state = flight.QUEUED if async_op or p2p else flight.STARTED
         return ring.add(p2p, op, nbytes, dtype, peer, state)
 

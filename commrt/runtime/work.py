@@ -10,6 +10,10 @@ from commrt.runtime.errors import CommError
 
 
 _CALLBACK_LOCK = threading.Lock()  # registering vs. finishing: every callback runs exactly once
+on_turn = threading.local()
+"""``on_turn.hook``: called (once, then cleared) when the next synchronous ``Executor.run`` of
+this thread gets its group's turn: how the public API's flight record of a sync op learns when
+it really started, behind the async ops queued before it (commrt/obs)."""
 
 
 class Flag:
@@ -154,6 +158,10 @@ class Executor:
                 raise self._closed(name)
             self._busy = True
         try:
+            hook = getattr(on_turn, "hook", None)
+            if hook is not None:
+                on_turn.hook = None
+                hook()
             return fn()
         finally:
             self._done()

@@ -209,3 +209,33 @@ def test_a_forked_worker_stopped_with_sigterm_writes_no_record_of_its_own(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert f"CHILD {int(signal.SIGTERM)} []" in proc.stdout, proc.stdout + proc.stderr
     assert [g["last_seq"] for g in flight.read_dumps(str(tmp_path))[0]["groups"]] == [3]
+
+
+def test_a_sync_op_queued_behind_async_ones_is_timed_from_its_turn(monkeypatch):
+    """A sync op's record started when it was issued, but it runs only once the async ops queued
+    before it on its group finished: its comms-log time (and busbw) and its trace event counted
+    their time too (in a real 2-rank run a 40-byte all_reduce behind two 1 MiB async ones read
+    4-10 ms). Now its start is when it gets the group's turn; the wait shows as queued_us."""
+    import threading
+
+    import numpy as np
+
+    from commrt import distributed
+    from commrt.runtime.work import Executor
+    obs = Observer(load_config(None, environ={"COMMRT_LOG_COMMS": "1"}), 0, 2)
+    monkeypatch.setattr(distributed, "_observer", obs)
+    ex = Executor("group0")
+    g = types.SimpleNamespace(group_id=0, ranks=(0, 1), rank=0, backend=types.SimpleNamespace(name="zmq"))
+    gate = threading.Event()
+    try:
+        ex.submit("all_reduce", gate.wait)  # an async op that holds the group for 0.3 s
+        threading.Timer(0.3, gate.set).start()
+        rec = distributed._begin(g, "barrier", None, False)
+        distributed._call(rec, lambda: ex.run("barrier", lambda: None, 30))
+    finally:
+        gate.set()
+        ex.close()
+        obs.close()
+    assert rec.started - rec.issued >= 0.25 and rec.ended - rec.started < 0.2, (rec.issued, rec.started, rec.ended)
+    (row,) = obs.summary()
+    assert row["total_s"] < 0.2, row
