@@ -12,8 +12,8 @@ from commrt.runtime.errors import CommError
 _CALLBACK_LOCK = threading.Lock()  # registering vs. finishing: every callback runs exactly once
 on_turn = threading.local()
 """``on_turn.hook``: called (once, then cleared) when the next synchronous ``Executor.run`` of
-this thread gets its group's turn: how the public API's flight record of a sync op learns when
-it really started, behind the async ops queued before it (commrt/obs)."""
+this thread gets its group's turn after waiting for it: how the public API's flight record of a
+sync op learns when it really started, behind the async ops queued before it (commrt/obs)."""
 
 
 class Flag:
@@ -152,16 +152,18 @@ class Executor:
         progresses is not anybody's silence: the wait gives up (CommTimeout) only when no
         earlier operation finished for ``timeout_s`` (each has its own peer deadlines)."""
         with self._cv:
-            if self._queue or self._busy:
+            waited = bool(self._queue or self._busy)
+            if waited:
                 self._wait_turn(name, timeout_s)
             if self._closed is not None:
                 raise self._closed(name)
             self._busy = True
         try:
-            hook = getattr(on_turn, "hook", None)
-            if hook is not None:
-                on_turn.hook = None
-                hook()
+            if waited:  # else its turn came at issue: nothing to tell (the common, small-op case)
+                hook = getattr(on_turn, "hook", None)
+                if hook is not None:
+                    on_turn.hook = None
+                    hook()
             return fn()
         finally:
             self._done()
