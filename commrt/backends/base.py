@@ -55,10 +55,11 @@ def widened(flat, op: ReduceOp, wb: Callable[[], None] | None, fresh: bool = Fal
     return wide, (lambda: (store(), wb and wb())) if wb else store
 
 
-def flat_view(obj, what: str = "tensor") -> tuple[object, Callable[[], None] | None]:
+def flat_view(obj, what: str = "tensor", writes: bool = True) -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
-    A CUDA tensor is staged: a pinned host copy, written back to the device afterwards."""
-    t = dtypes.as_buffer(obj)
+    A CUDA tensor is staged: a pinned host copy, written back to the device afterwards.
+    ``writes`` false: the op only reads it (a read-only array is fine: dtypes.as_buffer)."""
+    t = dtypes.as_buffer(obj, writes)
     dtypes.code_of(t.dtype)
     if isinstance(t, np.ndarray):
         if t.flags.c_contiguous:
@@ -86,7 +87,8 @@ def same_kind(a, b) -> tuple:
     same memory (torch is loaded: a tensor exists), so the pair runs as tensors as it always did."""
     if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
         from_numpy = sys.modules["torch"].from_numpy
-        return (from_numpy(a) if isinstance(a, np.ndarray) else a), (from_numpy(b) if isinstance(b, np.ndarray) else b)
+        tensor = lambda x: from_numpy(x if x.flags.writeable else x.copy()) if isinstance(x, np.ndarray) else x  # noqa: E731
+        return tensor(a), tensor(b)
     return a, b
 
 

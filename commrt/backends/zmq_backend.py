@@ -255,9 +255,9 @@ class ZmqBackend:
     def _whole_and_part(self, output, input, name: str, whole: str):
         """(out, write-back, inp), flat, of an op whose ``whole`` ("input" or "output") holds
         world-size parts the size of the other."""
-        out, inp = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input))
+        out, inp = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
         out, wb = flat_view(out, "output")
-        inp, _ = flat_view(inp, "input")
+        inp, _ = flat_view(inp, "input", writes=False)
         check_same_dtype(out, inp, name)
         big, small, part = (inp, out, "output") if whole == "input" else (out, inp, "input")
         if numel(big) != numel(small) * self.size:
@@ -293,9 +293,9 @@ class ZmqBackend:
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input))
+        o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
         out, wb = flat_view(o, "output")
-        inp, _ = flat_view(i, "input")
+        inp, _ = flat_view(i, "input", writes=False)
         check_same_dtype(out, inp, "all_to_all_single")
         out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
         in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")

@@ -52,7 +52,7 @@ class PointToPoint:
             raise ValueError(f"{direction}: peer rank {peer} is invalid (rank {self.rank} of {self.size})")
         if tag < 0:
             raise ValueError(f"{direction}: tag must be >= 0, got {tag}")
-        flat, wb = flat_view(tensor)
+        flat, wb = flat_view(tensor, writes=direction == "recv")
         pe = max(1, self._chunk_bytes // flat.dtype.itemsize)
         n = numel(flat)
         # one piece (every pipeline message, most sends) without slicing: ~1 us a transfer

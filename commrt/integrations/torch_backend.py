@@ -156,14 +156,14 @@ class TorchBackend:
         return self._finish("all_reduce", w, async_op, _then(self._avg(t, op), back))
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
-        (out, back), inp = _dense(output), as_tensor(input).contiguous()
+        (out, back), inp = _dense(output), as_tensor(input, writes=False).contiguous()
         out, back = widened(out, op, back, fresh=True)
         inp, _ = widened(inp, op, None)
         w = _REDUCE_SCATTER(out, inp, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce_scatter_tensor", w, async_op, _then(self._avg(out, op), back))
 
     def all_gather_into_tensor(self, output, input, async_op=False):
-        (out, back), inp = _dense(output), as_tensor(input).contiguous()
+        (out, back), inp = _dense(output), as_tensor(input, writes=False).contiguous()
         w = _ALL_GATHER(out, inp, group=self.pg, async_op=async_op)
         return self._finish("all_gather_into_tensor", w, async_op, back)
 
@@ -183,7 +183,7 @@ class TorchBackend:
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        (out, back), inp = _dense(output), as_tensor(input)
+        (out, back), inp = _dense(output), as_tensor(input, writes=False)
         for t, s, what in ((out, output_split_sizes, "output"), (inp, input_split_sizes, "input")):
             split_bounds(t.numel(), t.shape[0] if t.dim() else 1, s, self.size, what)
         inp = aliasing.all_to_all_source(out, inp).contiguous()  # gloo alone would return wrong blocks
@@ -197,7 +197,7 @@ class TorchBackend:
 
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
         peer = self.ranks[dst]
-        work = tdist.isend(as_tensor(tensor).contiguous(), peer, group=self.pg, tag=tag)
+        work = tdist.isend(as_tensor(tensor, writes=False).contiguous(), peer, group=self.pg, tag=tag)
         return TorchWork("send", work, polls=False, peer=peer, lost=self.lost)
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:

@@ -64,12 +64,13 @@ def parse_dtype(name: str):
     return __getattr__("BY_NAME")[key]
 
 
-def as_buffer(obj):
+def as_buffer(obj, writes: bool = True):
     """A numpy array or a torch tensor, as given, ready to be updated in place: a read-only
-    array is refused, and a tensor that requires grad is detached (same memory): like
+    array is refused where the op ``writes`` it (an input only read, as all_gather's or a send's,
+    may be read-only), and a tensor that requires grad is detached (same memory): like
     torch.distributed, a collective updates it in place outside autograd."""
     if isinstance(obj, np.ndarray):
-        if not obj.flags.writeable:
+        if writes and not obj.flags.writeable:
             raise ValueError("numpy array is read-only; collectives update tensors in place")
         return obj
     torch = sys.modules.get("torch")  # a tensor can only exist once torch is loaded
@@ -78,11 +79,14 @@ def as_buffer(obj):
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
 
 
-def as_tensor(obj):
-    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place)."""
+def as_tensor(obj, writes: bool = True):
+    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place); a
+    read-only array that is only read (``writes`` false) is copied: torch has no read-only tensor."""
     import torch  # lazy: only torch-level callers ask for a tensor
-    buf = as_buffer(obj)
-    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    buf = as_buffer(obj, writes)
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(buf if buf.flags.writeable else buf.copy())
+    return buf
 
 
 def byte_span(t) -> tuple[int, int]:

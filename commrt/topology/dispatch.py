@@ -145,14 +145,16 @@ def _submit(name: str, fn, async_op: bool, back=None) -> Work | None:
     return None
 
 
-def _plain(x):
+def _plain(x, writes: bool = True):
     """(flat contiguous buffer, write-back or None): a non-contiguous one runs on a copy. Which
     path an op takes must not depend on a rank's memory layout: a rank whose strided view went
     the flat way while its peers went the two levels stalled them all (and skipped joining the
-    node groups that levels_of creates on every rank)."""
+    node groups that levels_of creates on every rank). A read-only array the op ``writes`` is
+    refused here, before any level starts (dtypes.as_buffer)."""
+    x = dtypes.as_buffer(x, writes)
     if is_contiguous(x):
         return flat_plain(x), None
-    return flat_view(x if isinstance(x, np.ndarray) else x.detach())  # the backends' copy and write-back
+    return flat_view(x, writes=writes)  # the backends' copy and write-back
 
 
 def segments_for(nbytes: int, chunk_bytes: int) -> int:
@@ -176,7 +178,7 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
 def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "reduce_scatter", output, input) or _int_avg(op, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
-    (out, back), (inp, _) = _plain(output), _plain(input)
+    (out, back), (inp, _) = _plain(output), _plain(input, writes=False)
     return _submit("reduce_scatter_tensor", lambda lv: hierarchical.reduce_scatter(lv.intra, lv.inter, out, inp, op),
                    async_op, back)
 
@@ -184,7 +186,7 @@ def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, asyn
 def all_gather_into_tensor(output, input, group: ProcessGroup, async_op: bool = False) -> Work | None:
     if not route(group, "all_gather", output, input):
         return group.backend.all_gather_into_tensor(output, input, async_op)
-    (out, back), (inp, _) = _plain(output), _plain(input)
+    (out, back), (inp, _) = _plain(output), _plain(input, writes=False)
     return _submit("all_gather_into_tensor", lambda lv: hierarchical.all_gather(lv.intra, lv.inter, out, inp),
                    async_op, back)
 
@@ -198,7 +200,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def _int_avg(op: ReduceOp, buf) -> bool:
     """An integer AVG below 64 bits: the flat path, whose backend sums it in 64 bits
     (backends.base.widened); the two levels' partial sums would wrap."""
-    return op == ReduceOp.AVG and narrow_int(dtypes.as_buffer(buf))
+    return op == ReduceOp.AVG and narrow_int(dtypes.as_buffer(buf, writes=False))
 
 
 def route(group, kind: str, *tensors) -> bool:

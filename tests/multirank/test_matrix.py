@@ -27,6 +27,15 @@ def test_matrix_tiny_pipeline_pieces():
 
 
 @pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
+def test_read_only_inputs_are_read_and_read_only_outputs_refused(backend, intra):
+    """A read-only numpy input (np.frombuffer) of all_gather / reduce_scatter / all_to_all / send
+    is read; a read-only buffer an op writes is a ValueError on every rank, and the group goes on
+    (programs/readonly_inputs.py). Inputs used to be refused as outputs are."""
+    _, out = run_ranks(2, "readonly_inputs", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
+    assert out.count("read-only inputs passed") == 2
+
+
+@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
 def test_integer_avg_does_not_wrap(backend, intra):
     """int8 / uint8 / int32 AVG of values whose sum over 3 ranks overflows the dtype equals the
     floored int64 average (backends.base.widened), on the TCP and shared-memory paths and gloo."""

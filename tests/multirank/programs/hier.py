@@ -175,16 +175,20 @@ def check_sizes(k: int, m: int) -> None:
 def check_strided() -> None:
     """Even ranks hand the two-level ops strided views, odd ranks contiguous arrays, of the same
     values: every rank must take the same path (a strided rank used to go the flat way alone,
-    and the others waited for it), and the views get the results."""
+    and the others waited for it), and the views get the results. Inputs that are only read are
+    read-only arrays; a read-only all_reduce buffer is refused on every rank."""
     from tests.multirank.programs.np_ref import reference, values
     rank, world = commrt.get_rank(), commrt.get_world_size()
 
-    def laid_out(a: np.ndarray) -> np.ndarray:
+    def laid_out(a: np.ndarray, read_only: bool = False) -> np.ndarray:
         if rank % 2:
-            return a.copy()
-        room = np.zeros((a.size, 3), a.dtype)
-        room[:, 1] = a
-        return room[:, 1]  # every third element: not contiguous
+            out = a.copy()
+        else:
+            room = np.zeros((a.size, 3), a.dtype)
+            room[:, 1] = a
+            out = room[:, 1]  # every third element: not contiguous
+        out.flags.writeable = not read_only  # an input only read may be read-only (dtypes.as_buffer)
+        return out
 
     for numel in (1, 7, 4099):
         parts = [values(numel, r, np.float32, "SUM", numel) for r in range(world)]
@@ -193,11 +197,17 @@ def check_strided() -> None:
         assert np.array_equal(t, reference(parts, "SUM")), f"all_reduce {numel}"
         full = [values(numel * world, r, np.int32, "MAX", numel) for r in range(world)]
         out = laid_out(np.zeros(numel, np.int32))
-        commrt.reduce_scatter_tensor(out, laid_out(full[rank]), op="max")
+        commrt.reduce_scatter_tensor(out, laid_out(full[rank], read_only=True), op="max")
         assert np.array_equal(out, reference(full, "MAX")[rank * numel:(rank + 1) * numel]), f"RS {numel}"
         gathered = laid_out(np.zeros(numel * world, np.float32))
-        commrt.all_gather_into_tensor(gathered, laid_out(parts[rank]))
+        commrt.all_gather_into_tensor(gathered, laid_out(parts[rank], read_only=True))
         assert np.array_equal(gathered, np.concatenate(parts)), f"all_gather {numel}"
+        try:  # every rank refuses a read-only output before any level starts: no rank waits
+            commrt.all_reduce(laid_out(parts[rank], read_only=True))
+        except ValueError as exc:
+            assert "read-only" in str(exc), exc
+        else:
+            raise AssertionError("a read-only all_reduce buffer was accepted")
 
 
 def main() -> None:
