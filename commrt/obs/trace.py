@@ -94,12 +94,17 @@ def open_new(path: str):
 
 
 def replace_with_json(path: str, tmp: str, value, **dump_kw) -> None:
-    """``value`` as JSON at ``path``, written to ``tmp`` first and renamed (a reader never sees
-    half a file). A write that fails (a full disk, EFBIG) removes ``tmp``: a partial file per
-    failed dump would pile up in the very directory that ran out of space."""
+    """``value`` as JSON at ``path`` (``replace_with``)."""
+    replace_with(path, tmp, lambda fh: json.dump(value, fh, **dump_kw))
+
+
+def replace_with(path: str, tmp: str, write_to) -> None:
+    """What ``write_to(file)`` writes, at ``path``: written to ``tmp`` first and renamed (a reader
+    never sees half a file). A write that fails (a full disk, EFBIG) removes ``tmp``: a partial
+    file per failed dump would pile up in the very directory that ran out of space."""
     try:
         with open_new(tmp) as fh:
-            json.dump(value, fh, **dump_kw)
+            write_to(fh)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -107,10 +112,24 @@ def replace_with_json(path: str, tmp: str, value, **dump_kw) -> None:
     os.replace(tmp, path)
 
 
+WRITE_CHUNK = 4096
+"""Events encoded per json.dumps call by ``write``."""
+
+
 def write(path: str, events: list[dict]) -> None:
-    """Atomically: a reader (or a merge) never sees half a file."""
+    """Atomically: a reader (or a merge) never sees half a file. The events are encoded in
+    chunks by ``json.dumps``, whose encoder is C; ``json.dump`` to a file runs the pure-Python
+    one, 3x slower: 14.5 s for 200k events, past the 5 s between commrt launch's SIGTERM, which
+    writes the trace, and its SIGKILL."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    replace_with_json(path, f"{path}.tmp{os.getpid()}", document(events))
+
+    def write_to(fh) -> None:
+        head = json.dumps(document([]))
+        fh.write(head[:head.index("[") + 1])
+        for i in range(0, len(events), WRITE_CHUNK):
+            fh.write(("," if i else "") + json.dumps(events[i:i + WRITE_CHUNK])[1:-1])
+        fh.write(head[head.index("]"):])
+    replace_with(path, f"{path}.tmp{os.getpid()}", write_to)
 
 
 def load(path: str) -> list[dict]:

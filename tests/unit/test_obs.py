@@ -292,3 +292,15 @@ def test_closing_leaves_a_signal_handler_the_program_set_since_alone(tmp_path):
     finally:
         obs.close()
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, trace.WRITE_CHUNK, trace.WRITE_CHUNK + 1, 2 * trace.WRITE_CHUNK + 5])
+def test_trace_written_in_chunks_is_the_whole_document(tmp_path, count):
+    """trace.write encodes its events a chunk at a time (json.dumps, C): the file is the one
+    document json.dump wrote, across chunk boundaries, and loads back to the same events."""
+    events = [{"name": f"op{i}", "ph": "X", "ts": i * 0.5, "dur": 1.25, "pid": 0, "tid": i % 3,
+               "args": {"seq": i, "text": "é\n\""}} for i in range(count)]
+    trace.write(str(tmp_path / "t.json"), events)
+    with open(tmp_path / "t.json") as fh:
+        assert json.load(fh) == trace.document(events)
+    assert trace.load(str(tmp_path / "t.json")) == events and not list(tmp_path.glob("*.tmp*"))
