@@ -154,8 +154,19 @@ def keygen(directory: str, names: list[str]) -> None:
             fh.write(f"{public.decode()} {secret.decode()}\n")
         os.chmod(path, 0o600)
         lines.append(f"{name} {public.decode()}")
-    with open(os.path.join(directory, ALLOW_FILE), "w") as fh:
+    allow = os.path.join(directory, ALLOW_FILE)
+    with os.fdopen(os.open(allow, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as fh:
         fh.write("\n".join(lines) + "\n")
+    os.chmod(allow, 0o644)  # whatever the umask: Keyring refuses an allow-list others can write
+
+
+def _refuse_loose(path: str, mode: int, bits: int, what: str) -> None:
+    """ConfigError if ``mode`` has any of ``bits``: a key file other users can read lets them
+    in as its owner, and an allow-list they can write lets them add their own key. Group read
+    stays allowed for the key (Kubernetes mounts secrets 0440 for the pod's group)."""
+    if mode & bits:
+        fix = "chmod 600" if what.startswith("readable") else "chmod go-w"
+        raise ConfigError(f"{path} is {what} by other users (mode {stat.S_IMODE(mode):o}); run: {fix} {path}")
 
 
 class Keyring:
@@ -165,10 +176,13 @@ class Keyring:
         if not directory:
             raise ConfigError("[security] mode = 'curve' needs keys_dir (make one with `commrt keygen`; "
                               "`commrt launch` makes one for local jobs)")
+        allow, mine = os.path.join(directory, ALLOW_FILE), os.path.join(directory, f"{me}.key")
         try:
-            with open(os.path.join(directory, ALLOW_FILE)) as fh:
+            with open(allow) as fh:
+                _refuse_loose(allow, os.fstat(fh.fileno()).st_mode, stat.S_IWGRP | stat.S_IWOTH, "writable")
                 rows = [line.split() for line in fh if line.strip() and not line.startswith("#")]
-            with open(os.path.join(directory, f"{me}.key")) as fh:
+            with open(mine) as fh:
+                _refuse_loose(mine, os.fstat(fh.fileno()).st_mode, stat.S_IWGRP | stat.S_IRWXO, "readable or writable")
                 public, secret = fh.read().split()
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the keys of {me} in {directory}: {exc}") from None

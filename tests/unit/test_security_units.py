@@ -81,3 +81,33 @@ def test_a_short_secret_is_refused_from_the_environment_as_from_a_file(tmp_path)
     with pytest.raises(ConfigError, match=r"COMMRT_JOB_SECRET is shorter than 16"):
         job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "a"})
     assert job_secret(_secret_cfg(tmp_path / "s"), {SECRET_ENV: "x" * 16}) == b"x" * 16
+
+
+@pytest.mark.parametrize("file,mode,refused", [
+    ("rank0.key", 0o604, "readable or writable by other users (mode 604); run: chmod 600"),
+    ("rank0.key", 0o620, "readable or writable by other users (mode 620)"),
+    ("allow.txt", 0o666, "writable by other users (mode 666); run: chmod go-w"),
+    ("allow.txt", 0o664, "writable by other users"),
+    ("rank0.key", 0o440, None),  # Kubernetes' secret volume (defaultMode 0440): group read only
+    ("allow.txt", 0o644, None),  # public keys: anyone may read them
+])
+def test_key_files_others_can_use_are_refused(tmp_path, file, mode, refused):
+    """A key file other users can read lets them in as its owner; an allow-list they can write
+    lets them add their own key. Both used to be read whatever their mode."""
+    keygen(str(tmp_path), ["rank0", "rank1"])
+    os.chmod(tmp_path / file, mode)
+    if refused is None:
+        assert Keyring(str(tmp_path), "rank0").me == "rank0"
+    else:
+        with pytest.raises(ConfigError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+            Keyring(str(tmp_path), "rank0")
+
+
+def test_keygen_under_a_loose_umask_writes_files_keyring_accepts(tmp_path):
+    old = os.umask(0o002)  # Debian's user-private-group default: files 664
+    try:
+        keygen(str(tmp_path), ["rank0"])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "allow.txt").st_mode) == 0o644
+    assert Keyring(str(tmp_path), "rank0").me == "rank0"
