@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Callable
 
 from commrt.runtime.errors import CommError
 
+log = logging.getLogger(__name__)
 
 _CALLBACK_LOCK = threading.Lock()  # registering vs. finishing: every callback runs exactly once
 on_turn = threading.local()
@@ -80,7 +82,17 @@ class Work:
         if self._flight is not None:
             self._flight.done(error)
         for fn in callbacks:
+            self._call_back(fn)
+
+    def _call_back(self, fn: Callable[[Work], None]) -> None:
+        """``fn(self)``; its error is logged, never raised: it must not skip the other callbacks,
+        nor turn this op, finished, into a failed one (the executor's loop catches what
+        ``_finish`` raises), as torch logs a raising future callback."""
+        try:
             fn(self)
+        except Exception:
+            log.exception("a done-callback of %s raised (the operation itself %s)", self.name,
+                          "failed" if self._error is not None else "succeeded")
 
     def add_done_callback(self, fn: Callable[[Work], None]) -> None:
         """Call ``fn(self)`` once the operation has finished (at once if it has), in the thread
@@ -93,7 +105,7 @@ class Work:
                     self._callbacks = []
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        self._call_back(fn)
 
     def is_completed(self) -> bool:
         return self._done.is_set()

@@ -195,3 +195,31 @@ def _until_someone_waits(ex: Executor) -> None:
     while not ex._waiting and time.monotonic() < deadline:
         time.sleep(0.005)
     assert ex._waiting, "nobody started waiting for the turn"
+
+
+def test_a_callback_that_raises_neither_fails_the_op_nor_skips_the_others(caplog):
+    """Work._finish ran the done-callbacks in a row: one that raised skipped the rest (a torch
+    future never settled), and on an executor thread the op, which had succeeded, was finished
+    again as failed with the callback's error. The error is now logged, once per callback."""
+    ex, ran, started = Executor("cb"), [], threading.Event()
+    try:
+        work = ex.submit("all_reduce", lambda: (started.wait(5), 42)[1])
+
+        def bad(w):
+            raise RuntimeError("callback bug")
+        work.add_done_callback(bad)
+        work.add_done_callback(lambda w: ran.append(w.result()))
+        with caplog.at_level("ERROR", logger="commrt.runtime.work"):
+            started.set()
+            assert work.wait(5) and work.result() == 42 and work.is_success() and work.exception() is None
+            deadline = time.monotonic() + 5
+            while not ran and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert ran == [42]
+        assert any("callback bug" in r.getMessage() or "callback bug" in str(r.exc_info) for r in caplog.records)
+        late = []
+        work.add_done_callback(bad)  # registered after the end: runs at once, logged, not raised
+        work.add_done_callback(lambda w: late.append(1))
+        assert late == [1]
+    finally:
+        ex.close()
