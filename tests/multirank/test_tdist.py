@@ -24,6 +24,14 @@ def test_torch_monitored_barrier_names_absent_ranks_as_on_gloo():
     _run(3, "monitored")
 
 
+def test_ddp_with_powersgd_whose_future_callbacks_start_and_wait_for_more_collectives():
+    """torch's PowerSGD hook waits, inside its futures' ``then`` callbacks, on further async
+    all_reduces of the group: those callbacks ran on commrt's executor thread, which they then
+    waited for (the first PowerSGD step hung; a synchronous op there was a CommTimeout). Equal to
+    gloo's training."""
+    _run(2, "ddp_powersgd", timeout_s=120)
+
+
 @pytest.mark.slow
 def test_fsdp_keeping_parameters_after_forward():
     _run(2, "fsdp_keep")

@@ -99,8 +99,27 @@ def test_torch_work_completes_its_future_after_the_copy_out():
     seen = threading.Event()
     w.get_future().then(lambda fut: seen.set())
     b._finish(None, None)
-    assert w.is_completed() and landed == [1] and seen.is_set()
-    assert w.wait() and w.get_future().value() == ["result"]
+    assert w.is_completed() and landed == [1]
+    assert w.wait() and w.get_future().value() == ["result"] and seen.wait(5)
+
+
+def test_torch_work_future_callbacks_run_off_the_finishing_thread():
+    """A ``then`` callback may wait for another operation of the group (torch's PowerSGD hook
+    does): it must not run on the thread that finished the op (commrt's executor), which that
+    operation needs. Here the callback waits for a Work that the finishing thread finishes
+    only after its own callbacks return."""
+    a, b = Work("a"), Work("b")
+    w, w2 = TorchWork("allreduce", [a], ["first"]), TorchWork("allreduce", [b], ["second"])
+    chained = w.get_future().then(lambda fut: w2.get_future().wait())
+
+    def executor():  # finishes a, then b: like one group's executor thread
+        a._finish(None, None)
+        b._finish(None, None)
+    t = threading.Thread(target=executor, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the finishing thread is stuck in a future's callback"
+    assert chained.wait() == ["second"]
 
 
 def test_torch_work_hands_over_the_first_error_and_times_out_typed():
@@ -116,6 +135,13 @@ def test_torch_work_hands_over_the_first_error_and_times_out_typed():
     assert w.exception() is lost and not w.is_success()
     with pytest.raises(commrt.PeerLost):
         w.get_future().wait()
+    c = Work("c")
+    w = TorchWork("allreduce", [c], [])
+    future = w.get_future()
+    c._finish(None, lost)
+    with pytest.raises(commrt.PeerLost):
+        w.wait()
+    assert future.done()  # settled (on another thread) by the time wait() raises
 
 
 def test_done_callbacks_run_once_whether_added_before_or_after_finishing():

@@ -5,9 +5,16 @@ all-gather staged through one flat buffer): the handle completes when the last o
 finished and its copy-out (``after``) has run. Completion is pushed by commrt's executor
 thread (``Work.add_done_callback``), so ``get_future()`` completes as soon as the data is
 ready, without a thread parked per operation; DDP's comm hooks chain on that future.
+
+A requested future is settled on a ``_Settler`` thread, not on the executor's: settling runs the
+future's ``then`` callbacks, and a callback that starts another operation on the group and waits
+for it (torch's PowerSGD hook: ``dist.all_reduce(..., async_op=True).get_future().wait()``) or
+runs a synchronous one would wait for the executor thread that is running it (a hang, or the op
+timeout's CommTimeout).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import threading
@@ -34,6 +41,48 @@ class _Set:
 
 
 _SET = _Set()
+
+
+class _Settler:
+    """Runs jobs (a future's settlement and so its callbacks) on daemon threads of its own: an
+    idle one if there is one, else a new one, so a callback that blocks (on a later operation
+    whose settlement comes here too) never holds up the others. A thread idle for ``IDLE_S``
+    ends."""
+
+    IDLE_S = 30.0
+
+    def __init__(self):
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: collections.deque = collections.deque()
+        self._waiting = 0  # threads inside _cv.wait
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            self._jobs.append(job)
+            if len(self._jobs) > self._waiting:
+                threading.Thread(target=self._loop, name="commrt-tdist-future", daemon=True).start()
+            else:
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._jobs:
+                    self._waiting += 1
+                    try:
+                        self._cv.wait(self.IDLE_S)
+                    finally:
+                        self._waiting -= 1
+                    if not self._jobs:
+                        return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException as exc:  # a future's own callbacks' errors stay in their futures
+                log.warning("settling a torch future failed: %s", exc)
+
+
+_SETTLER = _Settler()
 
 
 class TorchWork(dist.Work):
@@ -68,8 +117,8 @@ class TorchWork(dist.Work):
         with self._lock:
             self._done.set()
             future = self._future
-        if future is not None:
-            self._settle(future)
+        if future is not None:  # off this (executor) thread: see the module's docstring
+            _SETTLER.submit(lambda: self._settle(future))
 
     def _finish_after(self) -> None:
         if self._error is None and self._after is not None:
@@ -100,6 +149,12 @@ class TorchWork(dist.Work):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if not self._done.wait(seconds if seconds and seconds > 0 else None):
             raise CommTimeout(f"{self._name} did not complete within {seconds:g}s")
+        future = self._future
+        if future is not None and not future.done():  # its settler sets it at once (the callbacks
+            try:                                      # run after): after wait(), the future is done
+                future.wait()
+            except BaseException:
+                pass  # the op's error: raised below
         if self._error is not None:
             raise self._error
         return True

@@ -4,7 +4,7 @@ Every case trains the same model from the same seed for STEPS optimizer steps, o
 once on commrt (one torch TCPStore on MASTER_PORT serves both inits, prefixed), and rank 0
 trains it alone on the whole batch. Prints 'OK <case>' per case on every rank.
 Usage: python -m tests.multirank.programs.tdist_job CASE [CASE ...]
-cases: ddp, ddp_no_sync, ddp_bf16, fsdp, fsdp_keep, hsdp, pipe, monitored
+cases: ddp, ddp_no_sync, ddp_bf16, ddp_powersgd, fsdp, fsdp_keep, hsdp, pipe, monitored
 """
 from __future__ import annotations
 
@@ -67,6 +67,10 @@ def train_ddp(case: str, rank: int) -> list[torch.Tensor]:
     m = DDP(model())
     if case == "ddp_bf16":
         m.register_comm_hook(None, bf16_hook)
+    if case == "ddp_powersgd":  # its callbacks wait on further all_reduces of the group
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        m.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+                             psgd.powerSGD_hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for s in range(STEPS):
         x, y = batch(s, rank)
@@ -264,7 +268,7 @@ def main() -> None:
             ref = single_process(world)
             mine = ref[:2] if rank == 0 else ref[2:]
             close(results["commrt"], mine, SINGLE_TOL, f"{case}: commrt vs one process")
-        elif case not in ("ddp_bf16", "monitored"):  # bf16 compression is not meant to equal fp32 training
+        elif case not in ("ddp_bf16", "ddp_powersgd", "monitored"):  # compression is not meant to equal fp32
             close(results["commrt"], single_process(world), SINGLE_TOL, f"{case}: commrt vs one process")
         print(f"OK {case}", flush=True)
     store.add("done", 1)  # rank 0 serves the store: it leaves last
