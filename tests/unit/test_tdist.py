@@ -265,3 +265,25 @@ def test_bitwise_ops_on_floats_are_refused_before_any_traffic(dtype):
     with pytest.raises(ValueError, match="BAND is not defined for floating-point"):
         pg.allreduce([torch.ones(3, dtype=dtype)], opts)
     assert backend.calls == []
+
+
+@pytest.mark.parametrize("out_size,in_size", [(2, 5), (3, 4)])
+def test_bitwise_reduce_scatter_tensor_checks_sizes_as_sum_does(out_size, in_size):
+    """reduce_scatter_tensor with BAND/BOR/BXOR (an all-reduce of the input keeping our block)
+    took any input size: 5 elements at 2 ranks into outputs of 2 silently dropped the last one
+    (rank 0 [8, 9], rank 1 [10, 11], where gloo refuses), and an output of 3 from 4 ran the
+    traffic, then failed on rank 1 only with "shape '[3]' is invalid for input of size 1"."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _MirrorBackend()
+    pg = CommrtProcessGroup(backend, 1, 2, [0, 1], lambda: None)
+    opts = dist.distributed_c10d.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.BAND
+    want = f"input has {in_size} elements, expected output \\({out_size}\\) x world size"
+    with pytest.raises(ValueError, match=want):
+        pg._reduce_scatter_base(torch.zeros(out_size, dtype=torch.int64), torch.arange(in_size) + 8, opts)
+    with pytest.raises(TypeError, match="one dtype"):
+        pg._reduce_scatter_base(torch.zeros(2, dtype=torch.int32), torch.arange(4) + 8, opts)
+    assert backend.calls == []
+    out = torch.zeros(2, dtype=torch.int64)
+    pg._reduce_scatter_base(out, torch.arange(4) + 8, opts)  # the right size still runs
+    assert out.tolist() == [10, 11] and backend.calls == [("all_gather_into_tensor", 4)]

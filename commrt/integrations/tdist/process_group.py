@@ -121,6 +121,10 @@ class CommrtProcessGroup(dist.ProcessGroup):
         rop = reduce_op(op, inp.dtype)
         if rop is not None:
             return (lambda a: [self._b.reduce_scatter_tensor(wire_view(out), wire_view(inp), rop, a)]), None
+        same_dtype([out, inp], "reduce_scatter_tensor")  # commrt's own op checks these; this path
+        if inp.numel() != out.numel() * self.size():     # keeps a block of whatever it is given
+            raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
+                             f"output ({out.numel()}) x world size ({self.size()})")
         return self._scatter_via_all_reduce(out, wire_view(inp).reshape(-1), op)
 
     def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
