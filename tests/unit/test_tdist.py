@@ -164,6 +164,12 @@ class _RecordingBackend:
     def reduce_scatter_tensor(self, out, flat, op, async_op):
         self.calls.append(("reduce_scatter_tensor", flat.numel()))
 
+    def all_to_all_single(self, out, inp, out_splits, in_splits, async_op):
+        self.calls.append(("all_to_all_single", inp.numel()))
+
+    def all_gather_into_tensor(self, out, inp, async_op):
+        self.calls.append(("all_gather_into_tensor", inp.numel()))
+
 
 @pytest.mark.parametrize("out_size,blocks,match", [
     (3, [2, 3], "output has 3 elements, expected 2"),  # would silently take rank 1's first element
@@ -287,3 +293,27 @@ def test_bitwise_reduce_scatter_tensor_checks_sizes_as_sum_does(out_size, in_siz
     out = torch.zeros(2, dtype=torch.int64)
     pg._reduce_scatter_base(out, torch.arange(4) + 8, opts)  # the right size still runs
     assert out.tolist() == [10, 11] and backend.calls == [("all_gather_into_tensor", 4)]
+
+
+def test_list_ops_name_a_wrong_list_length_before_any_traffic():
+    """gather/scatter/all_to_all/all_gather with a list of another length than the group size
+    failed as the op they run as: "all_to_all_single: output split sizes [2] must be 2
+    non-negative numbers summing to dim 0 (2)" for a gather with one output at 2 ranks (gloo:
+    "Incorrect output list size 1")."""
+    from commrt.integrations.tdist.process_group import CommrtProcessGroup
+    backend = _RecordingBackend()
+    pg = CommrtProcessGroup(backend, 0, 2, [0, 1], lambda: None)
+    cases = [("gather", "output", 1, lambda: pg.gather([[torch.zeros(2)]], [torch.ones(2)])),
+             ("scatter", "input", 3, lambda: pg.scatter([torch.zeros(2)], [[torch.ones(2)] * 3])),
+             ("all_to_all", "input", 3, lambda: pg.alltoall([torch.zeros(1)] * 2, [torch.ones(1)] * 3)),
+             ("all_to_all", "output", 1, lambda: pg.alltoall([torch.zeros(1)], [torch.ones(1)] * 2)),
+             ("all_gather", "output", 3, lambda: pg.allgather([[torch.zeros(2)] * 3], [torch.ones(2)]))]
+    for what, kind, n, call in cases:
+        with pytest.raises(ValueError, match=f"{what} on rank 0 needs one {kind} tensor per rank \\(2\\), got {n}"):
+            call()
+    assert backend.calls == []
+    pg.gather([[torch.zeros(2), torch.zeros(2)]], [torch.ones(2)])  # the right lengths still run
+    opts = dist.distributed_c10d.ScatterOptions()
+    opts.rootRank = 1  # not the root: no list to check
+    pg.scatter([torch.zeros(2)], [], opts)
+    assert [c[0] for c in backend.calls] == ["all_to_all_single"] * 2

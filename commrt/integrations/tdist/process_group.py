@@ -172,6 +172,7 @@ class CommrtProcessGroup(dist.ProcessGroup):
     def allgather(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
         (outs,) = _one(output_lists, "allgather")
         (inp,) = _one(inputs, "allgather")
+        _per_rank(outs, "all_gather", "output", self.rank(), self.size())
         return self._gather_lists("allgather", opts, [inp], [[o] for o in outs], outs)
 
     def allgather_coalesced(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
@@ -198,6 +199,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
             [output])
 
     def alltoall(self, outputs, inputs, opts=c10d.AllToAllOptions()):
+        _per_rank(outputs, "all_to_all", "output", self.rank(), self.size())
+        _per_rank(inputs, "all_to_all", "input", self.rank(), self.size())
         same_dtype([*outputs, *inputs], "alltoall")
         mine = flat_cat(inputs)
         flat = torch.empty(sum(t.numel() for t in outputs), dtype=mine.dtype)
@@ -209,6 +212,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
         (inp,) = _one(inputs, "gather")
         root, me = opts.rootRank, self.rank()
         outs = output_lists[0] if me == root else []
+        if me == root:
+            _per_rank(outs, "gather", "output", me, self.size())
         mine = flat_cat([inp])
         send, recv = compose.rooted_splits(self.size(), root, me, [wire_numel(t) for t in outs], mine.numel())
         flat = torch.empty(sum(recv), dtype=mine.dtype)
@@ -219,6 +224,8 @@ class CommrtProcessGroup(dist.ProcessGroup):
         (out,) = _one(outputs, "scatter")
         root, me = opts.rootRank, self.rank()
         ins = input_lists[0] if me == root else []
+        if me == root:
+            _per_rank(ins, "scatter", "input", me, self.size())
         mine = flat_cat(ins) if ins else torch.empty(0, dtype=wire_view(out).dtype)
         recv, send = compose.rooted_splits(self.size(), root, me, [wire_numel(t) for t in ins], wire_numel(out))
         flat = torch.empty(wire_numel(out), dtype=mine.dtype)
@@ -264,6 +271,14 @@ def _one(items, what: str) -> list:
     if len(items) != 1:
         raise ValueError(f"commrt backend: {what} takes one tensor (list) per process, got {len(items)}")
     return items
+
+
+def _per_rank(tensors: list, what: str, kind: str, rank: int, size: int) -> None:
+    """A list op's per-rank list: without this a wrong length surfaced as the all-to-all or
+    all-gather it runs as ("all_to_all_single: output split sizes [2] must be 3 ...")."""
+    if len(tensors) != size:
+        raise ValueError(f"commrt backend: {what} on rank {rank} needs one {kind} tensor per rank "
+                         f"({size}), got {len(tensors)}")
 
 
 def _check_blocks(ins: list, out: torch.Tensor, rank: int, size: int) -> None:
