@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                     "NAME@SIZE: NAME with [comm] chunk_bytes = SIZE")
     bp.add_argument("--algo", help="schedules to measure, each as its own column over TCP (a comma list, or "
                     "'all'): e.g. recursive_doubling,rabenseifner,ring for all_reduce; each column is the first "
-                    "zmq --backend with [comm] algorithms pinning it and intra_node = tcp; default: the table's choice")
+                    "plain zmq (or zmq@SIZE) --backend with [comm] algorithms pinning it and intra_node = tcp; "
+                    "default: the table's choice")
     bp.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under a launcher)")
     bp.add_argument("-b", "--minbytes", default="4K", help="smallest payload per rank (K, M, G suffixes)")
     bp.add_argument("-e", "--maxbytes", default="64M", help="largest payload per rank")
@@ -81,7 +82,9 @@ def with_algorithms(backends: tuple[str, ...], collective: str, algo: str) -> tu
     bad = [a for a in names if a not in valid]
     if bad or not names:
         raise SystemExit(f"commrt bench: --algo {algo!r} is invalid for {collective}; valid: {valid or 'none'} or 'all'")
-    zmq = next((b for b in backends if b.partition("+")[0].partition("@")[0] == "zmq"), "zmq")
+    # a plain zmq column (or zmq@CHUNK): a '+hier' / '+int8' one keeps its own column, since
+    # 'zmq+hier:ring' was neither (runner reads the schedule before the '+', the variant at the end)
+    zmq = next((b for b in backends if "+" not in b and b.partition("@")[0] == "zmq"), "zmq")
     return tuple(b for b in backends if b != zmq) + tuple(f"{zmq}:{a}" for a in names)
 
 

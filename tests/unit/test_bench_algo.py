@@ -24,3 +24,18 @@ def test_an_algo_column_pins_the_schedule_over_tcp():
     cfg = _variant_config(Config(), "zmq@1M:bruck", "all_gather")
     assert (cfg.comm.algorithms, cfg.comm.intra_node, cfg.comm.chunk_bytes) == ("all_gather=bruck", "tcp", 1 << 20)
     assert _variant_config(Config(), "gloo", "all_gather").comm.algorithms == ""
+
+
+@pytest.mark.parametrize("backends, want", [
+    (("zmq+hier",), ("zmq+hier", "zmq:ring")),
+    (("zmq+hier", "zmq"), ("zmq+hier", "zmq:ring")),
+    (("zmq+hier", "zmq@1M"), ("zmq+hier", "zmq@1M:ring")),
+])
+def test_an_algo_column_pins_its_schedule_whatever_variants_the_backend_list_holds(backends, want):
+    # --backend zmq+hier --algo ring made the column 'zmq+hier:ring': neither '+hier' (the name no
+    # longer ends with it) nor the ring (algorithm_variant reads before the '+'): plain zmq, the
+    # table's schedule, under a name that claimed both
+    cols = with_algorithms(backends, "all_reduce", "ring")
+    assert cols == want
+    pinned = [c for c in cols if ":" in c]
+    assert [algorithm_variant(c) for c in pinned] == ["ring"]
