@@ -54,6 +54,19 @@ class Case:
     refill: Callable[[], None] = lambda: None  # rewrite the input, as a new step's gradients
 
 
+def _resetter(out: torch.Tensor, expected: torch.Tensor, refill: Callable[[], None]) -> Callable[[], None]:
+    """Before the checked run of an out-of-place op: its input rewritten and its output set to
+    values the result cannot hold (NaN; for integers the expected value + 1), so the check sees
+    what that run wrote. The output used to keep the earlier runs' result: an op that then
+    wrote nothing, or only part of it, passed."""
+    poison = (torch.full_like(expected, float("nan")) if expected.is_floating_point() else expected + 1).to(out.device)
+
+    def reset() -> None:
+        refill()
+        out.copy_(poison.reshape(out.shape))
+    return reset
+
+
 def _refiller(dst: torch.Tensor, src: torch.Tensor, as_numpy: bool) -> Callable[[], None]:
     """dst[:] = src, the way the program would write it: numpy for numpy input (one thread),
     torch's copy for tensors (which may use its intra-op threads, as a training step does)."""
@@ -124,16 +137,17 @@ def make_case(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, as_n
     out = torch.empty(m if coll == "reduce_scatter" else count, dtype=dtype, device=dev)
     o, x = arg(out), arg(mine)
     if coll == "reduce_scatter":
-        return Case(lambda: be.reduce_scatter_tensor(o, x, op, False), lambda: None, lambda: out,
-                    reference(cpu_pats, op)[r * m:(r + 1) * m], count, size, refill)
+        exp = reference(cpu_pats, op)[r * m:(r + 1) * m]
+        return Case(lambda: be.reduce_scatter_tensor(o, x, op, False), _resetter(out, exp, refill), lambda: out,
+                    exp, count, size, refill)
     if coll == "all_gather":
         part = mine[:m]
-        p = arg(part)
-        return Case(lambda: be.all_gather_into_tensor(o, p, False), lambda: None, lambda: out,
-                    torch.cat([q[:m] for q in cpu_pats]), count, size, _refiller(part, pats[r][:m], as_numpy))
+        p, exp, refill = arg(part), torch.cat([q[:m] for q in cpu_pats]), _refiller(part, pats[r][:m], as_numpy)
+        return Case(lambda: be.all_gather_into_tensor(o, p, False), _resetter(out, exp, refill), lambda: out,
+                    exp, count, size, refill)
     if coll == "all_to_all":
         exp = torch.cat([cpu_pats[k][r * m:(r + 1) * m] for k in range(n)])
-        return Case(lambda: be.all_to_all_single(o, x, None, None, False), lambda: None,
+        return Case(lambda: be.all_to_all_single(o, x, None, None, False), _resetter(out, exp, refill),
                     lambda: out, exp, count, size, refill)
     raise ValueError(f"unknown collective '{coll}'; valid: {list(metrics.COLLECTIVES)}")
 
@@ -151,4 +165,4 @@ def _sendrecv_case(be, pats, cpu_pats, mine, refill, arg, count: int, size: int)
         works = [be.isend(x, right, 0), be.irecv(o, left, 0)]
         for w in works:
             w.wait()
-    return Case(run, lambda: None, lambda: out, cpu_pats[left], count, size, refill)
+    return Case(run, _resetter(out, cpu_pats[left], refill), lambda: out, cpu_pats[left], count, size, refill)

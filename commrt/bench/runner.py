@@ -119,7 +119,8 @@ def measure(coll: str, be, nbytes: int, dtype: torch.dtype, op: ReduceOp, iters:
 def measure_alone(coll: str, backends: dict, nbytes: int, dtype: torch.dtype, op: ReduceOp,
                   samples: int, warmup: int, as_numpy: bool = False) -> dict[str, dict]:
     """Each backend's op timed one at a time (bench/alone.py), backends alternating sample by
-    sample; the result of every backend's last sample is checked against the reference."""
+    sample; then one more op of each, its output reset first (``Case.reset``), is checked
+    against the reference."""
     cases = {name: make_case(coll, be, nbytes, dtype, op, as_numpy) for name, be in backends.items()}
     for name, be in backends.items():
         for _ in range(warmup):
@@ -130,6 +131,8 @@ def measure_alone(coll: str, backends: dict, nbytes: int, dtype: torch.dtype, op
     for name, be in backends.items():
         case = cases[name]
         slowest = alone.gather_slowest(be, times[name], device_of(be))
+        case.reset()
+        case.run()
         out[name] = {"size": case.nbytes, "count": case.count, "wrong": _wrong(be, case),
                      **alone.summarize(slowest, coll, be.size, case.nbytes)}
     return out
