@@ -1,10 +1,13 @@
 """``commrt bench``'s result check (bench/cases.py, runner.measure / measure_alone): the checked
 run's own output is what is compared, not what an earlier run left there. Pure: rank 0 of a
 2-rank world played by a fake backend that knows rank 1's input (cases.pattern)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from commrt.bench import runner
+from commrt.bench.quant import QuantBackend
 from commrt.bench.cases import pattern
 from commrt.collectives.reduce_ops import ReduceOp
 
@@ -78,3 +81,16 @@ def test_a_back_to_back_run_checks_the_checked_runs_own_output(coll):
 def test_an_op_by_op_run_checks_the_checked_runs_own_output(coll):
     rows = runner.measure_alone(coll, {"zmq": _WritesOnce()}, 64, torch.float32, ReduceOp.SUM, samples=2, warmup=0)
     assert rows["zmq"]["wrong"] > 0
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_column_counts_nan_and_inf_as_wrong(mode):
+    # err > bound is False for NaN: a quantized op that produced NaN (or left the poisoned
+    # output) passed with #wrong 0
+    be = QuantBackend(SimpleNamespace(world=SimpleNamespace(backend=SimpleNamespace(name="zmq", size=2, rank=0))), mode)
+    expected = torch.arange(8, dtype=torch.float32)
+    got = expected.clone()
+    assert be.count_wrong(got, expected) == 0
+    got[1], got[2] = float("nan"), float("inf")
+    assert be.count_wrong(got, expected) == 2
+    assert be.max_abs_error == float("inf")  # max(0.0, nan) was 0.0: the summary hid it
