@@ -92,6 +92,21 @@ def stream(be, rank: int, buf: torch.Tensor, ack: torch.Tensor, iters: int) -> f
     return (time.perf_counter() - start) / iters
 
 
+def checked_round_trip(be, rank: int, sent: torch.Tensor) -> torch.Tensor:
+    """Rank 0 sends ``sent``, rank 1 echoes it: what rank 1 received, and what came back to
+    rank 0, each in a buffer of NaN first. Rank 0 used to receive into the buffer it sent
+    from, already holding ``sent``: the way back was never checked (and rank 1's buffer of
+    -1.0 matched the pattern's -1 elements)."""
+    echo = torch.full_like(sent, float("nan"))
+    if rank == 0:
+        be.isend(sent, 1, TAG).wait()
+        be.irecv(echo, 1, TAG).wait()
+    elif rank == 1:
+        be.irecv(echo, 0, TAG).wait()
+        be.isend(echo, 0, TAG).wait()
+    return echo
+
+
 def measure(be, rank: int, nbytes: int, iters: int, warmup: int) -> dict:
     sent = runner.pattern(nbytes // 4, 0, torch.float32, runner.parse_op("sum"))
     buf, ack = sent.clone(), torch.zeros(1)
@@ -100,10 +115,9 @@ def measure(be, rank: int, nbytes: int, iters: int, warmup: int) -> dict:
     halves = pingpong(be, rank, buf, iters)
     be.barrier(False)
     per_msg = stream(be, rank, buf, ack, iters)
-    buf.fill_(-1.0) if rank == 1 else buf.copy_(sent)
     be.barrier(False)
-    pingpong(be, rank, buf, 1)  # the checked round trip: rank 1 echoes what it received
-    wrong = torch.tensor([metrics.count_wrong(buf, sent) if rank in (0, 1) else 0], dtype=torch.int64)
+    echo = checked_round_trip(be, rank, sent)
+    wrong = torch.tensor([metrics.count_wrong(echo, sent) if rank in (0, 1) else 0], dtype=torch.int64)
     be.all_reduce(wrong, runner.ReduceOp.SUM, False)
     row = {"size": nbytes, "wrong": int(wrong[0]), "stream_us": per_msg * 1e6}
     if rank == 0:
