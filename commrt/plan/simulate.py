@@ -24,7 +24,7 @@ import math
 from collections import defaultdict, deque
 from typing import NamedTuple
 
-from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.algorithms import chunk_bounds, pieces as cut_pieces
 from commrt.collectives.schedules import ALGORITHMS, REDUCE, Schedule, Step, schedule
 from commrt.plan.links import Fluid
 from commrt.plan.network import Network
@@ -75,9 +75,11 @@ class _Cores:
         return cores[i]
 
 
-def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4) -> tuple[float, dict, int, int]:
-    """(seconds until the last rank finishes, link -> bytes, messages, bytes sent)."""
-    return _Replay(net, sched, numel, itemsize).run()
+def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4,
+           bounds: list[tuple[int, int]] | None = None) -> tuple[float, dict, int, int]:
+    """(seconds until the last rank finishes, link -> bytes, messages, bytes sent). ``bounds``:
+    the element range of each of the schedule's chunks (default ``chunk_bounds(numel, parts)``)."""
+    return _Replay(net, sched, numel, itemsize, bounds).run()
 
 
 class _Replay:
@@ -85,10 +87,10 @@ class _Replay:
     known when it starts (``_transmit``). Fair sharing: it is known when the flow ends (``Fluid``),
     so the sender waits for that event, and the links' events interleave with the ranks'."""
 
-    def __init__(self, net: Network, sched: Schedule, numel: int, itemsize: int):
+    def __init__(self, net: Network, sched: Schedule, numel: int, itemsize: int, bounds=None):
         self.net, (self.parts, self.ranks), self.itemsize = net, sched, itemsize
         self.prefix = [0]
-        for a, b in chunk_bounds(numel, self.parts):
+        for a, b in bounds or chunk_bounds(numel, self.parts):
             self.prefix.append(self.prefix[-1] + b - a)
         self.free, self.load, self.cpu = defaultdict(float), defaultdict(float), _Cores(net)
         self.fluid = Fluid(net) if net.sharing == "fair" else None
@@ -230,7 +232,11 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
     """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``; ``repeat``
     back to back (as a benchmark's loop: a rank starts the next op when it finished its part)."""
     n, numel = net.world, nbytes // itemsize
-    pieces = max(1, -(-nbytes // piece_bytes))
+    # the chain's pieces as ops.broadcast cuts them: whole pieces of piece_bytes, the last one
+    # short (5 MiB: 4 + 1 MiB). chunk_bounds(numel, pieces) made them equal (2.5 + 2.5), which
+    # predicted 5 MiB faster than 4 MiB; the other schedules cut the buffer in chunk_bounds
+    bounds = cut_pieces(0, numel, piece_bytes // itemsize) or [(0, 0)]
+    pieces = len(bounds)
     phases = _PHASES.get((collective, algorithm))
     if phases is None or phases * (n - 1) * n <= max_rank_steps or n < 8:
         if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
@@ -244,7 +250,8 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
                               f"rank-steps is beyond what the simulator replays ({HARD_LIMIT}); "
                               "simulate fewer ranks (the tables go to 16,384) or a smaller size")
         parts, steps = schedule(collective, algorithm, n, root, pieces)
-        secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize)
+        secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize,
+                                        bounds if (collective, algorithm) == ("broadcast", "chain") else None)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
     if repeat != 1:
         raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")

@@ -69,3 +69,15 @@ def test_truncated_schedules_are_rank_0_rotated_and_the_extension_matches_a_full
         assert whole.replayed == 1 and part.replayed < 0.2
         assert part.seconds == pytest.approx(whole.seconds, rel=0.1)
         assert part.bytes_sent == whole.bytes_sent
+
+
+def test_the_chain_is_cut_in_the_pieces_ops_broadcast_sends():
+    # ops.broadcast sends whole pieces of piece_bytes and a short last one (5 MiB: 4 + 1 MiB);
+    # the replay cut the buffer in equal parts (2.5 + 2.5), so 5 MiB took 7.5 units, less than
+    # 4 MiB's 8. Three ranks, no latency: rank 1 forwards piece i while piece i+1 arrives
+    net = Network(world=3, per_node=3, intra_latency=0.0, intra_bw=1e9)
+    unit = S / 1e9
+    four, five = (simulate(net, "broadcast", "chain", m * S, piece_bytes=4 * S) for m in (4, 5))
+    assert four.seconds == pytest.approx(8 * unit, rel=1e-9)
+    assert five.seconds == pytest.approx((4 + 4 + 1) * unit, rel=1e-9)
+    assert five.messages == 4 and five.bytes_sent == 2 * 5 * S
