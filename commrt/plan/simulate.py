@@ -238,7 +238,10 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
     bounds = cut_pieces(0, numel, piece_bytes // itemsize) or [(0, 0)]
     pieces = len(bounds)
     phases = _PHASES.get((collective, algorithm))
-    if phases is None or phases * (n - 1) * n <= max_rank_steps or n < 8:
+    k = max(2, max_rank_steps // (2 * phases * n)) if phases else 0
+    # whole when the extension's k and 2k steps (3k) would replay as much: it was extrapolated
+    # then, at more cost than the exact replay, and reported as more than all of it replayed
+    if phases is None or phases * (n - 1) * n <= max_rank_steps or n < 8 or 3 * k >= n - 1:
         if phases is None and algorithm in ("ring", "chain") and n * n > HARD_LIMIT:
             # ConfigError (a ValueError): ``commrt estimate --simulate --worlds`` reaches it
             raise ConfigError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
@@ -256,7 +259,6 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
     if repeat != 1:
         raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
     total_steps = phases * (n - 1) * n
-    k = max(2, max_rank_steps // (2 * phases * n))
     first = replay(net, truncated(collective, algorithm, n, k, phases), numel, itemsize)
     second = replay(net, truncated(collective, algorithm, n, 2 * k, phases), numel, itemsize)
     scale = (n - 1 - k) / k  # the steps not in the first k, per the k steps between k and 2k
