@@ -51,19 +51,29 @@ def add_parser(sub) -> None:
     bp.set_defaults(fn=run)
 
 
-def check_backends(names: tuple[str, ...]) -> None:
-    """Refuse a misspelt backend before any rank starts (not after 16 s of start-up)."""
+def check_backends(names: tuple[str, ...], collective: str | None = None) -> None:
+    """Refuse a misspelt backend before any rank starts (not after 16 s of start-up), and a
+    ``:ALGO`` (bench/runner.py pins it through [comm] algorithms, which only zmq reads) on
+    another backend or naming a schedule ``collective`` does not have."""
     from commrt.bench import metrics
+    from commrt.collectives.schedules import ALGORITHMS
     if not names:
         raise SystemExit(f"commrt bench: --backend is empty; valid: {list(BACKENDS)}")
     for name in names:
         base, _, variant = name.partition("+")
-        backend, _, chunk = base.partition(":")[0].partition("@")
+        head, _, algo = base.partition(":")
+        backend, _, chunk = head.partition("@")
         if backend not in BACKENDS or variant not in VARIANTS:
             raise SystemExit(f"commrt bench: --backend {name!r} is invalid; valid: {list(BACKENDS)}, each "
                              "optionally with +hier, +int8, +int4 or @CHUNK_SIZE")
         if chunk:
             metrics.parse_size(chunk)
+        if algo and backend != "zmq":
+            raise SystemExit(f"commrt bench: --backend {name!r}: only zmq runs a pinned schedule (:{algo})")
+        valid = sorted(ALGORITHMS.get(collective or "", {}))
+        if algo and collective is not None and algo not in valid:
+            raise SystemExit(f"commrt bench: --backend {name!r}: no schedule {algo!r}; valid for {collective}: "
+                             f"{valid or 'none'}")
 
 
 def _check_counts(args) -> None:
@@ -96,7 +106,7 @@ def run(args) -> int:
     from commrt.bench.runner import BenchSpec
     _check_counts(args)
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
-    check_backends(backends)
+    check_backends(backends, args.collective)
     if args.algo:
         backends = with_algorithms(backends, args.collective, args.algo)
     if args.quant:

@@ -2,7 +2,7 @@
 import pytest
 
 from commrt.bench.runner import _variant_config, algorithm_variant, backend_variant
-from commrt.cli.bench_cmd import with_algorithms
+from commrt.cli.bench_cmd import check_backends, with_algorithms
 from commrt.runtime.config import Config
 
 
@@ -39,3 +39,17 @@ def test_an_algo_column_pins_its_schedule_whatever_variants_the_backend_list_hol
     assert cols == want
     pinned = [c for c in cols if ":" in c]
     assert [algorithm_variant(c) for c in pinned] == ["ring"]
+
+
+@pytest.mark.parametrize("name, says", [("gloo:ring", "only zmq"), ("nccl:ring", "only zmq"),
+                                        ("zmq:bogus", "valid for all_reduce"), ("zmq@1M:bruck", "valid for all_reduce")])
+def test_a_schedule_named_in_backend_is_checked_before_launch(name, says):
+    # 'gloo:ring' printed gloo's figures under a name claiming the ring (the pin is [comm]'s,
+    # which gloo never reads); 'zmq:bogus' failed on every rank after the start-up
+    with pytest.raises(SystemExit, match=says):
+        check_backends((name,), "all_reduce")
+
+
+def test_a_schedule_the_collective_has_passes():
+    check_backends(("zmq:ring", "zmq@1M:rabenseifner", "gloo"), "all_reduce")
+    check_backends(("zmq:bruck",), "all_gather")
