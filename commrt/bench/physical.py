@@ -33,17 +33,24 @@ class TcpRing:
         if n == 1:
             return cls(None, None)
         listener = socket.create_server((addresses.bare(host), 0), family=addresses.family(host))
-        listener.settimeout(timeout_s)
-        store.set(f"tcp/addr/{rank}", f"{advertise or host}:{listener.getsockname()[1]}".encode())
-        right = (rank + 1) % n
-        addr, _, port = bytes(wait_for(store, [f"tcp/addr/{right}"], timeout_s, "tcp ring")[0]).decode().rpartition(":")
-        out = socket.create_connection((addr, int(port)), timeout=timeout_s)
-        inp, _ = listener.accept()
-        listener.close()
-        for s in (out, inp):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(timeout_s)
-        return cls(out, inp)
+        out = inp = None
+        try:  # a neighbour that never publishes or never dials: nothing left open (the raise says which)
+            listener.settimeout(timeout_s)
+            store.set(f"tcp/addr/{rank}", f"{advertise or host}:{listener.getsockname()[1]}".encode())
+            right = (rank + 1) % n
+            where = bytes(wait_for(store, [f"tcp/addr/{right}"], timeout_s, "tcp ring")[0]).decode()
+            addr, _, port = where.rpartition(":")
+            out = socket.create_connection((addr, int(port)), timeout=timeout_s)
+            inp, _ = listener.accept()
+            for s in (out, inp):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.settimeout(timeout_s)
+            return cls(out, inp)
+        except BaseException:
+            cls(out, inp).close()
+            raise
+        finally:
+            listener.close()
 
     def measure(self, be, nbytes: int, iters: int, warmup: int) -> float:
         """Per-link GB/s of the slowest rank moving ``nbytes`` per iteration."""

@@ -225,14 +225,13 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
     cfg = load_config()
     transport = Transport(cfg, f"rank{rdzv.rank}")
     store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)
-    runtimes = {}
+    runtimes, ring = {}, None
     try:
         configs = {name: _variant_config(cfg, name, spec.collective) for name in spec.backends}
         for name in spec.backends:
             runtimes[name] = bootstrap.init_world(configs[name], rdzv, store=(store, None), namespace=f"{name}/")
         backends = {name: _backend(name, rt) for name, rt in runtimes.items()}
         first = runtimes[spec.backends[0]].world.backend
-        ring = None
         if spec.physical:  # peers dial the address the transport advertises, as they do the transport's
             where = rendezvous.advertised_host(cfg.cluster.bind_host, cfg.cluster.advertise_host, rdzv.host)
             ring = physical.TcpRing.open(store, rdzv.rank, rdzv.world_size, cfg.cluster.bind_host, advertise=where)
@@ -248,8 +247,6 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
                 row["ceiling"] = ring.measure(first, nbytes, spec.iters, spec.warmup)
                 row["memory"] = physical.memory_ceiling(first, spec.collective, nbytes, spec.iters, spec.warmup)
             rows.append(row)
-        if ring is not None:
-            ring.close()
         if traffic is not None:
             traffic.update({name: node_traffic(rt) for name, rt in runtimes.items()})
             for name, be in backends.items():
@@ -257,6 +254,8 @@ def run(spec: BenchSpec, progress: Callable[[str], None] | None = None, environ=
                     traffic[name]["quant"] = be.summary()
         return rows
     finally:
+        if ring is not None:  # its sockets, when a size failed too
+            ring.close()
         for rt in runtimes.values():
             bootstrap.shutdown(rt, keep_store=True)
         store.close()

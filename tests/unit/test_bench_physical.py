@@ -1,11 +1,13 @@
 """``commrt bench --physical``'s raw TCP ring between ranks on different addresses: two "hosts"
 on one machine, 127.0.0.1 and 127.0.0.2 (both loopback on Linux), each rank listening on its own."""
+import socket
 import threading
 
 import pytest
 
 from commrt.bench import physical
 from commrt.runtime import store as store_mod
+from commrt.runtime.errors import RendezvousError
 
 
 class _Store:
@@ -52,3 +54,37 @@ def test_ranks_on_two_addresses_dial_each_other_not_themselves():
     finally:
         for ring in rings.values():
             ring.close()
+
+
+def _recording(monkeypatch, name):
+    """socket.<name>, with every socket it returns kept in the list returned."""
+    made, real = [], getattr(socket, name)
+
+    def wrapper(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(socket, name, wrapper)
+    return made
+
+
+def test_a_neighbour_that_never_publishes_leaves_no_listener_open(monkeypatch):
+    # the listener stayed open (until the traceback was collected) when the right neighbour's
+    # address never came: a rank whose neighbour died
+    listeners = _recording(monkeypatch, "create_server")
+    with pytest.raises(RendezvousError):
+        physical.TcpRing.open(_Store(), 0, 2, "127.0.0.1", timeout_s=0.2)
+    assert listeners and all(s.fileno() == -1 for s in listeners)
+
+
+def test_a_left_neighbour_that_never_dials_leaves_no_socket_open(monkeypatch):
+    # rank 0 dials rank 1 (a listener here that never dials back): accept times out, and the
+    # connection out and the listener stayed open
+    store, peer = _Store(), socket.create_server(("127.0.0.1", 0))
+    try:
+        store.set("tcp/addr/1", f"127.0.0.1:{peer.getsockname()[1]}".encode())
+        listeners, dialled = _recording(monkeypatch, "create_server"), _recording(monkeypatch, "create_connection")
+        with pytest.raises(OSError):
+            physical.TcpRing.open(store, 0, 2, "127.0.0.1", timeout_s=0.2)
+        assert listeners and dialled and all(s.fileno() == -1 for s in listeners + dialled)
+    finally:
+        peer.close()
