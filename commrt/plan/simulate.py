@@ -7,7 +7,9 @@ bytes / bottleneck bandwidth, after whatever the links already carry (first come
 in time order); or, with ``Network.sharing = "fair"``, becomes a flow that shares each link
 max-min fairly with the others in flight (``plan/links.py``) and leaves when its bytes are through.
 It arrives a path latency later. The step ends when its send has left and its
-receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set. With the
+receive has arrived (a blocking sendrecv), plus the reduction if ``reduce_bw`` is set; the
+pairwise all_to_all's steps are taken as its executor takes them, every send, then every
+receive (``_as_executed``). With the
 network's CPU term (``Network.cpu_msg``, ``cpu_byte``, ``cores``) a send first takes its CPU
 time, a receive its own after arrival, on the host's shared cores (``_Cores``).
 
@@ -208,6 +210,17 @@ def _recv_cpu(net: Network, step: Step, nbytes: int) -> float:
     return (net.cpu_seconds(nbytes) if net.cpu_modelled else 0.0) + reduce
 
 
+def _as_executed(collective: str, algorithm: str, sched: Schedule) -> Schedule:
+    """The steps in the order the executor takes them: the pairwise all_to_all's sends read only
+    the input, so ``ops.all_to_all`` queues all of them, then takes the receives
+    (``scheduled.run(sends_first=True)``: one latency, not n-1); the others step by step."""
+    if (collective, algorithm) != ("all_to_all", "pairwise"):
+        return sched
+    return sched._replace(ranks=[[Step(send_to=s.send_to, send=s.send) for s in st]
+                                 + [Step(recv_from=s.recv_from, recv=s.recv, action=s.action) for s in st]
+                                 for st in sched.ranks])
+
+
 def _rotated(step: Step, r: int, n: int) -> Step:
     """Rank 0's step as rank r takes it in a rotation-symmetric schedule (ring, pairwise):
     peers and chunks shifted by r (chunk ranges are taken modulo parts = n)."""
@@ -252,15 +265,15 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
             raise ConfigError(f"{collective}/{algorithm} at {n} ranks in {pieces} piece(s): about {log_steps} "
                               f"rank-steps is beyond what the simulator replays ({HARD_LIMIT}); "
                               "simulate fewer ranks (the tables go to 16,384) or a smaller size")
-        parts, steps = schedule(collective, algorithm, n, root, pieces)
+        parts, steps = _as_executed(collective, algorithm, schedule(collective, algorithm, n, root, pieces))
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize,
                                         bounds if (collective, algorithm) == ("broadcast", "chain") else None)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
     if repeat != 1:
         raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
     total_steps = phases * (n - 1) * n
-    first = replay(net, truncated(collective, algorithm, n, k, phases), numel, itemsize)
-    second = replay(net, truncated(collective, algorithm, n, 2 * k, phases), numel, itemsize)
+    first, second = (replay(net, _as_executed(collective, algorithm, truncated(collective, algorithm, n, j, phases)),
+                            numel, itemsize) for j in (k, 2 * k))
     scale = (n - 1 - k) / k  # the steps not in the first k, per the k steps between k and 2k
     secs = first[0] + (second[0] - first[0]) * scale
     load = {link: first[1].get(link, 0.0) + (second[1][link] - first[1].get(link, 0.0)) * scale
