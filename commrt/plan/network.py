@@ -93,9 +93,9 @@ class Network:
         """The host whose cores ``rank`` shares (``cores`` > 0)."""
         return rank // (self.ranks_per_host or self.per_node)
 
-    def cpu_seconds(self, nbytes: int) -> float:
-        """CPU one side of a message of ``nbytes`` costs."""
-        return self.cpu_msg + nbytes * self.cpu_byte
+    def cpu_seconds(self, nbytes: int, messages: int = 1) -> float:
+        """CPU one side of ``messages`` messages of ``nbytes`` in all costs."""
+        return self.cpu_msg * messages + nbytes * self.cpu_byte
 
     @property
     def spine_bw(self) -> float:

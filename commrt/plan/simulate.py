@@ -78,10 +78,11 @@ class _Cores:
 
 
 def replay(net: Network, sched: Schedule, numel: int, itemsize: int = 4,
-           bounds: list[tuple[int, int]] | None = None) -> tuple[float, dict, int, int]:
+           bounds: list[tuple[int, int]] | None = None, piece_bytes: int = 4 << 20) -> tuple[float, dict, int, int]:
     """(seconds until the last rank finishes, link -> bytes, messages, bytes sent). ``bounds``:
-    the element range of each of the schedule's chunks (default ``chunk_bounds(numel, parts)``)."""
-    return _Replay(net, sched, numel, itemsize, bounds).run()
+    the element range of each of the schedule's chunks (default ``chunk_bounds(numel, parts)``);
+    a step's range travels as the executor's messages (``_messages``) of at most ``piece_bytes``."""
+    return _Replay(net, sched, numel, itemsize, bounds, piece_bytes).run()
 
 
 class _Replay:
@@ -89,8 +90,10 @@ class _Replay:
     known when it starts (``_transmit``). Fair sharing: it is known when the flow ends (``Fluid``),
     so the sender waits for that event, and the links' events interleave with the ranks'."""
 
-    def __init__(self, net: Network, sched: Schedule, numel: int, itemsize: int, bounds=None):
+    def __init__(self, net: Network, sched: Schedule, numel: int, itemsize: int, bounds=None,
+                 piece_bytes: int = 4 << 20):
         self.net, (self.parts, self.ranks), self.itemsize = net, sched, itemsize
+        self.piece_elems = max(1, piece_bytes // itemsize)
         self.prefix = [0]
         for a, b in bounds or chunk_bounds(numel, self.parts):
             self.prefix.append(self.prefix[-1] + b - a)
@@ -114,6 +117,17 @@ class _Replay:
             self._walk(heapq.heappop(heap)[1])
         assert not self.waiting and all(p == len(st) for p, st in zip(self.pos, self.ranks)), "schedule deadlocked"
         return max(self.clock, default=0.0), dict(self.load), self.messages, self.sent
+
+    def _messages(self, rng: tuple[int, int]) -> int:
+        """The messages ``scheduled.run`` sends a step's range as: its contiguous spans (a range
+        that wraps past the last chunk: two) cut into pieces of ``piece_elems``; an empty range
+        still one (``scheduled.step_pieces``)."""
+        lo, hi = rng
+        start, end = lo % self.parts, lo % self.parts + max(0, hi - lo)
+        spans = [self.prefix[min(end, self.parts)] - self.prefix[start]]
+        if end > self.parts:
+            spans.append(self.prefix[end - self.parts])
+        return max(1, sum(-(-e // self.piece_elems) for e in spans))
 
     def _before(self, t: float) -> bool:
         """Whether something happens to another rank or a link before ``t``."""
@@ -140,7 +154,7 @@ class _Replay:
                         heapq.heappush(self.heap, (self.got[r], r))
                         return
                 recv = _range_bytes(self.prefix, self.parts, s.recv, self.itemsize)
-                done = self.cpu.run(r, self.got[r], _recv_cpu(self.net, s, recv))
+                done = self.cpu.run(r, self.got[r], _recv_cpu(self.net, s, recv, self._messages(s.recv)))
             self.clock[r], self.sent_at[r], self.got[r] = done, None, None
             self.pos[r] += 1
             if self._before(done):  # keep sends in time order: let the earlier ranks go first
@@ -151,14 +165,15 @@ class _Replay:
         """Start step s's send at ``t``; True if its end is known (first come, first served)."""
         net, size = self.net, _range_bytes(self.prefix, self.parts, s.send, self.itemsize)
         links, lat, bw = net.route(r, s.send_to)
+        msgs = self._messages(s.send)
         if self.ready_at[r] is None:
-            self.ready_at[r] = self.cpu.run(r, t, net.cpu_seconds(size) if net.cpu_modelled else 0.0)
+            self.ready_at[r] = self.cpu.run(r, t, net.cpu_seconds(size, msgs) if net.cpu_modelled else 0.0)
             if self.fluid is not None and self._before(self.ready_at[r]):  # a flow starts in time order
                 heapq.heappush(self.heap, (self.ready_at[r], r))
                 return False
         for link in links:
             self.load[link] += size
-        self.messages, self.sent = self.messages + 1, self.sent + size
+        self.messages, self.sent = self.messages + msgs, self.sent + size
         if self.fluid is not None:
             self.fluid.start(self.ready_at[r], r, links, size)
             self.flying[r] = (s.send_to, lat)
@@ -204,10 +219,10 @@ def _transmit(net: Network, free: dict, links: tuple, ready: float, size: int, b
     return done
 
 
-def _recv_cpu(net: Network, step: Step, nbytes: int) -> float:
-    """CPU seconds a received message costs: taking it in, and reducing it into the buffer."""
+def _recv_cpu(net: Network, step: Step, nbytes: int, messages: int = 1) -> float:
+    """CPU seconds a step's receive costs: taking its messages in, and reducing them into the buffer."""
     reduce = nbytes / net.reduce_bw if step.action == REDUCE and net.reduce_bw else 0.0
-    return (net.cpu_seconds(nbytes) if net.cpu_modelled else 0.0) + reduce
+    return (net.cpu_seconds(nbytes, messages) if net.cpu_modelled else 0.0) + reduce
 
 
 def _as_executed(collective: str, algorithm: str, sched: Schedule) -> Schedule:
@@ -267,13 +282,14 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
                               "simulate fewer ranks (the tables go to 16,384) or a smaller size")
         parts, steps = _as_executed(collective, algorithm, schedule(collective, algorithm, n, root, pieces))
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize,
-                                        bounds if (collective, algorithm) == ("broadcast", "chain") else None)
+                                        bounds if (collective, algorithm) == ("broadcast", "chain") else None,
+                                        piece_bytes)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
     if repeat != 1:
         raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
     total_steps = phases * (n - 1) * n
     first, second = (replay(net, _as_executed(collective, algorithm, truncated(collective, algorithm, n, j, phases)),
-                            numel, itemsize) for j in (k, 2 * k))
+                            numel, itemsize, piece_bytes=piece_bytes) for j in (k, 2 * k))
     scale = (n - 1 - k) / k  # the steps not in the first k, per the k steps between k and 2k
     secs = first[0] + (second[0] - first[0]) * scale
     load = {link: first[1].get(link, 0.0) + (second[1][link] - first[1].get(link, 0.0)) * scale

@@ -1,11 +1,20 @@
 """The schedule simulator (issue 32.4) against hand-computed times, and its link accounting
 against the bytes the schedules say they send (counted here, independently of the replay)."""
-import pytest
+import dataclasses
+import queue
+import threading
 
+import pytest
+import torch
+
+from commrt.collectives import ops
 from commrt.collectives.algorithms import chunk_bounds
+from commrt.collectives.reduce_ops import ReduceOp
 from commrt.collectives.schedules import ALGORITHMS, schedule
+from commrt.collectives.selection import table_from
 from commrt.plan.network import Network
 from commrt.plan.simulate import simulate, truncated
+from commrt.plan.simulate_fit import _MemCtx
 
 S = 1 << 20
 
@@ -105,3 +114,41 @@ def test_pairwise_all_to_all_queues_every_send_before_its_receives_as_the_execut
     # the bytes of the n-1 messages still leave one after another through the rank's port
     big = simulate(net, "all_to_all", "pairwise", 8 * S)
     assert big.seconds == pytest.approx(2e-6 + 7 * S / 100e9, rel=1e-9)
+
+
+def _executor_messages(collective: str, algo: str, n: int, numel: int, piece_elems: int) -> int:
+    """Messages ops.py sends running ``algo`` over in-memory queues (simulate_fit's context)."""
+    wires = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
+    table, sent = table_from({collective: algo}), [0] * n
+
+    def rank(r):
+        ctx = _MemCtx(r, n, table, wires)
+        ctx.piece_elems, send = piece_elems, ctx.send
+        ctx.send = lambda dst, data=None: (sent.__setitem__(r, sent[r] + 1), send(dst, data))
+        t = torch.ones(numel)
+        if collective == "all_reduce":
+            ops.all_reduce(ctx, t, ReduceOp.SUM)
+        else:
+            ops.all_gather(ctx, t, t[r * (numel // n):(r + 1) * (numel // n)].clone())
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return sum(sent)
+
+
+@pytest.mark.parametrize("collective,algo,n,numel", [("all_reduce", "recursive_doubling", 4, 1000),
+                                                     ("all_reduce", "rabenseifner", 6, 3000),
+                                                     ("all_gather", "bruck", 5, 5 * 100)])
+def test_messages_are_the_pieces_the_executor_sends(collective, algo, n, numel):
+    # scheduled.run cuts each step's range into its contiguous spans (Bruck's wrap: two) and
+    # those into pieces of piece_bytes; the replay counted one message a step (and charged the
+    # CPU term's per-message cost once): 8 where the executor sent 32
+    net = Network(world=n, per_node=n)
+    res, sent = simulate(net, collective, algo, numel * 4, piece_bytes=256 * 4), _executor_messages(
+        collective, algo, n, numel, 256)
+    assert res.messages == sent
+    # 1 s of CPU a message on each side: at least a rank's mean messages, twice
+    cpu = simulate(dataclasses.replace(net, cpu_msg=1.0), collective, algo, numel * 4, piece_bytes=256 * 4)
+    assert cpu.seconds >= 2 * sent / n
