@@ -37,6 +37,7 @@ def run(args) -> int:
     sizes = metrics.size_series(metrics.parse_size(args.minbytes), metrics.parse_size(args.maxbytes),
                                 args.stepfactor)
     check(backends, sizes, args.iters, args.warmup)
+    report.check_json_path(args.json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank(backends, sizes, args)
     from commrt import launch as launcher

@@ -21,7 +21,7 @@ import commrt
 from commrt.runtime.config import load_config
 from commrt.ps import PSClient
 from commrt.bench import metrics
-from commrt.bench.report import write_json
+from commrt.bench.report import check_json_path, write_json
 
 LR = 2.0 ** -10
 
@@ -47,6 +47,10 @@ def main(argv=None) -> int:
         # -n 0 divided by zero on every worker after the start-up
         raise SystemExit(f"commrt bench ps: need -n >= 1, --warmup >= 0, -w >= 1 and -s >= 1; got -n {args.iters}, "
                          f"--warmup {args.warmup}, -w {args.workers}, -s {args.servers}")
+    try:
+        check_json_path(args.json)
+    except ValueError as exc:
+        raise SystemExit(f"commrt bench ps: {exc}") from None
     if "RANK" in os.environ and os.environ.get("COMMRT_PS_SERVERS"):
         return _rank(args, sizes)
     from commrt.launch import launch

@@ -8,6 +8,7 @@ import platform
 import time
 
 from commrt.bench.runner import BenchSpec
+from commrt.runtime.errors import ConfigError
 
 
 def _redop(spec: BenchSpec) -> str:
@@ -151,6 +152,18 @@ def finite(obj):
     if isinstance(obj, (list, tuple)):
         return [finite(v) for v in obj]
     return obj
+
+
+def check_json_path(path: str | None) -> None:
+    """Before any rank starts: ConfigError (a ValueError) when ``--json PATH`` cannot be written.
+    The file is written after the whole run: a missing directory was rank 0's FileNotFoundError
+    traceback at the end, and the run's figures went with it."""
+    if not path:
+        return
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+        why = "is a directory" if os.path.isdir(path) else f"its directory {where} does not exist or is not writable"
+        raise ConfigError(f"--json {path}: {why}")
 
 
 def write_json(path: str, doc: dict) -> None:

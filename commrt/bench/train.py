@@ -30,7 +30,7 @@ from torch import nn
 import commrt
 from commrt.apps.train_lm import TinyLM, batch, mean_breakdown
 from commrt.bench import train_peers
-from commrt.bench.report import write_json
+from commrt.bench.report import check_json_path, write_json
 from commrt.train import TrainConfig, initialize
 from commrt.train.ddp import DataParallel
 from commrt.train.replica_ft import ReplicaFT
@@ -90,6 +90,10 @@ def check_args(args) -> None:
         raise SystemExit(f"commrt bench train: {', '.join(small)}: must be >= 1 (--layers >= 0)")
     if args.dim % args.heads:
         raise SystemExit(f"commrt bench train: --dim {args.dim} is not a multiple of --heads {args.heads}")
+    try:
+        check_json_path(args.json)
+    except ValueError as exc:
+        raise SystemExit(f"commrt bench train: {exc}") from None
     # under an outside launcher the world is what counts, not -n (as in _rank)
     strategies(argparse.Namespace(**{**vars(args), "ranks": int(os.environ.get("WORLD_SIZE", args.ranks))}))
 

@@ -102,7 +102,7 @@ def run(args) -> int:
     if args.collective == "p2p":  # point-to-point latency (bench/p2p.py): its own rows and table
         from commrt.bench.p2p import run as run_p2p
         return run_p2p(args)
-    from commrt.bench import metrics
+    from commrt.bench import metrics, report
     from commrt.bench.runner import BenchSpec
     _check_counts(args)
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
@@ -117,6 +117,7 @@ def run(args) -> int:
                          metrics.parse_size(args.maxbytes), args.stepfactor, args.iters, args.warmup,
                          args.datatype, args.op, args.physical, args.mode, args.input, args.device)
         metrics.size_series(spec.min_bytes, spec.max_bytes, spec.factor)
+        report.check_json_path(args.json)
     except ValueError as exc:
         raise SystemExit(f"commrt bench: {exc}") from None
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after the whole run

@@ -1,5 +1,7 @@
 """``commrt bench``'s sizes and counts: what -b / -e / -f / -n accept, refused before any rank
 starts as a ConfigError (printed by the CLI as one line), and each size measured once."""
+import contextlib
+
 import pytest
 
 from commrt.bench import metrics
@@ -102,3 +104,19 @@ def test_an_unknown_dtype_or_op_is_refused_where_the_spec_is_made(dtype, op, say
     """-d foo / -o foo launched the ranks, each of which printed a ValueError traceback."""
     with pytest.raises(ConfigError, match=says):
         BenchSpec("all_reduce", ("zmq",), 4096, 8192, 2, 2, 1, dtype, op)
+
+
+@pytest.mark.parametrize("argv", [["bench", "all_reduce"], ["bench", "p2p"], ["bench", "ps"], ["bench", "train"]])
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_launch(argv, tmp_path, monkeypatch, capsys):
+    # the results were written after the whole run: a missing directory was rank 0's
+    # FileNotFoundError traceback at the end, the run's figures lost with it
+    import commrt.launch
+    from commrt import cli
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    bad = str(tmp_path / "no" / "such" / "dir" / "out.json")
+    monkeypatch.setattr("sys.argv", ["commrt", *argv, "--json", bad])
+    with pytest.raises(SystemExit, match="--json") if argv[1] != "p2p" else contextlib.nullcontext():
+        assert cli.main([*argv, "--json", bad]) == 1
+    if argv[1] == "p2p":  # a ConfigError: one line from the CLI
+        assert "--json" in capsys.readouterr().err
