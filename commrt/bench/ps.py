@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    sizes = [metrics.parse_size(s) for s in args.params.split(",") if s.strip()]
+    # each size once: one named twice (64K,65536) was one parameter pushed in two rows, the second
+    # row's exact check then off by the first row's steps
+    sizes = list(dict.fromkeys(metrics.parse_size(s) for s in args.params.split(",") if s.strip()))
     if not sizes or any(s < 4 or s % 4 for s in sizes):
         raise SystemExit("commrt bench ps: --params sizes must be positive multiples of 4 bytes")
     if args.iters < 1 or args.warmup < 0 or args.workers < 1 or args.servers < 1:

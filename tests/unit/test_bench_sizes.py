@@ -120,3 +120,15 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_launch(argv, t
         assert cli.main([*argv, "--json", bad]) == 1
     if argv[1] == "p2p":  # a ConfigError: one line from the CLI
         assert "--json" in capsys.readouterr().err
+
+
+def test_bench_ps_measures_a_size_named_twice_once(monkeypatch):
+    # --params 64K,65536 made two rows of one parameter 'p65536': the second row's pushes went
+    # on from the first's, and its exact -k*lr check counted every element wrong (exit 1)
+    from commrt.bench import ps
+    seen = []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("COMMRT_PS_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(ps, "_rank", lambda args, sizes: seen.append(sizes) or 0)
+    assert ps.main(["--params", "64K,65536,1M"]) == 0
+    assert seen == [[65536, 1 << 20]]
