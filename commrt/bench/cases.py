@@ -84,7 +84,7 @@ helpers below that take only a backend know it."""
 def device_of(be) -> torch.device:
     """Where a backend's tensors live: NCCL works on this rank's GPU; the others on the CPU, or
     on the GPU too with ``--device cuda`` (zmq / gloo then stage them through host memory)."""
-    if be.name == "nccl" or _DEVICE["all"] == "cuda":
+    if be.name.split("+")[0] == "nccl" or _DEVICE["all"] == "cuda":  # nccl+hier, nccl+int8 too
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

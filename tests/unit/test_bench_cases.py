@@ -94,3 +94,12 @@ def test_a_quantized_column_counts_nan_and_inf_as_wrong(mode):
     got[1], got[2] = float("nan"), float("inf")
     assert be.count_wrong(got, expected) == 2
     assert be.max_abs_error == float("inf")  # max(0.0, nan) was 0.0: the summary hid it
+
+
+@pytest.mark.parametrize("name", ["nccl", "nccl+hier", "nccl+int8", "nccl+int4"])
+def test_every_nccl_column_works_on_the_gpu(name, monkeypatch):
+    # device_of compared the name with "nccl": the +hier and quantized columns over NCCL got CPU
+    # tensors (torch's NCCL group takes CUDA tensors only) and no CUDA sync in their timing
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert runner.device_of(SimpleNamespace(name=name)) == torch.device("cuda", 0)
+    assert runner.device_of(SimpleNamespace(name=name.replace("nccl", "gloo"))) == torch.device("cpu")
