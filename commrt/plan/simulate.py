@@ -260,11 +260,8 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
     """Replay ``algorithm`` for ``collective`` of ``nbytes`` per rank over ``net``; ``repeat``
     back to back (as a benchmark's loop: a rank starts the next op when it finished its part)."""
     n, numel = net.world, nbytes // itemsize
-    # the chain's pieces as ops.broadcast cuts them: whole pieces of piece_bytes, the last one
-    # short (5 MiB: 4 + 1 MiB). chunk_bounds(numel, pieces) made them equal (2.5 + 2.5), which
-    # predicted 5 MiB faster than 4 MiB; the other schedules cut the buffer in chunk_bounds
-    bounds = cut_pieces(0, numel, piece_bytes // itemsize) or [(0, 0)]
-    pieces = len(bounds)
+    piece_elems = max(1, piece_bytes // itemsize)
+    pieces = max(1, -(-numel // piece_elems))
     phases = _PHASES.get((collective, algorithm))
     k = max(2, max_rank_steps // (2 * phases * n)) if phases else 0
     # whole when the extension's k and 2k steps (3k) would replay as much: it was extrapolated
@@ -281,9 +278,13 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
                               f"rank-steps is beyond what the simulator replays ({HARD_LIMIT}); "
                               "simulate fewer ranks (the tables go to 16,384) or a smaller size")
         parts, steps = _as_executed(collective, algorithm, schedule(collective, algorithm, n, root, pieces))
+        # the chain's pieces as ops.broadcast cuts them: whole pieces of piece_bytes, the last one
+        # short (5 MiB: 4 + 1 MiB). chunk_bounds(numel, pieces) made them equal (2.5 + 2.5), which
+        # predicted 5 MiB faster than 4 MiB; the other schedules cut the buffer in chunk_bounds
+        chain = (collective, algorithm) == ("broadcast", "chain")
+        bounds = (cut_pieces(0, numel, piece_elems) or [(0, 0)]) if chain else None
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize,
-                                        bounds if (collective, algorithm) == ("broadcast", "chain") else None,
-                                        piece_bytes)
+                                        bounds, piece_bytes)
         return Result(collective, algorithm, n, nbytes, secs, load, msgs, sent, 1.0)
     if repeat != 1:
         raise ValueError(f"repeat={repeat}: {collective}/{algorithm} at {n} ranks is replayed in part; repeat needs a full replay")
