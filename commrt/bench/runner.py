@@ -49,6 +49,9 @@ class BenchSpec:
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {self.iters}, -w {self.warmup}")
         metrics.size_series(self.min_bytes, self.max_bytes, self.factor)
+        twice = sorted({b for b in self.backends if self.backends.count(b) > 1})
+        if twice:  # one world per name: a second in the same namespace failed with "duplicate rank"
+            raise ConfigError(f"--backend (with --algo, --quant) names {', '.join(twice)} twice; name each column once")
         alone.parse_mode(self.mode)
         try:  # each rank parsed them after the start-up: a traceback per rank
             parse_dtype(self.dtype), parse_op(self.op)

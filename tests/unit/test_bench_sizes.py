@@ -132,3 +132,11 @@ def test_bench_ps_measures_a_size_named_twice_once(monkeypatch):
     monkeypatch.setattr(ps, "_rank", lambda args, sizes: seen.append(sizes) or 0)
     assert ps.main(["--params", "64K,65536,1M"]) == 0
     assert seen == [[65536, 1 << 20]]
+
+
+@pytest.mark.parametrize("backends", [("zmq", "zmq"), ("zmq", "gloo", "zmq+int8", "zmq+int8"), ("zmq:ring", "zmq:ring")])
+def test_a_backend_named_twice_is_refused_where_the_spec_is_made(backends):
+    # --backend zmq,zmq (or --quant int8,int8, --backend zmq:ring --algo ring) started two
+    # worlds in one namespace: every rank failed after the start-up with "duplicate rank"
+    with pytest.raises(ConfigError, match="twice"):
+        BenchSpec("all_reduce", backends, 4096, 8192, 2, 1, 0, "float32", "sum")
