@@ -58,6 +58,8 @@ def check(backends: tuple[str, ...], sizes: list[int], iters: int, warmup: int) 
     bad = [b for b in backends if b not in BACKENDS]
     if not backends or bad:
         raise ConfigError(f"commrt bench p2p: --backend {','.join(backends)!r}: valid: {list(BACKENDS)}")
+    if len(set(backends)) < len(backends):  # a second world in the same namespace: "duplicate rank"
+        raise ConfigError(f"commrt bench p2p: --backend {','.join(backends)!r} names a backend twice")
     if iters < 1 or warmup < 0:
         raise ConfigError(f"need iters >= 1 and warmup >= 0, got -n {iters}, -w {warmup}")
     if sizes[0] < 4:

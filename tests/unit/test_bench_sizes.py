@@ -52,7 +52,7 @@ def test_sizes_that_round_to_the_same_case_are_measured_once():
 
 @pytest.mark.parametrize("backend,minbytes,iters,warmup,says", [
     ("zmq", "4K", 0, 5, "iters"), ("zmq", "4K", 10, -1, "warmup"), ("zmq,mpi", "4K", 10, 1, "valid"),
-    ("zmq", "1", 10, 1, "under 4 bytes")])
+    ("zmq", "1", 10, 1, "under 4 bytes"), ("zmq,gloo,zmq", "4K", 10, 1, "twice")])
 def test_p2p_refuses_what_it_cannot_measure(backend, minbytes, iters, warmup, says, monkeypatch):
     """bench p2p built no BenchSpec: -n 0 failed on rank 0 after the start-up (median of no round
     trips, the stream divided by zero), an unknown backend on every rank."""
@@ -62,7 +62,7 @@ def test_p2p_refuses_what_it_cannot_measure(backend, minbytes, iters, warmup, sa
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(commrt.launch, "launch", lambda *a, **k: pytest.fail("launched"))
     args = argparse.Namespace(backend=backend, minbytes=minbytes, maxbytes="64K", stepfactor=2.0, iters=iters,
-                              warmup=warmup, nproc=2)
+                              warmup=warmup, nproc=2, json=None)
     with pytest.raises(ConfigError, match=says):
         p2p.run(args)
 
