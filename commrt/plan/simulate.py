@@ -272,16 +272,19 @@ def simulate(net: Network, collective: str, algorithm: str, nbytes: int, itemsiz
             raise ConfigError(f"{collective}/{algorithm} at {n} ranks: {n}^2 rank-steps is beyond what "
                               f"the simulator replays ({HARD_LIMIT}) and its steps are not uniform; "
                               f"leave it out with --algorithms")
-        log_steps = n * 2 * max(1, (n - 1).bit_length()) * pieces  # Rabenseifner's 2 log n, per piece
+        # Rabenseifner's 2 log n steps a rank; the chain's pieces + 1 (only its steps grow with the
+        # size: the others' ranges go as more messages of one step, _Replay._messages)
+        chain = (collective, algorithm) == ("broadcast", "chain")
+        log_steps = n * (pieces + 1 if chain else 2 * max(1, (n - 1).bit_length()))
         if phases is None and log_steps > HARD_LIMIT:  # 100,000 ranks took 39 s, 10^6 minutes and GBs
-            raise ConfigError(f"{collective}/{algorithm} at {n} ranks in {pieces} piece(s): about {log_steps} "
+            where = f"{n} ranks" + (f" in {pieces} pieces" if chain else "")
+            raise ConfigError(f"{collective}/{algorithm} at {where}: about {log_steps} "
                               f"rank-steps is beyond what the simulator replays ({HARD_LIMIT}); "
                               "simulate fewer ranks (the tables go to 16,384) or a smaller size")
         parts, steps = _as_executed(collective, algorithm, schedule(collective, algorithm, n, root, pieces))
         # the chain's pieces as ops.broadcast cuts them: whole pieces of piece_bytes, the last one
         # short (5 MiB: 4 + 1 MiB). chunk_bounds(numel, pieces) made them equal (2.5 + 2.5), which
         # predicted 5 MiB faster than 4 MiB; the other schedules cut the buffer in chunk_bounds
-        chain = (collective, algorithm) == ("broadcast", "chain")
         bounds = (cut_pieces(0, numel, piece_elems) or [(0, 0)]) if chain else None
         secs, load, msgs, sent = replay(net, Schedule(parts, [s * repeat for s in steps]), numel, itemsize,
                                         bounds, piece_bytes)

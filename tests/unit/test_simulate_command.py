@@ -90,3 +90,15 @@ def test_a_size_that_is_not_whole_float32_elements_is_refused(size):
     elements and 6 as 4 B, each printed under the size asked for."""
     with pytest.raises(ConfigError, match="multiple of 4"):
         command.render(_args("--sizes", size))
+
+
+def test_a_large_size_over_a_log_step_schedule_is_replayed_not_refused():
+    # the limit counted the log-step schedules' rank-steps once per 4 MiB piece: recursive
+    # doubling of 1 GiB at 1,024 ranks (10 steps a rank, 10,240 in all) was refused as
+    # "about 5242880 rank-steps"; only the chain's steps grow with the pieces
+    text = command.render(_args("--algorithms", "recursive_doubling", "--worlds", "1024", "--per-node", "8",
+                                "--sizes", "1G")).text
+    assert "1073741824" in text
+    with pytest.raises(ConfigError, match="rank-steps"):  # the chain's 4,096 pieces at 1,024 ranks: 4 M steps
+        command.render(_args("--collective", "broadcast", "--algorithms", "chain", "--worlds", "1024",
+                             "--sizes", "16G"))
