@@ -130,6 +130,9 @@ class Generations:
         except CommError as exc:
             log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
             rv.end(self.store, plan.gen)
+            if plan.gen == 0:  # the first state is the source's (intact: it only sends); the others'
+                # was never, or only partly, replaced by it. Registering as none left no leader
+                self.applied = plan.step if self.replica == plan.source else -1
             return None, self._registration(plan, reg.grad, exc)
         self.applied = plan.step
         if not plan.contributors:

@@ -193,3 +193,22 @@ def _await_full_less(done: str, proc) -> None:
     deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(done):
         time.sleep(0.1)
+
+
+def test_a_replica_killed_before_the_first_generation_opens(tmp_path):
+    """Replica 2 registers for generation 0 and dies before opening its world: the first
+    generation fails to form on the others. Replica 0, its source, still holds the job's first
+    state and must lead the next generation (it registered as a replica without state, like the
+    others, so nobody led and both survivors ended with RendezvousError); replica 1, whose state
+    the first sync never fixed, receives it; the restarted replica 2 rejoins."""
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, r, out[r], *(["--fault", "kill:open:0"] if r == 2 else []))
+                    for r in range(base.REPLICAS)]
+        procs[2].wait(timeout=DEADLINE_S)
+        assert procs[2].returncode == -9 and os.path.exists(out[2] + ".fault")
+        procs[2] = base._spawn(port, 2, out[2])
+        base._wait_all(procs, DEADLINE_S)
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    history = _check(out)
+    assert history[-1][1] == [0, 1, 2]
+

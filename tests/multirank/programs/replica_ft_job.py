@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
     p.add_argument("--twin", action="store_true", help="the Twin model: a parameter unused on replica 1")
     p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
-                   "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, or sync")
+                   "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, sync, lead or open")
     a = p.parse_args()
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
@@ -139,7 +139,8 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
     is in flight), ``vote`` after the all-reduce before its vote, ``apply`` after the vote
     committed before the optimizer step, ``sync`` as the source of a state transfer to a replica
     (re)joining at step STEP or later, after a third of the tensors went out, ``lead`` as the
-    leader of generation STEP before it writes the plan. Writes OUT.fault (the time) first."""
+    leader of generation STEP before it writes the plan, ``open`` before opening generation
+    STEP's world. Writes OUT.fault (the time) first."""
     what, where, at = spec.split(":")
     at, sig = int(at), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[what]
     fired = []
@@ -177,11 +178,14 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
                 ft.rt.world.backend.broadcast = broadcast
             return sync(plan)
         ft._sync = wrapped
+    elif where == "open":  # before opening generation STEP's world (the number is a generation here)
+        opened = ft._open
+        ft._open = lambda plan, me: (fire() if plan.gen == at else None, opened(plan, me))[1]
     elif where == "lead":  # as the leader of generation STEP (the number is a generation here)
         lead = rv.lead
         rv.lead = lambda store, gen, *args: (fire() if gen == at else None, lead(store, gen, *args))[1]
     else:
-        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply, sync or lead")
+        raise SystemExit(f"--fault {spec!r}: WHERE must be all_reduce, vote, apply, sync, lead or open")
 
 
 def _off(model: nn.Module, opt: torch.optim.Optimizer, a) -> None:
