@@ -17,7 +17,7 @@ import torch
 
 from commrt.runtime import bootstrap, world
 from commrt.runtime.config import Config
-from commrt.runtime.errors import CommError, PeerLost
+from commrt.runtime.errors import CommError, ConfigError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.runtime.store import StoreClient, wait_for
 from commrt.train import replica_quorum as q
@@ -127,6 +127,9 @@ class Generations:
             self._open(plan, me)
             if plan.gen == 0 or plan.fresh:
                 self._sync(plan)
+        except ConfigError:  # not a fault: this replica cannot take part (its model or optimizer differs)
+            self._close_world()
+            raise
         except CommError as exc:
             log.warning("replica %d: generation %d failed while forming: %s", self.replica, plan.gen, exc)
             rv.end(self.store, plan.gen)
@@ -162,9 +165,11 @@ class Generations:
         """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
         key = f"{P}state/{plan.gen}/{self.shard}"
         if self.replica == plan.source:
-            desc = replica_state.describe(self.optimizer)
+            desc = replica_state.describe(self.optimizer, self.model)
             self.store.set(key, replica_state.pack(desc))
         desc = replica_state.unpack(wait_for(self.store, [key], self.cfg.comm.timeout_s, "replica state")[0])
+        if self.replica != plan.source:  # before any broadcast: a mismatch would fail in every generation
+            replica_state.check(self.model, self.optimizer, desc)
         tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
         src = plan.members.index(plan.source)
         with torch.no_grad():

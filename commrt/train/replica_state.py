@@ -18,15 +18,48 @@ from commrt.runtime import dtypes
 from commrt.runtime.errors import ConfigError, ProtocolError
 
 
-def describe(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state's layout and scalars (what a receiver needs to allocate it)."""
+def describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """The optimizer state's layout and scalars (what a receiver needs to allocate it), and the
+    layout of everything broadcast (``check`` compares a receiver's with it before any tensor)."""
     sd = optimizer.state_dict()
     state = {}
     for idx, entry in sd["state"].items():
-        state[int(idx)] = {k: (["t", list(v.shape), dtypes.name_of(dtypes.code_of(v.dtype))] if torch.is_tensor(v) else ["n", v])
+        state[int(idx)] = {k: (["t", list(v.shape), _dtype(v)] if torch.is_tensor(v) else ["n", v])
                            for k, v in entry.items()}
     groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in sd["param_groups"]]
-    return {"state": state, "groups": groups}
+    return {"state": state, "groups": groups, "layout": _layout(model, optimizer)}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return dtypes.name_of(dtypes.code_of(t.dtype))
+
+
+def _layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The model's parameters and buffers (name, shape, dtype) in broadcast order, and the
+    optimizer's kind and parameters per group."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {"tensors": [[n, list(t.shape), _dtype(t)] for n, t in named], "optimizer": type(optimizer).__name__,
+            "groups": [len(g["params"]) for g in optimizer.param_groups]}
+
+
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, desc: dict) -> None:
+    """``ConfigError`` unless this replica's model and optimizer have the layout of the source's
+    (a replica restarted with another model or optimizer config): the transfer would fail, or
+    load state that does not fit, and being retried it would fail in every generation."""
+    theirs, mine = desc["layout"], _layout(model, optimizer)
+    if theirs == mine:
+        return
+    why = [f"{what}: the source's {theirs.get(what)}, this replica's {mine[what]}"
+           for what in ("optimizer", "groups") if theirs.get(what) != mine[what]]
+    tensors = theirs.get("tensors") or []
+    for (name, shape, dtype), (n, s, d) in zip(tensors, mine["tensors"]):
+        if [name, shape, dtype] != [n, s, d]:
+            why.append(f"first differing tensor: the source's {name} {shape} {dtype}, this replica's {n} {s} {d}")
+            break
+    if len(tensors) != len(mine["tensors"]):
+        why.append(f"{len(tensors)} parameters and buffers at the source, {len(mine['tensors'])} here")
+    raise ConfigError("replica state transfer: this replica's model or optimizer differs from the running job's ("
+                      + "; ".join(why) + "); start it with the job's config")
 
 
 def _plain(v) -> bool:
@@ -42,8 +75,8 @@ def pack(desc: dict) -> bytes:
 
 def unpack(raw: bytes) -> dict:
     desc = msgpack.unpackb(bytes(raw), strict_map_key=False)
-    if not (isinstance(desc, dict) and set(desc) == {"state", "groups"} and isinstance(desc["groups"], list)
-            and all(isinstance(g, dict) for g in desc["groups"])):
+    if not (isinstance(desc, dict) and set(desc) == {"state", "groups", "layout"} and isinstance(desc["groups"], list)
+            and all(isinstance(g, dict) for g in desc["groups"]) and isinstance(desc["layout"], dict)):
         raise ProtocolError(f"replica state description is malformed: {str(desc)[:80]}")
     return desc
 

@@ -41,11 +41,11 @@ def reference(history: list, width: int = 64) -> dict:
     return model.state_dict()
 
 
-def _spawn(port: int, replica: int, out: str, *extra: str) -> subprocess.Popen:
+def _spawn(port: int, replica: int, out: str, *extra: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "tests.multirank.programs.replica_ft_job", str(replica), str(REPLICAS),
            f"127.0.0.1:{port}", str(STEPS), out, "--pause", str(PAUSE_S), *extra]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT)
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, **popen)
 
 
 def _wait_all(procs: list, timeout_s: float) -> None:

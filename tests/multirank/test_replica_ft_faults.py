@@ -212,3 +212,28 @@ def test_a_replica_killed_before_the_first_generation_opens(tmp_path):
     history = _check(out)
     assert history[-1][1] == [0, 1, 2]
 
+
+def test_a_replica_restarted_with_another_model_is_refused_and_the_others_go_on(tmp_path):
+    """Replica 2 dies and is restarted with a model of another width (a wrong config on that
+    node). Its state transfer cannot succeed: it must leave with a ConfigError naming the
+    mismatch, and the others go on without it. (The transfer's mismatch was taken for a fault:
+    every generation with it failed while forming, the joiner registered again, and the job
+    never took another step.)"""
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, r, out[r], *(["--die-at", str(FAULT_AT)] if r == 2 else []))
+                    for r in range(base.REPLICAS)]
+        procs[2].wait(timeout=DEADLINE_S)
+        with open(out[2] + ".err", "w") as err:
+            procs[2] = base._spawn(port, 2, out[2], "--width", "32", stderr=err)
+        base._wait_all(procs, 90)
+    assert [p.returncode for p in procs[:2]] == [0, 0] and procs[2].returncode not in (0, -9)
+    assert "ConfigError" in open(out[2] + ".err").read()
+    runs = [json.load(open(o + ".json")) for o in out[:2]]
+    history = runs[0]["history"]
+    assert runs[1]["history"] == history and [s for s, _ in history] == list(range(base.STEPS))
+    assert all(c == [0, 1] for s, c in history if s >= FAULT_AT)
+    ref = base.reference(history)
+    for r, o in enumerate(out[:2]):
+        got = torch.load(o + ".pt")
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}, {k}: {m}")

@@ -140,7 +140,7 @@ def test_the_state_transfer_carries_every_group_setting_a_scheduler_changes():
         src_model(torch.ones(2, 4)).sum().backward()
         src.step()
         sched.step()
-    desc = replica_state.unpack(replica_state.pack(replica_state.describe(src)))
+    desc = replica_state.unpack(replica_state.pack(replica_state.describe(src, src_model)))
     _, joiner = build()
     got, state = replica_state.tensors(src_model, joiner, desc)
     mine, _ = replica_state.tensors(src_model, src, desc)
@@ -151,3 +151,17 @@ def test_the_state_transfer_carries_every_group_setting_a_scheduler_changes():
     have = {k: v for k, v in joiner.param_groups[0].items() if k != "params"}
     assert have == want and isinstance(have["betas"], tuple), (have, want)
     assert want["betas"][0] != 0.9  # the scheduler did change them: the test can tell
+
+
+def test_a_joiner_whose_model_or_optimizer_differs_is_refused_before_the_transfer():
+    """The description carries the layout of what is broadcast: a replica restarted with another
+    model or optimizer is told so, instead of failing the transfer in every generation."""
+    src_model = torch.nn.Linear(4, 3)
+    src = torch.optim.AdamW(src_model.parameters(), lr=0.1)
+    desc = replica_state.unpack(replica_state.pack(replica_state.describe(src, src_model)))
+    replica_state.check(src_model, torch.optim.AdamW(src_model.parameters(), lr=0.5), desc)  # settings travel
+    wide = torch.nn.Linear(4, 5)
+    with pytest.raises(ConfigError, match=r"weight \[3, 4\] float32, this replica's weight \[5, 4\]"):
+        replica_state.check(wide, torch.optim.AdamW(wide.parameters(), lr=0.1), desc)
+    with pytest.raises(ConfigError, match="optimizer: the source's AdamW, this replica's SGD"):
+        replica_state.check(src_model, torch.optim.SGD(src_model.parameters(), lr=0.1), desc)
