@@ -63,6 +63,7 @@ def shard_state(engine) -> dict:
             "optimizer": z.spec.kind, "optimizer_state": list(names), "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "params": [[n, p_numel] for n, p_numel in zip(engine.names, _numels(engine))],
+            "shapes": _shapes(engine),
             "units": [[list(u.layout.params), list(u.layout.offsets), list(u.layout.numels),
                        u.layout.numel, u.layout.padded, u.own[0], u.own[1]] for u in z.units]}
     return {"meta": meta, "arrays": arrays}
@@ -73,6 +74,14 @@ def _numels(engine) -> list[int]:
     for u in engine.zero.units:
         for i, n in zip(u.layout.params, u.layout.numels):
             out[i] = n
+    return out
+
+
+def _shapes(engine) -> list[list[int]]:
+    out = [[]] * len(engine.names)
+    for u in engine.zero.units:
+        for i, shape in zip(u.layout.params, u.shapes):
+            out[i] = list(shape)
     return out
 
 
@@ -208,6 +217,7 @@ def load_shard_states(engine, states: list[dict]) -> None:
                               f"(format {meta.get('format')}, optimizer {meta.get('optimizer')}, "
                               f"{len(meta['params'])} parameters vs {len(want)})")
         _check_state_names(meta, names)
+        _check_shapes(meta, engine)
         arrays = iter(st["arrays"])
         for idx, offs, numels, numel, padded, lo, hi in meta["units"]:
             lay = Unit(tuple(idx), tuple(offs), tuple(numels), numel, padded)
@@ -248,6 +258,20 @@ def _check_state_names(meta: dict, names: list[str]) -> None:
         raise ConfigError(f"checkpoint's optimizer state {list(saved)} differs from this optimizer's {list(names)} "
                           "(its settings changed between save and load, e.g. SGD momentum 0 vs > 0); load it "
                           "with the optimizer settings it was saved with")
+
+
+def _check_shapes(meta: dict, engine) -> None:
+    """Each parameter has the shape it was saved with, not only as many elements (a [4, 6]
+    table read into a [6, 4] one put its values in the wrong places). A file written before
+    shapes were saved is read as before."""
+    saved = meta.get("shapes")
+    if saved is None:
+        return
+    differ = [f"{n}: shape {list(a)} in the checkpoint, {b} in this model"
+              for n, a, b in zip(engine.names, saved, _shapes(engine)) if list(a) != b]
+    if differ or len(saved) != len(engine.names):
+        raise ConfigError(f"checkpoint does not match this model's parameter shapes: {'; '.join(differ[:5])}"
+                          + (f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""))
 
 
 def _load_module_state(engine, st: dict) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 import commrt
 import commrt.train
 from commrt.launch import free_port
+from commrt.runtime.errors import ConfigError
 from commrt.train import TrainConfig, initialize
 from commrt.train.breakdown import StepBreakdown, StepClock
 
@@ -321,3 +322,24 @@ def test_stage3_over_one_shard_never_trains_on_values_from_before_a_step(world1)
     assert engine.zero.live_bytes == 0
     for name, value in engine.full_state_dict().items():
         assert torch.equal(value, want[name]), name
+
+
+def test_a_checkpoint_of_another_shape_with_as_many_elements_is_refused(world1, tmp_path):
+    """A checkpoint was matched to the model by parameter names and element counts only: a
+    parameter saved as [4, 6] loaded into a [6, 4] one (or [2, 12]: a reshaped layout) without a
+    word, its values in the wrong places (torch's load_state_dict says 'size mismatch')."""
+    from commrt.runtime.errors import ConfigError
+
+    class Table(nn.Module):
+        def __init__(self, shape):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(*shape))
+
+        def forward(self, x):
+            return x @ self.table.reshape(4, 6)
+
+    cfg = {"zero_optimization": {"stage": 1}, "optimizer": OPTIMIZERS["adamw"][0]}
+    initialize(Table((4, 6)), cfg).save_checkpoint(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"table: shape \[4, 6\] in the checkpoint, \[6, 4\] in this model"):
+        initialize(Table((6, 4)), cfg).load_checkpoint(str(tmp_path))
+    initialize(Table((4, 6)), cfg).load_checkpoint(str(tmp_path))
