@@ -19,7 +19,7 @@ from commrt.runtime import bootstrap, world
 from commrt.runtime.config import Config
 from commrt.runtime.errors import CommError, ConfigError, PeerLost
 from commrt.runtime.rendezvous import RendezvousSpec
-from commrt.runtime.store import StoreClient, wait_for
+from commrt.runtime.store import StoreClient
 from commrt.train import replica_quorum as q
 from commrt.train import replica_state
 from commrt.train import replica_vote as rv
@@ -163,15 +163,11 @@ class Generations:
 
     def _sync(self, plan: q.Plan) -> None:
         """The source's parameters, buffers and optimizer state to every member (broadcasts)."""
-        key = f"{P}state/{plan.gen}/{self.shard}"
-        if self.replica == plan.source:
-            desc = replica_state.describe(self.optimizer, self.model)
-            self.store.set(key, replica_state.pack(desc))
-        desc = replica_state.unpack(wait_for(self.store, [key], self.cfg.comm.timeout_s, "replica state")[0])
+        src = plan.members.index(plan.source)
+        desc = self._description(plan.source, src)
         if self.replica != plan.source:  # before any broadcast: a mismatch would fail in every generation
             replica_state.check(self.model, self.optimizer, desc)
         tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
-        src = plan.members.index(plan.source)
         with torch.no_grad():
             for t in tensors:
                 self.rt.world.backend.broadcast(t, src, False)
@@ -179,6 +175,17 @@ class Generations:
             replica_state.load(self.optimizer, desc, state)
         if self.group is not None:
             self.group.load_from_model()
+
+    def _description(self, source: int, src: int) -> dict:
+        """The source's state description (msgpack), broadcast: its size grows with the count of
+        tensors, past what a store value holds (1 MiB, some 15,000 tensors with Adam's state)."""
+        backend = self.rt.world.backend
+        raw = replica_state.pack(replica_state.describe(self.optimizer, self.model)) if self.replica == source else b""
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        backend.broadcast(size, src, False)
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(int(size[0]), dtype=torch.uint8)
+        backend.broadcast(buf, src, False)
+        return replica_state.unpack(buf.numpy().tobytes())
 
     def _close_world(self) -> None:
         if self.rt is not None:

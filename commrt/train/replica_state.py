@@ -2,8 +2,9 @@
 parameters, buffers and optimizer state from a live one over the transport, not from a
 checkpoint (issue 33 item 2).
 
-The tensors go as broadcasts from the source in the new generation's world. Only their
-description travels through the store, as msgpack (no pickle across processes): for each
+The tensors go as broadcasts from the source in the new generation's world, after their
+description, msgpack (no pickle across processes) broadcast as bytes (a store value holds at
+most 1 MiB, too little for a model of many tensors): for each
 parameter index of the optimizer, its state's tensors (shape, dtype) and plain numbers, and each
 parameter group's settings, all of them plain numbers (a scheduler may have changed the learning
 rate, and OneCycleLR changes the momentum or Adam's betas too). A receiver without state

@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 
+from commrt.launch import free_port
 from commrt.runtime.errors import ConfigError
 from commrt.train.config import TrainConfig
 from commrt.runtime.config import load_config
@@ -165,3 +166,22 @@ def test_a_joiner_whose_model_or_optimizer_differs_is_refused_before_the_transfe
         replica_state.check(wide, torch.optim.AdamW(wide.parameters(), lr=0.1), desc)
     with pytest.raises(ConfigError, match="optimizer: the source's AdamW, this replica's SGD"):
         replica_state.check(src_model, torch.optim.SGD(src_model.parameters(), lr=0.1), desc)
+
+
+def test_the_state_of_a_model_of_many_tensors_is_handed_over():
+    """The state's description went through the store, whose values hold at most 1 MiB: with
+    some 15,000 parameter tensors and Adam's state it was refused (ProtocolError), the
+    generation failed while forming, and so did every later one with a replica to receive it.
+    Here one replica whose optimizer already holds state (resumed) forms its first generation."""
+    model = torch.nn.ParameterList(torch.zeros(1) for _ in range(16_500))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model:
+        p.grad = torch.ones(1)
+    opt.step()
+    ft = ReplicaFT(model, opt, 0, 1, f"127.0.0.1:{free_port()}", load_config(environ={}), vote_timeout_s=1.0,
+                   serve_store=True, overlap=False)
+    try:
+        assert ft.start() == 0
+        assert ft.plan.gen == 0, "the first generation failed while forming"
+    finally:
+        ft.close()
