@@ -15,6 +15,8 @@ generation was armed, takes the plain path (copy, then one all-reduce).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from commrt.collectives.reduce_ops import ReduceOp
@@ -22,6 +24,18 @@ from commrt.runtime.errors import CommError, ConfigError
 from commrt.train.layout import buckets
 
 CAP_ELEMS, FIRST_ELEMS = (25 << 20) // 4, (1 << 20) // 4  # torch DDP's 25 MiB buckets, 1 MiB first
+
+
+def flat_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
+    """The dtype the gradients are averaged in: float32, or wider if a parameter is (a bf16
+    gradient is summed in float32, fewer roundings; ``grad_of`` gives each parameter its own
+    dtype back)."""
+    return functools.reduce(torch.promote_types, (p.dtype for p in params), torch.float32)
+
+
+def grad_of(p: torch.nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+    """The averaged gradient as ``p.grad`` (which must have ``p``'s dtype): the view, or a copy."""
+    return view if view.dtype == p.dtype else view.to(p.dtype)
 
 
 class Overlap:
@@ -38,7 +52,7 @@ class Overlap:
                 self.bucket_of[id(params[i])] = b
                 off += params[i].numel()
             self.spans.append((start, off, len(u.params)))
-        self.flat = torch.zeros(off)
+        self.flat = torch.zeros(off, dtype=flat_dtype(params))
         self.backend = None  # armed: the generation's backend
         self._pending: list[int] = []
         self._next = 0  # the bucket whose all-reduce starts next (they start in index order)
@@ -154,19 +168,21 @@ class Replicated:
         if self.overlap is not None:
             self.overlap.disarm()
             return self.overlap.fill(mine)
+        dtype = flat_dtype(self.params)
         if not mine:
-            return torch.zeros(sum(p.numel() for p in self.params))
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+            return torch.zeros(sum(p.numel() for p in self.params), dtype=dtype)
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                          for p in self.params])
 
     def apply(self, flat: torch.Tensor, divisor: int) -> None:
         flat.div_(divisor)
         if self.overlap is not None:  # the buffer's order is the buckets'
             for p, view in self.overlap.views():
-                p.grad = view
+                p.grad = grad_of(p, view)
         else:
             offset = 0
             for p in self.params:
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                p.grad = grad_of(p, flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -129,3 +129,53 @@ def test_two_backwards_in_one_step_are_refused_not_averaged_in_part(monkeypatch)
     model.zero_grad(set_to_none=True)
     _backward(model)
     assert ov.finish() is None
+
+
+class Double(Triple):
+    """Sums 2 replicas holding the same gradient: x2 then /2 is exact in every dtype."""
+
+    def all_reduce(self, tensor, op, async_op):
+        tensor.mul_(2)
+        return Done()
+
+
+class Typed(nn.Module):
+    """Parameters of the given dtypes (a bf16 or float64 model, or one mixing them)."""
+
+    def __init__(self, dtypes):
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(i)).to(d))
+                                   for i, d in enumerate(dtypes))
+
+    def loss(self):
+        return sum((p.float() * torch.arange(1.0, 6.0)).pow(2).sum() for p in self.ps)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("dtypes", [[torch.bfloat16] * 2, [torch.float64] * 2, [torch.float32, torch.bfloat16]],
+                         ids=["bf16", "float64", "mixed"])
+def test_a_model_not_in_float32_steps_as_a_plain_torch_loop(overlap, dtypes):
+    """The buffer the gradients are averaged in was float32 (overlap) or whatever torch.cat made
+    of the parameters' dtypes, and ``p.grad`` was set to a view of it: a bf16 or float64
+    parameter refused it ("attempting to assign a gradient with dtype 'float' ..."), at the
+    first step of a job with the default overlap; a bf16 model summed in bf16 otherwise."""
+    model, plain = Typed(dtypes), Typed(dtypes)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    want = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    grads = replica_overlap.Replicated(list(model.parameters()), opt, overlap, 5.0)
+    backend = Double()
+    for _ in range(2):
+        grads.arm(backend)
+        model.loss().backward()
+        if grads.overlapped():
+            flat, exc = grads.finish()
+            assert exc is None
+        else:
+            flat = grads.flat(True)
+            backend.all_reduce(flat, None, False)
+        grads.apply(flat, 2)  # the average of 2 replicas with the same gradient
+        plain.loss().backward()
+        want.step()
+        want.zero_grad(set_to_none=True)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), (p, q)
