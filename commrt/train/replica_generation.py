@@ -170,7 +170,7 @@ class Generations:
         tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
         with torch.no_grad():
             for t in tensors:
-                self.rt.world.backend.broadcast(t, src, False)
+                self.rt.world.backend.broadcast(replica_state.on_wire(t), src, False)
         if self.replica != plan.source:
             replica_state.load(self.optimizer, desc, state)
         if self.group is not None:

@@ -39,7 +39,8 @@ def _layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The model's parameters and buffers (name, shape, dtype) in broadcast order, and the
     optimizer's kind and parameters per group."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    return {"tensors": [[n, list(t.shape), _dtype(t)] for n, t in named], "optimizer": type(optimizer).__name__,
+    return {"tensors": [[n, list(t.shape), dtypes.dtype_name(t.dtype)] for n, t in named],
+            "optimizer": type(optimizer).__name__,
             "groups": [len(g["params"]) for g in optimizer.param_groups]}
 
 
@@ -102,6 +103,16 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, desc: dict
             out.append(have)
         state[idx] = entry
     return out, state
+
+
+def on_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the transport carries it: itself, or its bytes (a bool mask buffer, an int16
+    one), the same memory, so that a broadcast into it fills ``t``."""
+    try:
+        dtypes.code_of(t.dtype)
+        return t
+    except TypeError:
+        return (t if t.dim() else t.unsqueeze(0)).view(torch.uint8)
 
 
 def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:

@@ -138,3 +138,21 @@ def test_a_parameter_unused_on_one_replica_is_averaged_with_the_right_bucket(tmp
         got = torch.load(o + ".pt")
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}, {k}: {m}")
+
+
+@pytest.mark.slow  # 10-20 s
+def test_a_bool_buffer_reaches_every_replica(tmp_path):
+    """The transport carries no bool: the state transfer sends such a buffer (a causal mask) as
+    its bytes, and every replica ends with replica 0's (it used to end start() with TypeError)."""
+    port = free_port()
+    transport, server = serve(load_config(), "127.0.0.1", port)
+    out = [str(tmp_path / f"r{r}") for r in range(REPLICAS)]
+    try:
+        procs = [_spawn(port, r, out[r], "--mask") for r in range(REPLICAS)]
+        _wait_all(procs, 120)
+    finally:
+        server.close()
+        transport.close()
+    assert [p.returncode for p in procs] == [0] * REPLICAS
+    for o in out:
+        assert torch.equal(torch.load(o + ".pt")["mask"], torch.ones(4, 4).tril().bool())

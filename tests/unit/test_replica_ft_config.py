@@ -185,3 +185,23 @@ def test_the_state_of_a_model_of_many_tensors_is_handed_over():
         assert ft.plan.gen == 0, "the first generation failed while forming"
     finally:
         ft.close()
+
+
+def test_a_model_with_a_bool_buffer_forms_its_first_generation():
+    """A causal mask kept as a bool buffer (as many transformers do): the state transfer
+    broadcast every buffer as it was, and the transport carries no bool, so every replica's
+    start() ended in "TypeError: dtype torch.bool is not supported" (the first generation
+    sends the source's state to all)."""
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("mask", torch.ones(4, 4).tril().bool())
+    model.register_buffer("scale", torch.tensor(3, dtype=torch.int16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ft = ReplicaFT(model, opt, 0, 1, f"127.0.0.1:{free_port()}", load_config(environ={}), vote_timeout_s=1.0,
+                   serve_store=True)
+    try:
+        assert ft.start() == 0 and ft.plan.gen == 0
+        model(torch.ones(2, 4)).sum().backward()
+        assert ft.step() == 1
+    finally:
+        ft.close()
+    assert torch.equal(model.mask, torch.ones(4, 4).tril().bool()) and int(model.scale) == 3

@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=0, help="this rank's index in its group")
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
     p.add_argument("--twin", action="store_true", help="the Twin model: a parameter unused on replica 1")
+    p.add_argument("--mask", action="store_true", help="a bool buffer (a causal mask), set on replica 0 only")
     p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
                    "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, sync, lead or open")
     a = p.parse_args()
@@ -95,6 +96,8 @@ def main() -> None:
     seed = SEED if a.replica == 0 else None
     model = Twin(seed) if a.twin else make_model(a.width, seed)
     backward = twin_backward if a.twin else local_backward
+    if a.mask:  # the others' differs: the first generation's sync must fix it
+        model.register_buffer("mask", torch.ones(4, 4).tril().bool() if a.replica == 0 else torch.zeros(4, 4).bool())
     opt = make_optimizer(model)
     if a.off:
         return _off(model, opt, a)
