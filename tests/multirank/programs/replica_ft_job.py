@@ -175,7 +175,7 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
 
                 def broadcast(t, src, async_op):
                     sent.append(1)
-                    if len(sent) > total // 3:
+                    if len(sent) > 2 + total // 3:  # the description (its size, its bytes), then tensors
                         fire()
                     return cast(t, src, async_op)
                 ft.rt.world.backend.broadcast = broadcast
