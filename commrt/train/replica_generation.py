@@ -183,7 +183,8 @@ class Generations:
         raw = replica_state.pack(replica_state.describe(self.optimizer, self.model)) if self.replica == source else b""
         size = torch.tensor([len(raw)], dtype=torch.int64)
         backend.broadcast(size, src, False)
-        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(int(size[0]), dtype=torch.uint8)
+        buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+               else torch.empty(int(size[0]), dtype=torch.uint8))
         backend.broadcast(buf, src, False)
         return replica_state.unpack(buf.numpy().tobytes())
 
