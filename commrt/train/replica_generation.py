@@ -96,6 +96,11 @@ class Generations:
             if plan is None:  # its leader died or froze in lead(): the next generation, without it
                 end, gen = None, gen + 1
                 continue
+            if plan.replicas and plan.replicas != self.replicas:  # its leaders never read this one's registration
+                # (or it ignores some of theirs): left out for ever, it would end every generation
+                raise ConfigError(f"replica {self.replica}: started for a job of {self.replicas} replicas, but "
+                                  f"generation {plan.gen} was formed by a replica of a job of {plan.replicas}; "
+                                  "every replica needs the same count (a job does not grow)")
             if not plan.includes(self.replica, self.incarnation):  # left out (too slow): come back without state
                 log.warning("replica %d: left out of generation %d (members %s); rejoining",
                             self.replica, gen, list(plan.members))

@@ -92,16 +92,19 @@ class Plan:
     fresh: tuple[int, ...]
     incarnations: tuple[int, ...] = ()
     """Per member, the incarnation that registered: only that process takes the member's place."""
+    replicas: int = 0
+    """The job's count of replicas, as its leader was started with (0: not recorded)."""
 
     def pack(self) -> dict:
         return {"gen": self.gen, "members": list(self.members), "step": self.step,
                 "contributors": list(self.contributors), "source": self.source, "fresh": list(self.fresh),
-                "incarnations": list(self.incarnations)}
+                "incarnations": list(self.incarnations), "replicas": self.replicas}
 
     @classmethod
     def unpack(cls, raw: dict) -> "Plan":
         return cls(int(raw["gen"]), tuple(raw["members"]), int(raw["step"]), tuple(raw["contributors"]),
-                   int(raw["source"]), tuple(raw["fresh"]), tuple(raw.get("incarnations", ())))
+                   int(raw["source"]), tuple(raw["fresh"]), tuple(raw.get("incarnations", ())),
+                   int(raw.get("replicas", 0)))
 
     def includes(self, replica: int, incarnation: int) -> bool:
         """Whether this start of ``replica`` is a member (an earlier or later start is not)."""
@@ -129,7 +132,7 @@ def current_only(regs: dict[int, Registration], currents: dict[int, int | None])
     return {r: reg for r, reg in regs.items() if not stale(reg.incarnation, currents.get(r))}
 
 
-def plan(gen: int, regs: dict[int, Registration]) -> Plan:
+def plan(gen: int, regs: dict[int, Registration], replicas: int = 0) -> Plan:
     """The next generation from the registrations the leader saw. Every replica with state
     stands at the same step (steps are applied only when committed, by all members alike);
     a disagreement is a bug, not a fault to survive."""
@@ -144,4 +147,4 @@ def plan(gen: int, regs: dict[int, Registration]) -> Plan:
     members = tuple(sorted(regs))
     return Plan(gen, members, steps.pop(), tuple(r for r in with_state if regs[r].grad),
                 with_state[0], tuple(sorted(r for r in regs if regs[r].applied < 0)),
-                tuple(regs[r].incarnation for r in members))
+                tuple(regs[r].incarnation for r in members), replicas)

@@ -117,6 +117,6 @@ def lead(store, gen: int, replicas: int, previous: tuple[int, ...], within_s: fl
     if missing:
         log.warning("replica %d (leader): generation %d forms without %s (not registered within %gs)",
                     me, gen, sorted(missing), within_s)
-    plan = q.plan(gen, regs)
+    plan = q.plan(gen, regs, replicas)
     store.set(f"{P}mem/{gen}", msgpack.packb(plan.pack()))
     store.set(P + "cur", str(gen).encode())

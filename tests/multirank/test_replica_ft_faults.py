@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from commrt.launch import free_port
 from commrt.runtime.config import load_config
 from commrt.train.replica_ft import serve
 from tests.multirank import test_replica_ft as base
+from tests.multirank.harness import ROOT
 
 FAULT_AT, DEADLINE_S = 8, 150.0
 pytestmark = pytest.mark.slow  # 15-45 s each on this host; test_replica_ft.py is the default run's case
@@ -237,3 +240,26 @@ def test_a_replica_restarted_with_another_model_is_refused_and_the_others_go_on(
         got = torch.load(o + ".pt")
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"replica {r}, {k}: {m}")
+
+
+def test_a_replica_started_for_a_larger_job_is_refused_and_the_others_go_on(tmp_path):
+    """A fourth replica started with 4 replicas (an attempt to grow the job) beside three
+    started with 3: the leaders read the registrations of replicas 0-2 only, so it was left out
+    of every generation, and each time it came back it ended the running one: the job never
+    took another step. It must leave with a ConfigError naming both counts."""
+    with _job(tmp_path) as (port, out, procs):
+        slow = ["--pause", "0.5"]  # 30 s: the fourth comes while they run
+        procs[:] = [base._spawn(port, r, out[r], *slow, *(["--progress"] if r == 0 else [])) for r in range(base.REPLICAS)]
+        deadline = time.monotonic() + DEADLINE_S
+        while not os.path.exists(out[0] + ".progress"):  # the job is running
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        extra = str(tmp_path / "r3")
+        with open(extra + ".err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.multirank.programs.replica_ft_job", "3", "4",
+                                           f"127.0.0.1:{port}", str(base.STEPS), extra, "--pause", str(base.PAUSE_S)],
+                                          cwd=ROOT, stderr=err, env={**os.environ, "PYTHONPATH": ROOT}))
+        base._wait_all(procs, 90)
+    assert [p.returncode for p in procs[:3]] == [0, 0, 0] and procs[3].returncode not in (0, -9)
+    assert "ConfigError" in open(extra + ".err").read()
+    _check(out)
