@@ -121,7 +121,7 @@ class ReplicaFT(Generations):
         self.shard, self.shards = shard, shards
         self.group = ShardedGroup(model, optimizer, replica, shard, shards) if shards > 1 else None
         self.optimizer = self.group.optimizer if self.group is not None else optimizer
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = self._trainable = [p for p in model.parameters() if p.requires_grad]
         self.grads = self.group or Replicated(params, optimizer, overlap, timeout_s)
         base = cfg or load_config()
         self.cfg = dataclasses.replace(base, comm=dataclasses.replace(base.comm, timeout_s=timeout_s))
@@ -148,6 +148,7 @@ class ReplicaFT(Generations):
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
+        self._check_trainable()
         t0 = time.perf_counter()
         self._group_op(self.grads.prepare)
         self.counts.time_s["copy"] += time.perf_counter() - t0
@@ -188,6 +189,16 @@ class ReplicaFT(Generations):
                  self.applied, list(contributors), self.plan.gen)
         self.applied += 1
         return self.applied, None
+
+    def _check_trainable(self) -> None:
+        """The parameters that require grad are still those whose gradients are averaged: one
+        unfrozen later would be stepped with this replica's own gradient (the replicas would
+        drift apart without an error); as the engine, refuse it (every replica, at that step)."""
+        now = [p for p in self.model.parameters() if p.requires_grad]
+        if len(now) != len(self._trainable) or any(a is not b for a, b in zip(now, self._trainable)):
+            raise ConfigError(f"replica {self.replica}: the parameters that require grad changed after ReplicaFT was "
+                              f"made ({len(self._trainable)} then, {len(now)} now): their gradients would not be "
+                              "averaged; set requires_grad before ReplicaFT is made")
 
     def _votes(self, ok: bool) -> bool:
         """The generation's next vote; every rank of every member group votes, so all shards

@@ -205,3 +205,25 @@ def test_a_model_with_a_bool_buffer_forms_its_first_generation():
     finally:
         ft.close()
     assert torch.equal(model.mask, torch.ones(4, 4).tril().bool()) and int(model.scale) == 3
+
+
+def test_unfreezing_a_parameter_after_the_replicas_started_is_refused():
+    """The gradients averaged are those of the parameters that required grad when ReplicaFT
+    was made. One unfrozen later (gradual unfreezing in a fine-tune) got its gradient from
+    backward and was stepped by the optimizer with this replica's own gradient, never
+    averaged: the replicas' parameters drifted apart without an error (the engine refuses it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ft = ReplicaFT(model, opt, 0, 1, f"127.0.0.1:{free_port()}", load_config(environ={}), vote_timeout_s=1.0,
+                   serve_store=True)
+    try:
+        ft.start()
+        model(torch.ones(2, 4)).sum().backward()
+        assert ft.step() == 1
+        model[1].requires_grad_(True)
+        model(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(ConfigError, match="requires_grad"):
+            ft.step()
+    finally:
+        ft.close()
