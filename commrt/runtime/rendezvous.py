@@ -166,9 +166,14 @@ def gather(store, hello: dict, world_size: int, timeout_s: float, ns: str) -> li
     """Wait (in the store: one parked request, no polling) until every rank joined, then read
     all hellos in one request and check them against ours. A mismatch aborts the rendezvous for
     every rank, as in ``meet``: a rank told a larger WORLD_SIZE would otherwise wait out its
-    timeout and blame a rank that does not exist."""
+    timeout and blame a rank that does not exist. The hellos are waited for, not just read: the
+    joined counter counts any rank, and a stray one of a larger world may fill it before one of
+    ours has published (its hello then read as None: a TypeError, not a rendezvous)."""
+    end = time.monotonic() + timeout_s
     _all_joined(store, world_size, timeout_s, ns)
-    table = [msgpack.unpackb(v) for v in store.mget(hello_keys(ns, range(world_size)))]
+    raw = wait_for(store, hello_keys(ns, range(world_size)), max(0.001, end - time.monotonic()),
+                   "rendezvous (the hellos of every rank that joined)", ns + "abort")
+    table = [msgpack.unpackb(v) for v in raw]
     for peer in table:
         problem = _incompatibility(hello, peer)
         if problem:

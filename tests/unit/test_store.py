@@ -282,6 +282,29 @@ def test_a_world_size_mismatch_in_exchange_fails_every_rank_at_once(store, sizes
     assert len(out) == 2 and out[0] == out[1] and "world size" in out[0], out
 
 
+def test_a_stray_join_before_rank_0_in_exchange_is_waited_out_not_a_type_error(store):
+    """Review revF: the joined counter counts any rank, so a stray rank told a larger WORLD_SIZE
+    (rank 2 of 3 beside a world of 2) could complete it before rank 0 had published; gather then
+    read rank 0's missing hello as None and crashed with "TypeError: a bytes-like object is
+    required". It now waits for every hello of its world (within its deadline) and gets rank 0's."""
+    stray, r1, r0 = store(), store(), store()
+    rendezvous.join(stray, 2, 3, {"config": "d", "backend": "gloo"}, 5, "x/rdzv/")
+    out = {}
+
+    def rank1():
+        try:
+            out[1] = rendezvous.exchange(r1, 1, 2, {"config": "d", "backend": "gloo"}, 20, "x/")
+        except Exception as exc:  # noqa: BLE001 - the test reports whatever it was
+            out[1] = exc
+    t = threading.Thread(target=rank1)
+    t.start()
+    time.sleep(0.5)  # rank 1 has joined: with the stray, the counter reached 2 before rank 0 came
+    table0 = rendezvous.exchange(r0, 0, 2, {"config": "d", "backend": "gloo"}, 20, "x/")
+    t.join(30)
+    assert not isinstance(out[1], Exception), repr(out[1])
+    assert [h["rank"] for h in out[1]] == [h["rank"] for h in table0] == [0, 1]
+
+
 def test_waits_that_timed_out_do_not_pile_up_in_the_store():
     """Found in the hardening review (wtT4): a timed-out wait stayed in its key's index until the
     key arrived, so a client re-waiting in short slices for a key that never comes (a dead rank's
