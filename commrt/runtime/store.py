@@ -52,7 +52,10 @@ class StoreServer:
 
     def _flush(self) -> None:
         for call, reply in self.core.take_answered():
-            call.reply(reply)
+            if isinstance(reply, Exception):
+                call.reply(error=f"{type(reply).__name__}: {reply}")
+            else:
+                call.reply(reply)
 
     @property
     def rejected(self) -> int:

@@ -19,6 +19,7 @@ MAX_KEY = 256
 MAX_VALUE = 1 << 20
 MAX_BYTES = 1 << 30  # everything stored (keys, values, overhead): a bootstrap store, not a database
 MAX_FRAME = 64 << 20  # one request or reply (an mget of 100,000 hellos fits)
+MAX_REPLY = MAX_FRAME - (4 << 10)  # the values one reply may carry (room left for the envelope)
 MAX_WAIT_S = 1e6
 INT64 = (-(1 << 63), (1 << 63) - 1)
 ENTRY_OVERHEAD = 64
@@ -41,6 +42,16 @@ def _seconds(v: Any) -> float:
     if type(v) not in (int, float) or not 0 <= v <= MAX_WAIT_S:  # NaN fails the comparison
         raise ProtocolError(f"timeout must be a number of seconds in [0, {MAX_WAIT_S:g}], got {v!r:.40}")
     return float(v)
+
+
+def _fits(values: list, method: str) -> list:
+    """``values`` if a reply can carry them, else ProtocolError: a key may be asked for any
+    number of times, so a small request could make the store build a reply of gigabytes."""
+    size = sum(len(v) + 5 for v in values if isinstance(v, bytes)) + 9 * len(values)  # msgpack's headers, ints
+    if size > MAX_REPLY:
+        raise ProtocolError(f"{method}: a reply of {size} bytes exceeds the frame limit of {MAX_FRAME} "
+                            f"({len(values)} keys asked for): ask for less at once")
+    return values
 
 
 def _args(body: Any, n: int, method: str) -> list:
@@ -79,7 +90,7 @@ def _prune(entries: list, wait_of=lambda entry: entry) -> bool:
 class StoreCore:
     """The store's state and request logic. ``handle`` returns a reply, or None when it parked
     the request; parked ones come back from ``handle``'s and ``expire``'s ``answered`` lists as
-    (token, reply) pairs."""
+    (token, reply) pairs, a reply being a ProtocolError where the wait is refused after all."""
 
     def __init__(self, incarnation: int | None = None):
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(7), "little")
@@ -111,7 +122,7 @@ class StoreCore:
             (keys,) = _args(args, 1, method)
             if not isinstance(keys, list):
                 raise ProtocolError("mget takes a list of keys")
-            return [OK, [self.data.get(_key(k)) for k in keys]]
+            return [OK, _fits([self.data.get(_key(k)) for k in keys], method)]
         if method == "add":
             key, amount = _args(args, 2, method)
             return [OK, self._add(_key(key), _int64(amount, "add amount"))]
@@ -200,7 +211,7 @@ class StoreCore:
     def _done_reply(self, w: _Wait) -> list:
         if w.target is not None:
             return self._with_added(w, [OK, self.data.get(w.keys[0], 0)])
-        return [OK, [self.data[k] for k in w.keys]]
+        return [OK, _fits([self.data[k] for k in w.keys], "wait")]
 
     def _timeout_reply(self, w: _Wait) -> list:
         if w.target is not None:
@@ -216,7 +227,11 @@ class StoreCore:
     def _arrived(self, key: str) -> None:
         for w in self._by_key.pop(key, []):
             if not w.done and self._advance(w):
-                self._finish(w, self._done_reply(w))
+                try:
+                    reply = self._done_reply(w)
+                except ProtocolError as exc:  # the waiter's error; the request that set the key stands
+                    reply = exc
+                self._finish(w, reply)
         for w in list(self._by_abort.pop(key, ())):
             if not w.done:
                 self._finish(w, self._with_added(w, [ABORT, self.data[key]]))

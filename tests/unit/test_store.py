@@ -14,7 +14,7 @@ from commrt.runtime.config import load_config
 from commrt.runtime.errors import ProtocolError, RendezvousError
 from commrt.launch import free_port
 from commrt.runtime.store import StoreClient, StoreServer, wait_for
-from commrt.runtime.store_core import ABORT, OK, TIMEOUT, StoreCore
+from commrt.runtime.store_core import ABORT, MAX_FRAME, MAX_VALUE, OK, TIMEOUT, StoreCore
 from commrt.transport.transport import Transport
 from commrt.transport.rpc import REQUEST, Envelope, decode, encode
 
@@ -344,3 +344,26 @@ def test_meets_waits_share_one_deadline(store):
         t.join(20)
     assert set(out) == {0, 1} and all("missing: 2" in msg for _, msg in out.values()), out
     assert out[1][0] < timeout_s + 1.0, out  # its own deadline (3 s), not 2.0 + a whole timeout_s (5 s)
+
+
+def test_a_reply_beyond_the_frame_limit_is_refused_before_it_is_built():
+    """Review revF: mget and wait sent back every value asked for, and a key may be asked for
+    any number of times: mget(["big"] * 20000) of a 1 MiB value (a 60 KB request) made the store's
+    thread encode 20 GB; it ran 30 s and died of MemoryError (under a 3 GiB address-space limit),
+    leaving every rank without a store. Such a request is refused up front, a parked wait is
+    answered with the error when its keys arrive, and the set that completed it still succeeds."""
+    core = StoreCore()
+    _req(core, "set", "big", b"x" * MAX_VALUE)
+    n = MAX_FRAME // MAX_VALUE + 1
+    with pytest.raises(ProtocolError, match="frame limit"):
+        _req(core, "mget", ["big"] * n)
+    with pytest.raises(ProtocolError, match="frame limit"):
+        _req(core, "wait", ["big"] * n, None, 10.0)
+    assert _req(core, "wait", ["late"] * n, None, 10.0, token="w") is None
+    assert _req(core, "set", "late", b"y" * MAX_VALUE) == [OK]
+    [(token, reply)] = core.take_answered()
+    assert token == "w" and isinstance(reply, ProtocolError) and "frame limit" in str(reply)
+    assert _req(core, "mget", ["big"] * (n - 2))[0] == OK  # within the limit: answered as before
+    _req(core, "add", "counter", 3)  # a counter's value is an int: mget and wait read it too
+    assert _req(core, "mget", ["counter", "big", "none"]) == [OK, [3, b"x" * MAX_VALUE, None]]
+    assert _req(core, "wait", ["counter"], None, 1.0) == [OK, [3]]
