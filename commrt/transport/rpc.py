@@ -278,7 +278,13 @@ class RpcServer:
     def reply(self, call: Call, value: Any = None, error: str | None = None) -> None:
         env = Envelope(ERROR if error is not None else REPLY, call.req_id, call.method,
                        error if error is not None else value)
-        frames = [call.route, encode(env)]
+        try:
+            frames = [call.route, encode(env)]
+        except Exception as exc:  # not msgpack's (a handler's bug) or no memory for it: the thread lives on
+            _limited.warning(f"{self.name}: unencodable reply", "%s: could not encode the reply to %s: %s",
+                             self.name, call.method, exc)
+            frames = [call.route, encode(Envelope(ERROR, call.req_id, call.method, f"the reply to {call.method} "
+                                                  f"could not be encoded: {type(exc).__name__}: {exc}"[:1000]))]
         if len(frames[1]) > self.max_frame - 64:  # (a proxy re-encodes it with its own id)
             frames[1] = encode(Envelope(ERROR, call.req_id, call.method,
                                         f"the reply to {call.method} ({len(frames[1])} bytes) exceeds the frame "

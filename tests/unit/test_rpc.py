@@ -130,3 +130,21 @@ def test_a_call_to_nobody_times_out_at_send_or_reply(transport):
         assert info.value.phase in ("send", "reply")
     finally:
         client.close()
+
+
+def test_a_reply_that_cannot_be_encoded_is_an_error_reply_and_the_server_lives_on(transport):
+    """Review revF: the handler's failures were answered, but a value it returned that msgpack
+    cannot encode (a handler's bug, or a reply too large for memory: the store's MemoryError)
+    raised in RpcServer.reply, outside that guard, and ended the serving thread: every later call
+    timed out ('did not answer')."""
+    def handler(call):
+        return object() if call.method == "bad" else ["echo", call.body]
+    server = _serve(transport, handler)
+    client = RpcClient(transport, server.address, "rank0", max_frame=1 << 20)
+    try:
+        with pytest.raises(RpcRejected, match="could not be encoded"):
+            client.call("bad", [], 5)
+        assert client.call("echo", 1, 5) == ["echo", 1]
+    finally:
+        client.close()
+        assert server.close()
