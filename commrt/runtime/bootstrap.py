@@ -114,7 +114,8 @@ def _effective(cfg: Config, spec: rendezvous.RendezvousSpec) -> Config:
     """``cfg`` with the address peers should dial filled in (see rendezvous.advertised_host),
     after checking that the hosts we bind to resolve and may be exposed."""
     cl = cfg.cluster
-    security.check_bind(cfg, [cl.bind_host] + ([spec.host] if spec.rank == 0 else []))
+    security.check_bind(cfg, [cl.bind_host] + ([spec.host] if spec.rank == 0 else []),
+                        dialled=[] if spec.rank == 0 else [spec.host])
     advertise = rendezvous.advertised_host(cl.bind_host, cl.advertise_host, spec.host)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, advertise_host=advertise))
 

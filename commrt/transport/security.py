@@ -60,25 +60,32 @@ def _resolvable(host: str) -> None:
                           f"{exc}") from None
 
 
-def check_bind(cfg: Config, hosts: list[str]) -> None:
+def check_bind(cfg: Config, hosts: list[str], dialled: list[str] = ()) -> None:
     """Refuse to expose unencrypted sockets beyond this host unless allowed: off the host, a
-    PLAIN secret could be sniffed, and no authentication at all lets anyone in. A host that
+    PLAIN secret could be sniffed, and no authentication at all lets anyone in. ``dialled``:
+    the rendezvous address a rank connects to without binding it, refused alike (the PLAIN
+    handshake would hand the job secret, in the clear, to whoever answers there). A host that
     does not resolve is a name-lookup error, not a security one."""
-    for host in hosts:
+    for host in (*hosts, *dialled):
         _resolvable(host)
     if cfg.security.mode == "curve":
         return
     exposed = sorted({h for h in hosts if not is_loopback(h)})
-    if not exposed:
+    remote = sorted({h for h in dialled if not is_loopback(h)} - set(exposed))
+    if not exposed and not remote:
         return
     if not cfg.security.allow_insecure:
+        what = f"listen on {exposed}" if exposed else f"connect to {remote} (MASTER_ADDR, the rendezvous store)"
         raise ConfigError(
-            f"refusing to listen on {exposed} without encryption (security mode "
+            f"refusing to {what} without encryption (security mode "
             f"'{cfg.security.mode}'): traffic that leaves the host could be read or joined. Use "
             "[security] mode = 'curve' (commrt keygen), bind to loopback, or set allow_insecure = "
             "true (COMMRT_SECURITY_ALLOW_INSECURE=1) on a trusted network")
     what = "with the job secret in the clear" if cfg.security.mode == "secret" else "WITHOUT authentication"
-    log.warning("listening on %s %s (allow_insecure = true)", exposed, what)
+    if exposed:
+        log.warning("listening on %s %s (allow_insecure = true)", exposed, what)
+    if remote:
+        log.warning("connecting to %s %s (allow_insecure = true)", remote, what)
 
 
 def new_secret() -> str:

@@ -4,7 +4,10 @@ import stat
 
 import pytest
 
+from commrt.runtime import bootstrap
+from commrt.runtime.config import load_config
 from commrt.runtime.errors import ConfigError
+from commrt.runtime.rendezvous import RendezvousSpec
 from commrt.transport.security import Keyring, keygen
 
 
@@ -111,3 +114,16 @@ def test_keygen_under_a_loose_umask_writes_files_keyring_accepts(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "allow.txt").st_mode) == 0o644
     assert Keyring(str(tmp_path), "rank0").me == "rank0"
+
+
+@pytest.mark.parametrize("mode", ["secret", "none"])
+def test_a_rank_refuses_to_dial_a_rendezvous_address_off_loopback_without_encryption(tmp_path, mode):
+    """Review revF: the README says MASTER_ADDR off loopback without curve or allow_insecure is
+    a ConfigError at init, but only rank 0 (which binds it) checked it. Any other rank dialled it,
+    and under 'secret' its PLAIN handshake handed the job secret, in the clear, to whoever answered
+    there (a mistyped MASTER_ADDR: someone else's host); it failed only at timeout_s, with a
+    RendezvousError. 192.0.2.10 is TEST-NET: nothing answers there."""
+    cfg = load_config(overrides={"security": {"mode": mode, "secret_file": str(tmp_path / "s")},
+                                 "comm": {"timeout_s": 2}}, environ={})
+    with pytest.raises(ConfigError, match=r"connect to \['192.0.2.10'\].*MASTER_ADDR"):
+        bootstrap.init_world(cfg, RendezvousSpec("192.0.2.10", 29500, 1, 2), environ={})
