@@ -55,6 +55,7 @@ class Matching:
         self.any: dict[int, collections.deque] = collections.defaultdict(collections.deque)  # by tag
         self.early: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self.early_bytes: collections.Counter = collections.Counter()  # kept per source
+        self.early_msgs: collections.Counter = collections.Counter()  # kept per source (empty ones too)
         self._arrivals = self._posts = 0
         self._removed: collections.Counter = collections.Counter()  # receives done per (src, tag)
         self._dropped: tuple | None = None  # (src, tag, seq) of the last message dropped
@@ -96,13 +97,14 @@ class Matching:
         self._arrivals += 1
         self.early[(h.src, h.op)].append((self._arrivals, msg))
         self.early_bytes[h.src] += h.nbytes
+        self.early_msgs[h.src] += 1
         return self.early_bytes[h.src]
 
     def drop_early(self, src: int) -> None:
         for k in [k for k in self.early if k[0] == src]:
             for _, dropped in self.early.pop(k):
                 self._release(dropped)
-        self.early_bytes[src] = 0
+        self.early_bytes[src] = self.early_msgs[src] = 0
 
     def pop(self, waiting: collections.deque):
         """Remove a (source, tag) queue's first receive: done, failed or expired. Its number is
@@ -113,6 +115,7 @@ class Matching:
         early = self.early.get(key)
         while early and early[0][1].header.seq <= self._removed[key]:
             self.early_bytes[op.src] -= early[0][1].header.nbytes
+            self.early_msgs[op.src] -= 1
             self._drop(early.popleft()[1])
         return op
 
@@ -176,6 +179,7 @@ class Matching:
         while early and waiting and waiting[0] is op:
             _, msg = early.popleft()
             self.early_bytes[op.src] -= msg.header.nbytes
+            self.early_msgs[op.src] -= 1
             self._land(waiting, msg)
 
     def _land(self, waiting: collections.deque, msg) -> None:

@@ -31,6 +31,7 @@ __all__ = ["ANY_SOURCE", "P2PEngine", "Recv", "Send"]
 log = logging.getLogger(__name__)
 
 UNEXPECTED_BYTES = 1 << 30  # early point-to-point data kept per peer before it counts as a flood
+UNEXPECTED_MSGS = 1 << 20  # and early messages (a few hundred bytes of objects each, even empty)
 BUSY_POLL_MS = 1  # while sends wait on a full pipe or ZeroMQ still reads our buffers
 # How long a waiting receive watches its mailboxes before it blocks on the socket, with a core per
 # rank. A pipeline stage waits milliseconds for its peer's compute: a receiver still watching
@@ -270,11 +271,12 @@ class P2PEngine(CallerProgress):
         if self._match.arrive(msg):
             self._reader.landed()
             return
-        if self._match.keep(msg) <= UNEXPECTED_BYTES:
+        if self._match.keep(msg) <= UNEXPECTED_BYTES and self._match.early_msgs[h.src] <= UNEXPECTED_MSGS:
             return
         self._fail_all(lambda op: ProtocolError(
             f"rank {self._global(self._ep.rank)}: peer rank {self._global(h.src)} of group {self._ep.group} sent "
-            f"more than {UNEXPECTED_BYTES >> 20} MiB of point-to-point data no receive was posted for"), peer=h.src)
+            f"more than {UNEXPECTED_BYTES >> 20} MiB or more than {UNEXPECTED_MSGS} messages of point-to-point "
+            "data no receive was posted for"), peer=h.src)
         self._match.drop_early(h.src)
 
     def _from_ring(self, msg: Message) -> Message | None:

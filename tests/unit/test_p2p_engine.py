@@ -218,3 +218,17 @@ def test_a_flood_of_unreceived_data_is_a_protocol_error_naming_global_ranks(pair
     with pytest.raises(ProtocolError) as caught:
         waiting.wait(TIMEOUT_S)
     assert "rank 3: peer rank 8 of group 0 sent more than" in str(caught.value), caught.value
+
+
+def test_a_flood_of_unreceived_empty_messages_is_a_protocol_error_too(pair, monkeypatch):
+    """Review revF: the bound on what a peer sends ahead counted bytes only, so empty messages
+    (isends of zero-element tensors nobody receives: a signal sent every step) were kept for ever,
+    a few hundred bytes of Python objects each, with no error; the collectives' read-ahead bounds
+    messages and bytes alike."""
+    (_, p2p0), (_, p2p1) = pair
+    monkeypatch.setattr(p2p, "UNEXPECTED_MSGS", 50, raising=False)
+    waiting = p2p0.irecv(np.zeros(4, np.float32), 1, tag=1)
+    for _ in range(60):
+        p2p1.isend(np.zeros(0, np.float32), 0, tag=2).wait(TIMEOUT_S)
+    with pytest.raises(ProtocolError, match="more than 50 messages"):
+        waiting.wait(5.0)
