@@ -105,8 +105,8 @@ class P2PWork(Work):
         if self._receive and not self._done.is_set():
             deadline = None if timeout is None else time.monotonic() + timeout
             self._engine.drive(self, deadline)
-            if deadline is not None:
-                timeout = max(0.0, deadline - time.monotonic())
+            if deadline is not None and not self._done.wait(max(0.0, deadline - time.monotonic())):
+                raise self._timeout(timeout)  # the caller's timeout, not the nothing left of it
         return super().wait(timeout)
 
     def is_completed(self) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.runtime.config import load_config
 from commrt.runtime.errors import GroupClosed, ProtocolError
+from commrt.runtime.work import CommTimeout
 from commrt.transport import Endpoint, Transport, p2p, segments, shm_p2p
 from commrt.transport.mailbox import W_MHEAD, W_SPIN
 from commrt.transport.p2p import P2PEngine
@@ -232,3 +233,11 @@ def test_a_flood_of_unreceived_empty_messages_is_a_protocol_error_too(pair, monk
         p2p1.isend(np.zeros(0, np.float32), 0, tag=2).wait(TIMEOUT_S)
     with pytest.raises(ProtocolError, match="more than 50 messages"):
         waiting.wait(5.0)
+
+
+def test_a_receive_that_times_out_names_the_timeout_the_caller_gave(pair):
+    """Review revF: P2PWork.wait read the socket until the deadline, then passed what was left
+    of the timeout (nothing) on, so wait(0.3) raised 'recv did not complete within 0.0s'."""
+    (_, p2p0), _ = pair
+    with pytest.raises(CommTimeout, match=r"within 0\.3s"):
+        p2p0.irecv(np.zeros(4, np.float32), 1, tag=1).wait(0.3)
