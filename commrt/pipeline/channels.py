@@ -117,9 +117,11 @@ class Channels:
         for src, tag in plan:
             q = self._queue[(src, tag)]
             layout = self._got.get((src, tag, len(q)))
-            size = HEADER_BYTES if layout is None or frame_bytes(layout) > COMBINE_MAX else frame_bytes(layout)
-            buf = torch.empty(size, dtype=torch.uint8)
-            q.append(_Msg(len(q), buf, dist.irecv(buf, src, self.group, tag), None if size == HEADER_BYTES else layout))
+            if layout is not None and frame_bytes(layout) > COMBINE_MAX:
+                layout = None
+            # known or not is said by the layout, not by the size: a frame may be HEADER_BYTES long
+            buf = torch.empty(HEADER_BYTES if layout is None else frame_bytes(layout), dtype=torch.uint8)
+            q.append(_Msg(len(q), buf, dist.irecv(buf, src, self.group, tag), layout))
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, meta: tuple[int, ...]) -> SendHandle:

@@ -120,3 +120,50 @@ def test_a_packed_buffer_is_reused_only_once_its_send_is_complete(monkeypatch):
     assert sent[2][0].data_ptr() == sent[0][0].data_ptr()  # complete: its buffer is the next one's
     flag, meta, got = channels.unpack_frame(sent[2][0], layout)
     assert (flag, meta) == (channels.DATA, (0, 2)) and torch.equal(got[0], torch.full((4, 8), 3.0))
+
+
+class _Wire:
+    """A one-process stand-in for isend/irecv: each (peer, tag) first in first out; a receive
+    takes the next message of its tag when posted (tests send a whole step before receiving it)
+    and, like both transports, refuses a message of another size than its buffer."""
+
+    def __init__(self):
+        self.queues = {}
+
+    def isend(self, buf, dst, group, tag):
+        self.queues.setdefault(tag, []).append(buf.clone())
+        return _Done()
+
+    def irecv(self, buf, src, group, tag):
+        msg = self.queues[tag].pop(0)
+        assert msg.numel() == buf.numel(), f"a {msg.numel()}-byte message into a {buf.numel()}-byte receive"
+        buf.copy_(msg)
+        return _Done()
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("shape", [(4, 60), (4, 61), (2, 2)])
+def test_a_layout_whose_frame_is_exactly_a_headers_size_is_opened_as_a_frame(monkeypatch, shape):
+    """From its second step a channel sends a known layout as one frame of frame_bytes(layout);
+    the receiver told that frame from a header by its size, so a layout of exactly
+    HEADER_BYTES (64-byte prefix + one 240-float tensor, e.g. 4 rows of 60 features) was
+    decoded as a header: a ProtocolError on the second step of a model that trains fine."""
+    from commrt.pipeline import channels
+    wire = _Wire()
+    monkeypatch.setattr(channels.dist, "isend", wire.isend)
+    monkeypatch.setattr(channels.dist, "irecv", wire.irecv)
+    sender, receiver = channels.Channels(None), channels.Channels(None)
+    for step in range(3):
+        x = torch.randn(shape)
+        sender.begin([])
+        sender.send([x], 1, 0, (0, step)).wait()
+        receiver.begin([(0, 0)])
+        meta, got = receiver.take(0, 0)
+        assert meta == (0, step) and len(got) == 1 and torch.equal(got[0], x)
