@@ -42,7 +42,12 @@ def _timed(model, sample, loss_fn, target, reps: int) -> list[float]:
     for rep in range(reps + 1):
         x = sample
         for i, layer in enumerate(model):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            # a copy the layer may modify in place (never the caller's sample), entered as a non-leaf
+            # as runtime._entries enters a received activation: in place on a leaf that requires
+            # grad is torch's RuntimeError, which an nn.ReLU(inplace=True) would meet here
+            inp = x.detach().clone()
+            if inp.is_floating_point():
+                inp.sub_(torch.zeros((), dtype=inp.dtype, requires_grad=True))
             start = time.perf_counter()
             out = layer(inp)
             scalar = loss_fn(out, target) if i == last and loss_fn is not None else None

@@ -89,3 +89,18 @@ def test_a_time_split_leaves_the_model_and_the_random_stream_as_they_were():
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers()), dict(model.named_buffers())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_time_split_times_layers_that_modify_their_input_in_place_and_leaves_the_sample_as_it_was():
+    """Each layer was timed on a leaf that requires grad, so an nn.ReLU(inplace=True) (in a
+    pipeline stage, which runtime.py runs as one process would) made split(by="time") raise
+    torch's 'a leaf Variable that requires grad is being used in an in-place operation'; and a
+    first layer in place would have changed the caller's sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    sample = torch.randn(6, 4)
+    kept = sample.clone()
+    parts = split(model, 2, by="time", sample=sample, loss_fn=nn.functional.mse_loss, target=torch.zeros(6, 2))
+    assert [m for p in parts for m in p] == list(model)
+    assert torch.equal(sample, kept)
+    assert all(p.grad is None for p in model.parameters())
