@@ -217,7 +217,8 @@ class Rings:
         self._out[dst].write(pos, payload)
 
     def region(self, src: int, frame) -> Region:
-        if src not in self.peers:
+        # its ring to us, not self.peers: our ring to it may have been dropped (_ready)
+        if src not in self._in:
             raise ProtocolError(f"rank index {src} sent a shared-memory descriptor but is not on this node's group")
         pos, length, name = parse(frame.buffer)
         ring = self._in[src]

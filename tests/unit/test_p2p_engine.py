@@ -241,3 +241,25 @@ def test_a_receive_that_times_out_names_the_timeout_the_caller_gave(pair):
     (_, p2p0), _ = pair
     with pytest.raises(CommTimeout, match=r"within 0\.3s"):
         p2p0.irecv(np.zeros(4, np.float32), 1, tag=1).wait(0.3)
+
+
+@pytest.mark.parametrize("pair", [True], indirect=True)
+def test_a_ring_that_cannot_be_reserved_sends_on_the_socket_and_the_peers_ring_to_us_still_works(pair, monkeypatch):
+    """Memory too short for our ring to rank 1 (posix_fallocate fails) sends to it inline, as
+    shm_p2p.Rings._ready says. The ring rank 1 sends to us through is its own, reserved fine;
+    but our ring's failure took rank 1 out of the ring peers both ways, so its next large
+    payload, a descriptor in its ring, was refused as 'not on this node's group' (ProtocolError,
+    the receive failed)."""
+    (e0, p2p0), (e1, p2p1) = pair
+    big = np.arange(16 << 10, dtype=np.float32)  # 64 KiB: ring-sized (shm_p2p.MIN_BYTES is 32 KiB)
+    with monkeypatch.context() as m:
+        m.setattr(shm_p2p.shm, "reserve", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
+        got = np.zeros_like(big)
+        work = p2p1.irecv(got, 0, tag=1)
+        p2p0.isend(big, 1, tag=1).wait(TIMEOUT_S)  # our ring cannot be reserved: inline
+        assert work.wait(TIMEOUT_S) and (got == big).all()
+    got = np.zeros_like(big)
+    work = p2p0.irecv(got, 1, tag=2)
+    p2p1.isend(big + 1, 0, tag=2).wait(TIMEOUT_S)  # rank 1's ring to us: reserved
+    assert work.wait(TIMEOUT_S) and (got == big + 1).all()
+    assert 0 in e1._rings._used  # it came through the ring, not inline
