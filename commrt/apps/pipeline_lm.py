@@ -80,6 +80,11 @@ def check_args(args, environ=os.environ) -> str | None:
         world = args.stages * args.dp if args.stages is not None else args.dp
     if world % args.dp:
         return f"--dp {args.dp} does not divide the world of {world} ranks"
+    if args.schedule == "pipedream" and args.dp > 1:  # PipeDream refuses a replicated stage
+        return f"--schedule pipedream takes no --dp (got --dp {args.dp}): its weight versions bypass the " \
+               "replicas' gradient reduction"
+    if args.schedule == "interleaved" and world // args.dp < 2:  # two stages on one rank: sends to itself
+        return "--schedule interleaved needs 2 or more pipeline ranks (it puts two stages on each)"
     if args.bench and (args.rounds < 1 or args.dp != 1 or world < 2):  # after the launch: medians of nothing
         return (f"--bench needs --rounds >= 1, 2 or more pipeline ranks and no --dp; got --rounds {args.rounds}, "
                 f"{world} ranks, --dp {args.dp}")

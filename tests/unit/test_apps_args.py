@@ -32,12 +32,16 @@ def test_train_lm_refuses_options_it_cannot_run(argv, says, capsys, monkeypatch)
     (["--stages", "2", "--schedule", "pipedream", "--steps", "0"], "--steps 0"),
     (["--stages", "9"], "stages"),
     (["--stages", "4", "--bench"], "8 pipeline stages"),
-    (["--stages", "2", "--bench", "--rounds", "0"], "--rounds 0")])
+    (["--stages", "2", "--bench", "--rounds", "0"], "--rounds 0"),
+    (["--stages", "2", "--dp", "2", "--schedule", "pipedream"], "pipedream"),
+    (["--stages", "1", "--schedule", "interleaved"], "interleaved")])
 def test_pipeline_lm_refuses_options_it_cannot_run(argv, says, capsys, monkeypatch):
     """--rows 5 over --dp 2 gave replicas 3 and 2 rows (x.chunk), weighted alike by the gradient
     average, so the result was not the single-process batch's; --rows 5 over --dp 4 made 3 chunks
     and replica 3 an IndexError. PipeDream with --steps 0 failed unpacking an empty zip; 9 stages
-    of a 7-layer model failed on every rank after the launch."""
+    of a 7-layer model failed on every rank after the launch; so did PipeDream with --dp (a
+    replicated stage, which it refuses) and interleaved on one pipeline rank (two stages on a
+    group of one)."""
     monkeypatch.setattr(pipeline_lm, "self_launch", lambda *a: pytest.fail("launched"))
     with pytest.raises(SystemExit) as err:
         pipeline_lm.main(argv)
