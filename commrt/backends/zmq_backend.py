@@ -27,7 +27,7 @@ from commrt.transport.endpoint import MismatchReport, encode_report
 from commrt.transport.memory import keep_freed_memory
 from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
-from commrt.backends.base import check_same_dtype, flat_view, same_kind, split_bounds, widened
+from commrt.backends.base import check_same_dtype, flat_view, narrow_int, same_kind, split_bounds, widened
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.backends.zmq_shm import make_segment, open_channel, shares_memory
 
@@ -241,7 +241,9 @@ class ZmqBackend:
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t = dtypes.as_buffer(tensor)
-        if not isinstance(t, np.ndarray) and t.is_cuda:  # staged through pinned memory in pieces
+        # a CUDA tensor is staged through pinned memory in pieces; but an integer AVG goes the
+        # flat way below (one host copy, then widened: its pieces' sums would wrap in int8)
+        if not isinstance(t, np.ndarray) and t.is_cuda and not (op == ReduceOp.AVG and narrow_int(t)):
             from commrt.backends.staging import Staged  # lazy: torch's CUDA
             staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
             return self._collective(Coll.ALL_REDUCE, t.dtype, numel(t),
