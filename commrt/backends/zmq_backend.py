@@ -280,16 +280,16 @@ class ZmqBackend:
                                 lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
     def broadcast(self, tensor, src, async_op=False):
-        flat, wb = flat_view(tensor)
+        # the source only reads its buffer: a read-only one is fine there (nothing to store back)
+        flat, wb = flat_view(tensor, writes=self.rank != src)
+        wb = wb if self.rank != src else None
         return self._collective(Coll.BROADCAST, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
-        flat, wb = flat_view(tensor)
-        if self.rank == dst:  # the others' buffers are inputs only: nothing to store back
-            flat, wb = widened(flat, op, wb)
-        else:
-            flat, _ = widened(flat, op, None)
+        # the others' buffers are inputs only (a read-only one too): nothing to store back
+        flat, wb = flat_view(tensor, writes=self.rank == dst)
+        flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
         return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
 

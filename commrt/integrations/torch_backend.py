@@ -119,9 +119,10 @@ class TorchWork(Work):
         super().wait(0)
 
 
-def _dense(buf) -> tuple[torch.Tensor, object]:
-    """(the tensor torch runs on, a write-back for its results or None)."""
-    t = as_tensor(buf)
+def _dense(buf, writes: bool = True) -> tuple[torch.Tensor, object]:
+    """(the tensor torch runs on, a write-back for its results or None); ``writes`` false: the
+    op only reads it (a read-only array is copied, as_tensor; the write-back is then unused)."""
+    t = as_tensor(buf, writes)
     if t.is_contiguous():
         return t, None
     tmp = t.contiguous()
@@ -168,12 +169,13 @@ class TorchBackend:
         return self._finish("all_gather_into_tensor", w, async_op, back)
 
     def broadcast(self, tensor, src, async_op=False):
-        t, back = _dense(tensor)
+        t, back = _dense(tensor, writes=self.rank != src)  # the source only reads its buffer
+        back = back if self.rank != src else None
         w = tdist.broadcast(t, self.ranks[src], group=self.pg, async_op=async_op)
         return self._finish("broadcast", w, async_op, back)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
-        t, back = _dense(tensor)
+        t, back = _dense(tensor, writes=self.rank == dst)
         t, back = widened(t, op, back) if self.rank == dst else (widened(t, op, None)[0], None)
         after = _then(self._avg(t, op), back) if self.rank == dst else None
         if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged

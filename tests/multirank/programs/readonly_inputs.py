@@ -1,7 +1,8 @@
 """Inputs an op only reads may be read-only numpy arrays (np.frombuffer of bytes, a memory-mapped
-file opened read-only): all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single and a
-send, against the single-process reference; a read-only buffer an op writes is refused with a
-ValueError on every rank, before any rank communicates. Also a read-only numpy input beside a
+file opened read-only): all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, a
+send, broadcast's source and reduce's other ranks, against the single-process reference; a
+read-only buffer an op writes is refused with a ValueError on every rank, before any rank
+communicates. Also a read-only numpy input beside a
 torch output. They used to be refused ("collectives update tensors in place") as inputs too.
 
     readonly_inputs
@@ -51,8 +52,16 @@ def main() -> None:
     commrt.all_gather_into_tensor(gathered, mine)
     assert np.array_equal(gathered.numpy(), np.concatenate(parts)), "all_gather, tensor output"
 
+    # broadcast's source and reduce's other ranks only read their buffer: a read-only one was
+    # refused on that rank alone, and its peers waited in the op until the deadline
+    weights = read_only(parts[0]) if rank == 0 else np.zeros(m * n, np.float32)
+    commrt.broadcast(weights, src=0)
+    assert np.array_equal(weights, parts[0]), "broadcast from a read-only source"
+    t = parts[rank].copy() if rank == n - 1 else read_only(parts[rank])
+    commrt.reduce(t, dst=n - 1)
+    assert np.array_equal(t, reference(parts, "SUM") if rank == n - 1 else parts[rank]), "reduce, read-only inputs"
+
     for name, call in (("all_reduce", lambda: commrt.all_reduce(read_only(parts[rank]))),
-                       ("broadcast", lambda: commrt.broadcast(read_only(parts[rank]), src=0)),
                        ("all_gather output", lambda: commrt.all_gather_into_tensor(read_only(parts[rank]), mine[:m]))):
         try:
             call()
