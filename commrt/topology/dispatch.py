@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from commrt.backends.base import flat_view, narrow_int
+from commrt.backends.base import flat_view, narrow_int, same_kind
 from commrt.collectives import hierarchical
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime import dtypes, world
@@ -179,6 +179,7 @@ def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, asyn
     if not route(group, "reduce_scatter", output, input) or _int_avg(op, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
     (out, back), (inp, _) = _plain(output), _plain(input, writes=False)
+    out, inp = same_kind(out, inp)
     return _submit("reduce_scatter_tensor", lambda lv: hierarchical.reduce_scatter(lv.intra, lv.inter, out, inp, op),
                    async_op, back)
 
@@ -187,6 +188,7 @@ def all_gather_into_tensor(output, input, group: ProcessGroup, async_op: bool = 
     if not route(group, "all_gather", output, input):
         return group.backend.all_gather_into_tensor(output, input, async_op)
     (out, back), (inp, _) = _plain(output), _plain(input, writes=False)
+    out, inp = same_kind(out, inp)
     return _submit("all_gather_into_tensor", lambda lv: hierarchical.all_gather(lv.intra, lv.inter, out, inp),
                    async_op, back)
 
@@ -210,9 +212,10 @@ def route(group, kind: str, *tensors) -> bool:
     rt = world.current()
     if rt.topology is None or rt.topology.num_nodes < 2 or group is not rt.world:
         return False  # the common case, decided in three attribute reads
-    # contiguity is each rank's own affair (_plain copies): every rank must take the same path
+    # contiguity is each rank's own affair (_plain copies), and so is a numpy array beside a
+    # tensor (same_kind): every rank must take the same path, so dtypes compare by name
     if not all(isinstance(t, np.ndarray) or is_tensor(t) for t in tensors) \
-            or len({t.dtype for t in tensors}) != 1:
+            or len({dtypes.dtype_name(t.dtype) for t in tensors}) != 1:
         return False
     n = rt.world.size()
     if kind == "reduce_scatter" and numel(tensors[1]) != numel(tensors[0]) * n:

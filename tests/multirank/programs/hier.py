@@ -208,6 +208,25 @@ def check_strided() -> None:
             assert "read-only" in str(exc), exc
         else:
             raise AssertionError("a read-only all_reduce buffer was accepted")
+    check_mixed_kinds(rank, world)
+
+
+def check_mixed_kinds(rank: int, world: int) -> None:
+    """Odd ranks hand all_gather / reduce_scatter a torch output beside a numpy input (they run
+    as tensors, backends.base.same_kind), even ranks numpy arrays: the same path for all (the
+    mixed ranks used to go the flat way alone, their dtypes being numpy's and torch's)."""
+    import torch
+    from tests.multirank.programs.np_ref import reference, values
+    numel = 5
+    kind = (lambda a: torch.from_numpy(a)) if rank % 2 else (lambda a: a)  # noqa: E731
+    parts = [values(numel, r, np.float32, "SUM", 3) for r in range(world)]
+    gathered = kind(np.zeros(numel * world, np.float32))
+    commrt.all_gather_into_tensor(gathered, parts[rank].copy())
+    assert np.array_equal(np.asarray(gathered), np.concatenate(parts)), "all_gather, mixed kinds"
+    full = [values(numel * world, r, np.float32, "SUM", 4) for r in range(world)]
+    out = kind(np.zeros(numel, np.float32))
+    commrt.reduce_scatter_tensor(out, full[rank].copy())
+    assert np.array_equal(np.asarray(out), reference(full, "SUM")[rank * numel:(rank + 1) * numel]), "RS, mixed kinds"
 
 
 def main() -> None:
