@@ -140,11 +140,13 @@ class ZmqBackend:
     def _collective(self, coll: Coll, dtype, count: int,
                     body: Callable[[OpContext], None], async_op: bool,
                     writeback: Callable[[], None] | None = None, nbytes: int | None = None, *,
-                    reduce: int = 0, root: int = 0) -> Work | None:
+                    reduce: int = 0, root: int = 0, declared=None) -> Work | None:
+        """``declared``: the caller's dtype where ``dtype`` is a wider copy's (widened)."""
         self._check_usable()
         site = _call_site() if self.cfg.comm.check_call_sites else 0
         nbytes = count * dtype.itemsize if nbytes is None else nbytes
-        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root)
+        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root,
+                                declared)
         if async_op:
             self._budget(1, nbytes)
             try:
@@ -163,18 +165,18 @@ class ZmqBackend:
             raise
         return None
 
-    def _run(self, coll, dtype, count, body, writeback, site, nbytes, reduce, root) -> None:
+    def _run(self, coll, dtype, count, body, writeback, site, nbytes, reduce, root, declared) -> None:
         """One collective, holding the executor's turn (this thread owns the sockets)."""
         try:
             self._check_usable()
             self._seq += 1
             c = self.cfg.comm
             if self._shm is not None:
-                ctx = self._shm_context(coll, dtype, count, site, reduce, root)
+                ctx = self._shm_context(coll, dtype, count, site, reduce, root, declared)
             else:
                 ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
                                 count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal,
-                                self._table)
+                                self._table, declared=declared)
             try:
                 body(ctx)
             except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:
@@ -184,18 +186,18 @@ class ZmqBackend:
         finally:
             self._budget(-1, -nbytes)
 
-    def _shm_context(self, coll, dtype, count, site, reduce, root) -> ShmContext:
+    def _shm_context(self, coll, dtype, count, site, reduce, root, declared=None) -> ShmContext:
         """The op's context over shared memory. Programs repeat a few op shapes: a context is
         kept per shape and given the new sequence number (ops of a group run one at a time),
         which saves building one per call (a few microseconds on a small op)."""
-        key = (coll, dtype, count, site, reduce, root)
+        key = (coll, dtype, count, site, reduce, root, declared)
         ctx = self._shm_contexts.get(key)
         if ctx is None:
             if len(self._shm_contexts) >= MAX_CACHED_CONTEXTS:
                 self._shm_contexts.clear()
             ctx = self._shm_contexts[key] = ShmContext(self._shm, self.group_id, self.rank, self.size, self._seq,
                                                        coll, dtype, count, site, reduce, root,
-                                                       self.cfg.comm.small_bytes)
+                                                       self.cfg.comm.small_bytes, declared)
         else:
             ctx.renew(self._seq)
         return ctx
@@ -250,9 +252,11 @@ class ZmqBackend:
                                     lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
                                     async_op, reduce=op)
         flat, wb = flat_view(tensor)
+        declared = flat.dtype
         flat, wb = widened(flat, op, wb)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
-                                lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op)
+                                lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op,
+                                declared=declared)
 
     def _whole_and_part(self, output, input, name: str, whole: str):
         """(out, write-back, inp), flat, of an op whose ``whole`` ("input" or "output") holds
@@ -269,10 +273,12 @@ class ZmqBackend:
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
+        declared = out.dtype
         out, wb = widened(out, op, wb, fresh=True)
         inp, _ = widened(inp, op, None)
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
-                                lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op)
+                                lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op,
+                                declared=declared)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
@@ -289,9 +295,11 @@ class ZmqBackend:
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         # the others' buffers are inputs only (a read-only one too): nothing to store back
         flat, wb = flat_view(tensor, writes=self.rank == dst)
+        declared = flat.dtype
         flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
         return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
-                                lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op, root=dst)
+                                lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op,
+                                root=dst, declared=declared)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):

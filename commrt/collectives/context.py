@@ -52,6 +52,7 @@ class OpContext(OpShape):
     # it expects from it, as each piece's header count. Pieces alone let a longer block pass when
     # the expected one ends on a piece boundary: the op completed, the stray came at the next op
     blocks: tuple[list[int], list[int]] | None = None
+    declared: object = None  # the caller's dtype, named in the headers (contract.OpShape)
     # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)

@@ -60,8 +60,9 @@ class Algorithms(Protocol):
 @dataclass
 class OpShape:
     """One operation's identity, the part both contexts share. ``link`` is what its steps
-    go through (an Endpoint or a shared-memory Channel); subclasses add ``site``, ``reduce``
-    and ``root`` and call ``_derive`` once built."""
+    go through (an Endpoint or a shared-memory Channel); subclasses add ``site``, ``reduce``,
+    ``root`` and ``declared`` (the caller's dtype, which headers name, where the op runs on a
+    wider copy: backends.base.widened; None: ``dtype``) and call ``_derive`` once built."""
     link: Any
     group: int
     rank: int
@@ -77,7 +78,7 @@ class OpShape:
         self.itemsize = self.dtype.itemsize
         self.reduce = int(self.reduce)  # a ReduceOp is an IntEnum: the wire takes plain ints
         self._op = int(self.coll) | self.site << 8
-        self._code = dtypes.code_of(self.dtype)
+        self._code = dtypes.code_of(self.dtype if self.declared is None else self.declared)
 
     def header(self, nbytes: int, step: int, src: int | None = None) -> Header:
         return Header(COLL, self.group, self.seq, self.rank if src is None else src, self._op,

@@ -27,6 +27,7 @@ class ShmContext(OpShape):
     reduce: int = 0
     root: int = 0
     small_bytes: int = 0  # all_reduce up to this size runs in one step
+    declared: object = None  # the caller's dtype, named in the headers (contract.OpShape)
     # per-op constants, set once (this object is built on every call: keep it cheap)
     name: str = field(init=False)
     itemsize: int = field(init=False)
