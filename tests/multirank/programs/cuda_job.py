@@ -44,6 +44,10 @@ def main() -> int:
     gathered = torch.empty(3 * world, device=dev)
     commrt.all_gather_into_tensor(gathered, torch.full((3,), float(rank), device=dev))
     check("all_gather", gathered, torch.arange(world).repeat_interleave(3).float())
+    if backend == "zmq":  # an integer AVG sums in 64 bits (backends.base.widened): 100 x 2 wrapped in int8
+        t = torch.full((5,), 100, dtype=torch.int8, device=dev)
+        commrt.all_reduce(t, op="avg")
+        check("int8 avg", t, torch.full((5,), 100, dtype=torch.int8))
     if world > 1 and backend == "zmq":
         if rank == 0:
             commrt.send(torch.arange(5.0, device=dev), dst=1)
