@@ -25,7 +25,7 @@ from commrt.train.config import TrainConfig
 from commrt.train.gather_hooks import GatherHooks
 from commrt.train.units import UnitState
 from commrt.train.zero import Zero, ZeroSettings
-from commrt.train.zero_step import squared_norm
+from commrt.train.zero_step import drop_prefetches, squared_norm
 
 
 def _cast(x, dtype: torch.dtype):
@@ -204,8 +204,26 @@ class Engine(GatherHooks):
         return took
 
     def close(self) -> None:
-        """Turn Python's automatic collector back on (``manual_gc_interval``: it stays off while
-        an engine or schedule of the process still collects at its steps)."""
+        """End the engine: the model is a plain torch module again, holding the trained values
+        (stage 3: gathered from the shards, a collective: every rank calls it), without the
+        engine's gradient and module hooks, which otherwise took a later plain loop's gradients
+        and released its parameters after each forward; the comm stream ends. Python's automatic
+        collector is turned back on (``manual_gc_interval``: it stays off while an engine or
+        schedule of the process still collects at its steps). Twice: nothing more."""
+        if self._hooks:
+            self.zero.settle_all()
+            self.zero.wait()
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if self._gathers:
+                self._gathers = False
+                drop_prefetches(self.zero)
+                for u in self.zero.units:  # the exact fp32 values, not a qwZ gather's
+                    u.full = self.zero.full_master(u).to(self.dtype)
+                    u.views(u.full)
+            if self.zero.stream is not None:
+                self.zero.stream.close()
         self.collector.close()
 
     def settle(self) -> None:

@@ -12,3 +12,12 @@ def test_no_sync_usage_and_two_backwards_before_one_step_match_torch():
     assert out.count("OK DataParallel parameter used only under no_sync\n") == 2, out[-3000:]
     for what in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 0 bf16", "stage 1 bf16"):
         assert out.count(f"OK {what} two backwards, one step\n") == 2, out[-3000:]
+
+
+def test_a_closed_engine_leaves_a_plain_torch_module():
+    """close() removes the engine's hooks and, at stage 3, leaves the trained values in the
+    parameters: a plain torch loop afterwards trains as on a fresh copy of those values."""
+    _, out = run_ranks(2, "train_edges", "closed", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=120)
+    for stage in (0, 1, 2, 3):
+        for what in ("parameters", "plain torch after"):
+            assert out.count(f"OK stage {stage} closed: {what}\n") == 2, out[-3000:]

@@ -77,7 +77,42 @@ def two_backwards_case(rank: int, world: int) -> None:
                 atol=1e-2 if bf16 else 1e-6)
 
 
-CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case}
+def _local_sgd(model: nn.Module, rank: int) -> None:
+    """Two plain torch SGD steps on this rank's own data (no collective)."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["params"]["lr"])
+    for step in range(1, 3):
+        opt.zero_grad()
+        x, y = data(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def closed_case(rank: int, world: int) -> None:
+    """close() left the engine's hooks on the model: a plain torch loop on it afterwards went
+    through the closed engine. Stage 3 released every parameter after its forward and gathered
+    the pre-close master again for backward, so each local SGD update was lost (and each forward
+    was a collective: one rank alone waited out the deadline); the parameters were empty."""
+    for stage in (0, 1, 2, 3):
+        engine = initialize(make_model(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+                                           "optimizer": SGD})
+        x, y = data(rank, 0)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        values = engine.full_state_dict()
+        engine.close()
+        engine.close()  # twice: nothing more
+        ref = make_model()
+        ref.load_state_dict(values)
+        compare({n: p.detach() for n, p in engine.module.named_parameters()}, values,
+                f"stage {stage} closed: parameters", atol=0)
+        _local_sgd(engine.module, rank)
+        _local_sgd(ref, rank)
+        compare({n: p.detach() for n, p in engine.module.named_parameters()},
+                {n: p.detach() for n, p in ref.named_parameters()}, f"stage {stage} closed: plain torch after",
+                atol=1e-6)
+
+
+CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case, "closed": closed_case}
 
 
 def main() -> int:
