@@ -101,6 +101,8 @@ class DataParallel(nn.Module):
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b, self._src, self.group)
+        if self._queued:  # the last backward raised: its end (_finish) never ran
+            self._drop_unfinished()
         self._arm()
         self.clock.abandon()  # a backward that never reduced (no_sync, or none at all)
         with self.clock.span("forward"):
@@ -216,6 +218,18 @@ class DataParallel(nn.Module):
         self._inflight, self._queued = [], False
         self._clear_used()
         self._arm()  # a second backward of the same forward is reduced as the first
+
+    def _drop_unfinished(self) -> None:
+        """A backward that raised after its first gradient hook (an error in a later autograd
+        node) leaves its end-of-backward callback unrun: ``_queued`` stayed set, so no later
+        backward queued ``_finish`` again and no gradient was ever averaged from then on (each
+        replica stepped on its own gradients, silently). Its reductions already started are
+        waited for (every rank that raised alike issued them; the buckets are reused) and
+        dropped with its used-flags: its gradients are the caller's to discard, as in torch."""
+        inflight, self._inflight, self._queued = self._inflight, [], False
+        for work, _, _ in inflight:
+            work.wait()
+        self._clear_used()
 
     def _clear_used(self) -> None:
         """No parameter has produced a gradient since the last reduction (at construction and

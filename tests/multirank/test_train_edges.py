@@ -21,3 +21,10 @@ def test_a_closed_engine_leaves_a_plain_torch_module():
     for stage in (0, 1, 2, 3):
         for what in ("parameters", "plain torch after"):
             assert out.count(f"OK stage {stage} closed: {what}\n") == 2, out[-3000:]
+
+
+def test_data_parallel_averages_again_after_a_backward_that_raised():
+    """A backward that raised (on every rank, caught by the loop) after its first bucket's
+    all-reduce started: the next steps are averaged as torch's, not left per replica."""
+    _, out = run_ranks(2, "train_edges", "ddp_backward_raised", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=120)
+    assert out.count("OK DataParallel after a backward that raised\n") == 2, out[-3000:]

@@ -77,6 +77,58 @@ def two_backwards_case(rank: int, world: int) -> None:
                 atol=1e-2 if bf16 else 1e-6)
 
 
+class Boom(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed``."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("an error in backward")
+        return g
+
+
+class Fragile(TwoHeads):
+    def forward(self, x):
+        return self.h1(Boom.apply(torch.tanh(self.body(x))))
+
+
+def ddp_backward_raised_case(rank: int, world: int) -> None:
+    """A backward that raised on every rank after its first bucket was reduced (an error in an
+    autograd node between the layers, caught by the loop) left DataParallel waiting for an
+    end of backward that never came: from then on no gradient was averaged, each replica
+    stepped on its own (0.025 from torch after two steps, and apart from each other)."""
+    model = DataParallel(Fragile(), bucket_cap_mb=40 * 4 / (1 << 20))  # about one linear a bucket
+    opt = torch.optim.SGD(model.parameters(), lr=SGD["params"]["lr"])
+    Boom.armed = True
+    x, y = data(rank, 0)
+    try:
+        nn.functional.mse_loss(model(x), y).backward()
+        raise AssertionError("the backward did not raise")
+    except RuntimeError as exc:
+        assert "an error in backward" in str(exc), exc
+    finally:
+        Boom.armed = False
+    ref = Fragile()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=SGD["params"]["lr"])
+    for step in range(1, 3):
+        opt.zero_grad()
+        x, y = data(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        xs, ys = zip(*(data(r, step) for r in range(world)))
+        nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+    compare({n: p.detach() for n, p in model.module.named_parameters()},
+            {n: p.detach() for n, p in ref.named_parameters()}, "DataParallel after a backward that raised",
+            atol=1e-6)
+
+
 def _local_sgd(model: nn.Module, rank: int) -> None:
     """Two plain torch SGD steps on this rank's own data (no collective)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["params"]["lr"])
@@ -112,7 +164,8 @@ def closed_case(rank: int, world: int) -> None:
                 atol=1e-6)
 
 
-CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case, "closed": closed_case}
+CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case, "closed": closed_case,
+         "ddp_backward_raised": ddp_backward_raised_case}
 
 
 def main() -> int:
