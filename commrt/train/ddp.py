@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -80,8 +81,11 @@ class DataParallel(nn.Module):
         # world size 1, exact dtype, no codec: the average over one rank is the gradient itself
         self._alone = dist.get_world_size(group) == 1 and comm_quant is None and comm_dtype in (None, torch.float32)
         self.clock = StepClock(trace_sink())  # forward, then backward up to the end of the reduction
-        for p in self._params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # the hooks hold the wrapper weakly and go with it (as torch DDP's reducer's): bound to
+        # it, they kept it alive and all-reduced every later backward of the bare module
+        hook = functools.partial(_on_grad_of, weakref.ref(self))
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
+        weakref.finalize(self, _remove_all, self._grad_hooks)
 
     def _arm(self) -> None:
         """Before a backward (at forward, and after each reduction, so that a second backward of
@@ -235,3 +239,15 @@ class DataParallel(nn.Module):
         """No parameter has produced a gradient since the last reduction (at construction and
         after each one: the flags span the no_sync micro-steps before a synchronised backward)."""
         self._used = [[False] * len(ps) for ps in self._buckets]
+
+
+def _on_grad_of(ref: weakref.ref, p: nn.Parameter) -> None:
+    """A parameter's gradient hook: its DataParallel's, while that still exists."""
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._on_grad(p)
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()

@@ -28,3 +28,8 @@ def test_data_parallel_averages_again_after_a_backward_that_raised():
     all-reduce started: the next steps are averaged as torch's, not left per replica."""
     _, out = run_ranks(2, "train_edges", "ddp_backward_raised", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=120)
     assert out.count("OK DataParallel after a backward that raised\n") == 2, out[-3000:]
+
+
+def test_a_data_parallel_let_go_of_leaves_the_module_its_own_gradients():
+    _, out = run_ranks(2, "train_edges", "ddp_dropped", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=120)
+    assert out.count("OK DataParallel let go of: the bare module's gradients are its own\n") == 2, out[-3000:]

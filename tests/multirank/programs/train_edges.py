@@ -4,6 +4,7 @@ single-process torch on the global batch (zero_job's data and comparison). One c
 """
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -129,6 +130,27 @@ def ddp_backward_raised_case(rank: int, world: int) -> None:
             atol=1e-6)
 
 
+def ddp_dropped_case(rank: int, world: int) -> None:
+    """A DataParallel let go of kept its gradient hooks on the module's parameters (and itself
+    alive through them): a later backward of the bare module, here on each rank's own data, was
+    still all-reduced (one rank's alone waited out the deadline), where torch DDP's go with it."""
+    model = TwoHeads()
+    wrapped = DataParallel(model, bucket_cap_mb=40 * 4 / (1 << 20))
+    x, y = data(rank, 0)
+    nn.functional.mse_loss(wrapped(x, 1), y).backward()
+    del wrapped
+    gc.collect()
+    local = TwoHeads()
+    local.load_state_dict(model.state_dict())
+    for net in (model, local):
+        net.zero_grad()
+        x, y = data(rank, 1)
+        nn.functional.mse_loss(net(x, 1), y).backward()
+    compare({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            {n: p.grad for n, p in local.named_parameters() if p.grad is not None},
+            "DataParallel let go of: the bare module's gradients are its own", atol=0)
+
+
 def _local_sgd(model: nn.Module, rank: int) -> None:
     """Two plain torch SGD steps on this rank's own data (no collective)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["params"]["lr"])
@@ -165,7 +187,7 @@ def closed_case(rank: int, world: int) -> None:
 
 
 CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case, "closed": closed_case,
-         "ddp_backward_raised": ddp_backward_raised_case}
+         "ddp_backward_raised": ddp_backward_raised_case, "ddp_dropped": ddp_dropped_case}
 
 
 def main() -> int:
