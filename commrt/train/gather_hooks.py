@@ -5,8 +5,9 @@ order the first forward ran them, and the units a forward reads outside its own 
 Parameters a forward reads outside the forward of the module that owns them
 (weight tying by use, ``logits = h @ self.emb.weight.t()`` after ``self.emb`` ran and released its
 unit). Found by watching the first forward's torch calls (a ``TorchFunctionMode``, the first
-forward only: a Python call per op would cost every step): a released parameter passed to a
-torch function is gathered there and then, and its unit noted for the innermost running module,
+forward only: a Python call per op would cost every step): a parameter passed to a torch
+function outside its own module's forward is gathered there and then (if released), and its
+unit noted for the innermost running module,
 whose later forwards and backwards gather it with their own (``Engine._outside``), as DeepSpeed's
 ``register_external_parameter`` does by hand.
 """
@@ -23,8 +24,11 @@ from commrt.train.units import UnitState
 
 
 class FirstForwardReads(TorchFunctionMode):
-    """Calls ``found(param)`` for every parameter of ``watched`` (ids) that a torch function gets
-    while it holds no values (released): ``found`` gathers it before the function runs."""
+    """Calls ``found(param)`` for every parameter of ``watched`` (ids) that a torch function gets:
+    ``found`` tells a read outside the owner's forward (and gathers it, if released) before the
+    function runs. Not only released ones: a module with parameters of its own holds every
+    descendant's unit through its first forward, so its read of a child's parameter after the
+    child's forward found it gathered, was not noted, and met it released from then on."""
 
     def __init__(self, watched: dict, found: Callable[[nn.Parameter], None]):
         super().__init__()
@@ -36,7 +40,7 @@ class FirstForwardReads(TorchFunctionMode):
             return func(*args, **kwargs)
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, nn.Parameter) and id(t) in self.watched and t.numel() == 0:
+                if isinstance(t, nn.Parameter) and id(t) in self.watched:
                     self.found(t)
         return func(*args, **kwargs)
 
@@ -104,14 +108,15 @@ class GatherHooks:
                 self.zero.release(v)
 
     def _read_outside(self, p: nn.Parameter) -> None:
-        """First forward: ``p`` was read while released; gather its unit for the innermost
-        running forward, now and from now on."""
+        """First forward: ``p`` was read; unless inside its own module's forward (or one its
+        module's forward runs), gather its unit for the innermost running forward, now (if
+        released) and from now on."""
         v = self._unit_of[id(p)]
-        if v.full is not None:  # gathered: a parameter of no elements, which is no read from outside
-            return
         key = self._running[-1] if self._running else self._root
+        if id(v) in self._running or any(w is v for w in self._reads.get(key, ())):
+            return  # its own forward runs (a parameter of no elements too), or noted already
         with self.clock.span("bookkeeping"):
-            self.zero.gather(v)
+            self.zero.gather(v)  # nothing to do where a running forward holds it
         self._pins[id(v)] = self._pins.get(id(v), 0) + 1  # until key's forward ends (_leave)
         self._outside[key].append(v)
         self._reads.setdefault(key, []).append(v)

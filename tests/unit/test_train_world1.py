@@ -277,6 +277,41 @@ def test_stage3_gathers_a_parameter_read_outside_its_module(world1):
         torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
 
 
+class ReadsEmbeddingAgainWithOwnParameter(ReadsEmbeddingAgain):
+    """The same read, by a module with a parameter of its own beside its children's."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(self.emb(idx))) * self.scale
+        return h @ self.emb.weight.t()
+
+
+def test_stage3_gathers_a_parameter_read_outside_its_module_by_a_module_with_its_own(world1):
+    """A module with parameters of its own and children holds every descendant's unit through
+    its first forward (until it knows which ones they gather themselves): that hid the read of
+    ``emb.weight`` from the watch, and from then on the parameter was read released ('mat2 must
+    be a matrix' in the first backward)."""
+    def run(stage):
+        engine = initialize(ReadsEmbeddingAgainWithOwnParameter(),
+                            {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            idx = torch.randint(0, 11, (3, 5), generator=g)
+            out = engine(idx).float()
+            engine.backward(nn.functional.cross_entropy(out.reshape(-1, 11), idx.reshape(-1)))
+            assert engine.step()
+        return engine
+
+    want, engine = run(2).full_state_dict(), run(3)
+    assert not engine.zero.resident and engine.zero.live_bytes == 0  # released again after each use
+    for name, value in engine.full_state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+
+
 def test_stage3_a_parameter_of_no_elements_is_no_outside_read(world1):
     """A 0-element parameter has no values even when gathered: the first forward's read watch
     must not take it for a released one (it pinned its unit for good, held after each forward)."""
