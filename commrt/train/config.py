@@ -94,11 +94,7 @@ class ZeroConfig:
         if self.zeropp_loco_param is not None:
             if not self.zero_quantized_gradients:
                 raise ConfigError("zero_optimization.zeropp_loco_param needs zero_quantized_gradients: true")
-            unknown = sorted(set(self.zeropp_loco_param) - {"err_beta", "reset_T"})
-            beta = self.zeropp_loco_param.get("err_beta", 0.8)
-            if unknown or not 0 <= beta < 1 or self.zeropp_loco_param.get("reset_T", 1024) < 0:
-                raise ConfigError(f"zero_optimization.zeropp_loco_param = {self.zeropp_loco_param!r} is invalid; "
-                                  "valid keys: err_beta in [0, 1), reset_T >= 0")
+            _check_loco(self.zeropp_loco_param)
         if self.reduce_bucket_size < 1:
             raise ConfigError("zero_optimization.reduce_bucket_size must be >= 1")
         if self.stage3_prefetch_bucket_size < 0:
@@ -110,6 +106,18 @@ class ZeroConfig:
     def hybrid(self) -> bool:
         """Sharded inside groups and replicated across them (HSDP, MiCS)."""
         return self.mics_shard_size > 0 or STRATEGIES.get(self.sharding_strategy or "", (0, False))[1]
+
+
+def _check_loco(loco) -> None:
+    """DeepSpeed's ``{"err_beta": 0.8, "reset_T": 1024}`` (a bare ``true``, a list or a string
+    value failed with a TypeError or AttributeError; a reset_T of 2.5 ran as 2)."""
+    def number(v) -> bool:
+        return not isinstance(v, bool) and isinstance(v, (int, float))
+    ok = isinstance(loco, Mapping) and not set(loco) - {"err_beta", "reset_T"}
+    beta, reset = (loco.get("err_beta", 0.8), loco.get("reset_T", 1024)) if ok else (None, None)
+    if not (ok and number(beta) and 0 <= beta < 1 and number(reset) and float(reset).is_integer() and reset >= 0):
+        raise ConfigError(f"zero_optimization.zeropp_loco_param = {loco!r:.100} is invalid; a table of valid keys: "
+                          "err_beta (a number in [0, 1)) and reset_T (an integer >= 0)")
 
 
 def _stage_of(z: ZeroConfig) -> int:

@@ -46,6 +46,9 @@ def test_inconsistent_keys_are_config_errors(keys, says):
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
     ({"zero_optimization": 3}, "zero_optimization = 3 is invalid"),
     ({"zero_optimization": {"stage3_prefetch_bucket_size": -5}}, "stage3_prefetch_bucket_size = -5"),
+    # zeropp_loco_param not a table, or its values not numbers: a bare TypeError or AttributeError
+    *[({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "zeropp_loco_param": loco}},
+       "zeropp_loco_param = ") for loco in (True, [0.8], {"err_beta": "0.8"}, {"reset_T": None}, {"reset_T": 2.5})],
     ({"gradient_clipping": float("nan")}, "gradient_clipping = nan"),
     ({"optimizer": "adam"}, "optimizer = 'adam' is invalid"),  # was an AttributeError
     ({"optimizer": {"type": "AdamW", "params": None}}, "optimizer.params = None"),
