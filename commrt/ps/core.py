@@ -271,7 +271,9 @@ class ServerCore(Durability, Binding, Membership):
         return True
 
     def _update(self, group: list[Parked], contributions: list[tuple[int, int]], gap: int) -> None:
-        """Average the group's gradients (in worker order: deterministic) and apply them."""
+        """Average the group's gradients (in worker order: deterministic) and apply them. A
+        segment a member did not push counts as a zero gradient (torch DDP's unused parameter):
+        the divisor is the group's size, not the count of its pushers."""
         ids = sorted({i for p in group for i in p.req.body})
         grads = []
         by_seg = [dict(zip(p.req.body, p.grads)) for p in group]
@@ -280,8 +282,8 @@ class ServerCore(Durability, Binding, Membership):
             total = np.add(parts[0], parts[1]) if len(parts) > 1 else parts[0].copy()
             for part in parts[2:]:
                 total += part
-            if len(parts) > 1:
-                total /= len(parts)
+            if len(group) > 1:
+                total /= len(group)
             grads.append(torch.from_numpy(total))
         self._log({"k": "u", "v": self.state.version + 1, "ids": ids,
                    "c": [list(c) for c in contributions], "g": gap}, grads)

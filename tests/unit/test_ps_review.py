@@ -240,3 +240,24 @@ def test_a_checkpoint_dir_that_cannot_be_made_is_a_config_error(tmp_path):
     cfg = PsConfig(servers=("tcp://127.0.0.1:1",), workers=1, checkpoint_dir=str(blocker / "ckpt"))
     with pytest.raises(ConfigError, match="checkpoint_dir"):
         ServerCore(cfg, 0, ShardState(optim.OptimSpec("sgd", lr=0.5), 1))
+
+
+# -- a sync step averages over its members, not over whoever pushed a segment ---------------------
+
+
+def test_a_sync_step_averages_a_segment_only_some_workers_pushed_over_every_member():
+    """Worker 1 pushes only the first segment (a parameter its batch left without a gradient:
+    torch DDP counts it as zero). The step's average of the second segment divided worker 0's
+    gradient by the count of workers that pushed it (1), not by the members (2): that
+    parameter moved twice as far as in a single process that averages both batches."""
+    core = _core("sync", workers=2)
+    v = np.arange(6, dtype=np.float32)
+    g0, g1 = np.full(6, 2.0, dtype=np.float32), np.full(4, 4.0, dtype=np.float32)
+    out = _replies(core.handle(b"w0", [P.encode_request(P.PUSH, 0, 0, 1, [0, 1]), g0[:4].tobytes(),
+                                       g0[4:].tobytes()], 0.0))
+    out += _replies(core.handle(b"w1", [P.encode_request(P.PUSH, 1, 0, 1, [0]), g1.tobytes()], 0.0))
+    assert [r.status for _, r in out] == [P.OK, P.OK], out
+    lr = 0.5
+    want = np.concatenate([v[:4] - lr * (g0[:4] + g1) / 2, v[4:] - lr * (g0[4:] + 0) / 2])
+    got = np.concatenate([core.state.params[0].numpy(), core.state.params[1].numpy()])
+    np.testing.assert_allclose(got, want)
