@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 from typing import Mapping
 
 import numpy as np
@@ -69,6 +70,9 @@ class PSClient(Exchange):
         if worker < 0:
             raise ConfigError("the worker id is unknown: pass worker=, set [cluster] rank or RANK")
         self.worker, self.step = worker, 0
+        # this process's incarnation of the worker id: a shard refuses a second live process
+        # claiming the id, and lets one replace a predecessor that is gone (ps/incarnations.py)
+        self.nonce = 1 + secrets.randbelow((1 << 62) - 1)
         if self.cfg.comm.keep_freed_memory:
             keep_freed_memory()  # large pushes and pulls reuse pages
         self.segments: list[Segment] = []
@@ -153,7 +157,7 @@ class PSClient(Exchange):
             reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
         for k, (body, _) in reqs.items():  # the server would drop it unread: say why here
             try:
-                P.decode_request(P.encode_request(P.INIT, self.worker, self.step, 0, body))
+                P.decode_request(P.encode_request(P.INIT, self.worker, self.step, 0, body, self.nonce))
             except ProtocolError as exc:
                 raise RequestRejected(None, "ps.init", f"server {k}'s part of the description is over "
                                       f"the protocol's limits: {exc}") from None

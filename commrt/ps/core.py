@@ -35,6 +35,7 @@ from commrt.ps import protocol as P
 from commrt.ps.durable import NUMPY_DTYPES
 from commrt.ps.parked import Parked, Waiting
 from commrt.ps.binding import Binding
+from commrt.ps.incarnations import Incarnations
 from commrt.ps.membership import Membership
 from commrt.ps.recovery import Durability, StorageFailed
 from commrt.ps.state import MAX_AHEAD, ShardState
@@ -52,8 +53,10 @@ _reply = P.routed
 
 
 class ServerCore(Durability, Binding, Membership):
-    def __init__(self, cfg: PsConfig, index: int, state: ShardState):
+    def __init__(self, cfg: PsConfig, index: int, state: ShardState, connected=None):
+        """``connected(ident)``: whether a connection is still open (ps/incarnations.py)."""
         self.cfg, self.index, self.state = cfg, index, state
+        self.incarnations = Incarnations(connected)
         self.waiting = Waiting()
         self.pushes = self.waiting.pushes  # (worker, step) -> parked push
         self.failure: str | None = None  # set when a durable write failed: the shard stops
@@ -89,6 +92,8 @@ class ServerCore(Durability, Binding, Membership):
             try:
                 if peer is not None and req.op != P.STATS and peer != f"rank{req.worker}":
                     raise ProtocolError(f"request claims worker {req.worker} but comes with {peer}'s key")
+                if req.op != P.STATS and req.worker < self.state.workers and self.incarnations.claim(ident, req):
+                    out += self._void_predecessor(req.worker)
                 out += self._dispatch(ident, req, frames[1:], now)
             except ProtocolError as exc:
                 return [self._rejected(ident, req, str(exc))]
@@ -105,6 +110,14 @@ class ServerCore(Durability, Binding, Membership):
     def _refuse(self, p: Parked, why: str) -> Reply:
         self.waiting.remove(p)
         return _reply(p.ident, P.ERROR, p.req.req_id, [f"worker {p.req.worker} {why}"])
+
+    def _void_predecessor(self, worker: int) -> list[Reply]:
+        """A new process took ``worker``'s id from one whose connection is gone: what that one
+        left parked is void (the new one resumes at the worker's clock and pushes again)."""
+        left = [p for p in self.waiting.all() if p.req.worker == worker]
+        log.warning("server %d: a new process took worker %d's id (the previous one's connection closed); "
+                    "%d request(s) it left parked are void", self.index, worker, len(left))
+        return [self._refuse(p, "was replaced by a new process under its id: this request is void") for p in left]
 
     def _fail(self, why: str, answered: list[Reply], ident: bytes | None = None,
               req: P.Request | None = None) -> list[Reply]:

@@ -53,8 +53,8 @@ class _Pending:
 
 
 class Exchange:
-    """Mixed into ``PSClient`` (uses its cfg, worker, transport, _socks, _poller, _ids and
-    _closing)."""
+    """Mixed into ``PSClient`` (uses its cfg, worker, nonce, transport, _socks, _poller, _ids
+    and _closing)."""
 
     def _dial(self, k: int) -> zmq.Socket:
         ps = self.cfg.ps
@@ -108,7 +108,7 @@ class Exchange:
             if now - entry.pinged >= self.cfg.ps.retry_s:
                 entry.pinged = now
                 try:  # best effort: silence is what counts
-                    self._socks[k].send(P.encode_request(P.PING, self.worker, step, entry.req_id, []), zmq.NOBLOCK)
+                    self._socks[k].send(P.encode_request(P.PING, self.worker, step, entry.req_id, [], self.nonce), zmq.NOBLOCK)
                     self._count(k, sent=1)
                 except zmq.Again:
                     pass
@@ -117,7 +117,7 @@ class Exchange:
         """Send (or send again, under a new id) ``entry``; a server that takes no message for
         timeout_s (its handshake refused us, so there is no connection to queue on) is lost."""
         entry.req_id = next(self._ids)
-        entry.head = P.encode_request(op, self.worker, step, entry.req_id, entry.body)
+        entry.head = P.encode_request(op, self.worker, step, entry.req_id, entry.body, self.nonce)
         sock, last = self._socks[k], len(entry.frames)
         start = time.monotonic()
         deadline = start + self.cfg.ps.timeout_s

@@ -1,13 +1,14 @@
 """Parameter-server messages: a msgpack header frame, then raw tensor frames.
 
-    request: [version, op, worker, step, req_id, body]      + one frame per segment
+    request: [version, op, worker, step, req_id, body, nonce] + one frame per segment
     reply:   [version, status, req_id, body]                 + one frame per segment
 
 ``body`` is a short list whose shape depends on the op (checked here, field by field). An init
 describes the parameters: ``[seed, [[name, start, stop, dtype], ...], [[name, [dims...]], ...]]``
 (its segments on this server, then every tensor's full shape), which the server binds pushes to;
 it is answered ``[version, clock, member, start]`` (ps/membership.py). A JOIN (empty body; its
-step: where the worker starts) admits a late or dropped worker.
+step: where the worker starts) admits a late or dropped worker. ``nonce``: drawn by each client
+process at start, so a shard tells two processes under one worker id apart (ps/incarnations.py).
 Headers
 are decoded with hard limits and no extension types; payload frames are never deserialised,
 only reinterpreted as a whitelisted dtype after their byte count was checked.
@@ -21,7 +22,8 @@ import msgpack
 from commrt.runtime.dtypes import NAMES as DTYPE_NAMES
 from commrt.runtime.errors import ProtocolError
 
-VERSION = 3  # 2: init carries full shapes; FAILED replies. 3: JOIN; init replies say membership
+VERSION = 4  # 2: init carries full shapes; FAILED replies. 3: JOIN; init replies say membership.
+# 4: every request carries its process's nonce
 MAX_HEADER_BYTES = 4 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 1024
@@ -44,6 +46,7 @@ class Request(NamedTuple):
     step: int
     req_id: int
     body: list
+    nonce: int = 0
 
 
 class Reply(NamedTuple):
@@ -93,21 +96,21 @@ def _check_init(body: list) -> None:
             raise ProtocolError(f"bad segment description {seg!r}: expected [name, start, stop, dtype]")
 
 
-def encode_request(op: int, worker: int, step: int, req_id: int, body: list) -> bytes:
-    return msgpack.packb([VERSION, op, worker, step, req_id, body], use_bin_type=True)
+def encode_request(op: int, worker: int, step: int, req_id: int, body: list, nonce: int = 0) -> bytes:
+    return msgpack.packb([VERSION, op, worker, step, req_id, body, nonce], use_bin_type=True)
 
 
 def decode_request(buf) -> Request:
     msg = _unpack(buf, max_map=0)
-    if not isinstance(msg, list) or len(msg) != 6:
-        raise ProtocolError("request must be [version, op, worker, step, req_id, body]")
-    if msg[0] != VERSION:
+    if isinstance(msg, list) and msg and msg[0] != VERSION:  # an older client: say so, not "malformed"
         raise ProtocolError(f"protocol version {msg[0]!r} received, this build speaks {VERSION}")
+    if not isinstance(msg, list) or len(msg) != 7:
+        raise ProtocolError("request must be [version, op, worker, step, req_id, body, nonce]")
     req = Request(*msg[1:])
     if type(req.op) is not int or req.op not in OP_NAMES:
         raise ProtocolError(f"unknown op {req.op!r}")
-    if not all(_is_count(v) for v in (req.worker, req.step, req.req_id)) or not isinstance(req.body, list):
-        raise ProtocolError("worker, step and req_id must be non-negative integers; body a list")
+    if not all(_is_count(v) for v in (req.worker, req.step, req.req_id, req.nonce)) or not isinstance(req.body, list):
+        raise ProtocolError("worker, step, req_id and nonce must be non-negative integers; body a list")
     if req.op == INIT:
         _check_init(req.body)
     elif req.op in (PUSH, PULL, PUSHPULL):

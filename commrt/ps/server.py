@@ -19,6 +19,7 @@ from commrt.runtime.errors import ConfigError, ProtocolError
 from commrt.transport.security import check_bind, is_loopback
 from commrt.transport.transport import Transport
 from commrt.transport.memory import keep_freed_memory
+from commrt.ps import protocol as P
 from commrt.ps.core import ServerCore, StorageFailed
 from commrt.ps.state import ShardState
 
@@ -52,7 +53,7 @@ class Server:
             keep_freed_memory()  # large pushes and pulls reuse pages
         host, port = split_address(self.addr)
         check_bind(cfg, [host])
-        self.core = ServerCore(ps, index, ShardState(optim_spec(cfg), ps.workers))
+        self.core = ServerCore(ps, index, ShardState(optim_spec(cfg), ps.workers), connected=self._connected)
         self._recover(resume)
         self._stop = threading.Event()
         self.transport = Transport(cfg, f"server{index}")  # its Guard is up before the bind
@@ -66,6 +67,19 @@ class Server:
         self.sock.setsockopt(zmq.LINGER, 1000)  # the last replies still leave on stop
         self._names: dict[bytes, str] = {}  # ROUTER identity -> peer name, for the counters
         self.metrics = self._serve_metrics(ps.metrics_addr, ps.metrics_port, index)
+
+    def _connected(self, ident: bytes) -> bool:
+        """Whether the connection ``ident`` is still open: ROUTER_MANDATORY makes a send to a
+        closed one fail (EHOSTUNREACH) instead of dropping it. The probe is a 'pending' answer
+        to request id 0, which no client uses: a live one reads it and ignores it."""
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.sock.send_multipart([ident, P.encode_reply(P.PENDING, 0, [])], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            return exc.errno != zmq.EHOSTUNREACH  # EAGAIN: its queue is full, so it is there
+        finally:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     def _serve_metrics(self, addr: str, port: int, index: int):
         """Shard I serves on ``port + I``, so one config fits every shard of a host; None when off."""
