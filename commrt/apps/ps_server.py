@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from commrt.ps.server import Server, install_signal_handlers  # loads torch: not for --help
+    from commrt.ps.server import Server, install_signal_handlers  # sockets and numpy: not for --help
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s server{args.index} %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config)

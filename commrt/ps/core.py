@@ -25,7 +25,6 @@ import logging
 import time
 
 import numpy as np
-import torch
 
 from commrt.runtime.config import PsConfig
 from commrt.runtime.dtypes import NAMES
@@ -254,7 +253,7 @@ class ServerCore(Durability, Binding, Membership):
         # a copy (later updates must not race the send), made once per version for all pullers
         for i in ids:
             if i not in self._snapshot:
-                self._snapshot[i] = self.state.params[i].numpy().tobytes()
+                self._snapshot[i] = self.state.params[i].tobytes()
         values = [self._snapshot[i] for i in ids]
         self.counters["bytes_out"] += sum(len(v) for v in values)
         return _reply(p.ident, P.OK, p.req.req_id, [self.state.version, ids], values)
@@ -297,7 +296,7 @@ class ServerCore(Durability, Binding, Membership):
                 total += part
             if len(group) > 1:
                 total /= len(group)
-            grads.append(torch.from_numpy(total))
+            grads.append(total)
         self._log({"k": "u", "v": self.state.version + 1, "ids": ids,
                    "c": [list(c) for c in contributions], "g": gap}, grads)
         start = time.perf_counter()

@@ -19,15 +19,14 @@ from typing import Iterator
 import msgpack
 import numpy as np
 
-from commrt.runtime.dtypes import BY_NAME, NAMES
+from commrt.runtime.dtypes import NAMES, NUMPY
 from commrt.runtime.errors import ProtocolError
 
 CKPT_MAGIC = b"CMRTCKP1"
 WAL_MAGIC = b"WAL1"
 _WAL_HEAD = struct.Struct("<4sIQI")
 MAX_META = 64 << 20
-NUMPY_DTYPES = {code: np.dtype(str(BY_NAME[name]).replace("torch.", "")) for code, name in NAMES.items()
-       if name != "bfloat16"}
+NUMPY_DTYPES = {code: NUMPY[name] for code, name in NAMES.items() if name != "bfloat16"}
 NUMPY_DTYPES[4] = np.dtype(np.uint16)  # bfloat16 travels as its raw 16-bit pattern
 
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 
-import torch
+import numpy as np
 
 from commrt.runtime.config import PsConfig
 from commrt.runtime.errors import CommError, ConfigError
@@ -77,7 +77,7 @@ class Durability:
             elif kind == "j":
                 (self.state.joined.add if meta["on"] else self.state.joined.discard)(meta["w"])
             elif kind == "u" and meta["v"] > self.state.version:
-                self.state.apply(meta["ids"], [torch.from_numpy(a) for a in arrays])
+                self.state.apply(meta["ids"], arrays)
                 self.state.record([tuple(c) for c in meta["c"]], meta.get("g"))
                 replayed += 1
         self.checkpoint()
@@ -112,11 +112,11 @@ class Durability:
                 or (self.wal is not None and self.wal.size > self.cfg.max_log_bytes)):
             self.checkpoint()
 
-    def _log(self, meta: dict, arrays: list[torch.Tensor]) -> None:
+    def _log(self, meta: dict, arrays: list[np.ndarray]) -> None:
         if self.wal is None:
             return
         try:
-            self.wal.append(meta, [a.numpy() for a in arrays],
+            self.wal.append(meta, arrays,
                             [self.state.segs[i].dtype for i in meta.get("ids", [])])
         except OSError as exc:
             raise _failed("log write", exc) from exc

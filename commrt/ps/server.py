@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from commrt.optim import rules as optim
+from commrt.optim.spec import OptimSpec
 from commrt.runtime import addresses
 from commrt.runtime.config import Config
 from commrt.runtime.errors import ConfigError, ProtocolError
@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 POLL_MS = 50
 
 
-def optim_spec(cfg: Config) -> optim.OptimSpec:
+def optim_spec(cfg: Config) -> OptimSpec:
     ps = cfg.ps
-    return optim.OptimSpec(ps.optimizer, ps.lr, ps.momentum, ps.nesterov, ps.weight_decay,
+    return OptimSpec(ps.optimizer, ps.lr, ps.momentum, ps.nesterov, ps.weight_decay,
                            ps.beta1, ps.beta2, ps.eps)
 
 

@@ -2,6 +2,8 @@
 
 No sockets here: the request logic (``core``) and recovery (checkpoint + log replay) both call
 ``apply`` and ``record``, so a replayed run performs exactly the arithmetic of the original.
+Values and optimizer state are numpy arrays, stepped by ``optim/numpy_rules.py``: a shard never
+imports torch.
 """
 from __future__ import annotations
 
@@ -9,11 +11,10 @@ import collections
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
-from commrt.optim import rules as optim
-from commrt.runtime.dtypes import BY_NAME, NAMES
-from commrt.ps.durable import load_checkpoint, save_checkpoint
+from commrt.optim import numpy_rules as optim
+from commrt.optim.spec import OptimSpec, state_names, trust_ratio
+from commrt.ps.durable import NUMPY_DTYPES, load_checkpoint, save_checkpoint
 
 RECENT = 64  # per-worker applied steps remembered for de-duplicating re-sent pushes
 MAX_AHEAD = 8  # pushes a worker may have in flight beyond its next step
@@ -36,16 +37,16 @@ class SegInfo(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return self.numel * BY_NAME[NAMES[self.dtype]].itemsize
+        return self.numel * NUMPY_DTYPES[self.dtype].itemsize
 
 
 class ShardState:
-    def __init__(self, spec: optim.OptimSpec, workers: int):
+    def __init__(self, spec: OptimSpec, workers: int):
         self.spec, self.workers = spec, workers
         self.segs: list[SegInfo] = []
         self.shapes: dict[str, tuple[int, ...]] | None = None  # None: from a checkpoint without them
-        self.params: list[torch.Tensor] = []
-        self.opt: list[dict[str, torch.Tensor]] = []
+        self.params: list[np.ndarray] = []
+        self.opt: list[dict[str, np.ndarray]] = []
         self.steps: list[int] = []  # updates applied to each segment (Adam's t)
         self.version = 0
         self.clocks = [0] * workers
@@ -79,12 +80,12 @@ class ShardState:
     def seed(self, segs: list[SegInfo], values: list[np.ndarray],
              shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self.segs, self.shapes = list(segs), shapes
-        self.params = [torch.from_numpy(v.copy()) for v in values]
+        self.params = [v.copy() for v in values]
         self.opt = [optim.init_state(self.spec, p) for p in self.params]
         self.steps = [0] * len(segs)
         self._seeded = True
 
-    def apply(self, ids: list[int], grads: list[torch.Tensor]) -> None:
+    def apply(self, ids: list[int], grads: list[np.ndarray]) -> None:
         """One optimizer update of the given segments (LAMB: norms per whole tensor)."""
         for i in ids:
             self.steps[i] += 1
@@ -92,14 +93,14 @@ class ShardState:
             for i, g in zip(ids, grads):
                 optim.step_(self.params[i], g, self.opt[i], self.spec, self.steps[i])
             return
-        by_name: dict[str, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
+        by_name: dict[str, list[tuple[int, np.ndarray]]] = collections.defaultdict(list)
         for i, g in zip(ids, grads):
             r = optim.lamb_direction_(self.params[i], g, self.opt[i], self.spec, self.steps[i])
             by_name[self.segs[i].name].append((i, r))
         for parts in by_name.values():
-            w_norm = sum(float(self.params[i].double().square().sum()) for i, _ in parts) ** 0.5
-            r_norm = sum(float(r.double().square().sum()) for _, r in parts) ** 0.5
-            trust = optim.trust_ratio(w_norm, r_norm)
+            w_norm = sum(optim.sum_sq(self.params[i]) for i, _ in parts) ** 0.5
+            r_norm = sum(optim.sum_sq(r) for _, r in parts) ** 0.5
+            trust = trust_ratio(w_norm, r_norm)
             for i, r in parts:
                 optim.lamb_apply_(self.params[i], r, trust, self.spec)
 
@@ -114,8 +115,8 @@ class ShardState:
 
     # -- persistence ------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        names = optim.state_names(self.spec)
-        arrays = [p.numpy() for p in self.params] + [o[n].numpy() for o in self.opt for n in names]
+        names = state_names(self.spec)
+        arrays = self.params + [o[n] for o in self.opt for n in names]
         codes = [s.dtype for s in self.segs] + [s.dtype for s in self.segs for _ in names]
         meta = {"segs": [list(s) for s in self.segs], "steps": self.steps, "version": self.version,
                 "clocks": self.clocks, "recent": [list(r) for r in self.recent],
@@ -130,14 +131,14 @@ class ShardState:
             raise ValueError(f"{path} was written for optimizer {meta.get('optimizer')!r} and "
                              f"{len(meta.get('clocks', []))} workers, not {self.spec.kind!r} and {self.workers}")
         segs = [SegInfo(*s) for s in meta["segs"]]
-        n, names = len(segs), optim.state_names(self.spec)
+        n, names = len(segs), state_names(self.spec)
         if len(arrays) != n * (1 + len(names)):
             raise ValueError(f"{path}: expected {n * (1 + len(names))} arrays, found {len(arrays)}")
         shapes = meta.get("shapes")
         self.seed(segs, arrays[:n], None if shapes is None else {k: tuple(v) for k, v in shapes})
         for k, name in enumerate(names):
             for i in range(n):
-                self.opt[i][name].copy_(torch.from_numpy(arrays[n + i * len(names) + k]))
+                self.opt[i][name][...] = arrays[n + i * len(names) + k]
         self.steps, self.version = list(meta["steps"]), int(meta["version"])
         self.clocks = list(meta["clocks"])
         for w, steps in enumerate(meta["recent"]):

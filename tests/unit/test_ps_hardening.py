@@ -48,7 +48,7 @@ def _pull(core, worker, step, rid, now=0.0):
 
 
 def _params(core):
-    return np.concatenate([p.numpy() for p in core.state.params])
+    return np.concatenate(core.state.params)
 
 
 # -- 13.8: a pull for a step no schedule can reach ---------------------------------------------

@@ -203,7 +203,7 @@ def _push(core, worker, step, grad, rid=7, now=0.0, op=P.PUSH):
 
 
 def _params(core):
-    return np.concatenate([p.numpy() for p in core.state.params])
+    return np.concatenate(core.state.params)
 
 
 def test_sync_applies_once_all_workers_pushed_and_deduplicates():
