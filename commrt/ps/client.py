@@ -13,11 +13,11 @@ import secrets
 from typing import Mapping
 
 import numpy as np
-import torch
 import zmq
 
+from commrt.runtime import arrays
 from commrt.runtime.config import Config, load_config
-from commrt.runtime.dtypes import as_tensor, code_of
+from commrt.runtime.dtypes import as_buffer, code_of
 from commrt.runtime.errors import CommError, ConfigError, ProtocolError, RequestRejected
 from commrt.transport.transport import Transport
 from commrt.transport.memory import keep_freed_memory
@@ -32,28 +32,27 @@ Tensors = Mapping[str, "torch.Tensor | np.ndarray"]
 ZERO_COPY_MIN = 64 << 10
 
 
-def _read(t) -> torch.Tensor:
-    """A tensor the client only reads (an init's values, a push's gradients): a read-only numpy
-    array is copied, not refused (as_tensor's "collectives update tensors in place" named the
-    wrong cause: nothing writes it)."""
-    if isinstance(t, np.ndarray) and not t.flags.writeable:
-        t = t.copy()
-    return as_tensor(t)
-
-
-def _flat(t) -> torch.Tensor:
-    return _read(t).detach().reshape(-1)
-
-
-def _on_host(name: str, t, what: str, writes: bool = True) -> torch.Tensor:
-    """``t`` as a tensor, refused unless in host memory: frames are read from it and pulls land
-    in it through numpy (a CUDA tensor failed there with a TypeError, a push_pull's only after
-    its step was applied). ``writes``: a pull lands in it (a read-only array is refused)."""
-    t = as_tensor(t) if writes else _read(t)
-    if t.device.type != "cpu":
+def _on_host(name: str, t, what: str, writes: bool = True):
+    """``t`` as given (a numpy array stays one: a numpy-only worker never loads torch), refused
+    unless in host memory: frames are read from it and pulls land in it through numpy (a CUDA
+    tensor failed there with a TypeError, a push_pull's only after its step was applied).
+    ``writes``: a pull lands in it (a read-only array is refused; one only read is sent)."""
+    t = as_buffer(t, writes)
+    if not isinstance(t, np.ndarray) and t.device.type != "cpu":
         raise RequestRejected(None, what, f"{name} is on {t.device}: the parameter-server client reads "
                               "and writes host memory (pass CPU tensors, e.g. .cpu() copies)")
     return t
+
+
+def _itemsize(t) -> int:
+    return t.itemsize if isinstance(t, np.ndarray) else t.element_size()
+
+
+def _flat_bytes(t) -> np.ndarray:
+    """``t``'s elements in order as flat bytes: a view of its memory when contiguous, else a copy."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+    return arrays.as_bytes(t.reshape(-1).contiguous())
 
 
 class PSClient(Exchange):
@@ -142,19 +141,20 @@ class PSClient(Exchange):
         specs, shapes = [], []
         params = {name: _on_host(name, t, "ps.init", writes=False) for name, t in params.items()}
         for name, t in params.items():
-            flat = _flat(t)
-            specs.append(TensorSpec(name, flat.numel(), flat.element_size(), code_of(flat.dtype)))
+            specs.append(TensorSpec(name, arrays.numel(t), _itemsize(t), code_of(t.dtype)))
             shapes.append([name, list(t.shape)])
         segments = partition(specs, len(self._socks), self.cfg.ps.max_segment_bytes,
                              whole_tensors=self.cfg.ps.optimizer == "lamb")
         local = [[i for i, s in enumerate(segments) if s.server == k] for k in range(len(self._socks))]
         seed = self.worker == 0
-        flats = {name: _flat(t).contiguous() for name, t in params.items()} if seed else {}
+        flats = {name: _flat_bytes(t) for name, t in params.items()} if seed else {}
+        sizes = {s.name: s.itemsize for s in specs}
         reqs = {}
         for k, glob in enumerate(local):
             body = [seed, [[segments[g].name, segments[g].start, segments[g].stop, segments[g].dtype]
                            for g in glob], shapes]
-            reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g]) for g in glob] if seed else [])
+            reqs[k] = (body, [self._frame(flats[segments[g].name], segments[g], sizes[segments[g].name])
+                              for g in glob] if seed else [])
         for k, (body, _) in reqs.items():  # the server would drop it unread: say why here
             try:
                 P.decode_request(P.encode_request(P.INIT, self.worker, self.step, 0, body, self.nonce))
@@ -170,6 +170,7 @@ class PSClient(Exchange):
         self.segments, self._local, self.step = segments, local, step
         self._shapes = {name: tuple(dims) for name, dims in shapes}
         self._dtypes = {s.name: s.dtype for s in specs}
+        self._itemsizes = sizes
 
     def _join(self, replies: dict) -> int:
         """The step this worker starts at, from the init replies [version, clock, member, start]
@@ -205,8 +206,11 @@ class PSClient(Exchange):
         return {k: [(lid, g) for lid, g in enumerate(glob) if self.segments[g].name in tensors]
                 for k, glob in enumerate(self._local)}
 
-    def _frame(self, flat: torch.Tensor, seg: Segment):
-        view = flat[seg.start:seg.stop].numpy()
+    @staticmethod
+    def _frame(flat: np.ndarray, seg: Segment, size: int):
+        """The bytes of ``seg`` (elements of ``size`` bytes) in its tensor's flat bytes: large
+        ones leave without a copy."""
+        view = flat[seg.start * size:seg.stop * size]
         return view if view.nbytes >= ZERO_COPY_MIN else view.tobytes()
 
     def _push(self, grads: Tensors, into: Tensors | None) -> None:
@@ -218,8 +222,9 @@ class PSClient(Exchange):
             if unpushed:  # the pull half returns the pushed segments only
                 raise RequestRejected(None, "ps.push_pull", f"into names {unpushed[:5]}, which grads does not "
                                       "push: push_pull pulls what it pushes (pull them separately)")
-        flats = {name: _flat(g).contiguous() for name, g in grads.items()}
-        reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[self.segments[g].name], self.segments[g])
+        flats = {name: _flat_bytes(as_buffer(g, writes=False)) for name, g in grads.items()}
+        segs = self.segments
+        reqs = {k: ([lid for lid, _ in pairs], [self._frame(flats[segs[g].name], segs[g], self._itemsizes[segs[g].name])
                                                  for _, g in pairs]) for k, pairs in sel.items()}
         # every server hears of every step (if need be with no segments): a worker's step is one
         # clock across all shards, which is what exactly-once and the sync/SSP rules count
@@ -234,10 +239,11 @@ class PSClient(Exchange):
         self._unpack(into, sel, self._exchange(P.PULL, self.step, reqs))
 
     def _unpack(self, into: Tensors, sel: dict, replies: dict) -> None:
-        targets = {}
+        targets = {}  # name -> (the caller's buffer, a flat one the values land in, its bytes)
         for name, t in into.items():
-            t = as_tensor(t)
-            targets[name] = (t, t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype))
+            t = as_buffer(t)
+            flat = arrays.flat_plain(t) if arrays.is_contiguous(t) else arrays.empty(arrays.numel(t), t)
+            targets[name] = (t, flat, arrays.as_bytes(flat))
         for k, pairs in sel.items():
             if not pairs:
                 continue
@@ -248,10 +254,11 @@ class PSClient(Exchange):
                 seg = self.segments[g]
                 if seg.name not in targets:  # pushed, not asked for (push_pull into fewer tensors)
                     continue
-                dst = targets[seg.name][1][seg.start:seg.stop].numpy()
+                size = self._itemsizes[seg.name]
+                dst = targets[seg.name][2][seg.start * size:seg.stop * size]
                 if len(frame) != dst.nbytes:
                     raise ProtocolError(f"server {k} sent {len(frame)} bytes for {seg.name}[{seg.start}:{seg.stop}]")
-                np.copyto(dst, np.frombuffer(frame.buffer, dtype=dst.dtype))
-        for t, flat in targets.values():
-            if not t.is_contiguous():
-                t.copy_(flat.view(t.shape))
+                np.copyto(dst, np.frombuffer(frame.buffer, dtype=np.uint8))
+        for t, flat, _ in targets.values():
+            if not arrays.is_contiguous(t):
+                arrays.assign(t, flat.reshape(t.shape))

@@ -81,3 +81,40 @@ def test_the_numpy_rules_step_like_the_torch_rules(kind, kw, dtype):
     np.testing.assert_allclose(mine, ref.numpy(), rtol=0, atol=1e-6 if dtype == np.float32 else 1e-12)
     for name in mine_state:
         np.testing.assert_allclose(mine_state[name], ref_state[name].numpy(), rtol=0, atol=1e-6)
+
+
+WORKER = """
+import sys, threading
+import numpy as np
+from commrt.runtime.config import load_config
+from commrt.ps import PSClient
+from commrt.ps.server import Server
+cfg = load_config(overrides={overrides!r}, environ={{}})
+server = Server(cfg, 0)
+serving = threading.Thread(target=server.serve, daemon=True)
+serving.start()
+client = PSClient(cfg, worker=0)
+w = np.arange(12, dtype=np.float32).reshape(3, 4)
+client.init({{"w": w, "b": np.ones(5, np.float64)}})
+grid = np.zeros((3, 8), np.float32)  # a strided view to land in
+client.push_pull({{"w": np.ones((3, 4), np.float32), "b": np.ones(5)}}, {{"w": grid[:, ::2]}})
+b = np.zeros(5)
+client.pull({{"b": b}})
+client.close()
+server.stop()
+serving.join(10)
+print("W", grid[:, ::2].ravel().tolist(), "GAPS", float(np.abs(grid[:, 1::2]).sum()), "B", b.tolist())
+print("TORCH", "torch" in sys.modules, flush=True)
+"""
+
+
+def test_a_numpy_only_worker_never_imports_torch():
+    """A worker that passes numpy arrays only (issue 32.2's promise for the collectives) loaded
+    torch for the client's views of its arrays."""
+    overrides = {"ps": {"servers": [f"tcp://127.0.0.1:{free_port()}"], "workers": 1, "lr": 0.5, "timeout_s": 10},
+                 "security": {"mode": "none"}}
+    proc = subprocess.run([sys.executable, "-c", WORKER.format(overrides=overrides)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120)
+    expected = (np.arange(12) - 0.5).tolist()
+    assert f"W {expected} GAPS 0.0 B {[0.5] * 5}" in proc.stdout, proc.stdout + proc.stderr
+    assert "TORCH False" in proc.stdout, proc.stdout + proc.stderr
