@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from commrt.train.units import UnitState
+from commrt.train.zero_step import drop_prefetches
 
 
 class FirstForwardReads(TorchFunctionMode):
@@ -81,22 +82,44 @@ class GatherHooks:
 
     def _gathering_forward(self, args, kwargs):
         """The model's forward with the units it reads outside its modules' own forwards (found
-        in the first one, ``reads.py``) gathered around it, as a module's ``_outside``."""
+        in the first one, ``FirstForwardReads``) gathered around it, as a module's ``_outside``.
+        A forward that raised (a user's module, caught by the loop) lets go of what it gathered
+        (``_unwind``); the reads are watched until a forward has run to its end."""
         self._enter(self._root)
         try:
             if self._watched:
                 return self.module(*args, **kwargs)
-            self._watched = True
             with FirstForwardReads(self._unit_of, self._read_outside):
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            self._watched = True
+            return out
+        except BaseException:
+            self._unwind()
+            raise
         finally:
             self._leave(self._root, self._outside[self._root])
 
+    def _unwind(self) -> None:
+        """After a forward that raised: the modules whose forward never returned (their
+        ``_after_forward`` did not run) leave as if it had, innermost first, and the units
+        prefetched for the modules after them are waited out and released. Otherwise their
+        units and every unit they had gathered for themselves stayed pinned and gathered for
+        good (released by no later forward), and a first forward's reads stopped being watched
+        before the model's read outside a module was seen. Every rank that raised at the same
+        module issued the same gathers, so the prefetches' waits end."""
+        units = {id(u): u for u in self.zero.units}
+        while self._running and self._running[-1] != self._root:
+            key = self._running[-1]
+            self._leave(key, list(self._outside[key]))
+            if not self._pins.get(key):
+                self.zero.release(units[key])
+        drop_prefetches(self.zero)
+
     def _enter(self, key: int) -> None:
         self._running.append(key)
-        for v in self._outside[key]:
-            self.zero.gather(v)
+        for v in self._outside[key]:  # pinned first: a gather that raises is unwound as one that ran
             self._pins[id(v)] = self._pins.get(id(v), 0) + 1
+            self.zero.gather(v)
 
     def _leave(self, key: int, gathered: list[UnitState]) -> None:
         """Release the units ``key``'s forward gathered for itself, unless another running
