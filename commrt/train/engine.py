@@ -25,7 +25,7 @@ from commrt.train.config import TrainConfig
 from commrt.train.gather_hooks import GatherHooks
 from commrt.train.units import UnitState
 from commrt.train.zero import Zero, ZeroSettings
-from commrt.train.zero_step import drop_prefetches, squared_norm
+from commrt.train.zero_step import drop_grads, drop_prefetches, squared_norm
 
 
 def _cast(x, dtype: torch.dtype):
@@ -77,6 +77,7 @@ class Engine(GatherHooks):
         self.prefetched = 0  # stage-3 gathers started ahead of their module's use (the overlap)
         self.clock = self.zero.clock
         self._no_sync = False
+        self._dirty = False  # a backward ran since the last step (zero_grad has something to drop)
         self._sync_now = True
         self._next_unit = 0  # stages 0-2: the unit whose reduction starts next (index order)
         self._hooks = []
@@ -110,6 +111,7 @@ class Engine(GatherHooks):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps``; bucket reductions start inside."""
         self._check_trainable()
+        self._dirty = True  # gradients a step has not consumed yet (zero_grad drops them)
         with self.clock.span("backward"):
             self._backward(loss)
         self.micro_steps += 1
@@ -191,6 +193,18 @@ class Engine(GatherHooks):
         finally:
             self._no_sync = old
 
+    def zero_grad(self) -> None:
+        """Drop the gradients no ``step()`` consumed yet, as torch's ``optimizer.zero_grad()`` and
+        DeepSpeed's ``engine.zero_grad()``: after a backward that raised (caught by the loop on
+        every rank: every rank calls it), whose reductions had partly started and whose
+        gradients the next step would otherwise add in. Waits for the reductions in flight;
+        the accumulation count (``micro_steps``) is left as it is. After ``step()`` there is
+        nothing to drop and it returns at once."""
+        if self._dirty:
+            with self.clock.span("bookkeeping"):
+                drop_grads(self.zero)
+            self._dirty = False
+
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; returns whether a step was taken."""
         if self.micro_steps % self.cfg.gradient_accumulation_steps or self._no_sync:
@@ -245,10 +259,9 @@ class Engine(GatherHooks):
             else:
                 self.zero.wait()
             bad, norm = self._check_gradients()
+        self._dirty = False  # consumed: stepped, or dropped as non-finite
         if bad:
-            self.zero.wait()  # every reduction landed before the gradients are dropped
-            for u in self.zero.units:
-                u.grad.zero_()
+            drop_grads(self.zero)  # every reduction landed before the gradients are dropped
             if self.cfg.non_finite_grads == "raise":
                 raise NonFiniteGradients(f"non-finite gradients on rank(s) {bad} before step "
                                          f"{self.global_steps + 1}; no update was applied")

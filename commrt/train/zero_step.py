@@ -67,6 +67,24 @@ def step_unit(z, u, step: int, clip_coef: float, spec=None) -> None:
     u.reduced, u.grad_zero = False, True
 
 
+def drop_grads(z) -> None:
+    """Every gradient no ``step()`` consumed yet dropped (``Engine.zero_grad``): the reductions
+    a backward started are waited for (a backward that raised on every rank started the same
+    ones everywhere) and their results dropped with the units' gradients, the gradients that
+    were not reduced yet (``p.grad``) set to None, and the units a stage-3 backward gathered
+    released. A unit whose step is due (``zero_defer``) keeps its gradient: it is that step's."""
+    z.wait()
+    drop_prefetches(z)
+    for u in z.units:
+        if u.step_due is not None:
+            continue
+        u.grad.zero_()
+        u.reduced, u.grad_zero = False, True
+        for p in u.params:
+            p.grad = None
+    z.nonfinite = False
+
+
 def _step_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict, spec, step: int) -> None:
     """SGD and AdamW are element-wise, so stepping a flat shard a cache-sized chunk at a time
     gives the same bits as one call; one call on a whole 30 MB unit allocated each of its

@@ -77,3 +77,68 @@ def test_stage3_a_forward_that_raised_releases_its_gathers(world1, raise_at):
     assert engine.zero.live_bytes == 0
     for name, value in engine.full_state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+
+
+class Boom(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed``."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("an error in backward")
+        return g
+
+
+class Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.last(Boom.apply(torch.tanh(self.first(x))))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+
+
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_zero_grad_drops_what_a_backward_left(world1, stage, bf16):
+    """The engine had no zero_grad(): the gradients of a backward that raised halfway (the last
+    layer's, reduced) and of one the caller dropped were added into the next step. Here: a
+    backward that raised, one dropped on purpose, then steps; torch skips both."""
+    ref = Fragile()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in (0, 3):
+        opt.zero_grad()
+        x, y = _batch(step)
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    engine = initialize(Fragile(), {"zero_optimization": {"stage": stage, "reduce_bucket_size": 10},
+                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "bf16": {"enabled": bf16}})
+    for step in range(4):
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        Boom.armed = step == 1
+        try:
+            engine.backward(loss)
+        except RuntimeError as exc:
+            assert Boom.armed and "an error in backward" in str(exc), exc
+        finally:
+            Boom.armed = False
+        if step in (1, 2):
+            engine.zero_grad()
+            assert engine.zero.live_bytes == 0
+        else:
+            assert engine.step()
+            engine.zero_grad()  # after a step: nothing to drop
+    got = engine.full_state_dict()
+    for name, want in ref.named_parameters():
+        torch.testing.assert_close(got[name], want.detach(), rtol=0, atol=1e-2 if bf16 else 1e-6, msg=name)

@@ -70,7 +70,91 @@ def forward_raised_case(rank: int, world: int) -> None:
                 atol=1e-6)
 
 
-CASES = {"forward_raised": forward_raised_case}
+class Boom(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed``."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("an error in backward")
+        return g
+
+
+class Fragile(nn.Module):
+    """zero_job's model with ``Boom`` between its first and its last layers: a backward that
+    raises there has produced (and reduced) the last layers' gradients, not the first's."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net[3](self.net[2](Boom.apply(self.net[1](self.net[0](x)))))
+
+
+def _fragile_reference(steps: list, world: int) -> dict:
+    model = Fragile()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["params"]["lr"])
+    for step in steps:
+        opt.zero_grad()
+        xs, ys = zip(*(data(r, step) for r in range(world)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train_fragile(cfg: dict, rank: int, steps: list, raise_at: int | None = None):
+    """The engine trained on ``steps``' data; at ``raise_at`` a backward that raises, then
+    ``zero_grad()`` and no step."""
+    engine = initialize(Fragile(), {"optimizer": SGD, **cfg})
+    for step in steps:
+        x, y = data(rank, step)
+        loss = nn.functional.mse_loss(engine(x), y)
+        if step != raise_at:
+            engine.backward(loss)
+            engine.step()
+            continue
+        Boom.armed = True
+        try:
+            engine.backward(loss)
+            raise AssertionError("the backward did not raise")
+        except RuntimeError as exc:
+            assert "an error in backward" in str(exc), exc
+        finally:
+            Boom.armed = False
+        engine.zero_grad()
+        assert engine.zero.live_bytes == 0 and not engine.zero.works, engine.zero.live_bytes
+    return engine
+
+
+ZERO_GRAD = {"stage 0": {"stage": 0}, "stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3},
+             "stage 1 bf16": {"stage": 1}, "stage 2 bf16": {"stage": 2}, "stage 3 bf16": {"stage": 3},
+             "MiCS /1 bf16": {"stage": 3, "mics_shard_size": 1}}
+
+
+def zero_grad_case(rank: int, world: int) -> None:
+    """A backward that raised on every rank halfway (after the last layers' reductions started)
+    left their reduced gradients in the units, in flight, or gathered (stage 3), and there was
+    no engine.zero_grad() to drop them: the next step added them in (0.0036 from torch after
+    two more SGD steps). Now zero_grad() drops them and the run equals one that skipped that
+    step: torch's in fp32, the engine's own in bf16 (bit for bit)."""
+    for what, zero in ZERO_GRAD.items():
+        bf16 = what.endswith("bf16")
+        cfg = {"zero_optimization": {"reduce_bucket_size": 40, **zero}, "bf16": {"enabled": bf16}}
+        got = _train_fragile(cfg, rank, [0, 1, 2, 3], raise_at=1).full_state_dict()
+        if bf16:
+            want = _train_fragile(cfg, rank, [0, 2, 3]).full_state_dict()
+        else:
+            want = _fragile_reference([0, 2, 3], world)
+        compare(got, want, f"{what}: zero_grad after a backward that raised", atol=0 if bf16 else 1e-6)
+
+
+CASES = {"forward_raised": forward_raised_case, "zero_grad": zero_grad_case}
 
 
 def main() -> int:
