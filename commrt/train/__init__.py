@@ -2,6 +2,6 @@
 all-reduce) and ``initialize`` (a DeepSpeed-style engine with ZeRO stages 0-3)."""
 from commrt.train.config import TrainConfig, ZeroConfig
 from commrt.train.ddp import DataParallel
-from commrt.train.engine import Engine, NonFiniteGradients, initialize
+from commrt.train.engine import Engine, EngineClosed, NonFiniteGradients, initialize
 
-__all__ = ["DataParallel", "Engine", "NonFiniteGradients", "TrainConfig", "ZeroConfig", "initialize"]
+__all__ = ["DataParallel", "Engine", "EngineClosed", "NonFiniteGradients", "TrainConfig", "ZeroConfig", "initialize"]

@@ -36,6 +36,10 @@ class NonFiniteGradients(CommError):
     """A rank produced NaN or inf gradients and the policy is 'raise'."""
 
 
+class EngineClosed(CommError):
+    """A call that trains or loads through an engine after its ``close()``."""
+
+
 def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None = None,
                group=None) -> "Engine":
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
@@ -77,6 +81,7 @@ class Engine(GatherHooks):
         self.prefetched = 0  # stage-3 gathers started ahead of their module's use (the overlap)
         self.clock = self.zero.clock
         self._no_sync = False
+        self.closed = False  # close() ran: the engine still reads its state, but trains nor loads
         self._dirty = False  # a backward ran since the last step (zero_grad has something to drop)
         self._sync_now = True
         self._next_unit = 0  # stages 0-2: the unit whose reduction starts next (index order)
@@ -110,11 +115,17 @@ class Engine(GatherHooks):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps``; bucket reductions start inside."""
+        self._check_open("backward")
         self._check_trainable()
         self._dirty = True  # gradients a step has not consumed yet (zero_grad drops them)
         with self.clock.span("backward"):
             self._backward(loss)
         self.micro_steps += 1
+
+    def _check_open(self, call: str) -> None:
+        if self.closed:
+            raise EngineClosed(f"engine.{call}() after close(): the model is a plain torch module again; "
+                               "initialize a new engine on it to train it with the engine")
 
     def _check_trainable(self) -> None:
         """The parameters that train are fixed at initialize (they are the units' flat buffers and
@@ -200,6 +211,7 @@ class Engine(GatherHooks):
         gradients the next step would otherwise add in. Waits for the reductions in flight;
         the accumulation count (``micro_steps``) is left as it is. After ``step()`` there is
         nothing to drop and it returns at once."""
+        self._check_open("zero_grad")
         if self._dirty:
             with self.clock.span("bookkeeping"):
                 drop_grads(self.zero)
@@ -207,6 +219,7 @@ class Engine(GatherHooks):
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; returns whether a step was taken."""
+        self._check_open("step")
         if self.micro_steps % self.cfg.gradient_accumulation_steps or self._no_sync:
             return False
         try:
@@ -223,7 +236,11 @@ class Engine(GatherHooks):
         engine's gradient and module hooks, which otherwise took a later plain loop's gradients
         and released its parameters after each forward; the comm stream ends. Python's automatic
         collector is turned back on (``manual_gc_interval``: it stays off while an engine or
-        schedule of the process still collects at its steps). Twice: nothing more."""
+        schedule of the process still collects at its steps). Twice: nothing more. The closed
+        engine still reads (``full_state_dict``, ``state_dict``, ``save_checkpoint``); a call
+        that would train or load through it raises ``EngineClosed``: at stage 3 it released the
+        module's parameters, at every stage it wrote over what the plain module had become."""
+        self.closed = True
         if self._hooks:
             self.zero.settle_all()
             self.zero.wait()
@@ -236,8 +253,9 @@ class Engine(GatherHooks):
                 for u in self.zero.units:  # the exact fp32 values, not a qwZ gather's
                     u.full = self.zero.full_master(u).to(self.dtype)
                     u.views(u.full)
-            if self.zero.stream is not None:
+            if self.zero.stream is not None:  # its queue is empty: later reads use the groups directly
                 self.zero.stream.close()
+                self.zero.stream = None
         self.collector.close()
 
     def settle(self) -> None:
@@ -311,6 +329,7 @@ class Engine(GatherHooks):
         return checkpoint.shard_state(self)
 
     def load_state_dict(self, state: dict) -> None:
+        self._check_open("load_state_dict")
         self.zero.settle_all()
         checkpoint.load_shard_states(self, [state])
 
@@ -319,6 +338,7 @@ class Engine(GatherHooks):
         return checkpoint.save(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
+        self._check_open("load_checkpoint")
         self.zero.settle_all()
         checkpoint.load(self, directory)
 

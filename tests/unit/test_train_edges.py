@@ -10,7 +10,7 @@ from torch import nn
 import commrt
 from commrt.launch import free_port
 from commrt.runtime.errors import ConfigError
-from commrt.train import NonFiniteGradients, initialize
+from commrt.train import EngineClosed, NonFiniteGradients, initialize
 
 
 @pytest.fixture
@@ -152,3 +152,29 @@ def test_a_checkpoint_of_other_optimizer_state_is_a_config_error(world1, tmp_pat
     same = _sgd(saved)
     same.load_state_dict(state)
     assert all(torch.equal(v, engine.full_state_dict()[k]) for k, v in same.full_state_dict().items())
+
+
+@pytest.mark.parametrize("zero", [{"stage": 0}, {"stage": 2}, {"stage": 3},
+                                  {"stage": 3, "zero_quantized_gradients": True, "overlap_comm": True}])
+def test_a_closed_engine_is_read_not_trained(world1, tmp_path, zero):
+    """After close(), a backward at stage 3 released the module's parameters (each left empty,
+    the trained values gone from the model), and at every stage a step wrote the engine's values
+    over what a plain loop had made of the parameters since; with ZeRO++'s comm stream (closed)
+    full_state_dict() and save_checkpoint() raised 'zero-stream is closed'. Now the closed engine
+    still reads (values, checkpoints) and refuses to train or load, naming the call."""
+    engine = initialize(_net(), {"bf16": {"enabled": True}, "zero_optimization": zero,
+                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(_loss(engine, 0).float())
+    engine.step()
+    values = engine.full_state_dict()
+    engine.close()
+    held = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert all(torch.equal(v, engine.full_state_dict()[k]) for k, v in values.items())
+    engine.save_checkpoint(str(tmp_path))
+    loss = _loss(engine, 1).float()
+    for call, args in (("backward", (loss,)), ("step", ()), ("zero_grad", ()),
+                       ("load_checkpoint", (str(tmp_path),)), ("load_state_dict", (engine.state_dict(),))):
+        with pytest.raises(EngineClosed, match=rf"engine\.{call}\(\) after close"):
+            getattr(engine, call)(*args)
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p.detach(), held[name]), name
