@@ -1,6 +1,8 @@
 """A forward or a backward that raised on every rank (caught by the loop), then training on, at
 2 ranks against single-process torch (the checks live in programs/train_raised.py and print
 'OK <what>')."""
+import pytest
+
 from tests.multirank.harness import run_ranks
 
 
@@ -20,3 +22,10 @@ def test_zero_grad_drops_a_backward_that_raised_at_every_stage():
     for what in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 1 bf16", "stage 2 bf16", "stage 3 bf16",
                  "MiCS /1 bf16"):
         assert out.count(f"OK {what}: zero_grad after a backward that raised\n") == 2, out[-3000:]
+
+
+@pytest.mark.slow  # 40 s at 4 ranks on 2 cores
+def test_zero_grad_drops_a_backward_that_raised_with_hybrid_sharding_hpz_and_zeropp():
+    _, out = run_ranks(4, "train_raised", "zero_grad_hybrid", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=300)
+    for what in ("HYBRID_SHARD", "HYBRID_SHARD bf16", "_HYBRID_SHARD_ZERO2", "hpZ", "qwZ+qgZ stream bf16"):
+        assert out.count(f"OK {what}: zero_grad after a backward that raised\n") == 4, out[-3000:]

@@ -137,13 +137,21 @@ ZERO_GRAD = {"stage 0": {"stage": 0}, "stage 1": {"stage": 1}, "stage 2": {"stag
              "MiCS /1 bf16": {"stage": 3, "mics_shard_size": 1}}
 
 
-def zero_grad_case(rank: int, world: int) -> None:
+HYBRID = {"HYBRID_SHARD": {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2},
+          "HYBRID_SHARD bf16": {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2},
+          "_HYBRID_SHARD_ZERO2": {"sharding_strategy": "_HYBRID_SHARD_ZERO2", "shard_group_size": 2},
+          "hpZ": {"stage": 3, "zero_hpz_partition_size": 2},
+          "qwZ+qgZ stream bf16": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                  "overlap_comm": True}}
+
+
+def zero_grad_case(rank: int, world: int, layouts: dict = ZERO_GRAD) -> None:
     """A backward that raised on every rank halfway (after the last layers' reductions started)
     left their reduced gradients in the units, in flight, or gathered (stage 3), and there was
     no engine.zero_grad() to drop them: the next step added them in (0.0036 from torch after
     two more SGD steps). Now zero_grad() drops them and the run equals one that skipped that
     step: torch's in fp32, the engine's own in bf16 (bit for bit)."""
-    for what, zero in ZERO_GRAD.items():
+    for what, zero in layouts.items():
         bf16 = what.endswith("bf16")
         cfg = {"zero_optimization": {"reduce_bucket_size": 40, **zero}, "bf16": {"enabled": bf16}}
         got = _train_fragile(cfg, rank, [0, 1, 2, 3], raise_at=1).full_state_dict()
@@ -154,7 +162,8 @@ def zero_grad_case(rank: int, world: int) -> None:
         compare(got, want, f"{what}: zero_grad after a backward that raised", atol=0 if bf16 else 1e-6)
 
 
-CASES = {"forward_raised": forward_raised_case, "zero_grad": zero_grad_case}
+CASES = {"forward_raised": forward_raised_case, "zero_grad": zero_grad_case,
+         "zero_grad_hybrid": lambda rank, world: zero_grad_case(rank, world, HYBRID)}  # 4 ranks
 
 
 def main() -> int:
