@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any, Mapping
 
@@ -29,7 +30,20 @@ from commrt.train.zero_step import drop_grads, drop_prefetches, squared_norm
 
 
 def _cast(x, dtype: torch.dtype):
-    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+    """A floating tensor in ``dtype``, inside tuples, lists and dicts too (DeepSpeed's
+    ``_cast_inputs_half``): a batch passed as ``(x, y)`` or ``{"x": x}`` met bf16 weights in
+    fp32. Integer tensors (token ids, masks) and everything else pass as they are."""
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        out = copy.copy(x)  # the caller's type (OrderedDict, defaultdict), not the caller's object
+        for k, v in x.items():
+            out[k] = _cast(v, dtype)
+        return out
+    if isinstance(x, (list, tuple)):
+        items = [_cast(v, dtype) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # a namedtuple's fields
+    return x
 
 
 class NonFiniteGradients(CommError):

@@ -208,6 +208,29 @@ def test_bf16_casts_keyword_inputs_too(world1):
     assert engine.step()
 
 
+def test_bf16_casts_inputs_inside_containers(world1):
+    """A batch passed as a tuple, a list or a dict (``engine((x, y))``, ``engine({"x": x})``)
+    kept its fp32 tensors under bf16 compute ('mat1 and mat2 must have the same dtype'):
+    only a tensor passed directly was cast. DeepSpeed's engine casts inside containers too;
+    integer tensors (token ids, masks) stay as they are."""
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, pair, named):
+            (a, b), ids = pair, named["ids"]
+            assert ids.dtype == torch.int64
+            return self.lin(a) + self.lin(b[0]) + self.lin(named["x"]) + ids
+
+    engine = initialize(Nested(), {"bf16": {"enabled": True}})
+    ids = torch.ones(3, 2, dtype=torch.int64)
+    out = engine((torch.ones(3, 4), [torch.ones(3, 4)]), {"x": torch.ones(3, 4), "ids": ids})
+    assert out.dtype == torch.bfloat16
+    engine.backward(out.float().sum())
+    assert engine.step()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_checkpoint_keeps_buffers_and_frozen_parameters(world1, tmp_path, stage):
     """Found by the training review: a checkpoint held the trainable shards only, so a resumed
