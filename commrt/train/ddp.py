@@ -229,10 +229,17 @@ class DataParallel(nn.Module):
         backward queued ``_finish`` again and no gradient was ever averaged from then on (each
         replica stepped on its own gradients, silently). Its reductions already started are
         waited for (every rank that raised alike issued them; the buckets are reused) and
-        dropped with its used-flags: its gradients are the caller's to discard, as in torch."""
+        dropped with its used-flags: its gradients are the caller's to discard, as in torch.
+        One that ended after the caller discarded them wrote into the bucket buffer their
+        ``p.grad`` views (``zero_grad(set_to_none=False)`` zeroed it in place before): those
+        gradients are let go of (None), or the next backward added the failed one's average."""
         inflight, self._inflight, self._queued = self._inflight, [], False
-        for work, _, _ in inflight:
+        for work, b, flat in inflight:
             work.wait()
+            if flat is self._flat[b]:
+                for p in self._buckets[b]:
+                    if p.grad is not None and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                        p.grad = None
         self._clear_used()
 
     def _clear_used(self) -> None:

@@ -30,6 +30,14 @@ def test_data_parallel_averages_again_after_a_backward_that_raised():
     assert out.count("OK DataParallel after a backward that raised\n") == 2, out[-3000:]
 
 
+def test_data_parallel_a_raised_backwards_late_all_reduce_stays_out_of_gradients_zeroed_in_place():
+    """An all-reduce of the backward that raised ended after the caller's zero_grad(set_to_none=
+    False) (the peer was late) and wrote into the gradients it viewed: the next step added it."""
+    _, out = run_ranks(2, "train_edges", "ddp_raised_zeroed_in_place", env={"COMMRT_COMM_BACKEND": "zmq"},
+                       timeout_s=120)
+    assert out.count("OK DataParallel after a backward that raised, gradients zeroed in place\n") == 2, out[-3000:]
+
+
 def test_a_data_parallel_let_go_of_leaves_the_module_its_own_gradients():
     _, out = run_ranks(2, "train_edges", "ddp_dropped", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=120)
     assert out.count("OK DataParallel let go of: the bare module's gradients are its own\n") == 2, out[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 
 import torch
 from torch import nn
@@ -130,6 +131,62 @@ def ddp_backward_raised_case(rank: int, world: int) -> None:
             atol=1e-6)
 
 
+class Late(torch.autograd.Function):
+    """The identity, whose backward (the first node a backward runs) waits a second on rank 1
+    while ``Boom.armed``: rank 0's first all-reduce then ends after rank 0 has raised and moved on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed and commrt.get_rank() == 1:
+            time.sleep(1.0)
+        return g
+
+
+class OneHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.h1 = nn.Linear(7, 6), nn.Linear(6, 5)
+
+    def forward(self, x):
+        return Late.apply(self.h1(Boom.apply(torch.tanh(self.body(x)))))
+
+
+def ddp_raised_zeroed_in_place_case(rank: int, world: int) -> None:
+    """A backward that raised with an all-reduce in flight on the bucket buffer its gradients
+    view (gradient_as_bucket_view), and the caller's optimizer.zero_grad(set_to_none=False):
+    the all-reduce ended after it (its peer was late) and wrote the failed backward's averaged
+    gradients back into the zeroed p.grad, which the next backward added to (0.0002 from torch
+    after two steps, silently)."""
+    model = DataParallel(OneHead(), bucket_cap_mb=40 * 4 / (1 << 20))  # about one linear a bucket
+    opt = torch.optim.SGD(model.parameters(), lr=SGD["params"]["lr"])
+    ref = OneHead()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=SGD["params"]["lr"])
+    for step in range(4):
+        opt.zero_grad(set_to_none=False)  # p.grad stays the bucket's view from the first step on
+        x, y = data(rank, step)
+        Boom.armed = step == 1
+        try:
+            nn.functional.mse_loss(model(x), y).backward()
+        except RuntimeError as exc:
+            assert Boom.armed and "an error in backward" in str(exc), exc
+            continue
+        finally:
+            Boom.armed = False
+        opt.step()
+        ref_opt.zero_grad()
+        xs, ys = zip(*(data(r, step) for r in range(world)))
+        nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+    compare({n: p.detach() for n, p in model.module.named_parameters()},
+            {n: p.detach() for n, p in ref.named_parameters()},
+            "DataParallel after a backward that raised, gradients zeroed in place", atol=1e-6)
+
+
 def ddp_dropped_case(rank: int, world: int) -> None:
     """A DataParallel let go of kept its gradient hooks on the module's parameters (and itself
     alive through them): a later backward of the bare module, here on each rank's own data, was
@@ -187,7 +244,8 @@ def closed_case(rank: int, world: int) -> None:
 
 
 CASES = {"ddp_no_sync": ddp_no_sync_case, "two_backwards": two_backwards_case, "closed": closed_case,
-         "ddp_backward_raised": ddp_backward_raised_case, "ddp_dropped": ddp_dropped_case}
+         "ddp_backward_raised": ddp_backward_raised_case, "ddp_dropped": ddp_dropped_case,
+         "ddp_raised_zeroed_in_place": ddp_raised_zeroed_in_place_case}
 
 
 def main() -> int:
