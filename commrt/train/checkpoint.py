@@ -32,6 +32,7 @@ from commrt.optim import rules as optim
 from commrt.runtime.errors import ConfigError
 from commrt.ps.durable import load_checkpoint, save_checkpoint
 from commrt.train.layout import Unit, pieces
+from commrt.train.zero_step import drop_grads
 
 FORMAT = "commrt-zero-1"
 MARKER = "zero-complete.json"
@@ -244,7 +245,9 @@ def load_shard_states(engine, states: list[dict]) -> None:
             u.master[a:b].copy_(slot[0][start:start + b - a])
             for n, src in zip(names, slot[1:-1]):
                 u.state[n][a:b].copy_(src[start:start + b - a])
-        u.grad.zero_()
+    # the gradients of the backwards before the load belong to no step of the loaded state, at
+    # any stage (stages 0-1 kept those still in p.grad, before an accumulation boundary)
+    drop_grads(z)
     z.publish()
 
 

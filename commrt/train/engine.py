@@ -346,6 +346,7 @@ class Engine(GatherHooks):
         self._check_open("load_state_dict")
         self.zero.settle_all()
         checkpoint.load_shard_states(self, [state])
+        self._dirty = False  # the load dropped the gradients
 
     def save_checkpoint(self, directory: str) -> str:
         self.zero.settle_all()
@@ -355,6 +356,7 @@ class Engine(GatherHooks):
         self._check_open("load_checkpoint")
         self.zero.settle_all()
         checkpoint.load(self, directory)
+        self._dirty = False  # the load dropped the gradients
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""

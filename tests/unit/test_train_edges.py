@@ -178,3 +178,28 @@ def test_a_closed_engine_is_read_not_trained(world1, tmp_path, zero):
             getattr(engine, call)(*args)
     for name, p in engine.module.named_parameters():
         assert torch.equal(p.detach(), held[name]), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_load_in_the_middle_of_an_accumulation_drops_its_gradients(world1, tmp_path, stage):
+    """A checkpoint loaded after a micro-step's backward, before its step (a loop that recovers
+    from a failure by loading the last save): stages 2-3 dropped that backward's gradient with
+    the rest of the state, stages 0-1 kept it in p.grad (accumulated locally before the boundary)
+    and added it into the next step (0.028 from a fresh engine that loaded the same save)."""
+    cfg = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    saved = initialize(_net(), cfg)
+    for step in (0, 1):
+        saved.backward(_loss(saved, step))
+    assert saved.step()
+    saved.save_checkpoint(str(tmp_path))
+    engines = [initialize(_net(), cfg), initialize(_net(), cfg)]
+    engines[0].backward(_loss(engines[0], 5))  # the micro-step a failure interrupted
+    for engine in engines:
+        engine.load_checkpoint(str(tmp_path))
+        for step in (2, 3):
+            engine.backward(_loss(engine, step))
+        assert engine.step()
+    got, want = (e.full_state_dict() for e in engines)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
