@@ -15,12 +15,14 @@ broadcast is not here: the flat one is already a chain that crosses each node bo
 
 Each level is one of our flat collectives, whose results are bit-identical on every rank, so
 the composition's are too. AVG runs as SUM and divides once at the end (integers floor, as the
-flat path does). ``intra``/``inter`` are process groups (anything with ``backend`` and
-``size()``); the caller checks that the world is laid out as ``rank = node * M + local``.
+flat path does); float16 and bfloat16 divide each rank's part by the world size first instead
+(reduce_ops.divides_first), so that the node's sums cannot overflow where the mean fits.
+``intra``/``inter`` are process groups (anything with ``backend`` and ``size()``); the caller
+checks that the world is laid out as ``rank = node * M + local``.
 """
 from __future__ import annotations
 
-from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
+from commrt.collectives.reduce_ops import ReduceOp, avg_part, finish_avg_
 from commrt.runtime.arrays import assign, empty, numel, swap_blocks, swap_blocks_into, zeros
 
 
@@ -33,6 +35,7 @@ def all_reduce(intra, inter, flat, op: ReduceOp, segments: int = 1) -> None:
     reduce-scatter of piece i+1 runs while piece i crosses the nodes (the groups have their own
     executors), so the slow link is not left idle during the node-local steps."""
     m, n = intra.size(), numel(flat)
+    avg_part(flat, op, m * inter.size())  # a half-precision AVG divides first
     per = max(m, -(-n // max(1, segments) // m) * m)  # a multiple of M: no padding but in the last piece
     # an empty buffer is one empty piece: its ops still run, so a rank whose buffer is not empty
     # meets a mismatch, not a peer that skipped the op (ops.py)
@@ -79,6 +82,7 @@ def reduce_scatter(intra, inter, out, inp, op: ReduceOp) -> None:
     """``inp`` holds K*M chunks of ``out.numel()``; this rank gets the reduction of its chunk."""
     m, k, s = intra.size(), inter.size(), numel(out)
     by_local = swap_blocks(inp, k, m, s)  # [M, K, s]: local rank l's K chunks together
+    avg_part(by_local, op, m * k)  # a half-precision AVG divides first (a copy: inp stays)
     node_sums = empty(k * s, out)
     intra.backend.reduce_scatter_tensor(node_sums, by_local, _sum_op(op), False)
     inter.backend.reduce_scatter_tensor(out, node_sums, _sum_op(op), False)

@@ -34,7 +34,7 @@ from commrt.runtime.arrays import address, empty_like, numel as numel_of
 from commrt.collectives.context import OpContext
 from commrt.collectives.scheduled import Side, run
 from commrt.collectives.schedules import ALGORITHMS, REDUCE, Step
-from commrt.collectives.reduce_ops import (ReduceOp, combine_, combine_into, copy_, finish_avg_,
+from commrt.collectives.reduce_ops import (ReduceOp, avg_part, combine_, combine_into, copy_, finish_avg_,
     reduce_in_order_)
 
 Forward = Callable  # (k, a, b, incoming piece) -> what to forward
@@ -83,6 +83,7 @@ def _reduce_own_in_order(ctx: OpContext, out, own, got: dict, op: ReduceOp) -> N
 def all_reduce(ctx: OpContext, flat, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n > 1:
+        avg_part(flat, op, n)  # a half-precision AVG divides first (reduce_ops.divides_first)
         algorithm = ctx.algorithm("all_reduce", numel * ctx.itemsize)
         if algorithm == "ring" and numel:
             _ring_all_reduce(ctx, flat, op)
@@ -113,6 +114,7 @@ def reduce_scatter(ctx: OpContext, out, inp, op: ReduceOp) -> None:
     n, m = ctx.size, numel_of(out)
     chunks = [(i * m, (i + 1) * m) for i in range(n)]
     own = chunks[ctx.rank][0]
+    inp = avg_part(inp, op, n, copy=True)  # the caller's input stays as it was
     if n == 1:
         copy_(out, inp)
     elif n * m * ctx.itemsize <= ctx.small_bytes:
@@ -193,14 +195,15 @@ def reduce(ctx: OpContext, flat, dst: int, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n > 1:
         _agree_on_root(ctx)
+        mine = avg_part(flat, op, n, copy=ctx.rank != dst)  # another rank's tensor stays as it was
         algorithm = ctx.algorithm("reduce", numel * ctx.itemsize)
         if algorithm == "ring" and numel:
-            _ring_reduce_to(ctx, flat, dst, op)
+            _ring_reduce_to(ctx, mine, dst, op)
         else:
             steps, _ = _steps("reduce", algorithm, ctx.rank, n, dst)
             reduces = any(s.action == REDUCE for s in steps)
-            buf = flat
-            if ctx.rank != dst and reduces:  # an inner node sums into scratch: its tensor stays as it was
+            buf = mine
+            if ctx.rank != dst and reduces and mine is flat:  # an inner node sums into scratch
                 buf = empty_like(flat)
                 copy_(buf, flat)
             _scheduled(ctx, "reduce", algorithm, buf, op, root=dst)

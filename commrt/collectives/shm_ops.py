@@ -21,7 +21,7 @@ from commrt.runtime.errors import CollectiveMismatch, ProtocolError
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.aliasing import own_part
 from commrt.collectives.contract import describe as _describe
-from commrt.collectives.reduce_ops import ReduceOp, copy_, finish_avg_, reduce_arrays_, reduce_in_order_
+from commrt.collectives.reduce_ops import ReduceOp, avg_part, copy_, finish_avg_, reduce_arrays_, reduce_in_order_
 from commrt.collectives.shm_context import ShmContext
 
 # the one-step all_reduce has every rank read every peer's payload, freshly written by another
@@ -41,6 +41,7 @@ def _rounds(total: int, per: int):
 def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
+        avg_part(flat, op, n)  # a half-precision AVG divides first (reduce_ops.divides_first)
         nbytes = numel * ctx.itemsize
         small = nbytes <= min(ctx.small_bytes, ctx.chan.slot_bytes) and nbytes * (n - 1) <= ONE_STEP_PEER_BYTES
         if small and ctx.np_dtype is not None:
@@ -133,6 +134,7 @@ def reduce_scatter(ctx: ShmContext, out, inp, op: ReduceOp) -> None:
         if n > 1:  # empty: one step of headers (all_reduce)
             barrier(ctx)
     else:
+        inp = avg_part(inp, op, n, copy=True)  # the caller's input stays as it was
         w = max(1, ctx.slot_elems // n)
         for x, y in _rounds(m, w):
             slot = ctx.begin()
@@ -187,10 +189,11 @@ def broadcast(ctx: ShmContext, flat, src: int) -> None:
 def reduce(ctx: ShmContext, flat, dst: int, op: ReduceOp) -> None:
     n, me = ctx.size, ctx.rank
     if n > 1:
+        mine = avg_part(flat, op, n, copy=me != dst)  # another rank's tensor stays as it was
         for a, b in _rounds(numel_of(flat), ctx.slot_elems) if numel_of(flat) else [(0, 0)]:
             slot = ctx.begin()
             if me != dst:
-                copy_(ctx.view(me, slot, 0, b - a), flat[a:b])
+                copy_(ctx.view(me, slot, 0, b - a), mine[a:b])
                 ctx.sent(dst, b - a)
             ctx.exchange()
             if me == dst and b > a:

@@ -1,8 +1,9 @@
 """gloo and nccl through torch.distributed process groups, behind our Backend interface.
 
 Ranks given to this class are group ranks (like ours); torch wants global ones, so they are
-mapped back. AVG runs as SUM followed by the division our backend uses, so that integer AVG
-(which floors) agrees across backends. numpy arrays are viewed as tensors, so results land in place.
+mapped back. AVG runs as SUM with the division our backend uses (after the sum; float16 and
+bfloat16 before it: reduce_ops.avg_part), so that AVG (integer AVG floors) agrees across
+backends. numpy arrays are viewed as tensors, so results land in place.
 A non-contiguous buffer runs as a contiguous copy (written back when the op completes): gloo
 reads and writes a tensor's storage as if it were contiguous, so a strided view was reduced
 wrongly and the elements between its own were overwritten.
@@ -21,7 +22,7 @@ _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
 from commrt.collectives import aliasing
-from commrt.collectives.reduce_ops import ReduceOp, finish_avg_
+from commrt.collectives.reduce_ops import ReduceOp, avg_part, finish_avg_
 from commrt.runtime.dtypes import as_tensor
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.work import Work
@@ -153,6 +154,7 @@ class TorchBackend:
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t, back = _dense(tensor)
         t, back = widened(t, op, back)  # integer AVG: summed in 64 bits, not wrapped
+        avg_part(t, op, self.size)  # float16 / bfloat16 AVG: divided first, so the sum cannot overflow
         w = tdist.all_reduce(t, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("all_reduce", w, async_op, _then(self._avg(t, op), back))
 
@@ -160,6 +162,7 @@ class TorchBackend:
         (out, back), inp = _dense(output), as_tensor(input, writes=False).contiguous()
         out, back = widened(out, op, back, fresh=True)
         inp, _ = widened(inp, op, None)
+        inp = avg_part(inp, op, self.size, copy=True)
         w = _REDUCE_SCATTER(out, inp, _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce_scatter_tensor", w, async_op, _then(self._avg(out, op), back))
 
@@ -180,6 +183,7 @@ class TorchBackend:
         after = _then(self._avg(t, op), back) if self.rank == dst else None
         if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged
             t = t.clone()
+        avg_part(t, op, self.size)
         w = tdist.reduce(t, self.ranks[dst], _OPS[op], group=self.pg, async_op=async_op)
         return self._finish("reduce", w, async_op, after)
 

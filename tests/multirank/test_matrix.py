@@ -41,3 +41,12 @@ def test_integer_avg_does_not_wrap(backend, intra):
     floored int64 average (backends.base.widened), on the TCP and shared-memory paths and gloo."""
     _, out = run_ranks(3, "int_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
     assert out.count("int avg passed") == 3
+
+
+@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
+def test_half_precision_avg_does_not_overflow(backend, intra):
+    """float16 AVG of values whose sum passes 65504 but whose mean fits equals the exact mean
+    (each rank's part is divided first, reduce_ops.avg_part); random values are bit-identical
+    on every rank (programs/half_avg.py). The sum used to overflow to inf."""
+    _, out = run_ranks(3, "half_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
+    assert out.count("half avg passed") == 3

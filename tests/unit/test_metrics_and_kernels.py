@@ -1,10 +1,11 @@
+import numpy as np
 import pytest
 import torch
 
 from commrt.bench import metrics
 from commrt.bench.runner import BenchSpec
 from commrt.bench import report
-from commrt.collectives.reduce_ops import ReduceOp, combine_, copy_, finish_avg_, parse_op
+from commrt.collectives.reduce_ops import ReduceOp, avg_part, combine_, copy_, finish_avg_, parse_op
 
 
 @pytest.mark.parametrize("coll,n,factor", [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5),
@@ -69,8 +70,26 @@ def test_kernels_match_torch(dtype, op):
     copy_(out, acc)
     assert torch.equal(out, want)
     finish_avg_(out, 2)
-    expect = want / 2 if dtype.is_floating_point else torch.div(want, 2, rounding_mode="floor")
+    half = dtype in (torch.float16, torch.bfloat16)  # their AVG divides the parts, not the sum
+    expect = want if half else want / 2 if dtype.is_floating_point else torch.div(want, 2, rounding_mode="floor")
     assert torch.equal(out, expect.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avg_divides_half_precision_parts_first(dtype):
+    """float16 / bfloat16: each part / n before the sum, in place or into a copy; other dtypes and
+    other ops: the part itself (their AVG divides the sum, finish_avg_)."""
+    a = torch.full((40000,), 60000 if dtype == torch.float16 else 100, dtype=torch.float64).to(dtype)
+    before = a.clone()
+    half = dtype in (torch.float16, torch.bfloat16)
+    copied = avg_part(a, ReduceOp.AVG, 4, copy=True)
+    assert torch.equal(a, before) and (copied is not a) == half
+    assert torch.equal(copied, (before.double() / 4).to(dtype) if half else before)
+    assert avg_part(a, ReduceOp.SUM, 4) is a and avg_part(a, ReduceOp.AVG, 1) is a
+    assert avg_part(a, ReduceOp.AVG, 4) is a and torch.equal(a, copied)
+    if dtype != torch.bfloat16:  # numpy's own arrays (no bfloat16 there) take the same rule
+        arr = before.numpy().copy()
+        assert avg_part(arr, ReduceOp.AVG, 4) is arr and np.array_equal(arr, copied.numpy())
 
 
 def test_parse_op_accepts_names_and_torch_spelling():

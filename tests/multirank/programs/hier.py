@@ -52,8 +52,9 @@ def check_mesh(k: int, m: int) -> None:
 
 def check_matrix(flat_world) -> None:
     import torch  # every torch dtype (bfloat16 among them) and nn.Parameter
-    from tests.multirank.programs.common import DTYPES, OPS, reference, values
+    from tests.multirank.programs.common import DTYPES, OPS, assert_equal, reference, values
     rank, world = commrt.get_rank(), commrt.get_world_size()
+    check_half_avg(flat_world, rank, world)
     for seed, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
         for numel in (0, 1, 7, 3 * world + 1, 20_001):  # empty, below, around and above the padding
             parts = [values(numel, r, dtype, op, seed) for r in range(world)]
@@ -62,14 +63,17 @@ def check_matrix(flat_world) -> None:
             work = commrt.all_reduce(t, op=op, async_op=numel == 7)
             if work is not None:
                 work.wait()
-            assert torch.equal(t, want), f"all_reduce {dtype} {op} {numel}: {t[:8]} vs {want[:8]}"
+            # a half AVG's parts / n round unless n is a power of two: equal within rounding
+            rounds = op == "AVG" and dtype in (torch.float16, torch.bfloat16) and world & (world - 1)
+            same = assert_equal if rounds else _exactly
+            same(t, want, f"all_reduce {dtype} {op} {numel}")
             if numel:
                 _same_everywhere(flat_world, t, f"all_reduce {dtype} {op} {numel}")
             chunk = numel
             full = [values(chunk * world, r, dtype, op, seed + 7) for r in range(world)]
             out = torch.empty(chunk, dtype=dtype)
             commrt.reduce_scatter_tensor(out, full[rank], op=op)
-            assert torch.equal(out, reference(full, op)[rank * chunk:(rank + 1) * chunk]), f"RS {dtype} {op}"
+            same(out, reference(full, op)[rank * chunk:(rank + 1) * chunk], f"RS {dtype} {op}")
         gathered = torch.empty(5 * world, dtype=dtype)
         commrt.all_gather_into_tensor(gathered, values(5, rank, dtype, "SUM", seed))
         assert torch.equal(gathered, torch.cat([values(5, r, dtype, "SUM", seed) for r in range(world)]))
@@ -80,6 +84,29 @@ def check_matrix(flat_world) -> None:
     np.testing.assert_allclose(x.numpy(), torch.stack(parts).sum(0).numpy(), rtol=1e-12, atol=1e-12)
     _same_everywhere(flat_world, x, "float64 random all_reduce")
     check_parameters(rank, world)
+
+
+def _exactly(got, want, what: str) -> None:
+    import torch
+    assert torch.equal(got, want), f"{what}: {got[:8]} vs {want[:8]}"
+
+
+def check_half_avg(flat_world, rank: int, world: int) -> None:
+    """float16 AVG of values whose sum passes 65504 while their mean fits (programs/half_avg.py),
+    over the two levels: the node's sums used to overflow to inf."""
+    import torch
+    from tests.multirank.programs.half_avg import quarters
+    for numel in (1, 3 * world + 1, 20_001):
+        t = torch.from_numpy(quarters(numel, rank, world, numel) * world).half()
+        commrt.all_reduce(t, op="avg")
+        _exactly(t, torch.from_numpy(sum(quarters(numel, r, world, numel) for r in range(world))).half(),
+                 f"float16 AVG near the top, {numel}")
+        _same_everywhere(flat_world, t, "float16 AVG near the top")
+        full = [quarters(numel * world, r, world, numel) for r in range(world)]
+        out = torch.empty(numel, dtype=torch.float16)
+        commrt.reduce_scatter_tensor(out, torch.from_numpy(full[rank] * world).half(), op="avg")
+        _exactly(out, torch.from_numpy(sum(full)[rank * numel:(rank + 1) * numel]).half(),
+                 f"float16 AVG reduce_scatter near the top, {numel}")
 
 
 def check_parameters(rank: int, world: int) -> None:
