@@ -17,7 +17,7 @@ from commrt.collectives.context import Coll, Journal, OpContext
 from commrt.collectives.contract import NAMES as _NAMES, restate_report
 from commrt.collectives.selection import table_from
 from commrt.collectives.shm_ops import ShmContext
-from commrt.collectives.reduce_ops import ReduceOp
+from commrt.collectives.reduce_ops import ReduceOp, check_defined
 from commrt.runtime.config import Config
 from commrt.runtime.config.comm import parse_algorithms
 from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
@@ -243,6 +243,7 @@ class ZmqBackend:
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t = dtypes.as_buffer(tensor)
+        check_defined(op, t.dtype, "all_reduce")
         # a CUDA tensor is staged through pinned memory in pieces; but an integer AVG goes the
         # flat way below (one host copy, then widened: its pieces' sums would wrap in int8)
         if not isinstance(t, np.ndarray) and t.is_cuda and not (op == ReduceOp.AVG and narrow_int(t)):
@@ -273,6 +274,7 @@ class ZmqBackend:
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
+        check_defined(op, out.dtype, "reduce_scatter_tensor")
         declared = out.dtype
         out, wb = widened(out, op, wb, fresh=True)
         inp, _ = widened(inp, op, None)
@@ -295,6 +297,7 @@ class ZmqBackend:
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         # the others' buffers are inputs only (a read-only one too): nothing to store back
         flat, wb = flat_view(tensor, writes=self.rank == dst)
+        check_defined(op, flat.dtype, "reduce")
         declared = flat.dtype
         flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
         return self._collective(Coll.REDUCE, flat.dtype, numel(flat),

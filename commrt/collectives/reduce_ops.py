@@ -69,6 +69,15 @@ def as_op(op) -> ReduceOp:
     return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
 
 
+def check_defined(op: ReduceOp, dtype, what: str) -> None:
+    """Refuse a reduction ``dtype`` does not define, before anything is sent (every rank alike).
+    bool's are numpy's ufuncs on bool, as torch, gloo and NCCL define them: SUM and MAX a logical
+    or, PRODUCT and MIN a logical and (never wrapping); an average of truth values has no meaning."""
+    if op == ReduceOp.AVG and dtype_name(dtype) == "bool":
+        raise ValueError(f"{what}: AVG is not defined for bool tensors; valid: SUM/MAX (logical or), "
+                         "PRODUCT/MIN (logical and)")
+
+
 def combine_into(out, a, b, op: ReduceOp) -> None:
     """out = a (op) b, element-wise; ``out`` may be ``a``. AVG accumulates as SUM."""
     if isinstance(out, np.ndarray):

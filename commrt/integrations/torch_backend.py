@@ -22,7 +22,7 @@ _ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into
 _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
 from commrt.collectives import aliasing
-from commrt.collectives.reduce_ops import ReduceOp, avg_part, finish_avg_
+from commrt.collectives.reduce_ops import ReduceOp, avg_part, check_defined, finish_avg_
 from commrt.runtime.dtypes import as_tensor
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.work import Work
@@ -153,6 +153,7 @@ class TorchBackend:
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         t, back = _dense(tensor)
+        check_defined(op, t.dtype, "all_reduce")
         t, back = widened(t, op, back)  # integer AVG: summed in 64 bits, not wrapped
         avg_part(t, op, self.size)  # float16 / bfloat16 AVG: divided first, so the sum cannot overflow
         w = tdist.all_reduce(t, _OPS[op], group=self.pg, async_op=async_op)
@@ -160,6 +161,7 @@ class TorchBackend:
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
         (out, back), inp = _dense(output), as_tensor(input, writes=False).contiguous()
+        check_defined(op, out.dtype, "reduce_scatter_tensor")
         out, back = widened(out, op, back, fresh=True)
         inp, _ = widened(inp, op, None)
         inp = avg_part(inp, op, self.size, copy=True)
@@ -179,6 +181,7 @@ class TorchBackend:
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         t, back = _dense(tensor, writes=self.rank == dst)
+        check_defined(op, t.dtype, "reduce")
         t, back = widened(t, op, back) if self.rank == dst else (widened(t, op, None)[0], None)
         after = _then(self._avg(t, op), back) if self.rank == dst else None
         if self.rank != dst:  # gloo uses non-root buffers as scratch; ours stay unchanged

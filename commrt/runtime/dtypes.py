@@ -11,7 +11,7 @@ import numpy as np
 
 # code -> name; codes are part of the wire format: never renumber.
 NAMES = {1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int8", 6: "uint8", 7: "int32",
-         8: "int64"}
+         8: "int64", 9: "bool"}
 CODES = {name: code for code, name in NAMES.items()}
 NUMPY = {name: np.dtype(name) for name in CODES if name != "bfloat16"}  # numpy has no bfloat16
 _CODE_OF: dict = {}  # dtype object (torch or numpy) -> code, filled on first sight

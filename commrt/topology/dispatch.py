@@ -167,7 +167,7 @@ def segments_for(nbytes: int, chunk_bytes: int) -> int:
 
 def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
     """``group.backend.all_reduce``, or the two-level composition on the world spanning nodes."""
-    if not route(group, "all_reduce", tensor) or _int_avg(op, tensor):
+    if not route(group, "all_reduce", tensor) or _flat_avg(op, tensor):
         return group.backend.all_reduce(tensor, op, async_op)
     flat, back = _plain(tensor)
     segments = segments_for(nbytes(flat), world.current().config.comm.chunk_bytes)
@@ -176,7 +176,7 @@ def all_reduce(tensor, op: ReduceOp, group: ProcessGroup, async_op: bool = False
 
 
 def reduce_scatter_tensor(output, input, op: ReduceOp, group: ProcessGroup, async_op: bool = False) -> Work | None:
-    if not route(group, "reduce_scatter", output, input) or _int_avg(op, input):
+    if not route(group, "reduce_scatter", output, input) or _flat_avg(op, input):
         return group.backend.reduce_scatter_tensor(output, input, op, async_op)
     (out, back), (inp, _) = _plain(output), _plain(input, writes=False)
     out, inp = same_kind(out, inp)
@@ -199,10 +199,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return group.backend.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
 
 
-def _int_avg(op: ReduceOp, buf) -> bool:
-    """An integer AVG below 64 bits: the flat path, whose backend sums it in 64 bits
-    (backends.base.widened); the two levels' partial sums would wrap."""
-    return op == ReduceOp.AVG and narrow_int(dtypes.as_buffer(buf, writes=False))
+def _flat_avg(op: ReduceOp, buf) -> bool:
+    """An AVG the flat path runs: integers below 64 bits, which its backend sums in 64 bits
+    (backends.base.widened; the two levels' partial sums would wrap), and bool, which its
+    backend refuses (reduce_ops.check_defined)."""
+    if op != ReduceOp.AVG:
+        return False
+    buf = dtypes.as_buffer(buf, writes=False)
+    return narrow_int(buf) or dtypes.dtype_name(buf.dtype) == "bool"
 
 
 def route(group, kind: str, *tensors) -> bool:

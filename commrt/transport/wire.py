@@ -51,7 +51,7 @@ class Coll(enum.IntEnum):
 
 # element size of each dtype code (commrt.runtime.dtypes maps the codes to torch dtypes; a unit test
 # keeps the two tables equal). Codes are part of the wire format: never renumber.
-ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8}
+ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2, 5: 1, 6: 1, 7: 4, 8: 8, 9: 1}
 # reduce op codes: the values of commrt.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)
 REDUCE_CODES = range(5)
 _COLLS = frozenset(int(c) for c in Coll)

@@ -50,3 +50,12 @@ def test_half_precision_avg_does_not_overflow(backend, intra):
     on every rank (programs/half_avg.py). The sum used to overflow to inf."""
     _, out = run_ranks(3, "half_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
     assert out.count("half avg passed") == 3
+
+
+@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
+def test_bool_tensors_and_arrays_reduce_as_logical_ops(backend, intra):
+    """bool through every collective, tensors and numpy arrays: SUM/MAX a logical or, PRODUCT/MIN
+    a logical and, AVG a ValueError on every rank (programs/bool_ops.py). bool used to be refused
+    by every op of the zmq backend as an unsupported dtype."""
+    _, out = run_ranks(3, "bool_ops", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
+    assert out.count("bool ops passed") == 3

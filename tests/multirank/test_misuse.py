@@ -13,7 +13,7 @@ def test_misuse(backend, mode):
 
 
 @pytest.mark.parametrize("case", ["max_vs_sum", "avg_vs_sum_ring", "reduce_scatter_min", "reduce_max",
-                                  "avg_int8_vs_int64",
+                                  "avg_int8_vs_int64", "bool_vs_uint8",
                                   "broadcast_roots", "reduce_roots", "all_to_all_lengths",
                                   "all_to_all_more_pieces"])
 def test_reduce_op_and_root_mismatch_is_named(case):

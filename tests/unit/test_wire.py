@@ -59,7 +59,7 @@ def test_malformed_headers_are_protocol_errors(bad):
 # well-formed msgpack, impossible as a message: each must be dropped at decode (issue 13.10),
 # never reach an operation, and the sender must refuse to build it (issue 13.6)
 IMPOSSIBLE = {
-    "unknown dtype code": GOOD._replace(dtype=9),
+    "unknown dtype code": GOOD._replace(dtype=10),
     "dtype code 0": GOOD._replace(dtype=0),
     "unknown collective": GOOD._replace(op=8),
     "collective code 0": GOOD._replace(op=0xAB << 8),

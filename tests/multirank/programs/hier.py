@@ -55,6 +55,7 @@ def check_matrix(flat_world) -> None:
     from tests.multirank.programs.common import DTYPES, OPS, assert_equal, reference, values
     rank, world = commrt.get_rank(), commrt.get_world_size()
     check_half_avg(flat_world, rank, world)
+    check_bool(rank, world)
     for seed, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
         for numel in (0, 1, 7, 3 * world + 1, 20_001):  # empty, below, around and above the padding
             parts = [values(numel, r, dtype, op, seed) for r in range(world)]
@@ -107,6 +108,25 @@ def check_half_avg(flat_world, rank: int, world: int) -> None:
         commrt.reduce_scatter_tensor(out, torch.from_numpy(full[rank] * world).half(), op="avg")
         _exactly(out, torch.from_numpy(sum(full)[rank * numel:(rank + 1) * numel]).half(),
                  f"float16 AVG reduce_scatter near the top, {numel}")
+
+
+def check_bool(rank: int, world: int) -> None:
+    """bool over the two levels: SUM a logical or, PRODUCT a logical and; AVG a ValueError on
+    every rank (it went two levels, then failed dividing a bool by the world size)."""
+    import torch
+    for op, want in (("SUM", [True, True, False]), ("PRODUCT", [False, True, False])):
+        t = torch.tensor([rank == 0, True, False]).repeat(7)
+        commrt.all_reduce(t, op=op)
+        assert t.tolist() == want * 7, (op, t)
+        out = torch.zeros(3, dtype=torch.bool)
+        commrt.reduce_scatter_tensor(out, torch.tensor([rank == 0, True, False]).repeat(world), op=op)
+        assert out.tolist() == want, (op, out)
+    try:
+        commrt.all_reduce(torch.ones(8, dtype=torch.bool), op="avg")
+    except ValueError as exc:
+        assert "AVG" in str(exc) and "bool" in str(exc), exc
+    else:
+        raise AssertionError("AVG of bools over two levels did not raise")
 
 
 def check_parameters(rank: int, world: int) -> None:

@@ -127,6 +127,9 @@ MISMATCHES = {
     # caller's dtype, as every other op's do
     "avg_int8_vs_int64": (lambda r: commrt.all_reduce(np.full(8, 100, np.int8 if r else np.int64), op="AVG"),
                           ("dtype=int64", "dtype=int8")),
+    # bool and uint8 are one byte each but not one op (SUM: a logical or, a sum)
+    "bool_vs_uint8": (lambda r: commrt.all_reduce(np.ones(8, np.bool_ if r else np.uint8)),
+                      ("dtype=uint8", "dtype=bool")),
     "broadcast_roots": (_crossed_roots, ("root=0", "root=1", "op=broadcast", "seq=2")),
     "reduce_roots": (_crossed_destinations, ("root=0", "root=1", "op=reduce", "seq=2")),
     "all_to_all_lengths": (_split_lengths, ("all_to_all", "rank 0 runs", "rank 1 runs")),
