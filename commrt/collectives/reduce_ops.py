@@ -52,11 +52,20 @@ def _np(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else x.numpy()
 
 
+# torch's reduce ops that ours are not, and what to do instead
+_NOT_OURS = {"PREMUL_SUM": "scale the tensor and use SUM (what NCCL's premul sum does)",
+             "BAND": "bitwise: all_gather and fold locally (the torch.distributed backend does)",
+             "BOR": "bitwise: all_gather and fold locally (the torch.distributed backend does)",
+             "BXOR": "bitwise: all_gather and fold locally (the torch.distributed backend does)"}
+
+
 def parse_op(name) -> ReduceOp:
     if isinstance(name, ReduceOp):
         return name
     key = str(name).upper()
     key = {"PROD": "PRODUCT", "MEAN": "AVG"}.get(key, key)
+    if key in _NOT_OURS:
+        raise ValueError(f"reduce op {key} is not supported; {_NOT_OURS[key]}; valid: {list(ReduceOp.__members__)}")
     if key not in ReduceOp.__members__:
         raise ValueError(f"unknown reduce op '{name}'; valid: {list(ReduceOp.__members__)}")
     return ReduceOp[key]
@@ -66,7 +75,10 @@ def as_op(op) -> ReduceOp:
     """Any spelling users pass (``ReduceOp``, a name, torch's ``ReduceOp.SUM``) as ours."""
     if type(op) is ReduceOp:  # the common case, on every reducing call
         return op
-    return parse_op(op if isinstance(op, (ReduceOp, str)) else str(op).rsplit(".", 1)[-1])
+    if isinstance(op, (ReduceOp, str)):
+        return parse_op(op)
+    # torch's: a RedOpType, or a ReduceOp object holding one in ``op`` (a premul sum's)
+    return parse_op(str(getattr(op, "op", op)).rsplit(".", 1)[-1])
 
 
 def check_defined(op: ReduceOp, dtype, what: str) -> None:

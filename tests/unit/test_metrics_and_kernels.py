@@ -5,7 +5,7 @@ import torch
 from commrt.bench import metrics
 from commrt.bench.runner import BenchSpec
 from commrt.bench import report
-from commrt.collectives.reduce_ops import ReduceOp, avg_part, combine_, copy_, finish_avg_, parse_op
+from commrt.collectives.reduce_ops import ReduceOp, as_op, avg_part, combine_, copy_, finish_avg_, parse_op
 
 
 @pytest.mark.parametrize("coll,n,factor", [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5),
@@ -90,6 +90,18 @@ def test_avg_divides_half_precision_parts_first(dtype):
     if dtype != torch.bfloat16:  # numpy's own arrays (no bfloat16 there) take the same rule
         arr = before.numpy().copy()
         assert avg_part(arr, ReduceOp.AVG, 4) is arr and np.array_equal(arr, copied.numpy())
+
+
+def test_torch_ops_that_are_not_ours_are_named_in_the_error():
+    """torch's PREMUL_SUM (a ReduceOp object wrapping the factor) was refused as "unknown reduce
+    op 'ReduceOp object at 0x...'"; it and the bitwise ops are named, with what to do instead."""
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match="PREMUL_SUM is not supported; scale the tensor and use SUM"):
+        as_op(dist._make_nccl_premul_sum(2.0))
+    for op in (dist.ReduceOp.BAND, "bxor"):
+        with pytest.raises(ValueError, match="(BAND|BXOR) is not supported; bitwise"):
+            as_op(op)
+    assert as_op(dist.ReduceOp.AVG) is ReduceOp.AVG and as_op(dist.ReduceOp.PRODUCT) is ReduceOp.PRODUCT
 
 
 def test_parse_op_accepts_names_and_torch_spelling():
