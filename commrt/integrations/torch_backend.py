@@ -14,6 +14,7 @@ import datetime
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 
@@ -23,7 +24,7 @@ _REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_
 
 from commrt.collectives import aliasing
 from commrt.collectives.reduce_ops import ReduceOp, avg_part, check_defined, finish_avg_
-from commrt.runtime.dtypes import as_tensor
+from commrt.runtime.dtypes import as_buffer, as_tensor, negative_strides
 from commrt.runtime.errors import CommError, PeerLost
 from commrt.runtime.work import Work
 from commrt.backends.base import split_bounds, widened
@@ -123,6 +124,10 @@ class TorchWork(Work):
 def _dense(buf, writes: bool = True) -> tuple[torch.Tensor, object]:
     """(the tensor torch runs on, a write-back for its results or None); ``writes`` false: the
     op only reads it (a read-only array is copied, as_tensor; the write-back is then unused)."""
+    if isinstance(buf, np.ndarray) and negative_strides(buf):  # torch cannot view it: a copy
+        arr = as_buffer(buf, writes)
+        tmp = torch.from_numpy(np.ascontiguousarray(arr))
+        return tmp, lambda: np.copyto(arr, tmp.numpy())
     t = as_tensor(buf, writes)
     if t.is_contiguous():
         return t, None

@@ -80,13 +80,20 @@ def as_buffer(obj, writes: bool = True):
 
 
 def as_tensor(obj, writes: bool = True):
-    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place); a
-    read-only array that is only read (``writes`` false) is copied: torch has no read-only tensor."""
+    """A torch view of a torch tensor or numpy array, sharing memory (updates land in place); an
+    array that is only read (``writes`` false) is copied where torch cannot view it: read-only
+    or with a negative stride (torch has neither; ``negative_strides``)."""
     import torch  # lazy: only torch-level callers ask for a tensor
     buf = as_buffer(obj, writes)
     if isinstance(buf, np.ndarray):
-        return torch.from_numpy(buf if buf.flags.writeable else buf.copy())
+        viewable = buf.flags.writeable and not negative_strides(buf)
+        return torch.from_numpy(buf if viewable or writes else np.ascontiguousarray(buf))
     return buf
+
+
+def negative_strides(a: np.ndarray) -> bool:
+    """A numpy array torch cannot view (``a[::-1]``): it runs on a copy, stored back."""
+    return any(s < 0 for s in a.strides)
 
 
 def byte_span(t) -> tuple[int, int]:

@@ -107,3 +107,29 @@ def test_gather_scatter_and_recv_with_strided_buffers(backend):
     buf = torch.zeros(3, 2)
     backend.irecv(buf[:, 1], 1).wait()
     assert buf[:, 1].tolist() == [5, 5, 5] and buf[:, 0].eq(0).all(), buf
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_numpy_arrays_with_negative_strides(backend, async_op):
+    """torch has no negative strides: torch.from_numpy refused a reversed view (``a[::-1]``,
+    which the zmq backend takes), so every op of the gloo backend on one raised ValueError.
+    They run on a contiguous copy, stored back into the view."""
+    for name, call, want in (
+            ("all_reduce", lambda v: backend.all_reduce(v, ReduceOp.SUM, async_op), lambda v: v * 2),
+            ("broadcast", lambda v: backend.broadcast(v, 1, async_op), lambda v: v * 0 + 7),
+            ("reduce", lambda v: backend.reduce(v, 0, ReduceOp.SUM, async_op), lambda v: v * 2)):
+        base = np.arange(12, dtype=np.float32) + 1
+        before = base.copy()
+        work = call(base[::-1])
+        if work is not None:
+            work.wait()
+        assert np.array_equal(base, want(before)), (name, base)
+    out = np.zeros(12, np.float32)
+    backend.all_gather_into_tensor(out[::-1], np.arange(6, dtype=np.float32)[::-1])
+    assert out[::-1].tolist() == [5, 4, 3, 2, 1, 0] * 2, out
+    out = np.zeros(3, np.float32)
+    backend.reduce_scatter_tensor(out[::-1], np.arange(6, dtype=np.float32)[::-1])
+    assert out[::-1].tolist() == [10, 8, 6], out
+    buf = np.zeros(4, np.float32)
+    backend.irecv(buf[::-2], 1).wait()
+    assert buf.tolist() == [0, 5, 0, 5], buf
