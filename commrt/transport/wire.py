@@ -23,7 +23,7 @@ import msgpack
 
 from commrt.runtime.errors import ProtocolError
 
-VERSION = 2  # 2: reduce op and root joined the header
+VERSION = 3  # 2: reduce op and root joined the header; 3: bool (code 9), which a 2 drops
 MAX_HEADER_BYTES = 256
 _FIELDS = 12
 _INT_MAX = 1 << 62

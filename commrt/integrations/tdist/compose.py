@@ -14,7 +14,7 @@ import torch.distributed as dist
 from commrt.collectives.reduce_ops import ReduceOp
 
 _BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
-_VIEW_AS = {torch.bool: torch.uint8}  # carried as bytes (commrt's wire has no bool)
+_VIEW_AS = {torch.bool: torch.uint8}  # the same bytes, reduced by MAX / MIN (``bool_op``)
 
 
 def op_name(op) -> str:
