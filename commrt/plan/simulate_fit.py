@@ -63,8 +63,7 @@ def measured(paths: list[str]) -> list[Row]:
     where it was measured (``--mode alone|both``), its time alone."""
     rows = []
     for path in paths:
-        with open(path) as fh:
-            doc = json.load(fh)
+        doc = _collective_doc(path)
         for row in doc["rows"]:
             for name in doc["backends"]:
                 algo = name.split("+")[0].partition(":")[2]
@@ -76,6 +75,24 @@ def measured(paths: list[str]) -> list[Row]:
                 if "alone" in row[name]:
                     rows.append(Row(*case, row[name]["alone"]["time_us"] * 1e-6, alone=True))
     return rows
+
+
+def _collective_doc(path: str) -> dict:
+    """The bench JSON at ``path``, refused in one line (SystemExit) unless it is a collective
+    benchmark's: a ``commrt bench p2p`` or ``bench ps`` file has neither a collective nor
+    ``zmq:ALGO`` columns (ps's had no "backends": a KeyError traceback; p2p's read as no rows,
+    and the fit then asked for ring rows the file was never going to have)."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"simulate_fit: {path}: {exc}") from None
+    kind = doc.get("benchmark") if isinstance(doc, dict) else None
+    if kind or not isinstance(doc, dict) or not {"collective", "backends", "rows"} <= doc.keys():
+        what = f"a 'commrt bench {kind}' file" if kind else "not a 'commrt bench COLLECTIVE --json' file"
+        raise SystemExit(f"simulate_fit: {path} is {what}; it fits collective runs only "
+                         "(commrt bench all_reduce --algo ring,... --json FILE)")
+    return doc
 
 
 def medians(rows: list[Row], per_node: int = 0, nic_bps: float = 0.0) -> dict[fit_cpu.Case, list[float]]:

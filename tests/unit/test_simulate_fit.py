@@ -84,3 +84,19 @@ def test_the_cpu_model_is_fitted_on_one_run_and_checks_the_others(tmp_path, caps
     assert "emulated: 0 of 6 rows within 15%" in out and "| emulated | ring | 4x2 | 4096 |" in out
     with pytest.raises(SystemExit, match="--per-node"):
         sf.main([*fit_files, "--cores", "2", "--emulated", *emu])
+
+
+@pytest.mark.parametrize("doc, kind", [
+    ({"benchmark": "ps", "workers": 2, "servers": 2, "rows": [{"size": 4096, "ps_time_us": 9.0}]}, "a 'commrt bench ps' file"),
+    ({"benchmark": "p2p", "nproc": 2, "backends": ["zmq"], "rows": [{"zmq": {"size": 4096, "stream_us": 9.0}}]},
+     "a 'commrt bench p2p' file"),
+    ({"command": "commrt bench train", "rows": []}, "not a 'commrt bench COLLECTIVE --json' file"),
+])
+def test_a_p2p_or_ps_file_is_refused_in_one_line(tmp_path, doc, kind):
+    """bench ps's JSON was a KeyError traceback; p2p's read as no rows, then 'needs the ring rows'."""
+    (tmp_path / "x.json").write_text(json.dumps(doc))
+    for argv in ([str(tmp_path / "x.json")], [str(tmp_path / "x.json"), "--cores", "2"]):
+        with pytest.raises(SystemExit, match=f"x.json is {kind}; it fits collective runs only"):
+            sf.main(argv)
+    with pytest.raises(SystemExit, match="nope.json"):
+        sf.main([str(tmp_path / "nope.json")])
