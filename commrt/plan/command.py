@@ -27,7 +27,7 @@ import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
 from commrt.plan import simulate_command
-from commrt.runtime.errors import ConfigError
+from commrt.runtime.errors import CommError, ConfigError
 
 if TYPE_CHECKING:  # the model imports torch: only once the command runs, not for every commrt command
     from commrt.plan.estimate import Cluster, Estimate, Job
@@ -144,17 +144,44 @@ class Measured(NamedTuple):
     prints: bool = True  # False on the ranks of a job other than rank 0
 
 
+PROBE_TIMEOUT_S = 300.0  # the probe's whole run, start-up included (about 20 s on a quiet host)
+PROBE_STOP_S = 30.0      # after SIGTERM, for the probe's launcher to stop its ranks
+
+
+def probe_command(path: str) -> list[str]:
+    """The probe: a 2-rank 16 MiB ``commrt bench sendrecv`` writing its JSON to ``path``."""
+    return [sys.executable, "-m", "commrt.cli", "bench", "sendrecv", "--nproc", "2", "-b", "16M", "-e", "16M",
+            "-n", "10", "-w", "3", "--json", path]
+
+
 def measure_intra_bw() -> float:
-    """Point-to-point bytes/s between two local ranks (a 16 MiB commrt bench sendrecv)."""
+    """Point-to-point bytes/s between two local ranks (a 16 MiB commrt bench sendrecv). A probe
+    past PROBE_TIMEOUT_S is a CommError in one line, not subprocess's TimeoutExpired traceback;
+    it is stopped with SIGTERM first, on which its launcher stops the ranks it started (the
+    SIGKILL subprocess.run sends left them running)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "commrt.cli", "bench", "sendrecv", "--nproc", "2", "-b", "16M", "-e", "16M",
-               "-n", "10", "-w", "3", "--json", path]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        cmd = probe_command(path)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise CommError(f"--measure: the bench probe (a 2-rank commrt bench sendrecv) did not finish within "
+                            f"{PROBE_TIMEOUT_S:g} s and was stopped; give --intra-bw without --measure instead") from None
         if proc.returncode != 0 or not os.path.exists(path):
-            raise ConfigError(f"--measure: the bench probe failed: {proc.stderr[-2000:]}")
+            raise ConfigError(f"--measure: the bench probe failed: {err[-2000:]}")
         with open(path) as fh:
             return float(json.load(fh)["avg_busbw"]["zmq"]) * 1e9
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=PROBE_STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def in_job() -> bool:

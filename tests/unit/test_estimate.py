@@ -227,3 +227,21 @@ def test_quantized_ops_take_two_hops_under_auto_where_the_exact_all_reduce_stays
     est = estimate(Job(params=4096, stage=3, dtype="bf16", quant_grads="int4", units=(4096,)),
                    Cluster(nodes=2, per_node=2, small_bytes=1024))
     assert est.phases["gradient reduce_scatter"] == (8192, 528)
+
+
+def test_a_measure_probe_past_its_deadline_is_one_line_and_is_stopped(tmp_path, monkeypatch, capsys):
+    """--measure's probe past its timeout was subprocess.TimeoutExpired's traceback (and the
+    SIGKILL it sent left the probe's ranks running); now one line, exit 1, the probe stopped."""
+    import os
+
+    from commrt.plan import command
+    pidfile = tmp_path / "pid"
+    monkeypatch.setattr(command, "probe_command", lambda path: ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"])
+    monkeypatch.setattr(command, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["estimate", "--params", "1e6", "--measure"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("commrt estimate: CommError: --measure: the bench probe") and "within 2 s" in err
+    assert "\n" not in err
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(int(pidfile.read_text()), 0)
