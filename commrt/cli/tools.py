@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import stat
 import sys
 
 from commrt.plan import command as estimate_command  # argparse and formulas: light until --measure runs
@@ -25,18 +24,17 @@ def _keygen(args) -> int:
 
 
 def _key_directory(directory: str) -> None:
-    """Make ``directory`` (0700), or accept an existing one only if it is this user's and nobody
-    else can write it: whoever can write there can swap allow.txt or a .key for their own (the
-    readers check neither), and so join the job or pose as one of its processes."""
+    """Make ``directory`` (0700), or accept an existing one only if nobody but this user (and
+    root) can write it (transport/key_modes.py: OpenSSH's StrictModes, a user-private group
+    included): whoever can write there can swap allow.txt or a .key for their own, and so join
+    the job or pose as one of its processes."""
+    from commrt.transport import key_modes
     try:
         os.makedirs(directory, mode=0o700)
         return
     except FileExistsError:  # made here, not checked and then made: nobody can slip one in between
         pass
-    st = os.stat(directory)
-    why = (f"owned by another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else
-           f"writable by others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-           else None)
+    why = key_modes.loose(os.stat(directory), os.geteuid())
     if why:
         raise SystemExit(f"commrt keygen: {directory} is {why}: they could replace the keys; give a new "
                          "directory (keygen makes it, mode 0700) or one only you can write")

@@ -32,6 +32,7 @@ from commrt.runtime import addresses
 from commrt.runtime.config import Config
 from commrt.obs.ratelimit import RateLimited
 from commrt.runtime.errors import ConfigError
+from commrt.transport import key_modes
 
 log = logging.getLogger(__name__)
 _refusals = RateLimited(log)  # a peer retrying with a bad key or secret must not flood the log
@@ -167,15 +168,6 @@ def keygen(directory: str, names: list[str]) -> None:
     os.chmod(allow, 0o644)  # whatever the umask: Keyring refuses an allow-list others can write
 
 
-def _refuse_loose(path: str, mode: int, bits: int, what: str) -> None:
-    """ConfigError if ``mode`` has any of ``bits``: a key file other users can read lets them
-    in as its owner, and an allow-list they can write lets them add their own key. Group read
-    stays allowed for the key (Kubernetes mounts secrets 0440 for the pod's group)."""
-    if mode & bits:
-        fix = "chmod 600" if what.startswith("readable") else "chmod go-w"
-        raise ConfigError(f"{path} is {what} by other users (mode {stat.S_IMODE(mode):o}); run: {fix} {path}")
-
-
 class Keyring:
     """This process's key pair and the job's allow-list (name -> public key)."""
 
@@ -184,12 +176,14 @@ class Keyring:
             raise ConfigError("[security] mode = 'curve' needs keys_dir (make one with `commrt keygen`; "
                               "`commrt launch` makes one for local jobs)")
         allow, mine = os.path.join(directory, ALLOW_FILE), os.path.join(directory, f"{me}.key")
+        key_modes.refuse_loose_directory(directory)
         try:
             with open(allow) as fh:
-                _refuse_loose(allow, os.fstat(fh.fileno()).st_mode, stat.S_IWGRP | stat.S_IWOTH, "writable")
+                key_modes.refuse_loose_file(allow, os.fstat(fh.fileno()), stat.S_IWGRP | stat.S_IWOTH, "writable")
                 rows = [line.split() for line in fh if line.strip() and not line.startswith("#")]
             with open(mine) as fh:
-                _refuse_loose(mine, os.fstat(fh.fileno()).st_mode, stat.S_IWGRP | stat.S_IRWXO, "readable or writable")
+                key_modes.refuse_loose_file(mine, os.fstat(fh.fileno()), stat.S_IWGRP | stat.S_IRWXO,
+                                            "readable or writable")
                 public, secret = fh.read().split()
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the keys of {me} in {directory}: {exc}") from None
