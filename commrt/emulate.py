@@ -23,7 +23,7 @@ import secrets
 import shutil
 import subprocess
 
-from commrt.runtime.errors import ConfigError
+from commrt.runtime.errors import CommError, ConfigError
 from commrt.runtime.processes import _stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,30 @@ def check_usable(shape: LinkShape) -> None:
                           "and shape their links with tc; run it as root (CI does)")
 
 
+COMMAND_TIMEOUT_S = 60.0
+"""The most one ``ip`` or ``tc`` command may take; none takes a second on a working host."""
+
+
+class CommandHung(CommError):
+    """An ``ip`` / ``tc`` command of the emulated cluster did not finish within its timeout
+    (it was killed; the namespaces made so far are deleted as on any other failure)."""
+
+    def __init__(self, cmd: list[str], timeout: float):
+        self.cmd, self.timeout = cmd, timeout
+        super().__init__(f"emulated cluster: `{' '.join(cmd)}` did not finish within {timeout:g} s and was "
+                         "killed (a hung iproute2 or kernel: see dmesg)")
+
+
+def _call(cmd: list[str], timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``cmd``'s completed process; CommandHung past ``timeout`` (was subprocess's TimeoutExpired)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CommandHung(cmd, timeout) from None
+
+
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = _call(cmd)
     if proc.returncode != 0:
         err = proc.stderr.strip()
         if "netem" in cmd and ("unknown" in err.lower() or "no such file" in err.lower()):
@@ -152,7 +174,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def _namespaces() -> list[str]:
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    proc = _call(["ip", "netns", "list"], timeout=30)
     return [line.split()[0] for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
 
 

@@ -102,3 +102,37 @@ def test_a_setup_that_fails_deletes_what_it_made_and_reports_no_leftovers(monkey
             pass
     assert not made and len(attempted) == 2, attempted  # the switch and node 0: all that was made
     assert "could not delete" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("hangs", ["tc", "netns add"])
+def test_a_command_that_hangs_is_a_typed_error_naming_it_and_the_namespaces_go(monkeypatch, hangs):
+    """An ip / tc command past its timeout was subprocess.TimeoutExpired, naming nothing of the
+    cluster; now CommandHung names it, and every namespace that may exist is still deleted (a
+    hung ``ip netns add`` may have made its namespace)."""
+    calls, deleted = [], []
+
+    def run(cmd, **kw):
+        if cmd[:3] == ["ip", "netns", "del"]:
+            deleted.append(cmd[3])
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        calls.append(cmd)
+        if (hangs == "tc" and cmd[0] == "tc") or (hangs == "netns add" and len(calls) == 5):
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(emulate, "check_usable", lambda shape: None)
+    monkeypatch.setattr(emulate, "clean_leftovers", lambda: [])
+    monkeypatch.setattr(emulate.subprocess, "run", run)
+    with pytest.raises(emulate.CommandHung, match=r"`(tc -n|ip netns add) \S+.*` did not finish within 60 s") as info:
+        with emulate.cluster(2, emulate.parse_shape("1gbit")):
+            pass
+    assert info.value.cmd == calls[-1]
+    made = [cmd[3] for cmd in calls if cmd[:3] == ["ip", "netns", "add"]]
+    assert len(made) == 2 and sorted(deleted) == sorted(made), (made, deleted)
+
+
+def test_listing_namespaces_that_hangs_is_a_typed_error(monkeypatch):
+    def run(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+    monkeypatch.setattr(emulate.subprocess, "run", run)
+    with pytest.raises(emulate.CommandHung, match="`ip netns list` did not finish within 30 s"):
+        emulate.clean_leftovers()
