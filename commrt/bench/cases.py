@@ -13,15 +13,34 @@ from commrt.collectives.reduce_ops import ReduceOp
 
 
 def pattern(numel: int, rank: int, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
-    """Small integers, so that sums and products are exact in every dtype we support."""
+    """Small integers (|v| <= 8), so that sums and products are exact in every dtype we support,
+    and different for every rank: a piece of another rank's data in the wrong place is caught.
+
+    Element i is a Reed-Solomon symbol: the polynomial whose coefficients are the rank's digits in
+    base p (a prime), evaluated at i mod p, over GF(p). Two ranks' polynomials of fewer than D
+    digits agree on at most D - 1 points, so any D consecutive elements tell every two ranks
+    below p**D apart (D = 4 for 16,384 ranks), and one element tells those below p. p = 17 (values
+    -8..8); for uint8, 7 (values 0..6: its sums wrap no sooner than before). The pattern used
+    to be ``(7i + 13 rank) % 17 - 8``, the same for ranks 17 apart; for ranks below 17 it still is.
+    PRODUCT keeps its 1s and 2s (a 2 wherever (i + rank) % 3 == 0): more distinct values would
+    overflow sooner; it repeats every 3 ranks."""
     i = torch.arange(numel, dtype=torch.int64)
     if op == ReduceOp.PRODUCT:
-        v = 1 + ((i + rank) % 3 == 0).long()
-    else:
-        v = (i * 7 + rank * 13) % 17 - 8
-        if dtype == torch.uint8:
-            v = v.abs()
-    return v.to(dtype)
+        return (1 + ((i + rank) % 3 == 0).long()).to(dtype)
+    p, a, b, low = (7, 3, 5, 0) if dtype == torch.uint8 else (17, 7, 13, -8)
+    x, poly = i % p, torch.zeros(numel, dtype=torch.int64)
+    for digit in reversed(_digits(rank, p)):  # Horner
+        poly = (poly * x + digit) % p
+    return ((a * i + b * poly) % p + low).to(dtype)
+
+
+def _digits(rank: int, base: int) -> list[int]:
+    """``rank``'s digits in ``base``, least significant first ([0] for rank 0)."""
+    out = [rank % base]
+    while rank >= base:
+        rank //= base
+        out.append(rank % base)
+    return out
 
 
 def reference(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
