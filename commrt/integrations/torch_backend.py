@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -39,10 +40,16 @@ class TorchWork(Work):
 
     ``is_completed()`` asks torch, so polling ends (and AVG is finished) without ``wait()``.
     ``wait(timeout)`` that runs out raises ``CommTimeout`` and leaves the work pending: a later
-    wait can still succeed. Only torch's own failure is kept as the work's error."""
+    wait can still succeed. Only torch's own failure is kept as the work's error.
+
+    When it ended (the comms log, the trace): torch tells a wrapper only when asked, so the
+    program's compute between issue and wait counted as the op's time. ``stamps``: torch's
+    future of the work (gloo's collectives) completes when the work does, in gloo's thread; its
+    callback notes the time. Without one (gloo's send and receive have none; nccl's completes
+    when the kernel is queued, not done) the time is when the program waited or polled."""
 
     def __init__(self, name: str, inner, after=None, polls: bool = True, result=None,
-                 peer: int | None = None, lost: set | None = None):
+                 peer: int | None = None, lost: set | None = None, stamps: bool = False):
         """``peer``: the global rank a send or receive talks to, named in its failure and then
         added to ``lost``."""
         super().__init__(name)
@@ -53,6 +60,21 @@ class TorchWork(Work):
         # waited with torch's own timeout instead of polled
         self._polls = polls
         self._lock = threading.Lock()  # runs ``after`` once, whichever thread sees completion
+        if stamps:
+            self._stamp_on_completion()
+
+    def _stamp_on_completion(self) -> None:
+        try:
+            future = self._inner.get_future()
+        except (AttributeError, RuntimeError):  # "Work::getFuture not implemented"
+            return
+        me = weakref.ref(self)  # torch holds the callback: no cycle through C++ that gc cannot see
+        future.add_done_callback(lambda _: TorchWork._stamp(me()))
+
+    @staticmethod
+    def _stamp(work) -> None:
+        if work is not None and work._ended_at is None:
+            work._ended_at = time.perf_counter()
 
     def _complete(self, waited: bool = False) -> None:
         with self._lock:
@@ -148,7 +170,7 @@ class TorchBackend:
 
     def _finish(self, name: str, work, async_op: bool, after=None):
         if async_op:
-            return TorchWork(name, work, after)
+            return TorchWork(name, work, after, stamps=self.name == "gloo")
         if after is not None:
             after()
         return None

@@ -45,13 +45,14 @@ class Record:
         if self.state == STARTED:
             self.started = time.perf_counter()
 
-    def done(self, error: BaseException | None) -> None:
+    def done(self, error: BaseException | None, at: float | None = None) -> None:
         """An async op completed or failed (``Work._finish``); exactly once even when that
-        races with the op's registration (``Observer.issued``)."""
+        races with the op's registration (``Observer.issued``). ``at``: when it ended, where
+        that was seen before (a torch future's callback: ``Work._ended_at``); else now."""
         with self.ring.lock:
             if self.ended is not None:
                 return
-            self.ended = time.perf_counter()
+            self.ended = time.perf_counter() if at is None else at
         self._end(error)
 
     def end(self, error: BaseException | None) -> None:

@@ -83,7 +83,7 @@ class Observer:
         else:
             work._flight = rec
             if work._done.is_set():  # finished before it was registered (done() runs once)
-                rec.done(work._error)
+                rec.done(work._error, work._ended_at)
         return work
 
     def completed(self, rec: flight.Record, error: BaseException | None) -> None:

@@ -66,6 +66,9 @@ class Work:
 
     _flight = None
     """The op's flight-recorder record (commrt/obs), told when the op starts and ends."""
+    _ended_at: float | None = None
+    """perf_counter when the op ended, where that is known before ``_finish`` runs (a gloo
+    collective's future, integrations/torch_backend.py); None: ``_finish``'s own time."""
 
     def __init__(self, name: str):
         self.name = name
@@ -80,7 +83,7 @@ class Work:
             self._done._set_locked()
             callbacks, self._callbacks = self._callbacks or (), None
         if self._flight is not None:
-            self._flight.done(error)
+            self._flight.done(error, self._ended_at)
         for fn in callbacks:
             self._call_back(fn)
 

@@ -32,3 +32,12 @@ def test_a_wait_that_times_out_writes_the_flight_record_on_every_backend(backend
     assert "[rank 0] CAUGHT CommTimeout" in out, out
     (dump,) = flight.read_dumps(str(tmp_path))
     assert dump["rank"] == 0 and dump["reason"].startswith("CommTimeout"), dump["reason"]
+
+
+def test_an_async_gloo_collective_is_timed_to_its_completion_not_to_the_wait():
+    """TorchWork learned that a gloo op had finished only at wait(): the comms log's time of an
+    async all_reduce included the program's compute until it waited. torch's future of the work
+    now stamps the end (integrations/torch_backend.TorchWork)."""
+    env = {"COMMRT_COMM_BACKEND": "gloo", "COMMRT_LOG_COMMS": "1"}
+    _, out = run_ranks(2, "obs_gloo_end", env=env, timeout_s=90)
+    assert out.count("ENDED BEFORE WAIT") == 2, out
