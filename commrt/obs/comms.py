@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 # nccl-tests' definitions (doc/PERFORMANCE.md there): algbw = size / time; busbw rescales it by
 # the data each rank must move over its link in an optimal algorithm: all_reduce 2(n-1)/n;
@@ -77,29 +78,36 @@ class Timings:
 
 
 class CommsLog:
-    """Counts and times ops per (op, size bucket, group, backend)."""
+    """Counts and times ops per (op, size bucket, group, backend).
+
+    Ops end on several threads at once (a sync op in the caller's, async ones on their group's
+    executor, a send on the p2p engine's, a gloo op in whichever thread waits), often under one
+    key: ``add`` and the snapshot in ``rows`` hold a lock, or two ends at once could count as
+    one (``count += 1`` is a read and a write) or one of two new rows replace the other."""
 
     def __init__(self) -> None:
         self.table: dict[tuple, Timings] = {}
+        self._lock = threading.Lock()  # uncontended: a few dozen ns an op
 
     def add(self, op: str, nbytes: int, group: int, backend: str, size: int, seconds: float) -> None:
         key = (op, bucket(nbytes), group, backend, size)
-        t = self.table.get(key)
-        if t is None:
-            t = self.table[key] = Timings()
-        t.add(nbytes, seconds)
+        with self._lock:
+            t = self.table.get(key)
+            if t is None:
+                t = self.table[key] = Timings()
+            t.add(nbytes, seconds)
 
     def rows(self) -> list[dict]:
         """One dict per key, most total time first: the data of ``commrt.comms_summary()``."""
         out = []
-        # a snapshot (list() copies in C, under the GIL): async ops complete on their groups'
-        # threads and may add a row while a program reads the table
-        for (op, buck, group, backend, size), t in list(self.table.items()):
-            s = sorted(t.samples[-SAMPLES:])
-            alg = t.nbytes / t.seconds / 1e9 if t.seconds > 0 else 0.0
+        with self._lock:  # a snapshot: ops may end while a program reads the table
+            snapshot = [(key, t.count, t.nbytes, t.seconds, t.samples[-SAMPLES:]) for key, t in self.table.items()]
+        for (op, buck, group, backend, size), count, nbytes, seconds, samples in snapshot:
+            s = sorted(samples)
+            alg = nbytes / seconds / 1e9 if seconds > 0 else 0.0
             out.append({"op": op, "bucket": buck, "group": group, "backend": backend, "group_size": size,
-                        "count": t.count, "bytes": t.nbytes, "total_s": t.seconds,
-                        "mean_us": t.seconds / t.count * 1e6, "p50_us": percentile(s, 50) * 1e6,
+                        "count": count, "bytes": nbytes, "total_s": seconds,
+                        "mean_us": seconds / count * 1e6, "p50_us": percentile(s, 50) * 1e6,
                         "p99_us": percentile(s, 99) * 1e6, "algbw_gbps": alg,
                         "busbw_gbps": alg * busbw_factor(op, size)})
         out.sort(key=lambda r: -r["total_s"])
