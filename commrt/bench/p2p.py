@@ -39,6 +39,8 @@ def run(args) -> int:
     check(backends, sizes, args.iters, args.warmup)
     report.check_json_path(args.json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ["WORLD_SIZE"].strip() == "1":  # rank 0 sent to a rank 1 that is not there
+            raise ConfigError("commrt bench p2p times ranks 0 and 1: start it with 2 ranks or more (WORLD_SIZE=1)")
         return _rank(backends, sizes, args)
     from commrt import launch as launcher
     cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]

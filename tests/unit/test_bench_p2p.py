@@ -40,3 +40,17 @@ def test_rank_0_checks_the_bytes_that_came_back():
 
 def test_rank_1_checks_the_bytes_that_arrived():
     assert p2p.measure(_NoReturnPath(1), 1, 64, iters=1, warmup=0)["wrong"] == 16
+
+
+def test_one_rank_under_a_launcher_is_refused_before_it_starts(monkeypatch, capsys):
+    """Under a launcher of one rank (torchrun -n 1, commrt launch -n 1) the bench started a world
+    of one, then rank 0's send to rank 1 was a ValueError traceback."""
+    from commrt.cli import main
+    from commrt.launch import free_port
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert main(["bench", "p2p", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0"]) == 1
+    assert "start it with 2 ranks or more (WORLD_SIZE=1)" in capsys.readouterr().err
