@@ -141,12 +141,16 @@ def run_cpu(args) -> tuple[list[dict], fit_cpu.Params]:
     """``--cores``: fit the CPU model on the positional files, predict the --check and --emulated ones."""
     fit_rows = medians(measured(args.json))
     cases = sorted(fit_rows)
+    if len(cases) < 5:  # fit_cpu.fit's ValueError was a traceback
+        raise SystemExit(f"simulate_fit --cores: fitting its 5 figures needs >= 5 measured cases (zmq:ALGO columns x "
+                         f"sizes x world sizes) in the positional files, got {len(cases)} (commrt bench all_reduce "
+                         "--algo all --json FILE, at two world sizes)")
     p = fit_cpu.fit(cases, [statistics.median(fit_rows[c]) for c in cases], cores=args.cores, sharing=args.sharing)
     entries = compare_cpu(fit_rows, p, "fit")
     if args.check:
         entries += compare_cpu(medians(measured(args.check)), p, "check")
     if args.emulated:
-        if not args.per_node or not args.mbit:
+        if args.per_node < 1 or not args.mbit > 0:
             raise SystemExit("simulate_fit: --emulated needs --per-node G and --mbit RATE (the launch's -n and link)")
         entries += compare_cpu(medians(measured(args.emulated), args.per_node, args.mbit * 1e6), p, "emulated")
     return entries, p
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharing", choices=SHARING, default="fcfs",
                     help="with --cores: how a link serves concurrent messages (first come first served, or max-min fair)")
     args = ap.parse_args(argv)
+    if args.cores < 0:  # a ConfigError traceback from the first replay of the fit
+        ap.error(f"--cores {args.cores}: cores shared by the ranks, >= 1 (0: the network-only fit)")
     if args.cores:
         entries, p = run_cpu(args)
         print(markdown_cpu(entries, p))

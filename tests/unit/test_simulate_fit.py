@@ -100,3 +100,23 @@ def test_a_p2p_or_ps_file_is_refused_in_one_line(tmp_path, doc, kind):
             sf.main(argv)
     with pytest.raises(SystemExit, match="nope.json"):
         sf.main([str(tmp_path / "nope.json")])
+
+
+def test_a_cpu_fit_without_the_rows_or_cores_it_needs_is_one_line(tmp_path, capsys, monkeypatch):
+    """--cores over fewer than 5 measured cases was fit_cpu's ValueError traceback, --cores -1
+    a ConfigError traceback from the first replay, --per-node -2 with --emulated another."""
+    from commrt.plan import fit_cpu
+    monkeypatch.setattr(fit_cpu, "WARM", 0)  # one op per replay, as above
+    monkeypatch.setattr(fit_cpu, "REPEAT", 1)
+    one = _bench_json(tmp_path / "a.json", fit_cpu.Params(5e-6, 2e9, 40e-6, 0.3e-9, 3e9, 2), 2)  # 3 algos x 2 sizes
+    doc = json.loads((tmp_path / "a.json").read_text())
+    doc["rows"] = doc["rows"][:1]  # 3 cases
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="needs >= 5 measured cases .* got 3"):
+        sf.main([str(tmp_path / "b.json"), "--cores", "2"])
+    with pytest.raises(SystemExit):
+        sf.main([one, "--cores", "-1"])
+    assert "--cores -1: cores shared by the ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--emulated needs --per-node G and --mbit RATE"):
+        sf.run_cpu(sf.argparse.Namespace(json=[one], cores=2, sharing="fcfs", check=[], emulated=[one],
+                                         per_node=-2, mbit=100.0))
