@@ -98,9 +98,32 @@ def with_algorithms(backends: tuple[str, ...], collective: str, algo: str) -> tu
     return tuple(b for b in backends if b != zmq) + tuple(f"{zmq}:{a}" for a in names)
 
 
+# what bench p2p reads of the options (float32 messages, its own table): the others it ignored,
+# silently (--plot drew nothing, -d float16 timed float32)
+P2P_OPTIONS = {"command", "collective", "fn", "backend", "nproc", "minbytes", "maxbytes", "stepfactor", "iters",
+               "warmup", "json"}
+
+
+def _check_p2p(args) -> None:
+    defaults = build_defaults()
+    ignored = sorted(k for k, v in vars(args).items() if k not in P2P_OPTIONS and v != defaults.get(k))
+    if ignored:
+        raise SystemExit(f"commrt bench p2p: {', '.join('--' + k for k in ignored)} do not apply to p2p (float32 "
+                         "messages between ranks 0 and 1); it takes --backend, --nproc, -b, -e, -f, -n, -w, --json")
+
+
+def build_defaults() -> dict:
+    """Every ``commrt bench`` option's default."""
+    import argparse
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    return {a.dest: a.default for a in sub.choices["bench"]._actions}
+
+
 def run(args) -> int:
     if args.collective == "p2p":  # point-to-point latency (bench/p2p.py): its own rows and table
         from commrt.bench.p2p import run as run_p2p
+        _check_p2p(args)
         return run_p2p(args)
     from commrt.bench import metrics, report
     from commrt.bench.runner import BenchSpec

@@ -54,3 +54,13 @@ def test_one_rank_under_a_launcher_is_refused_before_it_starts(monkeypatch, caps
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert main(["bench", "p2p", "-b", "4K", "-e", "4K", "-n", "1", "-w", "0"]) == 1
     assert "start it with 2 ranks or more (WORLD_SIZE=1)" in capsys.readouterr().err
+
+
+def test_options_p2p_does_not_read_are_refused_not_ignored():
+    """bench p2p sends float32 and draws nothing: --plot, -d float16 or --algo were ignored
+    without a word (no plot, float32 timed under a float16 request)."""
+    import pytest
+
+    from commrt.cli import main
+    with pytest.raises(SystemExit, match=r"--datatype, --plot do not apply to p2p"):
+        main(["bench", "p2p", "-d", "float16", "--plot", "x.png", "-n", "1"])
