@@ -43,11 +43,17 @@ def run(args) -> int:
             raise ConfigError("commrt bench p2p times ranks 0 and 1: start it with 2 ranks or more (WORLD_SIZE=1)")
         return _rank(backends, sizes, args)
     from commrt import launch as launcher
-    cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
+    cmd = [sys.executable, "-m", "commrt.cli", "bench", *_words(args)]
     result = launcher.launch(max(2, args.nproc), cmd, prefix=False)
     if result.returncode != 0:
         print(f"commrt bench p2p: {result.describe()}", file=sys.stderr)
     return result.returncode
+
+
+def _words(args) -> list[str]:
+    """The words after ``bench`` (cli/bench_cmd.bench_words: the argv commrt.cli.main was given)."""
+    argv = getattr(args, "argv", None) or sys.argv
+    return list(argv[argv.index("bench") + 1:]) if "bench" in argv else []
 
 
 BACKENDS = ("zmq", "gloo", "nccl")
@@ -157,7 +163,7 @@ def _rank(backends: tuple[str, ...], sizes: list[int], args) -> int:
             server.close()
         transport.close()
     if rdzv.rank == 0:
-        command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:]) if "bench" in sys.argv else ""
+        command = "commrt bench " + shlex.join(_words(args))
         print(table(backends, rows, rdzv.world_size, args.iters), flush=True)
         if args.json:
             report.write_json(args.json, {"benchmark": "p2p", "command": command, "nproc": rdzv.world_size,

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         from commrt.bench.train import main as bench_train
         return bench_train(argv[2:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what bench relaunches under commrt launch: these words, not sys.argv's
     return launch_cmd.guarded(args.command, args.fn, args)
 
 

@@ -76,6 +76,13 @@ def check_backends(names: tuple[str, ...], collective: str | None = None) -> Non
                              f"{valid or 'none'}")
 
 
+def bench_words(args) -> list[str]:
+    """The words after ``bench`` of this command: from ``commrt.cli.main(argv)``'s argv (a
+    program calling it with a list had sys.argv's, with no 'bench': a ValueError traceback)."""
+    argv = getattr(args, "argv", None) or sys.argv
+    return list(argv[argv.index("bench") + 1:]) if "bench" in argv else []
+
+
 def _check_counts(args) -> None:
     """--nproc 0 was launch()'s ValueError traceback, -n 0 a ZeroDivisionError in every rank."""
     for option, value, least in (("--nproc", args.nproc, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
@@ -100,7 +107,7 @@ def with_algorithms(backends: tuple[str, ...], collective: str, algo: str) -> tu
 
 # what bench p2p reads of the options (float32 messages, its own table): the others it ignored,
 # silently (--plot drew nothing, -d float16 timed float32)
-P2P_OPTIONS = {"command", "collective", "fn", "backend", "nproc", "minbytes", "maxbytes", "stepfactor", "iters",
+P2P_OPTIONS = {"command", "collective", "fn", "argv", "backend", "nproc", "minbytes", "maxbytes", "stepfactor", "iters",
                "warmup", "json"}
 
 
@@ -148,7 +155,7 @@ def run(args) -> int:
                          "(or pip install matplotlib)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank(spec, args)
-    cmd = [sys.executable, "-m", "commrt.cli", "bench", *sys.argv[sys.argv.index("bench") + 1:]]
+    cmd = [sys.executable, "-m", "commrt.cli", "bench", *bench_words(args)]
     result = launcher.launch(args.nproc, cmd, out=_ProgressOut(sys.stdout), prefix=False)
     if result.returncode != 0:
         print(f"commrt bench: {result.describe()}", file=sys.stderr)
@@ -164,7 +171,7 @@ def _rank(spec, args) -> int:
     if rank == 0:
         print(report.table(spec, nproc, rows), flush=True)
         print(report.traffic_lines(traffic), flush=True)  # all ranks, the whole run
-        command = "commrt bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
+        command = "commrt bench " + shlex.join(bench_words(args))
         if args.json:
             report.write_json(args.json, report.to_json(spec, nproc, rows, command))
         if args.plot:

@@ -140,3 +140,22 @@ def test_a_backend_named_twice_is_refused_where_the_spec_is_made(backends):
     # worlds in one namespace: every rank failed after the start-up with "duplicate rank"
     with pytest.raises(ConfigError, match="twice"):
         BenchSpec("all_reduce", backends, 4096, 8192, 2, 1, 0, "float32", "sum")
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "p2p"])
+def test_a_program_calling_the_cli_with_a_list_relaunches_those_words(collective, monkeypatch):
+    """commrt.cli.main(["bench", ...]) from a program relaunched itself with sys.argv's words
+    after 'bench': the program's sys.argv has none, a ValueError traceback."""
+    from types import SimpleNamespace
+
+    from commrt import launch
+    from commrt.cli import main
+    launched = []
+
+    def fake_launch(nproc, cmd, **kw):  # the ranks themselves are not what is checked
+        launched.append(cmd)
+        return SimpleNamespace(returncode=0)
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    words = [collective, "--nproc", "2", "-b", "4K", "-e", "4K", "-n", "1"]
+    assert main(["bench", *words]) == 0
+    assert launched[0][1:] == ["-m", "commrt.cli", "bench", *words]
