@@ -173,9 +173,10 @@ class Generations:
         if self.replica != plan.source:  # before any broadcast: a mismatch would fail in every generation
             replica_state.check(self.model, self.optimizer, desc)
         tensors, state = replica_state.tensors(self.model, self.optimizer, desc)
-        with torch.no_grad():
-            for t in tensors:
-                self.rt.world.backend.broadcast(replica_state.on_wire(t), src, False)
+        backend = self.rt.world.backend
+        with torch.no_grad():  # a few large broadcasts (per dtype, bounded), not one per tensor
+            replica_state.transfer(lambda flat: backend.broadcast(flat, src, False), tensors,
+                                   self.replica == plan.source)
         if self.replica != plan.source:
             replica_state.load(self.optimizer, desc, state)
         if self.group is not None:

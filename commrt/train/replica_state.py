@@ -9,14 +9,22 @@ parameter index of the optimizer, its state's tensors (shape, dtype) and plain n
 parameter group's settings, all of them plain numbers (a scheduler may have changed the learning
 rate, and OneCycleLR changes the momentum or Adam's betas too). A receiver without state
 allocates the tensors from it, receives them, and loads them into its optimizer.
+
+The tensors travel in a few large broadcasts, not one each: per wire dtype, packed in order into
+flat buffers of at most ``CAP_BYTES`` (torch's ``_flatten_dense_tensors``; a larger tensor goes
+alone, as it is). One broadcast per tensor cost ~80,000 broadcasts and 14 s for a model of
+20,000 parameter tensors with Adam's state.
 """
 from __future__ import annotations
 
 import msgpack
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from commrt.runtime import dtypes
 from commrt.runtime.errors import ConfigError, ProtocolError
+
+CAP_BYTES = 25 << 20  # torch DDP's bucket size: large enough that latency no longer counts
 
 
 def describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
@@ -115,6 +123,45 @@ def on_wire(t: torch.Tensor) -> torch.Tensor:
         return (t if t.dim() else t.unsqueeze(0)).view(torch.uint8)
 
 
+def batches(wire: list[torch.Tensor], cap: int) -> list[list[int]]:
+    """The tensors' indexes grouped into broadcasts: per dtype, in order, each group at most
+    ``cap`` bytes (a larger tensor is a group of its own). Both sides derive the same groups:
+    their tensors' dtypes and sizes are the source's (``check``, and ``tensors`` allocates
+    a receiver's optimizer state from the description)."""
+    out, open_, size = [], {}, {}
+    for i, t in enumerate(wire):
+        n = t.numel() * t.element_size()
+        if t.dtype in open_ and size[t.dtype] + n > cap:
+            out.append(open_.pop(t.dtype))
+        if t.dtype not in open_:
+            open_[t.dtype], size[t.dtype] = [], 0
+        open_[t.dtype].append(i)
+        size[t.dtype] += n
+    return out + list(open_.values())
+
+
+def transfer(broadcast, ts: list[torch.Tensor], source: bool, cap: int | None = None) -> None:
+    """Broadcast ``ts`` (from ``tensors``) with ``broadcast(flat)``: the source packs each group
+    of ``batches`` into one flat buffer, the others unpack it into their tensors (bit for bit:
+    only copies). A group of one tensor goes as it is, without a copy."""
+    wire = [on_wire(t) for t in ts]
+    for group in batches(wire, CAP_BYTES if cap is None else cap):
+        if len(group) == 1:
+            broadcast(wire[group[0]])
+            continue
+        parts = [wire[i] for i in group]
+        dev = parts[0].device
+        if not source:
+            flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=dev)
+        elif all(p.device == dev for p in parts):
+            flat = _flatten_dense_tensors(parts)  # one C++ call (a Python loop cost more than the transfer)
+        else:
+            flat = torch.cat([p.reshape(-1).to(dev) for p in parts])
+        broadcast(flat)
+        if not source:
+            torch._foreach_copy_(parts, list(_unflatten_dense_tensors(flat, parts)))
+
+
 def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:
     """Put the received state into ``optimizer``, its groups' settings included (a tuple, as
     Adam's betas, stays a tuple: msgpack sent a list)."""
@@ -126,7 +173,21 @@ def load(optimizer: torch.optim.Optimizer, desc: dict, state: dict) -> None:
     for group, settings in zip(sd["param_groups"], desc["groups"]):
         for k, v in settings.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+        group["params"] = _Ids(group["params"])
     optimizer.load_state_dict(sd)
+
+
+class _Ids(list):
+    """A group's parameter indexes that answer ``in`` at once: torch's ``load_state_dict``
+    asks, for every state tensor, whether its index is in the group's list (a scan), which
+    for 20,000 parameters with Adam's state took longer than receiving the state."""
+
+    def __init__(self, ids):
+        super().__init__(ids)
+        self._set = frozenset(ids)
+
+    def __contains__(self, i) -> bool:
+        return i in self._set
 
 
 def make_optimizer(spec, params) -> torch.optim.Optimizer:

@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from commrt.train import replica_state
 from commrt.train import replica_vote as rv
 from commrt.train.replica_ft import ReplicaFT
 
@@ -91,6 +92,9 @@ def main() -> None:
     p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
                    "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, sync, lead or open")
     a = p.parse_args()
+    # the state transfer packs tensors into broadcasts of at most CAP_BYTES: small ones here (every
+    # replica alike), so that it goes in several and a fault can land in the middle of it
+    replica_state.CAP_BYTES = 4096
     torch.set_num_threads(1)
     # a replica that is not the source starts from other values: the first generation's sync must fix that
     seed = SEED if a.replica == 0 else None
@@ -127,8 +131,10 @@ def main() -> None:
         if a.progress:
             with open(a.out + ".progress", "a") as fh:
                 fh.write(f"{step - 1} {times[step - 1][0]} {len(ft.stats()['members'])}\n")
-        if a.pause:  # slower while short-handed: leaves a restarted replica (a loaded host) time to join
-            time.sleep(a.pause * (1 if len(ft.stats()["members"]) == a.replicas else 5))
+        if a.pause:  # slower while short-handed: leaves a restarted replica time to join (on a loaded
+            # host its torch import alone took 10-20 s: with a faster state transfer, the survivors
+            # finished the job before the killed source came back, and it waited for a plan in vain)
+            time.sleep(a.pause * (1 if len(ft.stats()["members"]) == a.replicas else 10))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, a.out + ".pt")
     with open(a.out + ".json", "w") as fh:
         json.dump({"history": [[s, list(c)] for s, c in ft.history], "counts": ft.stats(), "times": times,
@@ -171,7 +177,8 @@ def inject_fault(ft: ReplicaFT, spec: str, out: str) -> None:
         def wrapped(plan):
             if plan.fresh and plan.step >= at and plan.source == ft.replica:
                 cast, sent = ft.rt.world.backend.broadcast, []
-                total = len(list(ft.model.parameters()))
+                total = len(replica_state.batches([replica_state.on_wire(t) for t in ft.model.parameters()],
+                                                  replica_state.CAP_BYTES))
 
                 def broadcast(t, src, async_op):
                     sent.append(1)
