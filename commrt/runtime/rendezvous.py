@@ -123,10 +123,23 @@ def advertised_host(bind_host: str, advertise_host: str, master_host: str) -> st
 
 def exchange(store, rank: int, world_size: int, info: dict, timeout_s: float,
              namespace: str = "") -> list[dict]:
-    """Publish this rank's ``info``; return every rank's, index = rank."""
+    """Publish this rank's ``info``; return every rank's, index = rank. As in ``meet``, a rank
+    checks itself against rank 0's hello before it counts as joined, and rank 0 seals the world
+    (``_seal``) before any rank returns: a stray rank told a larger WORLD_SIZE fails every rank."""
     ns = namespace + "rdzv/"
-    hello = join(store, rank, world_size, info, timeout_s, ns)
-    return gather(store, hello, world_size, timeout_s, ns)
+    end = time.monotonic() + timeout_s  # one deadline for the waits below
+    left = lambda: max(0.001, end - time.monotonic())  # noqa: E731
+    hello = _claim(store, rank, world_size, info, left(), ns)
+    if rank != 0:
+        _agree_with_first(store, hello, left(), ns)
+    store.add(ns + "joined", 1)
+    table = gather(store, hello, world_size, left(), ns)
+    if rank == 0:
+        _seal(store, hello, world_size, ns)
+        store.set(ns + "sealed", b"1")
+    else:
+        wait_for(store, [ns + "sealed"], left(), "rendezvous (rank 0's verdict)", ns + "abort")
+    return table
 
 
 def join(store, rank: int, world_size: int, info: dict, timeout_s: float, ns: str) -> dict:
@@ -213,6 +226,7 @@ def meet(store, rank: int, world_size: int, info: dict, timeout_s: float, namesp
         raw = store.mget(hello_keys(ns, range(world_size)))
         table = [msgpack.unpackb(v) for v in raw]
         record = _layout_record(store, table, needs_all, ns)
+        _seal(store, hello, world_size, ns)
         store.set(ns + "layout", msgpack.packb(record))
     else:
         raw = [first]
@@ -237,6 +251,22 @@ def _layout_record(store, table: list[dict], needs_all, ns: str) -> dict:
     if layout.source != "env" or needs_all(table):
         return {"full": 1}  # host identities need every hello to tell nodes apart
     return {"nodes": nodes.node_sizes(layout)}
+
+
+def _seal(store, first: dict, world_size: int, ns: str) -> None:
+    """Rank 0, once every rank of its world joined: fail everyone if a rank of a larger world
+    is in sight (its hello, or the abort it wrote on finding rank 0's world size unlike its own).
+    Ranks 0 and 1 told WORLD_SIZE 2 and a rank 2 told 3 otherwise formed a world of 2 while rank
+    2 alone failed. Rank 0 alone decides and the others wait for its verdict, so the world's
+    ranks agree; a stray that comes later still fails itself, against rank 0's hello."""
+    stray, abort = store.mget([f"{ns}hello/{world_size}/1", ns + "abort"])
+    if abort is not None:
+        raise RendezvousError(bytes(abort).decode(errors="replace"))
+    if stray is not None:
+        problem = _incompatibility(first, msgpack.unpackb(stray)) or (
+            f"rank {world_size} joined a world of {world_size} ranks (WORLD_SIZE {world_size})")
+        store.set(ns + "abort", problem.encode())
+        raise RendezvousError(problem)
 
 
 class Hellos:

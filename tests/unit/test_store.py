@@ -282,27 +282,32 @@ def test_a_world_size_mismatch_in_exchange_fails_every_rank_at_once(store, sizes
     assert len(out) == 2 and out[0] == out[1] and "world size" in out[0], out
 
 
-def test_a_stray_join_before_rank_0_in_exchange_is_waited_out_not_a_type_error(store):
-    """Review revF: the joined counter counts any rank, so a stray rank told a larger WORLD_SIZE
-    (rank 2 of 3 beside a world of 2) could complete it before rank 0 had published; gather then
-    read rank 0's missing hello as None and crashed with "TypeError: a bytes-like object is
-    required". It now waits for every hello of its world (within its deadline) and gets rank 0's."""
-    stray, r1, r0 = store(), store(), store()
-    rendezvous.join(stray, 2, 3, {"config": "d", "backend": "gloo"}, 5, "x/rdzv/")
-    out = {}
+@pytest.mark.parametrize("how", ["exchange", "meet"])
+def test_a_stray_rank_of_a_larger_world_fails_every_rank(store, how):
+    """World sizes 2, 2 and 3 given to ranks 0, 1 and 2: rank 2 alone failed, while ranks 0 and 1
+    formed a world of 2 and went on (review revF had only stopped rank 2's early join from
+    crashing gather with a TypeError). Every rank now fails with the same RendezvousError naming
+    the world sizes: rank 0 decides, once every rank of its world joined, with the stray's hello
+    (or its abort) in sight, and the others wait for its verdict."""
+    clients, out = {r: store() for r in (2, 1, 0)}, {}
+    info = {"config": "d", "backend": "gloo" if how == "exchange" else "zmq"}
 
-    def rank1():
+    def rank(r, world_size):
         try:
-            out[1] = rendezvous.exchange(r1, 1, 2, {"config": "d", "backend": "gloo"}, 20, "x/")
-        except Exception as exc:  # noqa: BLE001 - the test reports whatever it was
-            out[1] = exc
-    t = threading.Thread(target=rank1)
-    t.start()
-    time.sleep(0.5)  # rank 1 has joined: with the stray, the counter reached 2 before rank 0 came
-    table0 = rendezvous.exchange(r0, 0, 2, {"config": "d", "backend": "gloo"}, 20, "x/")
-    t.join(30)
-    assert not isinstance(out[1], Exception), repr(out[1])
-    assert [h["rank"] for h in out[1]] == [h["rank"] for h in table0] == [0, 1]
+            getattr(rendezvous, how)(clients[r], r, world_size, info, 20, "x/")
+            out[r] = "formed a world"
+        except RendezvousError as exc:
+            out[r] = str(exc)
+    stray = threading.Thread(target=rank, args=(2, 3))
+    stray.start()  # published its hello and waits for rank 0's, as a process started first would
+    assert wait_for(clients[0], ["x/rdzv/hello/2/1"], 10, "the stray's hello")
+    threads = [threading.Thread(target=rank, args=(r, 2)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in [stray, *threads]:
+        t.join(30)
+    assert set(out) == {0, 1, 2}, out
+    assert out[0] == out[1] == out[2] and "has world size 3, rank 0 has 2" in out[0] and "rank 2 (" in out[0], out
 
 
 def test_waits_that_timed_out_do_not_pile_up_in_the_store():
