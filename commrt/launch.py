@@ -51,8 +51,19 @@ def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
     the kernel handed out to a bind to 0 and released could be handed out again, to another
     process's bind to 0 or connection, before the server binds it: torchrun's store failed with
     EADDRINUSE so, beside tests that opened hundreds of sockets. Outside the range only another
-    picker like this one can take it, and two processes pick the same port once in ~16,000.
-    torch's default ports (29400-29599) are left alone."""
+    picker like this one can take it, and two processes pick the same port once in ~16,000:
+    ``reserve_port`` holds it until the server binds. torch's default ports (29400-29599) are
+    left alone."""
+    port, held = reserve_port(host, avoid)
+    held.close()
+    return port
+
+
+def reserve_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> tuple[int, socket.socket]:
+    """``free_port``'s port and the socket that holds it: bound (not listening) with
+    SO_REUSEADDR set after the bind, so another picker's plain test bind fails on it while a
+    server's bind with SO_REUSEADDR (ZeroMQ's, torch's TCPStore) succeeds. The caller closes it
+    once the server is up or gone (launch: when the job ends)."""
     low, high = _ephemeral_ports()
     below, above = range(max(1024, low - 16384), low), range(high + 1, 65536)
     pool = below if len(below) >= len(above) else above  # the larger side (both empty: the kernel's)
@@ -62,16 +73,19 @@ def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
             port = pick.choice(pool)
             if port in avoid or port in _given or 29400 <= port < 29600:
                 continue
-            with socket.socket(fam) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:  # bound, or in TIME_WAIT: another
-                    continue
+            s = socket.socket(fam)
+            try:
+                s.bind((host, port))  # without SO_REUSEADDR: fails on any holder, server or TIME_WAIT
+            except OSError:
+                s.close()
+                continue
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             _given.append(port)
-            return port
-    with socket.socket(fam) as s:  # nothing free outside the range: the kernel's choice
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            return port, s
+    s = socket.socket(fam)  # nothing free outside the range: the kernel's choice
+    s.bind((host, 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s.getsockname()[1], s
 
 
 def _loopback(master_addr: str) -> str:
@@ -130,12 +144,19 @@ class Nodes:
 
 
 
-def server_env(servers: int, workers: int, base: dict | None = None, host: str = "127.0.0.1") -> dict:
-    """Environment naming ``servers`` fresh parameter-server addresses on ``host`` (loopback)."""
+def server_env(servers: int, workers: int, base: dict | None = None, host: str = "127.0.0.1",
+               held: list | None = None) -> dict:
+    """Environment naming ``servers`` fresh parameter-server addresses on ``host`` (loopback).
+    ``held``: where to keep the sockets reserving their ports (``reserve_port``), else none."""
     env = dict(os.environ if base is None else base)
     ports: list[int] = []
     for _ in range(servers):
-        ports.append(free_port(host, avoid=ports))
+        port, sock = reserve_port(host, avoid=ports)
+        ports.append(port)
+        if held is None:
+            sock.close()
+        else:
+            held.append(sock)
     env["COMMRT_PS_SERVERS"] = ",".join(addresses.tcp_url(host, p) for p in ports)
     env["COMMRT_PS_WORKERS"] = str(workers)
     return env
@@ -170,15 +191,23 @@ def launch(nproc: int, cmd: Sequence[str], config: str | None = None, out: IO[st
                          f"{nodes.nnodes} nodes cannot all reach: start them apart and list them in [ps] servers")
     out = out or sys.stdout
     loopback = _loopback(nodes.master_addr)
-    port = port or free_port(loopback)
-    world = nproc * nodes.nnodes
-    base = server_env(servers, world, env, loopback) if servers else dict(os.environ if env is None else env)
-    _reuse_freed_memory(base)
-    base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * len(nodes.here()))))
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s  # one clock for every attempt
-    with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
-        return _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_args,
-                    stop_on_failure, max_restarts, nodes)
+    held: list[socket.socket] = []  # the ports this launch picked, reserved until it ends
+    try:
+        if not port:
+            port, sock = reserve_port(loopback)
+            held.append(sock)
+        world = nproc * nodes.nnodes
+        base = (server_env(servers, world, env, loopback, held) if servers
+                else dict(os.environ if env is None else env))
+        _reuse_freed_memory(base)
+        base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * len(nodes.here()))))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s  # one clock for every attempt
+        with _stop_on_signals(), _job_credentials(base, config, world, servers, nodes.whole_job()):
+            return _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_args,
+                        stop_on_failure, max_restarts, nodes, held)
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
@@ -232,7 +261,7 @@ def _job_credentials(env: dict, config: str | None, nproc: int, servers: int, al
 
 
 def _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_args,
-         stop_on_failure, max_restarts, nodes) -> LaunchResult:
+         stop_on_failure, max_restarts, nodes, held) -> LaunchResult:
     """The servers, then the ranks, restarted after a failure while restarts and time are left
     (``deadline``: launch's timeout_s as a time.monotonic() instant, shared by every attempt)."""
     lock = threading.Lock()
@@ -247,7 +276,7 @@ def _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_
             pumps.append(t)
         for attempt in range(max_restarts + 1):
             env = dict(base, TORCHELASTIC_RESTART_COUNT=str(attempt), COMMRT_RESTART_COUNT=str(attempt))
-            at = _attempt_port(port, attempt, nodes)
+            at = _attempt_port(port, attempt, nodes, held)
             code, failed, tails = _attempt(nproc, cmd, config, out, deadline, env, prefix, at, services,
                                            stop_on_failure, lock, pumps, pids, ranks, nodes)
             if code == 0 or failed is None or failed < 0 or attempt == max_restarts or _expired(deadline):
@@ -265,7 +294,7 @@ def _run(nproc, cmd, config, out, deadline, base, prefix, port, servers, server_
     return LaunchResult(code, failed, tails, pids + [p.pid for p in services], failures)
 
 
-def _attempt_port(port: int, attempt: int, nodes: Nodes) -> int:
+def _attempt_port(port: int, attempt: int, nodes: Nodes, held: list) -> int:
     """MASTER_PORT of an attempt. Every host's launcher must give its ranks the same one, so a
     job of several launchers keeps ``port``: a port picked here would be this host's alone and
     the nodes could never meet again. The store rebinds it at once (ZeroMQ listens with
@@ -274,7 +303,9 @@ def _attempt_port(port: int, attempt: int, nodes: Nodes) -> int:
     fresh port, so that nothing of the last attempt can reach the new store at all."""
     if attempt == 0 or not nodes.whole_job():
         return port
-    return free_port(_loopback(nodes.master_addr))
+    port, sock = reserve_port(_loopback(nodes.master_addr))
+    held.append(sock)  # until the launch ends, as the first attempt's
+    return port
 
 
 def _expired(deadline: float | None) -> bool:
