@@ -26,7 +26,7 @@ _API = {
     "commrt.runtime.work": ["Work", "CommTimeout"],
     "commrt.runtime.group": ["ProcessGroup", "NON_GROUP_MEMBER"],
     "commrt.runtime.errors": ["CommError", "ConfigError", "PeerLost", "CollectiveMismatch", "ProtocolError",
-                              "RendezvousError", "RequestRejected", "GroupClosed"],
+                              "RendezvousError", "RequestRejected", "GroupClosed", "OpRefused"],
     "commrt.topology.mesh": ["get_local_rank", "get_local_world_size", "get_node_rank", "get_num_nodes",
                              "init_device_mesh", "DeviceMesh", "get_process_group_ranks"],
     "commrt.obs.stats": ["comm_stats"],

@@ -20,7 +20,7 @@ from commrt.collectives.shm_ops import ShmContext
 from commrt.collectives.reduce_ops import ReduceOp, check_defined
 from commrt.runtime.config import Config
 from commrt.runtime.config.comm import parse_algorithms
-from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, OpRefused, PeerLost, ProtocolError
 from commrt.transport import shm
 from commrt.transport import Endpoint, Transport
 from commrt.transport.endpoint import MismatchReport, encode_report
@@ -178,13 +178,41 @@ class ZmqBackend:
                                 count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal,
                                 self._table, declared=declared)
             try:
+                refusal = self._coll.refusal_at(self._seq)  # a peer refused this op before we began it
+                if refusal is not None:
+                    raise refusal
                 body(ctx)
-            except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport) as exc:
+            except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport, OpRefused) as exc:
                 raise self._give_up(exc, ctx) from None
             if writeback is not None:
                 writeback()
         finally:
             self._budget(-1, -nbytes)
+
+    def _refused(self, coll: Coll, exc: BaseException, async_op: bool) -> BaseException:
+        """Input this rank refuses (a ValueError or TypeError while preparing its buffers) takes
+        the op's place in the sequence and is told to the peers, which would otherwise wait in
+        the op until the deadline (``OpRefused`` there); returns ``exc`` for the caller to raise.
+        (A try block, not a context manager: free on the path every op takes.)"""
+        if self._broken is None:
+            run = functools.partial(self._refuse, coll, f"{type(exc).__name__}: {exc}")
+            try:
+                if async_op:
+                    self._exec.submit(_NAMES[coll], run)
+                else:
+                    self._exec.run(_NAMES[coll], run, self.cfg.comm.timeout_s)
+            except CommError as failed:  # the group went away meanwhile: the input's error stands
+                log.warning("rank %d: refusal of %s not told: %s", self.rank, _NAMES[coll], failed)
+                if isinstance(failed, CommTimeout):  # as in _collective: the seq was not taken
+                    self._broken = failed
+        return exc
+
+    def _refuse(self, coll: Coll, reason: str) -> None:
+        """Holding the executor's turn: the refused op's sequence number, and the notices."""
+        self._seq += 1
+        if self._shm is not None:
+            self._shm.mark_refused(self._seq)
+        self._coll.refuse(self._seq, int(coll), reason)
 
     def _shm_context(self, coll, dtype, count, site, reduce, root, declared=None) -> ShmContext:
         """The op's context over shared memory. Programs repeat a few op shapes: a context is
@@ -235,15 +263,22 @@ class ZmqBackend:
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and ctx.refused is not None:
             # what this rank ran at the refused message's seq, and what arrived
             self._coll.tell_peers(ctx.seq, report=encode_report(*ctx.refused))
-        if self._members is not None and isinstance(exc, CollectiveMismatch):
+        elif isinstance(exc, OpRefused) and exc.reported_by is None:
+            # this rank had started the op: pass it on, so the refusing rank (and any other that
+            # refused it too) learns the group is unusable rather than waiting on us next time
+            self._coll.tell_refused(exc.seq, int(Coll[exc.op.upper()]), exc.rank, exc.reason)
+        if self._members is not None and isinstance(exc, (CollectiveMismatch, OpRefused)):
             exc = exc.in_group(self._members, self.group_id)  # as PeerLost: the caller reads global ranks
         self._broken = exc
         return exc
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
-        t = dtypes.as_buffer(tensor)
-        check_defined(op, t.dtype, "all_reduce")
+        try:
+            t = dtypes.as_buffer(tensor)
+            check_defined(op, t.dtype, "all_reduce")
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.ALL_REDUCE, exc, async_op)
         # a CUDA tensor is staged through pinned memory in pieces; but an integer AVG goes the
         # flat way below (one host copy, then widened: its pieces' sums would wrap in int8)
         if not isinstance(t, np.ndarray) and t.is_cuda and not (op == ReduceOp.AVG and narrow_int(t)):
@@ -252,9 +287,12 @@ class ZmqBackend:
             return self._collective(Coll.ALL_REDUCE, t.dtype, numel(t),
                                     lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
                                     async_op, reduce=op)
-        flat, wb = flat_view(tensor)
-        declared = flat.dtype
-        flat, wb = widened(flat, op, wb)
+        try:
+            flat, wb = flat_view(tensor)
+            declared = flat.dtype
+            flat, wb = widened(flat, op, wb)
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.ALL_REDUCE, exc, async_op)
         return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op,
                                 declared=declared)
@@ -273,49 +311,64 @@ class ZmqBackend:
         return out, wb, inp
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
-        out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
-        check_defined(op, out.dtype, "reduce_scatter_tensor")
-        declared = out.dtype
-        out, wb = widened(out, op, wb, fresh=True)
-        inp, _ = widened(inp, op, None)
+        try:
+            out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
+            check_defined(op, out.dtype, "reduce_scatter_tensor")
+            declared = out.dtype
+            out, wb = widened(out, op, wb, fresh=True)
+            inp, _ = widened(inp, op, None)
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.REDUCE_SCATTER, exc, async_op)
         return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
                                 lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op,
                                 declared=declared)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
-        out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
+        try:
+            out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.ALL_GATHER, exc, async_op)
         return self._collective(Coll.ALL_GATHER, out.dtype, numel(out),
                                 lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
     def broadcast(self, tensor, src, async_op=False):
         # the source only reads its buffer: a read-only one is fine there (nothing to store back)
-        flat, wb = flat_view(tensor, writes=self.rank != src)
+        try:
+            flat, wb = flat_view(tensor, writes=self.rank != src)
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.BROADCAST, exc, async_op)
         wb = wb if self.rank != src else None
         return self._collective(Coll.BROADCAST, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, wb, root=src)
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
         # the others' buffers are inputs only (a read-only one too): nothing to store back
-        flat, wb = flat_view(tensor, writes=self.rank == dst)
-        check_defined(op, flat.dtype, "reduce")
-        declared = flat.dtype
-        flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
+        try:
+            flat, wb = flat_view(tensor, writes=self.rank == dst)
+            check_defined(op, flat.dtype, "reduce")
+            declared = flat.dtype
+            flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.REDUCE, exc, async_op)
         return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
                                 lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op,
                                 root=dst, declared=declared)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
-        out, wb = flat_view(o, "output")
-        inp, _ = flat_view(i, "input", writes=False)
-        check_same_dtype(out, inp, "all_to_all_single")
-        out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
-        in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")
-        (lo, hi), (olo, ohi) = in_b[self.rank], out_b[self.rank]
-        if hi - lo != ohi - olo:  # the block a rank sends itself: checked here, where it is known
-            raise ValueError(f"all_to_all_single: rank {self.rank} sends itself {hi - lo} elements but "
-                             f"expects {ohi - olo} from itself (input and output split sizes at {self.rank})")
+        try:
+            o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
+            out, wb = flat_view(o, "output")
+            inp, _ = flat_view(i, "input", writes=False)
+            check_same_dtype(out, inp, "all_to_all_single")
+            out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
+            in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")
+            (lo, hi), (olo, ohi) = in_b[self.rank], out_b[self.rank]
+            if hi - lo != ohi - olo:  # the block a rank sends itself: checked here, where it is known
+                raise ValueError(f"all_to_all_single: rank {self.rank} sends itself {hi - lo} elements but "
+                                 f"expects {ohi - olo} from itself (input and output split sizes at {self.rank})")
+        except (ValueError, TypeError) as exc:
+            raise self._refused(Coll.ALL_TO_ALL, exc, async_op)
         return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
                                 lambda ctx: self._ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
                                 nbytes=max(numel(inp), numel(out)) * out.dtype.itemsize)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commrt.runtime.errors import CollectiveMismatch
+from commrt.runtime.errors import CollectiveMismatch, OpRefused
 from commrt.transport.shm import HDR_WORDS, Channel
-from commrt.transport.wire import COLL, Header
-from commrt.collectives.contract import OpShape, describe as _describe
+from commrt.transport.wire import COLL, Coll, Header
+from commrt.collectives.contract import NAMES, OpShape, describe as _describe
 from commrt.collectives.reduce_ops import numpy_dtype
 
 
@@ -77,7 +77,14 @@ class ShmContext(OpShape):
             aux[p] = chan.aux(p, slot)
         return aux
 
-    def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch:
+    def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch | OpRefused:
+        refused = self.chan.ep.refused_here.get(h[1])
+        if refused is not None and h[1] != self.seq:  # p started the op this rank refused: it gave up
+            return OpRefused(self.rank, NAMES[Coll(refused[0])], h[1], refused[1], reported_by=p)
+        if h[1] > self.seq and self.chan.refused_by(p) >= self.seq:
+            # p refused this op and went on faster than its notice travels: read it if it is here
+            self.chan.read_notices(self.name, self.seq)
+            return OpRefused(p, self.name, self.seq, f"its reason is in rank {p}'s own error")
         theirs = Header(COLL, self.group, h[1], p, h[2], h[3], h[4], 0, 0, h[5], h[6])
         self.refused = (self.header(0, 0), theirs)
         mine, other = _describe(self.header(0, 0)), _describe(theirs)

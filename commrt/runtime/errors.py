@@ -45,6 +45,30 @@ class PeerLost(CommError):
                         self.role, by)
 
 
+class OpRefused(CommError):
+    """A rank refused a collective on its own input (a read-only output, output and input
+    dtypes that differ) before sending anything, and told its peers, so they fail at once
+    naming it and the op instead of waiting out the deadline. ``reported_by``: a peer that had
+    started the op, gave up on it and said so (the refusing rank hears it at its next op: the
+    group is unusable)."""
+
+    def __init__(self, rank: int, op: str, seq: int, reason: str, reported_by: int | None = None):
+        self.rank, self.op, self.seq, self.reason, self.reported_by = rank, op, seq, reason, reported_by
+        text = f"rank {rank} refused {op} (seq {seq}) before sending anything: {reason}"
+        if reported_by is not None:
+            text += f"; rank {reported_by} had started it and gave up, so the group is unusable"
+        super().__init__(text)
+
+    def in_group(self, members: list[int], group: int) -> OpRefused:
+        """The same refusal named by global ranks (as ``PeerLost.in_group``)."""
+        g = lambda r: members[r] if r is not None and 0 <= r < len(members) else r  # noqa: E731
+        if (g(self.rank), g(self.reported_by)) == (self.rank, self.reported_by):
+            return self
+        out = OpRefused(g(self.rank), self.op, self.seq, self.reason, g(self.reported_by))
+        out.args = (f"{out} [group {group}]",)
+        return out
+
+
 class RequestRejected(CommError):
     """A parameter server refused a request (unknown key, wrong shape or dtype, stale step),
     or the client refused it before sending (``server`` None); the server's state is unchanged."""

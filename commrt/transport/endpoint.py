@@ -18,12 +18,12 @@ import time
 import zmq
 
 from commrt.runtime import addresses
-from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.errors import GroupClosed, OpRefused, PeerLost, ProtocolError
 from commrt.transport import notices
 from commrt.transport.liveness import Liveness
 from commrt.transport.messages import Message, MismatchReport, decode_report, encode_report
 from commrt.transport.notices import is_goodbye
-from commrt.transport.wire import ABORT, P2P, Header, decode_header, encode_header
+from commrt.transport.wire import ABORT, P2P, REFUSE, Header, decode_header, encode_header
 from commrt.transport.transport import SLICE_MS, Transport
 
 __all__ = ["Endpoint", "is_goodbye", "Message", "MismatchReport", "decode_report", "encode_report", "ZERO_COPY_MIN_BYTES"]
@@ -41,6 +41,7 @@ HWM = 100_000  # messages per pipe: deep enough that ring pipelines never wait o
 # may still be in its handshake when the process leaves (LINGER 0 would drop the message, and
 # the peer would wait for it in vain). Bounded, so a dead peer delays exit by at most this.
 CLOSE_LINGER_MS = 1000
+KEPT_REFUSALS = 64  # refused operations an endpoint remembers (its own, and peers' ahead of it)
 
 
 class Endpoint:
@@ -75,6 +76,8 @@ class Endpoint:
         self._grace_s = heartbeat_s
         self.live = Liveness(self._slice_s, heartbeat_s, timeout_s)  # which peers are gone
         self.down = self.live.down  # peer -> when its connection dropped
+        self.refused_here: dict[int, tuple[int, str]] = {}  # seq -> (collective, reason) this rank refused
+        self.refusals: dict[int, OpRefused] = {}  # a peer's refusal of an op this rank has not started
 
     def connect(self, addresses: dict[int, str], resolve=None) -> None:
         """Learn members' addresses (keyed by group rank); sockets are dialled on first use.
@@ -198,6 +201,11 @@ class Endpoint:
             if h.kind == ABORT:
                 notices.aborted(self, msg, op, seq)  # raises, unless it drops a malformed report
                 continue
+            if h.kind == REFUSE:
+                notices.refused(self, msg, op, seq)
+                continue
+            if self.refused_here and self._stale(h):
+                continue
             self._keep((h.src, h.op if h.kind == P2P else -1), msg, op, seq)
         return now
 
@@ -231,6 +239,10 @@ class Endpoint:
                 got = (h.src, h.op if h.kind == P2P else -1)
                 if h.kind == ABORT:
                     notices.aborted(self, msg, op, seq)  # raises, unless a goodbye or a malformed report
+                elif h.kind == REFUSE:
+                    notices.refused(self, msg, op, seq)  # raises, unless no news for this op
+                elif self.refused_here and self._stale(h):
+                    pass
                 elif got == key:
                     self.last = h
                     return msg
@@ -263,6 +275,35 @@ class Endpoint:
                 f"more than this rank's operations can use ahead ({max_msgs} messages / "
                 f"{max_bytes >> 20} MiB); refused its {dropped} stashed messages")
         self._stash[key].append(msg)
+
+    def refuse(self, seq: int, coll: int, reason: str) -> None:
+        """This rank refused operation ``seq`` on its own input: tell every peer (``REFUSE``), and
+        drop what peers that had started it sent for it (kept, or still to come: ``stale``)."""
+        self.refused_here[seq] = (coll, reason)
+        self.refusals.pop(seq, None)
+        for book in (self.refused_here, self.refusals):
+            while len(book) > KEPT_REFUSALS:
+                del book[min(book)]
+        for (src, tag), queue in self._stash.items():
+            for m in [m for m in queue if tag == -1 and m.header.seq == seq]:
+                queue.remove(m)
+                self._ahead[src][0] -= 1
+                self._ahead[src][1] -= m.header.nbytes
+        notices.tell_refused(self, seq, coll, self.rank, reason)
+
+    def tell_refused(self, seq: int, coll: int, origin: int, reason: str) -> None:
+        """Best effort, never blocking: pass on rank ``origin``'s refusal of ``seq``, which made
+        this rank give up the op it had started (``notices.tell_refused``)."""
+        notices.tell_refused(self, seq, coll, origin, reason)
+
+    def _stale(self, h: Header) -> bool:
+        """A collective's piece for an op this rank refused, from a peer that had started it
+        (it fails on the refusal; the piece must not be taken for one of a later op)."""
+        return h.kind != P2P and h.seq in self.refused_here
+
+    def refusal_at(self, seq: int) -> OpRefused | None:
+        """A peer's refusal of operation ``seq``, heard before this rank started it."""
+        return self.refusals.pop(seq, None) if self.refusals else None
 
     def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"",
                    connected_only: bool = False) -> None:

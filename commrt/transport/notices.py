@@ -1,7 +1,8 @@
 """The notices an Endpoint sends and reads beside the data: ABORT headers. A rank that gives up
 tells its peers why (a lost rank, or a mismatch report), so ranks waiting elsewhere fail at once
 with the same cause; a rank that closes a group on purpose says goodbye, so its dropped
-connection is not blamed for what another rank waits on. Functions over an ``Endpoint`` (its
+connection is not blamed for what another rank waits on. A rank that refuses an op on its own
+input sends REFUSE (``tell_refused``), and a peer that had started the op passes it on. Functions over an ``Endpoint`` (its
 sockets, liveness and counters), kept apart from its send and receive paths."""
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import logging
 
 import zmq
 
-from commrt.runtime.errors import CommError, PeerLost, ProtocolError
+from commrt.runtime.errors import CommError, OpRefused, PeerLost, ProtocolError
 from commrt.transport.messages import Message, MismatchReport, decode_report
-from commrt.transport.wire import ABORT, Header, encode_header
+from commrt.transport.wire import ABORT, MAX_REASON_BYTES, REFUSE, Coll, Header, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,52 @@ def aborted(ep, msg: Message, op: str, seq: int) -> None:
         log.warning("rank %d dropped a malformed mismatch report from rank %d: %s", ep.rank, h.src, exc)
         return
     raise MismatchReport(h.src, mine, theirs)
+
+
+def refused(ep, msg: Message, op: str, seq: int) -> None:
+    """A REFUSE while this rank runs operation ``seq``: rank ``origin`` refused op ``h.seq``,
+    said by itself or passed on by a peer that had started the op and gave up. This op fails
+    on it; so does any op once a peer gave up (the group is unusable). The refusing rank's own
+    word on an op this rank refused too, or finished without it, is no news; one on a later op
+    is kept for when this rank starts it (``Endpoint.refusal_at``)."""
+    h = msg.header
+    origin = h.count
+    if origin >= len(ep.names) or origin == ep.rank and h.src == origin:
+        ep.dropped += 1
+        log.warning("rank %d dropped a REFUSE naming rank %d from rank %d", ep.rank, origin, h.src)
+        return
+    reason = bytes(msg.payload.buffer).decode("utf-8", errors="replace")
+    name = Coll(h.op).name.lower()
+    if h.seq == seq and h.seq not in ep.refused_here:  # this op: whoever said it first
+        raise OpRefused(origin, name, h.seq, reason)
+    if h.seq > seq:
+        ep.refusals.setdefault(h.seq, OpRefused(origin, name, h.seq, reason))
+    elif h.src != origin:
+        raise OpRefused(origin, name, h.seq, reason, reported_by=h.src)
+
+
+def tell_refused(ep, seq: int, coll: int, origin: int, reason: str) -> None:
+    """Best effort, never blocking: tell the peers that rank ``origin`` refused collective
+    ``coll`` at ``seq``. This rank's own refusal goes to every peer; one passed on (it made this
+    rank give up) to the refusing rank and the peers this rank is connected to, as relayed
+    ABORTs are (issue 32.5: relayed to every peer by every rank, they dialled n^2 connections)."""
+    payload = reason.encode("utf-8", errors="replace")[:MAX_REASON_BYTES]
+    h = encode_header(Header(REFUSE, ep.group, seq, ep.rank, coll, 0, origin, 0, len(payload)))
+    if origin != ep.rank:
+        peers = [origin, *(p for p in ep._out if p != origin)]
+    else:
+        try:
+            peers = ep.all_peers("a refusal notice")
+        except CommError as exc:  # the addresses not known yet are unreadable: tell those we know
+            log.warning("rank %d: refusal notice to known peers only: %s", ep.rank, exc)
+            peers = list(ep.peer_addresses)
+    for peer in peers:
+        if peer == ep.rank:
+            continue
+        try:
+            ep.socket_to(peer).send_multipart([h, payload], zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError, CommError):
+            pass
 
 
 def tell_peers(ep, seq: int, lost: int | None = None, report: bytes = b"",

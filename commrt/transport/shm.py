@@ -27,7 +27,8 @@ import numpy as np
 import zmq
 
 from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
-from commrt.transport.wire import ABORT, COLL
+from commrt.transport import notices
+from commrt.transport.wire import ABORT, COLL, REFUSE
 from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report, is_goodbye
 from commrt.transport.segments import (CTL_BYTES, MAGIC, SLOT_BYTES, attach, close_fd, create, node_key,
     reserve, segment_bytes, supported)
@@ -37,6 +38,7 @@ __all__ = ["Channel", "yield_window", "watch_peers", "HDR_WORDS", "W_COUNTER", "
            "reserve", "segment_bytes", "supported"]
 
 W_COUNTER = 1  # word 0 is the magic (segments.W_MAGIC)
+W_REFUSED = 2  # the last op this rank refused on its own input (its seq), written before its next step
 HDR_BASE, HDR_WORDS = 8, 8  # per slot: step, seq, op, dtype, count, reduce, root, aux
 ATTACH_BASE = 64  # attach marks: word ATTACH_BASE + r is set by group rank r
 MAX_RANKS = CTL_BYTES // 8 - ATTACH_BASE
@@ -213,11 +215,28 @@ class Channel:
                 nap = min(MAX_NAP_S, max(2e-5, nap * 2))
                 time.sleep(nap)
 
+    def mark_refused(self, seq: int) -> None:
+        """This rank refused operation ``seq``: a peer that meets this rank's next step where
+        it expected ``seq`` (the REFUSE notice may still be on its way) can tell why."""
+        self.ctl[self.rank][W_REFUSED] = seq
+
+    def refused_by(self, p: int) -> int:
+        """The last op rank ``p`` refused (0: none)."""
+        return self.ctl[p][W_REFUSED]
+
     def _watch(self, waiting: list[int], op: str, seq: int, now: float) -> None:
+        watch_peers(self.ep, waiting, op, seq, now)
+        self.read_notices(op, seq)
+
+    def read_notices(self, op: str, seq: int) -> None:
+        """What the peers said on the socket (ABORT, REFUSE), without waiting: raises on one
+        that ends ``op``."""
         ep = self.ep
-        watch_peers(ep, waiting, op, seq, now)
         while (msg := ep.read(zmq.NOBLOCK)) is not None:
             h = msg.header
+            if h.kind == REFUSE:
+                notices.refused(ep, msg, op, seq)
+                continue
             if h.kind != ABORT:
                 continue  # nothing else travels on a shared-memory group's collective socket
             if is_goodbye(h):  # the peer closed the group: its dropped connection is no one's fault

@@ -23,7 +23,7 @@ import msgpack
 
 from commrt.runtime.errors import ProtocolError
 
-VERSION = 3  # 2: reduce op and root joined the header; 3: bool (code 9), which a 2 drops
+VERSION = 4  # 2: reduce op and root joined the header; 3: bool (code 9), which a 2 drops; 4: REFUSE notices
 MAX_HEADER_BYTES = 256
 _FIELDS = 12
 _INT_MAX = 1 << 62
@@ -35,6 +35,10 @@ P2P = 1  # point-to-point send/recv; ``op`` is the tag
 P2P_SHM_ROOT = 1  # a P2P header's ``root``: its payload lies in the sender's shared-memory ring (transport/shm_p2p.py)
 P2P_DOORBELL = 2  # an empty P2P message: look in the sender's mailbox (transport/mailbox.py)
 ABORT = 2  # "I am giving up": rank <op> is lost (empty payload), or a mismatch report (payload)
+# "rank <count> refused collective <op> at <seq>", sent by it (src == count) or passed on by a
+# peer that had started the op and gave up (src != count); the payload is the reason, UTF-8
+REFUSE = 3
+MAX_REASON_BYTES = 1024
 
 
 class Coll(enum.IntEnum):
@@ -79,7 +83,7 @@ def problem(h: Header) -> str | None:
     for v in h:  # a plain loop measured faster than set(map(type, h)) plus min() and max()
         if type(v) is not int or v < 0 or v >= _INT_MAX:
             return _describe(h)
-    kind, _, _, _, op, dtype, _, _, nbytes, reduce, root = h
+    kind, _, _, _, op, dtype, _, step, nbytes, reduce, root = h
     if kind == COLL:
         size = ITEMSIZE.get(dtype)
         if size and not nbytes % size and op & 0xFF in _COLLS and not op >> 32 and reduce < _N_REDUCE:
@@ -90,6 +94,8 @@ def problem(h: Header) -> str | None:
             return None
     elif kind == ABORT and dtype == reduce == root == 0:  # the payload: empty, or a mismatch report
         return None
+    elif kind == REFUSE and dtype == step == reduce == root == 0 and op in _COLLS and nbytes <= MAX_REASON_BYTES:
+        return None
     return _describe(h)
 
 
@@ -99,6 +105,9 @@ def _describe(h: Header) -> str:
             return f"header field {name}={v!r} is not an integer in [0, 2**62)"
     if h.kind == ABORT:
         return "an ABORT carries no dtype, reduce op or root"
+    if h.kind == REFUSE:
+        return (f"a REFUSE (kind {REFUSE}) names a collective code and carries no dtype, step, reduce op "
+                f"or root, and a reason of at most {MAX_REASON_BYTES} bytes")
     if h.kind not in (COLL, P2P):
         return f"unknown message kind {h.kind}"
     size = ITEMSIZE.get(h.dtype)

@@ -7,8 +7,8 @@ import torch
 from commrt import ReduceOp
 from commrt.runtime import dtypes
 from commrt.runtime.errors import ProtocolError
-from commrt.transport.wire import (ABORT, COLL, ITEMSIZE, MAX_TAG, P2P, REDUCE_CODES, VERSION, Coll, Header,
-    decode_header, encode_header)
+from commrt.transport.wire import (ABORT, COLL, ITEMSIZE, MAX_REASON_BYTES, MAX_TAG, P2P, REDUCE_CODES, REFUSE,
+                                  VERSION, Coll, Header, decode_header, encode_header)
 
 GOOD = Header(COLL, 3, 1 << 40, 2, int(Coll.REDUCE) | 0xABCDEF << 8, 4, 123456789, 7, 1 << 20,
               int(ReduceOp.MAX), 3)
@@ -71,7 +71,18 @@ IMPOSSIBLE = {
     "p2p unknown dtype": Header(P2P, 0, 1, 1, 7, 99, 1, 0, 4),
     "abort with dtype": Header(ABORT, 0, 1, 1, 2, 1, 0, 0, 0),
     "abort with a reduce op": Header(ABORT, 0, 1, 1, 2, 0, 0, 0, 0, reduce=1),
+    "refuse with a dtype": Header(REFUSE, 0, 3, 1, int(Coll.ALL_REDUCE), 1, 1, 0, 10),
+    "refuse of no collective": Header(REFUSE, 0, 3, 1, 0, 0, 1, 0, 10),
+    "refuse with a call site": Header(REFUSE, 0, 3, 1, int(Coll.ALL_REDUCE) | 5 << 8, 0, 1, 0, 10),
+    "refuse with a step": Header(REFUSE, 0, 3, 1, int(Coll.BARRIER), 0, 1, 2, 10),
+    "refuse with a long reason": Header(REFUSE, 0, 3, 1, int(Coll.BARRIER), 0, 1, 0, MAX_REASON_BYTES + 1),
 }
+
+
+def test_a_refusal_round_trips():
+    """REFUSE (rank <count> refused collective <op> at <seq>; the reason is the payload)."""
+    h = Header(REFUSE, 2, 7, 1, int(Coll.ALL_GATHER), 0, 1, 0, MAX_REASON_BYTES)
+    assert decode_header(encode_header(h)) == h
 
 
 @pytest.mark.parametrize("what", sorted(IMPOSSIBLE))
