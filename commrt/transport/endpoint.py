@@ -281,15 +281,20 @@ class Endpoint:
         drop what peers that had started it sent for it (kept, or still to come: ``stale``)."""
         self.refused_here[seq] = (coll, reason)
         self.refusals.pop(seq, None)
-        for book in (self.refused_here, self.refusals):
-            while len(book) > KEPT_REFUSALS:
-                del book[min(book)]
+        self.keep_refusals_bounded()
         for (src, tag), queue in self._stash.items():
             for m in [m for m in queue if tag == -1 and m.header.seq == seq]:
                 queue.remove(m)
                 self._ahead[src][0] -= 1
                 self._ahead[src][1] -= m.header.nbytes
         notices.tell_refused(self, seq, coll, self.rank, reason)
+
+    def keep_refusals_bounded(self) -> None:
+        """At most KEPT_REFUSALS of each kind, the oldest dropped (a peer's flood of notices
+        must not grow them)."""
+        for book in (self.refused_here, self.refusals):
+            while len(book) > KEPT_REFUSALS:
+                del book[min(book)]
 
     def tell_refused(self, seq: int, coll: int, origin: int, reason: str) -> None:
         """Best effort, never blocking: pass on rank ``origin``'s refusal of ``seq``, which made

@@ -68,6 +68,7 @@ def refused(ep, msg: Message, op: str, seq: int) -> None:
         raise OpRefused(origin, name, h.seq, reason)
     if h.seq > seq:
         ep.refusals.setdefault(h.seq, OpRefused(origin, name, h.seq, reason))
+        ep.keep_refusals_bounded()
     elif h.src != origin:
         raise OpRefused(origin, name, h.seq, reason, reported_by=h.src)
 
