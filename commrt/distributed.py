@@ -145,7 +145,7 @@ def broadcast(tensor, src: int, group=None, async_op=False) -> Work | None:
     g = _group(group)
     if g is None:
         return None
-    root = g.group_rank(src, "src")
+    root = _root(g, src, "src", "broadcast", async_op)
     return _call(_begin(g, "broadcast", tensor, async_op), g.backend.broadcast, tensor, root, async_op)
 
 
@@ -153,7 +153,7 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op=False) -> Wor
     g = _group(group)
     if g is None:
         return None
-    root, rop = g.group_rank(dst, "dst"), as_op(op)
+    root, rop = _root(g, dst, "dst", "reduce", async_op), as_op(op)
     return _call(_begin(g, "reduce", tensor, async_op), g.backend.reduce, tensor, root, rop, async_op)
 
 
@@ -167,6 +167,16 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     out, inp = dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False)
     return _call(_begin(g, "all_to_all_single", inp, async_op), g.backend.all_to_all_single,
                  out, inp, output_split_sizes, input_split_sizes, async_op)
+
+
+def _root(g: ProcessGroup, rank: int, what: str, op: str, async_op: bool) -> int:
+    """``rank``'s group rank; one outside the group is refused here, and our backend tells the
+    peers (``ZmqBackend.refuse``: they fail at once naming this rank instead of waiting in the op)."""
+    try:
+        return g.group_rank(rank, what)
+    except ValueError as exc:
+        refuse = getattr(g.backend, "refuse", None)
+        raise exc if refuse is None else refuse(op, exc, async_op)
 
 
 def barrier(group=None, async_op=False) -> Work | None:

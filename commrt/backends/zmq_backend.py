@@ -207,6 +207,11 @@ class ZmqBackend:
                     self._broken = failed
         return exc
 
+    def refuse(self, op: str, exc: BaseException, async_op: bool = False) -> BaseException:
+        """The caller's own refusal of this group's collective ``op`` ("broadcast", ...), e.g. the
+        front door's of a root outside the group: told to the peers as ``_refused`` does."""
+        return self._refused(Coll[op.upper()], exc, async_op)
+
     def _refuse(self, coll: Coll, reason: str) -> None:
         """Holding the executor's turn: the refused op's sequence number, and the notices."""
         self._seq += 1

@@ -6,7 +6,7 @@ from tests.multirank.harness import run_ranks
 
 @pytest.mark.parametrize("intra", ["tcp", "shm"])
 @pytest.mark.parametrize("case,nproc", [("readonly_output", 3), ("dtypes_differ", 3), ("broadcast_leaf", 2),
-                                        ("async_reduce_scatter", 3)])
+                                        ("async_reduce_scatter", 3), ("unknown_root", 3)])
 def test_one_ranks_refusal_fails_its_peers_at_once_naming_it(case, nproc, intra, tmp_path):
     """Before, the peers waited in the op until the deadline (60 s here; the launch's bound is
     50 s) and then blamed rank 1 as lost, without saying why."""

@@ -59,7 +59,13 @@ def async_reduce_scatter(rank: int, n: int) -> tuple[str, type]:
     return "reduce_scatter", ValueError
 
 
-CASES = {"readonly_output": readonly_output, "dtypes_differ": dtypes_differ, "broadcast_leaf": broadcast_leaf,
+def unknown_root(rank: int, n: int) -> tuple[str, type]:
+    """The front door refuses a root outside the group, before the backend sees the op."""
+    commrt.reduce(np.ones(8, np.float32), dst=n + 3 if rank == 1 else 0)
+    return "reduce", ValueError
+
+
+CASES = {"unknown_root": unknown_root, "readonly_output": readonly_output, "dtypes_differ": dtypes_differ, "broadcast_leaf": broadcast_leaf,
          "async_reduce_scatter": async_reduce_scatter}
 
 
