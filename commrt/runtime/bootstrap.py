@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
 import sys
@@ -91,6 +92,9 @@ def open_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s:
     return client, server
 
 
+_agent_opens = itertools.count()  # torchrun's agent store opened by this process so far
+
+
 def open_node_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeout_s: float,
                     node: list[int] | None):
     """(client, proxy-or-None, server-or-None). ``node``: this rank's node hint ([node, local
@@ -100,7 +104,10 @@ def open_node_store(transport: Transport, spec: rendezvous.RendezvousSpec, timeo
         import torch.distributed  # lazy: torchrun's world runs torch anyway
         tstore = torch.distributed.TCPStore(spec.host, spec.port, None, False,
                                             timeout=datetime.timedelta(seconds=timeout_s))
-        return TorchStore(tstore), None, None
+        # the agent's store outlives this rendezvous: a later init, or the next attempt after a
+        # restart, found its claims ("duplicate rank"). Every rank opens it alike, so the count
+        # of opens in this process (after torch's attempt prefix) names a fresh namespace.
+        return TorchStore(tstore, f"commrt/attempt_{spec.attempt}/{next(_agent_opens)}/"), None, None
     server = StoreServer(transport, spec.host, spec.port) if spec.rank == 0 else None
     try:
         return (*connect(transport, spec.host, spec.port, spec.rank, timeout_s, node), server)

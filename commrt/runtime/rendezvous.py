@@ -35,6 +35,8 @@ class RendezvousSpec:
     rank: int
     world_size: int
     use_agent_store: bool = False
+    attempt: int = 0
+    """torchrun's restart count (TORCHELASTIC_RESTART_COUNT): its agent's store outlives a start."""
 
 
 def resolve(init_method: str | None, rank: int | None, world_size: int | None,
@@ -74,7 +76,11 @@ def resolve(init_method: str | None, rank: int | None, world_size: int | None,
     if world < 1 or not 0 <= rank_v < world:
         raise ConfigError(f"rank {rank_v} is invalid for world_size {world}")
     agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return RendezvousSpec(lookup(host, "the rendezvous address (MASTER_ADDR)"), port, rank_v, world, agent)
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else "0"
+    if not attempt.isdigit():
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={attempt!r} is not a non-negative integer")
+    return RendezvousSpec(lookup(host, "the rendezvous address (MASTER_ADDR)"), port, rank_v, world, agent,
+                          int(attempt))
 
 
 def _port(text: str, what: str) -> int:
