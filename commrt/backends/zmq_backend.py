@@ -7,17 +7,12 @@ import sys
 import zlib
 from typing import Callable
 
-import numpy as np
-
-from commrt.runtime import dtypes
-from commrt.runtime.arrays import UINT8, numel
 from commrt.collectives import ops, shm_ops
 from commrt.collectives.aliasing import Aliased
 from commrt.collectives.context import Coll, Journal, OpContext
 from commrt.collectives.contract import NAMES as _NAMES, restate_report
 from commrt.collectives.selection import table_from
 from commrt.collectives.shm_ops import ShmContext
-from commrt.collectives.reduce_ops import ReduceOp, check_defined
 from commrt.runtime.config import Config
 from commrt.runtime.config.comm import parse_algorithms
 from commrt.runtime.errors import CollectiveMismatch, CommError, GroupClosed, OpRefused, PeerLost, ProtocolError
@@ -27,13 +22,12 @@ from commrt.transport.endpoint import MismatchReport, encode_report
 from commrt.transport.memory import keep_freed_memory
 from commrt.transport.p2p import P2PEngine
 from commrt.runtime.work import CommTimeout, Executor, Work
-from commrt.backends.base import check_same_dtype, flat_view, narrow_int, same_kind, split_bounds, widened
+from commrt.backends.zmq_calls import CollectiveCalls
 from commrt.backends.zmq_p2p import PointToPoint
 from commrt.backends.zmq_shm import make_segment, open_channel, shares_memory
 
 log = logging.getLogger(__name__)
 
-STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 READ_AHEAD_OPS = 4  # ops a peer may be ahead beyond those this rank has issued
 READ_AHEAD_FLOOR = 64 << 20  # bytes; a flood beyond the bound breaks the group (issue 13.10)
 MAX_CACHED_CONTEXTS = 64  # op shapes whose shared-memory context a group keeps
@@ -49,7 +43,7 @@ def _call_site() -> int:
     return (zlib.crc32(where.encode()) & 0xFFFFFF) or 1
 
 
-class ZmqBackend:
+class ZmqBackend(CollectiveCalls):
     name = "zmq"
 
     def __init__(self, transport: Transport, cfg: Config, rank: int, size: int, group_id: int,
@@ -276,110 +270,6 @@ class ZmqBackend:
             exc = exc.in_group(self._members, self.group_id)  # as PeerLost: the caller reads global ranks
         self._broken = exc
         return exc
-
-    # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
-        try:
-            t = dtypes.as_buffer(tensor)
-            check_defined(op, t.dtype, "all_reduce")
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.ALL_REDUCE, exc, async_op)
-        # a CUDA tensor is staged through pinned memory in pieces; but an integer AVG goes the
-        # flat way below (one host copy, then widened: its pieces' sums would wrap in int8)
-        if not isinstance(t, np.ndarray) and t.is_cuda and not (op == ReduceOp.AVG and narrow_int(t)):
-            from commrt.backends.staging import Staged  # lazy: torch's CUDA
-            staged = Staged(t, STAGE_PIECES * self.cfg.comm.chunk_bytes)
-            return self._collective(Coll.ALL_REDUCE, t.dtype, numel(t),
-                                    lambda ctx: staged.run(lambda piece: self._ops.all_reduce(ctx, piece, op)),
-                                    async_op, reduce=op)
-        try:
-            flat, wb = flat_view(tensor)
-            declared = flat.dtype
-            flat, wb = widened(flat, op, wb)
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.ALL_REDUCE, exc, async_op)
-        return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
-                                lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, wb, reduce=op,
-                                declared=declared)
-
-    def _whole_and_part(self, output, input, name: str, whole: str):
-        """(out, write-back, inp), flat, of an op whose ``whole`` ("input" or "output") holds
-        world-size parts the size of the other."""
-        out, inp = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
-        out, wb = flat_view(out, "output")
-        inp, _ = flat_view(inp, "input", writes=False)
-        check_same_dtype(out, inp, name)
-        big, small, part = (inp, out, "output") if whole == "input" else (out, inp, "input")
-        if numel(big) != numel(small) * self.size:
-            raise ValueError(f"{name}: {whole} has {numel(big)} elements, expected "
-                             f"{part} ({numel(small)}) x world size ({self.size})")
-        return out, wb, inp
-
-    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
-        try:
-            out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
-            check_defined(op, out.dtype, "reduce_scatter_tensor")
-            declared = out.dtype
-            out, wb = widened(out, op, wb, fresh=True)
-            inp, _ = widened(inp, op, None)
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.REDUCE_SCATTER, exc, async_op)
-        return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
-                                lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, wb, reduce=op,
-                                declared=declared)
-
-    def all_gather_into_tensor(self, output, input, async_op=False):
-        try:
-            out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.ALL_GATHER, exc, async_op)
-        return self._collective(Coll.ALL_GATHER, out.dtype, numel(out),
-                                lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
-
-    def broadcast(self, tensor, src, async_op=False):
-        # the source only reads its buffer: a read-only one is fine there (nothing to store back)
-        try:
-            flat, wb = flat_view(tensor, writes=self.rank != src)
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.BROADCAST, exc, async_op)
-        wb = wb if self.rank != src else None
-        return self._collective(Coll.BROADCAST, flat.dtype, numel(flat),
-                                lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, wb, root=src)
-
-    def reduce(self, tensor, dst, op=ReduceOp.SUM, async_op=False):
-        # the others' buffers are inputs only (a read-only one too): nothing to store back
-        try:
-            flat, wb = flat_view(tensor, writes=self.rank == dst)
-            check_defined(op, flat.dtype, "reduce")
-            declared = flat.dtype
-            flat, wb = widened(flat, op, wb) if self.rank == dst else (widened(flat, op, None)[0], None)
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.REDUCE, exc, async_op)
-        return self._collective(Coll.REDUCE, flat.dtype, numel(flat),
-                                lambda ctx: self._ops.reduce(ctx, flat, dst, op), async_op, wb, reduce=op,
-                                root=dst, declared=declared)
-
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                          async_op=False):
-        try:
-            o, i = same_kind(dtypes.as_buffer(output), dtypes.as_buffer(input, writes=False))
-            out, wb = flat_view(o, "output")
-            inp, _ = flat_view(i, "input", writes=False)
-            check_same_dtype(out, inp, "all_to_all_single")
-            out_b = split_bounds(numel(out), o.shape[0] if o.ndim else 1, output_split_sizes, self.size, "output")
-            in_b = split_bounds(numel(inp), i.shape[0] if i.ndim else 1, input_split_sizes, self.size, "input")
-            (lo, hi), (olo, ohi) = in_b[self.rank], out_b[self.rank]
-            if hi - lo != ohi - olo:  # the block a rank sends itself: checked here, where it is known
-                raise ValueError(f"all_to_all_single: rank {self.rank} sends itself {hi - lo} elements but "
-                                 f"expects {ohi - olo} from itself (input and output split sizes at {self.rank})")
-        except (ValueError, TypeError) as exc:
-            raise self._refused(Coll.ALL_TO_ALL, exc, async_op)
-        return self._collective(Coll.ALL_TO_ALL, out.dtype, 0,
-                                lambda ctx: self._ops.all_to_all(ctx, out, inp, out_b, in_b), async_op, wb,
-                                nbytes=max(numel(inp), numel(out)) * out.dtype.itemsize)
-
-    def barrier(self, async_op=False):
-        return self._collective(Coll.BARRIER, UINT8, 0, lambda ctx: self._ops.barrier(ctx), async_op)
 
     # -- point to point (zmq_p2p.py) --------------------------------------------------------
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
