@@ -16,12 +16,12 @@ import threading
 import time
 
 from commrt.runtime.config import Config
-from commrt.runtime.errors import CollectiveMismatch, PeerLost
+from commrt.runtime.errors import CollectiveMismatch, OpRefused, PeerLost
 from commrt.runtime.work import CommTimeout, Work
 from commrt.obs import comms, flight, trace
 
 log = logging.getLogger("commrt.obs")
-DUMP_ON = (PeerLost, CollectiveMismatch, CommTimeout)
+DUMP_ON = (PeerLost, CollectiveMismatch, OpRefused, CommTimeout)
 MAX_TRACE_EVENTS = 1 << 21  # ~0.5 GiB of JSON at most; later events are counted, not kept
 
 

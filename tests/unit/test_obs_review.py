@@ -271,3 +271,15 @@ def test_ops_that_end_on_several_threads_at_once_are_all_counted():
                 sorted(r["count"] for r in rows if r["count"] != threads)
     finally:
         sys.setswitchinterval(interval)
+
+
+def test_a_peers_refusal_writes_the_flight_record_as_a_mismatch_does(tmp_path):
+    """An op that failed because a peer refused it (OpRefused) broke the group as a mismatch
+    does, but wrote no flight record: the one error of the kind left nothing to read after."""
+    from commrt.runtime.errors import OpRefused
+    obs = Observer(load_config(None, environ={"COMMRT_LOG_FLIGHT_DIR": str(tmp_path)}), 0, 2)
+    try:
+        obs.completed(None, OpRefused(1, "all_reduce", 3, "ValueError: a read-only output"))
+        assert "rank 1 refused all_reduce" in json.load(open(tmp_path / "rank0.json"))["reason"]
+    finally:
+        obs.close()

@@ -58,7 +58,7 @@ class LogConfig:
     ``commrt trace-merge OUT FILES...`` joins the ranks' files into one."""
     flight_dir: str = ""
     """Where every rank writes its flight record (``rank<N>.json``) on PeerLost,
-    CollectiveMismatch, a CommTimeout, SIGUSR1 or SIGTERM; read with ``commrt flight-record DIR``.
+    CollectiveMismatch, OpRefused, a CommTimeout, SIGUSR1 or SIGTERM; read with ``commrt flight-record DIR``.
     Empty: the ring buffers are still kept, but a dump goes nowhere (a line says so)."""
     flight_entries: int = 64
     """Ops each group's flight recorder keeps (a ring buffer; always on)."""
