@@ -9,6 +9,7 @@ import os
 import sys
 
 from commrt.collectives.selection import format_table, table_from
+from commrt.optim.schedules import PARAMS
 from commrt.runtime.config import load_with_sources, markdown_env_table, read_file, unknown_variables
 from commrt.runtime.config.render import section_lines
 from commrt.runtime.config.comm import parse_algorithms
@@ -76,7 +77,14 @@ def _train_lines(train, raw: dict, from_file: str) -> list[str]:
     zero = [(k, None if (k, v) == ("shard_group_size", 0) else v) for k, v in zero]  # 0: unset (a node)
     opt = train.optimizer
     params = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.name != "kind"}
-    return ["", *section_lines("train", [(k, v, source(raw, k)) for k, v in top]),
-            "", *section_lines("train.zero_optimization", [(k, v, source(zero_raw, k)) for k, v in zero]),
-            "", *section_lines("train.optimizer", [("type", opt.kind, source(opt_raw, "type")),
-                                                   ("params", params, source(opt_raw, "params"))])]
+    lines = ["", *section_lines("train", [(k, v, source(raw, k)) for k, v in top]),
+             "", *section_lines("train.zero_optimization", [(k, v, source(zero_raw, k)) for k, v in zero]),
+             "", *section_lines("train.optimizer", [("type", opt.kind, source(opt_raw, "type")),
+                                                    ("params", params, source(opt_raw, "params"))])]
+    if train.scheduler is not None:  # only its type's params (the others do not apply)
+        sched, sched_raw = train.scheduler.as_dict(), raw.get("scheduler", {})
+        kind = sched.pop("type")
+        lines += ["", *section_lines("train.scheduler", [
+            ("type", kind, source(sched_raw, "type")),
+            ("params", {k: v for k, v in sched.items() if k in PARAMS[kind]}, source(sched_raw, "params"))])]
+    return lines

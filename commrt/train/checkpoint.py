@@ -62,6 +62,7 @@ def shard_state(engine) -> dict:
     meta = {"format": FORMAT, "rank": z.rank, "world": z.world, "stage": z.stage,
             "module_state": [[n, list(t.shape), t.is_floating_point()] for n, t in extra.items()],
             "optimizer": z.spec.kind, "optimizer_state": list(names), "global_steps": engine.global_steps,
+            "lr": z.spec.lr,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "params": [[n, p_numel] for n, p_numel in zip(engine.names, _numels(engine))],
             "shapes": _shapes(engine),
@@ -232,6 +233,7 @@ def load_shard_states(engine, states: list[dict]) -> None:
                 slot[-1][start:start + b - a] = True
         engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
         engine.micro_steps = meta["micro_steps"]
+        engine.resume_lr(meta.get("lr"))  # the schedule's at the loaded step, or the saved rate
         st["module_state"] = list(arrays)  # what follows the units
     # this rank's own file at the same world size (an exact continuation), else rank 0's
     own = [st for st in states if st["meta"].get("rank") == z.rank and st["meta"].get("world") == z.world]

@@ -17,6 +17,7 @@ except ImportError:  # Python 3.10
 
 from commrt.runtime.errors import ConfigError
 from commrt.optim.rules import OptimSpec
+from commrt.optim.schedules import LRSchedule
 from commrt.train.collector import check_interval
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -25,7 +26,7 @@ _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_c
               "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param", "overlap_step"}
 _TOP_KEYS = {"zero_optimization", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "train_micro_batch_size_per_gpu", "train_batch_size", "non_finite_grads",
-             "fault_tolerance", "manual_gc_interval"}
+             "fault_tolerance", "manual_gc_interval", "scheduler"}
 # FSDP's strategies (torch.distributed.fsdp.ShardingStrategy) as (ZeRO stage, hybrid)
 STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
               "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
@@ -167,6 +168,10 @@ class TrainConfig:
     """DeepSpeed's ``optimizer`` table: type AdamW (or Adam, run as AdamW), LAMB or SGD, with lr,
     betas, eps, weight_decay, momentum, nesterov; ``adam_w_mode`` and ``bias_correction`` only
     as true (their default; false is a ConfigError, not Adam with L2 decay or raw moments)."""
+    scheduler: LRSchedule | None = None
+    """DeepSpeed's ``scheduler`` table: WarmupLR, WarmupDecayLR or WarmupCosineLR with its params
+    (``optim/schedules.py``); the engine sets each step's learning rate from the number of steps
+    taken. None: the optimizer's ``lr`` (or ``engine.set_lr``'s) for every step."""
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     """Clip the global gradient norm (over all shards) to this value; 0 disables."""
@@ -244,6 +249,7 @@ class TrainConfig:
         zero.pop("reduce_scatter", None)
         return cls(zero=ZeroConfig(**{k: _zero_value(k, v) for k, v in zero.items()}),
                    optimizer=_optimizer(raw.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
+                   scheduler=None if raw.get("scheduler") is None else LRSchedule.from_dict(raw["scheduler"]),
                    gradient_accumulation_steps=_number("gradient_accumulation_steps",
                                                        raw.get("gradient_accumulation_steps", 1), int),
                    gradient_clipping=_number("gradient_clipping", raw.get("gradient_clipping", 0.0), float),
@@ -264,6 +270,10 @@ def _check_fault_tolerance(c: "TrainConfig") -> None:
         raise ConfigError(f"fault_tolerance = {ft!r} is invalid; valid: {list(FAULT_TOLERANCE)}")
     if ft != "replica":
         return
+    if c.scheduler is not None:  # its loop steps torch's optimizer, not the engine: else silently ignored
+        raise ConfigError("fault_tolerance = 'replica' steps torch's optimizer (train/replica_ft.py), which the "
+                          "scheduler section does not reach; drop it and step a torch LR scheduler on that "
+                          "optimizer after each ReplicaFT step")
     z = c.zero
     grouped = z.hybrid or z.zero_hpz_partition_size != 1
     if not grouped and z.stage != 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from commrt import distributed as dist
 from commrt.collectives.reduce_ops import ReduceOp
+from commrt.optim.schedules import lr_at
 from commrt.runtime.errors import CommError, ConfigError
 from commrt.train import checkpoint, groups, sharding
 from commrt.train.breakdown import StepBreakdown
@@ -111,6 +113,7 @@ class Engine(GatherHooks):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if self.plan.stage == 3 and not self.zero.resident:  # resident: nothing to gather
             self._install_gather_hooks(model)
+        self._schedule_lr()
 
     # -- forward / backward / step ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -290,8 +293,13 @@ class Engine(GatherHooks):
                 self.zero.issue_backward()
             else:
                 self.zero.wait()
-            bad, norm = self._check_gradients()
+            bad, norm, lrs = self._check_gradients()
         self._dirty = False  # consumed: stepped, or dropped as non-finite
+        if len(set(lrs)) > 1:
+            drop_grads(self.zero)
+            raise ConfigError(f"the ranks' learning rates differ before step {self.global_steps + 1}: "
+                              f"{dict(enumerate(lrs))}; every rank must call set_lr with the same value "
+                              "before the same step; no update was applied")
         if bad:
             drop_grads(self.zero)  # every reduction landed before the gradients are dropped
             if self.cfg.non_finite_grads == "raise":
@@ -307,14 +315,17 @@ class Engine(GatherHooks):
         else:
             self.zero.update(self.global_steps, coef)  # its publish is bookkeeping and comm
         self.last_grad_norm = norm
+        self._schedule_lr()  # the next step's (a deferred step keeps its own: zero_defer's due_spec)
         return True
 
-    def _check_gradients(self) -> tuple[list[int], float]:
-        """One all-reduce: which ranks saw non-finite gradients, and the global squared norm (NaN
-        under zero_defer, whose reductions are still in flight: only clipping would need it)."""
+    def _check_gradients(self) -> tuple[list[int], float, list[float]]:
+        """One all-reduce: which ranks saw non-finite gradients, the global squared norm (NaN
+        under zero_defer, whose reductions are still in flight: only clipping would need it), and
+        every rank's learning rate for this step (a float64 sum with zeros: each exact)."""
         z = self.zero
-        vec = torch.zeros(z.world + 1, dtype=torch.float64)
+        vec = torch.zeros(2 * z.world + 1, dtype=torch.float64)
         vec[z.rank] = float(z.nonfinite)
+        vec[z.world + 1 + z.rank] = z.spec.lr
         if z.defer:
             vec[z.world] = math.nan
         elif z.counts_norm:
@@ -324,7 +335,39 @@ class Engine(GatherHooks):
         z.nonfinite = False
         bad = [r for r in range(z.world) if vec[r] > 0]
         total = float(vec[z.world])
-        return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf)
+        lrs = vec[z.world + 1:].tolist()
+        return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf), lrs
+
+    # -- learning rate ----------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        """The learning rate the next step runs at, per parameter group (the engine has one), as
+        DeepSpeed's ``engine.get_lr()``."""
+        return [self.zero.spec.lr]
+
+    def set_lr(self, lr: float) -> None:
+        """Run the next steps at ``lr`` (a torch scheduler's or the caller's own schedule: call it
+        before ``step()``). Every rank must set the same value before the same step: the step's
+        gradient check all-reduces every rank's rate and raises ConfigError on all of them if any
+        differs. Saved in checkpoints. Refused with a ``scheduler`` config, which sets each step's."""
+        if self.cfg.scheduler is not None:
+            raise ConfigError(f"set_lr with the {self.cfg.scheduler.type} scheduler of the config, which sets the "
+                              "learning rate of every step; drop the scheduler section to set it yourself")
+        self.zero.spec = dataclasses.replace(self.zero.spec, lr=lr)  # OptimSpec checks it: a ConfigError
+
+    def _schedule_lr(self) -> None:
+        """The configured schedule's rate for the step after ``global_steps`` taken ones (the same
+        on every rank: the step count is)."""
+        s = self.cfg.scheduler
+        if s is not None:
+            self.zero.spec = dataclasses.replace(self.zero.spec, lr=lr_at(s, self.global_steps, self.cfg.optimizer.lr))
+
+    def resume_lr(self, saved: float | None) -> None:
+        """After a load: the schedule's rate at the loaded step count, or without one the rate the
+        checkpoint was saved with (a ``set_lr`` value; None in files from before it was saved)."""
+        if self.cfg.scheduler is not None:
+            self._schedule_lr()
+        elif saved is not None:
+            self.zero.spec = dataclasses.replace(self.zero.spec, lr=saved)
 
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
