@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -66,8 +67,23 @@ def initialize(model: nn.Module, config: Mapping[str, Any] | TrainConfig | None 
     return Engine(model, cfg, group)
 
 
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+"""The engines of this process not closed yet: their gradient hooks are on their parameters, so a
+second engine on one of them would reduce its gradients twice (``_check_not_held``)."""
+
+
+def _check_not_held(model: nn.Module) -> None:
+    mine = {id(p) for p in model.parameters()}
+    for other in list(_OPEN):
+        if not other.closed and any(id(p) in mine for p in other.params):
+            raise ConfigError(f"{type(model).__name__} (or a module sharing its parameters) is held by an open "
+                              "engine, whose hooks would reduce its gradients too; call close() on that engine "
+                              "first (every rank), then initialize the new one")
+
+
 class Engine(GatherHooks):
     def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
+        _check_not_held(model)  # no collective yet: every rank raises alike
         self.module, self.cfg, self.group = model, cfg, group
         cfg.check_batch(dist.get_world_size(group))  # before any collective: every rank raises alike
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -114,6 +130,7 @@ class Engine(GatherHooks):
         if self.plan.stage == 3 and not self.zero.resident:  # resident: nothing to gather
             self._install_gather_hooks(model)
         self._schedule_lr()
+        _OPEN.add(self)  # last: an initialize that raised holds nothing
 
     # -- forward / backward / step ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -258,6 +275,7 @@ class Engine(GatherHooks):
         that would train or load through it raises ``EngineClosed``: at stage 3 it released the
         module's parameters, at every stage it wrote over what the plain module had become."""
         self.closed = True
+        _OPEN.discard(self)  # the hooks go below: the module may get a new engine
         if self._hooks:
             self.zero.settle_all()
             self.zero.wait()
