@@ -23,8 +23,8 @@ SCHEDULES = {"WarmupDecayLR": {"warmup_max_lr": 0.05, "warmup_min_lr": 0.001, "w
 STEPS = 6
 
 
-def config(stage: int, kind: str) -> dict:
-    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40}, "optimizer": ADAMW,
+def config(stage: int, kind: str, **zero) -> dict:
+    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40, **zero}, "optimizer": ADAMW,
             "scheduler": {"type": kind, "params": SCHEDULES[kind]}}
 
 
@@ -98,10 +98,27 @@ def disagree_case(rank: int, world: int) -> None:
     engine.close()
 
 
+def hybrid_case(rank: int, world: int) -> None:
+    """HYBRID_SHARD with overlap_step (zero_defer: each unit steps at its next gather, with the
+    settings of the step() that made it due) and hpZ: the same rates as torch's."""
+    for name, zero in (("HYBRID_SHARD", {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
+                       ("hpZ", {"zero_hpz_partition_size": 2})):
+        want, lrs = reference(world, "WarmupDecayLR")
+        engine = initialize(make_model(), config(3, "WarmupDecayLR", **zero))
+        train(engine, rank, range(STEPS), lrs, name)
+        assert name != "HYBRID_SHARD" or engine.zero.deferred_steps == STEPS, "overlap_step did not defer"
+        compare(engine.full_state_dict(), want, f"{name} WarmupDecayLR", atol=1e-6)
+        engine.close()
+
+
 def main() -> int:
     torch.set_num_threads(1)
     commrt.init_process_group()
     rank, world = commrt.get_rank(), commrt.get_world_size()
+    if sys.argv[1:] == ["hybrid"]:
+        hybrid_case(rank, world)
+        commrt.destroy_process_group()
+        return 0
     scheduled_case(rank, world)
     resume_case(rank, world)
     disagree_case(rank, world)
