@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
 import weakref
 from typing import Any, Mapping
@@ -20,13 +19,13 @@ from torch import nn
 
 from commrt import distributed as dist
 from commrt.collectives.reduce_ops import ReduceOp
-from commrt.optim.schedules import lr_at
 from commrt.runtime.errors import CommError, ConfigError
 from commrt.train import checkpoint, groups, sharding
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.collector import ManualGC
 from commrt.train.config import TrainConfig
 from commrt.train.gather_hooks import GatherHooks
+from commrt.train.learning_rate import LearningRate
 from commrt.train.units import UnitState
 from commrt.train.zero import Zero, ZeroSettings
 from commrt.train.zero_step import drop_grads, drop_prefetches, squared_norm
@@ -81,7 +80,7 @@ def _check_not_held(model: nn.Module) -> None:
                               "first (every rank), then initialize the new one")
 
 
-class Engine(GatherHooks):
+class Engine(GatherHooks, LearningRate):
     def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
         _check_not_held(model)  # no collective yet: every rank raises alike
         self.module, self.cfg, self.group = model, cfg, group
@@ -355,37 +354,6 @@ class Engine(GatherHooks):
         total = float(vec[z.world])
         lrs = vec[z.world + 1:].tolist()
         return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf), lrs
-
-    # -- learning rate ----------------------------------------------------------------------
-    def get_lr(self) -> list[float]:
-        """The learning rate the next step runs at, per parameter group (the engine has one), as
-        DeepSpeed's ``engine.get_lr()``."""
-        return [self.zero.spec.lr]
-
-    def set_lr(self, lr: float) -> None:
-        """Run the next steps at ``lr`` (a torch scheduler's or the caller's own schedule: call it
-        before ``step()``). Every rank must set the same value before the same step: the step's
-        gradient check all-reduces every rank's rate and raises ConfigError on all of them if any
-        differs. Saved in checkpoints. Refused with a ``scheduler`` config, which sets each step's."""
-        if self.cfg.scheduler is not None:
-            raise ConfigError(f"set_lr with the {self.cfg.scheduler.type} scheduler of the config, which sets the "
-                              "learning rate of every step; drop the scheduler section to set it yourself")
-        self.zero.spec = dataclasses.replace(self.zero.spec, lr=lr)  # OptimSpec checks it: a ConfigError
-
-    def _schedule_lr(self) -> None:
-        """The configured schedule's rate for the step after ``global_steps`` taken ones (the same
-        on every rank: the step count is)."""
-        s = self.cfg.scheduler
-        if s is not None:
-            self.zero.spec = dataclasses.replace(self.zero.spec, lr=lr_at(s, self.global_steps, self.cfg.optimizer.lr))
-
-    def resume_lr(self, saved: float | None) -> None:
-        """After a load: the schedule's rate at the loaded step count, or without one the rate the
-        checkpoint was saved with (a ``set_lr`` value; None in files from before it was saved)."""
-        if self.cfg.scheduler is not None:
-            self._schedule_lr()
-        elif saved is not None:
-            self.zero.spec = dataclasses.replace(self.zero.spec, lr=saved)
 
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
