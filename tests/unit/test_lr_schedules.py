@@ -134,3 +134,21 @@ def test_a_scheduler_with_the_replica_loop_is_refused():
     with pytest.raises(ConfigError, match="fault_tolerance"):
         TrainConfig.from_dict({"fault_tolerance": "replica",
                                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}})
+
+
+def test_a_skipped_step_does_not_advance_the_schedule(world1):
+    """As DeepSpeed, which steps its scheduler only when the optimizer stepped (no overflow)."""
+    torch.manual_seed(0)
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "non_finite_grads": "skip",
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.3, "warmup_num_steps": 3,
+                                                        "warmup_type": "linear"}}}
+    engine = initialize(nn.Linear(3, 2), cfg)
+    _step(engine, 0)
+    assert engine.get_lr() == pytest.approx([0.1])
+    x, y = _batch(1)
+    engine.backward(nn.functional.mse_loss(engine(x), y) * float("nan"))
+    assert not engine.step() and engine.skipped_steps == 1
+    assert engine.get_lr() == pytest.approx([0.1])
+    _step(engine, 2)
+    assert engine.get_lr() == pytest.approx([0.2])
+    engine.close()
