@@ -55,8 +55,7 @@ def _check_sendable(stage: int, mb: int, outputs: list) -> None:
     bad = next((i for i, o in enumerate(outputs) if dtypes.dtype_name(o.dtype) not in dtypes.CODES), None)
     if bad is not None:
         raise ConfigError(f"stage {stage}, micro-batch {mb}: output {bad} is a {outputs[bad].dtype} tensor, "
-                          f"which cannot be sent to the next stage; valid dtypes: {list(dtypes.CODES)} "
-                          "(a bool mask can go as uint8: mask.to(torch.uint8))")
+                          f"which cannot be sent to the next stage; valid dtypes: {list(dtypes.CODES)}")
 
 
 def _tag(dst_stage: int, forward: bool) -> int:

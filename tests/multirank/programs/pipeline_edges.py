@@ -220,7 +220,7 @@ def fails(rank: int, world: int, bad: int, where: str) -> None:
 
 
 class Unsendable(nn.Module):
-    """Stage 0 whose outputs cannot cross the wire: ``what`` "bool" (a mask; bool is not in the
+    """Stage 0 whose outputs cannot cross the wire: ``what`` "complex" (complex64 is not in the
     wire's dtype list) or "many" (65 tensors: more than one message's header holds)."""
 
     def __init__(self, what: str):
@@ -229,7 +229,9 @@ class Unsendable(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return (h, h > 0) if self.what == "bool" else tuple(h[:, i % 6] for i in range(65))
+        if self.what == "complex":
+            return h, h.to(torch.complex64)
+        return tuple(h[:, i % 6] for i in range(65))
 
 
 def unsendable(rank: int, what: str) -> None:
@@ -240,7 +242,7 @@ def unsendable(rank: int, what: str) -> None:
     group = commrt.new_group([0, 1])
     module = Unsendable(what) if rank == 0 else nn.Linear(6, 6)
     sched = OneFOneB(PipelineStage(module, rank, 2, group=group), 1, lambda out, y: out.float().sum())
-    why = {"bool": "torch.bool", "many": "65 tensors"}[what]
+    why = {"complex": "torch.complex64", "many": "65 tensors"}[what]
     start = time.monotonic()
     try:
         sched.step(*((torch.randn(4, 6),) if rank == 0 else ()), target=torch.zeros(4, 6) if rank else None)
@@ -253,6 +255,51 @@ def unsendable(rank: int, what: str) -> None:
         assert took < 15, f"rank 1 was told after {took:.1f}s"
     commrt.barrier()
     print(f"OK unsendable {what}", flush=True)
+
+
+class Masking(nn.Module):
+    """Stage 0 of ``mask``: an activation and the bool mask of its positive entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, h > 0
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, h, keep):
+        return self.lin(h.masked_fill(~keep, 0.0))
+
+
+def mask(rank: int, kind: str) -> None:
+    """A bool mask between stages (a wire dtype since wire version 3) trains like one process."""
+    torch.manual_seed(0)
+    head, tail = Masking(), Masked()
+    module = (head, tail)[rank]
+    sched = {"gpipe": GPipe, "1f1b": OneFOneB}[kind](PipelineStage(module, rank, 2), 3, nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    torch.manual_seed(0)
+    ref = nn.ModuleList([Masking(), Masked()])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for s in range(2):
+        x, y = data(s)
+        opt.zero_grad()
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        opt.step()
+        ref_opt.zero_grad()
+        for xm, ym in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)):
+            (nn.functional.mse_loss(ref[1](*ref[0](xm)), ym) * ym.shape[0] / y.shape[0]).backward()
+        ref_opt.step()
+    for name, p in module.named_parameters():
+        assert_equal(p.detach(), dict(ref[rank].named_parameters())[name].detach(), f"mask {kind} {name}")
+    print(f"OK mask {kind}", flush=True)
 
 
 def mismatch(rank: int) -> None:
@@ -295,7 +342,7 @@ def die_in_subgroup(rank: int) -> None:
 
 def main() -> int:
     """Runs each case named on the command line, in order: ``layouts``, ``inplace``, ``mismatch``,
-    ``fails=<rank>:<where>``, ``unsendable=<bool|many>``, ``die_in_subgroup`` (one launch for several: each costs seconds)."""
+    ``fails=<rank>:<where>``, ``unsendable=<complex|many>``, ``mask``, ``die_in_subgroup`` (one launch for several: each costs seconds)."""
     rank, world = init()
     for case in sys.argv[1:]:
         mode, _, arg = case.partition("=")
@@ -314,6 +361,9 @@ def main() -> int:
             mismatch(rank)
         elif mode == "unsendable":
             unsendable(rank, arg)
+        elif mode == "mask":
+            for kind in ("gpipe", "1f1b"):
+                mask(rank, kind)
         else:
             raise ValueError(f"unknown case {case!r}")
     commrt.destroy_process_group()
