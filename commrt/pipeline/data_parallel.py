@@ -15,6 +15,9 @@ once. So every backward but the stage's last of the step runs under the wrapper'
 hooks while that backward still runs (the wrapper's own overlap). The caller steps its optimizer
 (or ``engine.step()``) after ``schedule.step()`` as in plain data parallelism. Works for every
 schedule that runs ``B`` actions: GPipe, 1F1B and interleaved (one wrapper per stage).
+Engines also agree on each step's gradient norm and non-finite check over the pipeline
+(``agree_on_steps``). A plain DataParallel stage's optimizer is the caller's: clipping it by
+``clip_grad_norm_`` there would use the stage's own norm.
 """
 from __future__ import annotations
 
@@ -36,6 +39,22 @@ def check(module) -> None:
     if isinstance(module, Engine) and module.cfg.gradient_accumulation_steps != 1:
         raise ConfigError("a pipeline stage's engine needs gradient_accumulation_steps = 1 (the schedule's "
                           f"micro-batches are the accumulation); got {module.cfg.gradient_accumulation_steps}")
+
+
+def agree_on_steps(stages: list, group) -> None:
+    """Each stage's engine steps on the whole model's gradient norm and non-finite check, summed
+    over the pipeline ``group`` (Engine.reduce_norm_over), as one process clips and skips: each
+    engine sees only its stage's part. Every stage must then be an engine. With several stages
+    on a rank (interleaved) the per-rank sums would pair the wrong stages: clipping is refused."""
+    engines = [st.module for st in stages if isinstance(st.module, Engine)]
+    if not engines or stages[0].num_stages == 1:
+        return
+    if len(stages) > 1:
+        if any(e.cfg.gradient_clipping > 0 for e in engines):
+            raise ConfigError("gradient_clipping needs the whole model's norm, which engines of an interleaved "
+                              "pipeline (several stages a rank) do not combine; use GPipe or OneFOneB, or no clipping")
+        return
+    engines[0].reduce_norm_over(group)
 
 
 def backward(module, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, sync: bool) -> None:

@@ -90,6 +90,7 @@ class PipelineSchedule:
         self.peak_in_flight: dict[int, int] = {}
         for st in stages:
             data_parallel.check(st.module)
+        data_parallel.agree_on_steps(stages, self.group)
         self._recv_plan = [(self._peer_rank(a), _tag(a.stage, a.kind == S.RECV_F))
                            for a in self.rank_actions if a.kind in (S.RECV_F, S.RECV_B)]
         self._send_plan = collections.Counter(self._send_dst(a) for a in self.rank_actions

@@ -107,6 +107,7 @@ class Engine(GatherHooks, LearningRate):
         self.collector = ManualGC(cfg.manual_gc_interval)  # Python's collector between steps
         self.global_steps = 0      # optimizer steps taken
         self.skipped_steps = 0     # boundaries skipped for non-finite gradients
+        self._norm_group = None  # reduce_norm_over: the other holders of the model's parts
         self.micro_steps = 0
         self.reduced_during_backward = 0  # units whose reduction a gradient hook started
         self.prefetched = 0  # stage-3 gathers started ahead of their module's use (the overlap)
@@ -353,7 +354,26 @@ class Engine(GatherHooks, LearningRate):
         bad = [r for r in range(z.world) if vec[r] > 0]
         total = float(vec[z.world])
         lrs = vec[z.world + 1:].tolist()
+        if self._norm_group is not None:
+            bad, total = self._across_parts(bad, total)
         return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf), lrs
+
+    def reduce_norm_over(self, group) -> None:
+        """Sum the step's gradient norm and non-finite check over ``group`` too: a pipeline's
+        group, whose ranks each hold another part of the model. One stage clipping by its own
+        part's norm, or skipping a step only where its part saw a NaN, trains another model than
+        one process does. Every rank of ``group`` must then step an engine at the same steps."""
+        self._norm_group = group
+
+    def _across_parts(self, bad: list, total: float) -> tuple[list, float]:
+        g = self._norm_group
+        vec = torch.zeros(len(g.ranks) + 1, dtype=torch.float64)
+        me = dist.get_rank(g)
+        vec[me], vec[-1] = float(len(bad)), total
+        with self.clock.span("comm_waited"):
+            dist.all_reduce(vec, ReduceOp.SUM, g)
+        others = [f"{r} (with another part of the model)" for i, r in enumerate(g.ranks) if i != me and vec[i] > 0]
+        return bad + others, float(vec[-1])
 
     # -- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -80,6 +80,19 @@ def test_pipeline_by_data_parallel_trains_like_a_single_process():
     assert out.count("OK twod interleaved ddp m=4\n") == 4, out[-3000:]
 
 
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_pipeline_of_engines_clips_and_skips_by_the_whole_model_like_a_single_process(dp):
+    """2 stages of ZeRO stage 1 engines (dp replicas each): gradient clipping uses the whole
+    model's norm, and an inf gradient on the last stage only skips the step on every stage, as
+    in one process. Each stage's engine used its own part's norm (stage 0 clipped by 0.08 where
+    the model's was 0.29) and only the stage that saw the inf skipped, the other stepping on.
+    An interleaved pipeline of clipping engines is refused (ConfigError)."""
+    _, out = run_ranks(2 * dp, "pipeline_engines", "clip", "nonfinite", "interleaved", env={**_env("zmq"), "PIPELINE_DP": str(dp)},
+                       timeout_s=120)
+    for case in ("clip", "nonfinite", "interleaved"):
+        assert out.count(f"OK {case}\n") == 2 * dp, f"{case}:\n{out[-3000:]}"
+
+
 EDGES_ENV = {**_env("zmq"), "COMMRT_COMM_TIMEOUT_S": "60"}  # a regression waits out 60 s: the harness stops at 45
 
 
