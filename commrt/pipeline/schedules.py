@@ -12,6 +12,7 @@ from __future__ import annotations
 from commrt.pipeline.actions import (B, COMMS, COMPUTE, F, I, KINDS, RECV_B, RECV_F, SEND_B, SEND_F, UPDATE,
                                      W, Action, format_grid, parse_actions)
 from commrt.pipeline.validate import ScheduleError, validate
+from commrt.runtime.errors import ConfigError
 
 __all__ = ["B", "COMMS", "COMPUTE", "F", "I", "KINDS", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "UPDATE", "W",
            "Action", "format_grid", "parse_actions", "gpipe_actions", "one_f_one_b_actions",
@@ -20,7 +21,7 @@ __all__ = ["B", "COMMS", "COMPUTE", "F", "I", "KINDS", "RECV_B", "RECV_F", "SEND
 
 def _check(num_stages: int, num_microbatches: int) -> None:
     if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages}, {num_microbatches}")
+        raise ConfigError(f"need num_stages >= 1 and num_microbatches >= 1, got {num_stages}, {num_microbatches}")
 
 
 def with_comms(compute: list[list[Action]], num_stages: int) -> list[list[Action]]:
@@ -89,7 +90,7 @@ def interleaved_actions(num_ranks: int, num_microbatches: int, stages_per_rank: 
     warm-up grows one forward at a time until the schedule passes. All forwards first always passes."""
     _check(num_ranks, num_microbatches)
     if stages_per_rank < 1:
-        raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
+        raise ConfigError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
     total = num_microbatches * stages_per_rank
     for extra in range(total + 1):
         rows = with_comms([_interleaved_rank(r, num_ranks, num_microbatches, stages_per_rank, extra)

@@ -3,7 +3,7 @@ gradients, and step()'s error handling (issue 30 items 19 and 20)."""
 import pytest
 import torch
 
-from commrt.pipeline.runtime import PipelineSchedule, _Slot
+from commrt.pipeline.runtime import GPipe, OneFOneB, PipelineSchedule, _Slot
 from commrt.runtime.errors import CommError, ConfigError, ProtocolError
 
 
@@ -162,3 +162,15 @@ def test_a_last_stage_returning_a_scalar_per_micro_batch_returns_them_stacked(mo
     want = torch.stack([model(x[:2]).pow(2).mean(), model(x[2:]).pow(2).mean()]).detach()
     assert out.shape == (2,) and torch.allclose(out, want), (out, want)
     assert model.weight.grad is not None
+
+
+class _OneStage:
+    stage_index, num_stages, group, group_size, module = 0, 1, None, 1, torch.nn.Identity()
+
+
+@pytest.mark.parametrize("make", [lambda: GPipe, lambda: OneFOneB])
+@pytest.mark.parametrize("count", [0, -1])
+def test_a_micro_batch_count_below_one_is_a_config_error(make, count):
+    """It was a bare ValueError from the schedule's builder."""
+    with pytest.raises(ConfigError, match="num_microbatches >= 1"):
+        make()(_OneStage(), count, torch.nn.functional.mse_loss)
