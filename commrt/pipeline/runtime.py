@@ -136,7 +136,7 @@ class PipelineSchedule:
             self._chan.begin(self._recv_plan)
             self._inputs = self._chunks(args, 0, "inputs")
             self._targets = self._chunks((target,) if target is not None else (), self.num_stages - 1, "target")
-            self._rows = None if target is None else target.shape[0]
+            self._rows = None if self._targets is None else target.shape[0]
             for a in self.rank_actions:
                 self._current = a
                 self._run(a)
@@ -183,6 +183,11 @@ class PipelineSchedule:
             return None
         if not tensors:
             raise ConfigError(f"stage {stage} needs its {what} in step()")
+        bad = next((i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)), None)
+        if bad is not None:
+            name = what if what == "target" else f"input {bad}"
+            raise ConfigError(f"stage {stage}: {name} must be a tensor to be cut into micro-batches, got "
+                              f"{type(tensors[bad]).__name__}")
         if len({t.shape[0] if t.dim() else -1 for t in tensors}) > 1 or not tensors[0].dim():
             raise ConfigError(f"{what}: every tensor needs the same number of rows (dimension 0) to be cut into "
                               f"micro-batches alike; got shapes {[tuple(t.shape) for t in tensors]}")

@@ -174,3 +174,28 @@ def test_a_micro_batch_count_below_one_is_a_config_error(make, count):
     """It was a bare ValueError from the schedule's builder."""
     with pytest.raises(ConfigError, match="num_microbatches >= 1"):
         make()(_OneStage(), count, torch.nn.functional.mse_loss)
+
+
+def _single_stage(monkeypatch, module, loss_fn, m=2):
+    """A one-stage schedule (first and last at once) on this process alone."""
+    from commrt.pipeline import runtime, schedules
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda group=None: 0)
+
+    class Stage:
+        stage_index, num_stages, group, group_size = 0, 1, None, 1
+
+        def rank_of(self, stage):
+            return 0
+    Stage.module = module
+    return PipelineSchedule([Stage()], m, loss_fn, schedules.gpipe_actions(1, m))
+
+
+@pytest.mark.parametrize("target,what", [((torch.ones(4, 2), torch.ones(4)), "target"), ([1.0, 2.0], "target")])
+def test_a_target_or_input_that_is_not_a_tensor_is_a_config_error(monkeypatch, target, what):
+    """step() failed with "'tuple' object has no attribute 'dim'" after posting its receives."""
+    sched = _single_stage(monkeypatch, torch.nn.Linear(3, 2), torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match=f"{what} must be a tensor"):
+        sched.step(torch.ones(4, 3), target=target)
+    sched = _single_stage(monkeypatch, torch.nn.Linear(3, 2), torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="input 1 must be a tensor"):
+        sched.step(torch.ones(4, 3), None, target=torch.ones(4, 2))
