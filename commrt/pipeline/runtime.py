@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from commrt import distributed as dist
 from commrt.runtime import dtypes
@@ -118,8 +119,9 @@ class PipelineSchedule:
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None):
-        """Run every action of this rank; returns the last stage's outputs, concatenated (stacked
-        when each micro-batch's is a scalar)."""
+        """Run every action of this rank; returns the last stage's outputs (the first of a tuple),
+        concatenated (stacked when each micro-batch's is a scalar); a last stage that returns
+        something else (a dict) gets the list of what it returned per micro-batch, detached."""
         if self._failed is not None:
             raise CommError(f"an earlier step failed ({self._failed!r}); its receives are still posted and its "
                             "messages in flight on this group, so a later step would take them for its own: "
@@ -152,6 +154,8 @@ class PipelineSchedule:
         self.collector.step()
         if self._outs:  # one value per micro-batch (a last stage computing its own loss) is stacked
             outs = [self._outs[m] for m in sorted(self._outs)]
+            if not all(isinstance(o, torch.Tensor) for o in outs):
+                return outs  # what the module returned, per micro-batch
             return torch.cat(outs) if outs[0].dim() else torch.stack(outs)
         return None
 
@@ -258,7 +262,9 @@ class PipelineSchedule:
         if stage < self.num_stages - 1:
             _check_sendable(stage, mb, slot.outputs)
         if stage == self.num_stages - 1:
-            self._outs[mb] = slot.outputs[0].detach()
+            first = slot.outputs[0]  # a dict (Hugging Face style) is kept whole, its tensors detached
+            self._outs[mb] = first.detach() if isinstance(first, torch.Tensor) else tree_map_only(
+                torch.Tensor, torch.Tensor.detach, out)
             (tgt,) = self._targets[mb]
             loss = self.loss_fn(out, tgt)
             slot.loss = loss * self._loss_scale(tgt)

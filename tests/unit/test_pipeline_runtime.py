@@ -199,3 +199,19 @@ def test_a_target_or_input_that_is_not_a_tensor_is_a_config_error(monkeypatch, t
     sched = _single_stage(monkeypatch, torch.nn.Linear(3, 2), torch.nn.functional.mse_loss)
     with pytest.raises(ConfigError, match="input 1 must be a tensor"):
         sched.step(torch.ones(4, 3), None, target=torch.ones(4, 2))
+
+
+def test_a_last_stage_returning_a_dict_trains_and_returns_its_outputs_per_micro_batch(monkeypatch):
+    """A last stage returning a dict (as Hugging Face models do): loss_fn takes it as one process
+    would; step() failed with "'dict' object has no attribute 'detach'" in the first forward."""
+    lin = torch.nn.Linear(3, 2)
+    module = staticmethod(lambda x: {"logits": lin(x), "aux": lin.weight.sum()})
+    sched = _single_stage(monkeypatch, module, lambda out, y: torch.nn.functional.mse_loss(out["logits"], y))
+    x, y = torch.arange(12.0).reshape(4, 3), torch.ones(4, 2)
+    out = sched.step(x, target=y)
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert torch.allclose(lin.weight.grad, ref.weight.grad) and torch.allclose(lin.bias.grad, ref.bias.grad)
+    assert isinstance(out, list) and len(out) == 2 and torch.equal(out[1]["logits"], lin(x[2:]).detach())
+    assert not out[0]["logits"].requires_grad and not out[0]["aux"].requires_grad
