@@ -149,8 +149,13 @@ class PipelineSchedule:
             self._failed = exc
             raise
         finally:
-            self._wait_sends(failed)
-            self.timeline.finish()
+            try:
+                self._wait_sends(failed)
+            except BaseException as exc:  # a send that failed alone fails the step as well
+                self._failed = exc
+                raise
+            finally:
+                self.timeline.finish()
         self.collector.step()
         if self._outs:  # one value per micro-batch (a last stage computing its own loss) is stacked
             outs = [self._outs[m] for m in sorted(self._outs)]

@@ -96,9 +96,13 @@ def test_no_step_runs_after_a_failed_one(monkeypatch):
     assert len(ran) == 1
 
 
-def test_a_failing_send_alone_is_still_raised(monkeypatch):
+def test_a_failing_send_alone_is_still_raised_and_no_step_runs_after_it(monkeypatch):
+    """A step whose only error is a send failing at its wait (its reader went away) is a failed
+    step too: its messages may still be in flight. The next step ran."""
     sched = _middle_stage_schedule(monkeypatch, lambda s, a: s._sends.append(_FailingSend()))
     with pytest.raises(ProtocolError, match="peer closed"):
+        sched.step()
+    with pytest.raises(CommError, match=r"an earlier step failed \(ProtocolError"):
         sched.step()
 
 
