@@ -221,20 +221,22 @@ class ReplicaFT(Generations):
     # -- the end --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave: close this generation's world; a replica that serves the store waits (briefly)
-        until the others have left, so none sees its store vanish mid-vote."""
+        """Leave: close this generation's world and count this rank out of it (the last member
+        to leave marks the job finished: ``replica_vote.leave``); a replica that serves the
+        store waits (briefly) until the others have left, so none sees its store vanish mid-vote."""
         global _active
-        members = len(self.plan.members) * self.shards if self.plan is not None else 1
-        gen = self.plan.gen if self.plan is not None else 0
+        plan = self.plan
         self._close_world()
         if self.group is not None:
             self.group.close()
-        try:
-            self.store.add(f"{P}left/{gen}", 1)
-            if self._server is not None:
-                self.store.wait_count(f"{P}left/{gen}", members, None, self.vote_timeout_s)
-        except CommError as exc:
-            log.warning("replica %d: leaving: %s", self.replica, exc)
+        if plan is not None:  # one that never joined a generation is in none to leave
+            members = len(plan.members) * self.shards
+            try:
+                rv.leave(self.store, plan.gen, members, self.applied)
+                if self._server is not None:
+                    self.store.wait_count(f"{P}left/{plan.gen}", members, None, self.vote_timeout_s)
+            except CommError as exc:
+                log.warning("replica %d: leaving: %s", self.replica, exc)
         self.store.close()
         if self._server is not None:
             self._server.close()

@@ -24,14 +24,28 @@ class StaleReplica(CommError):
     dead while it was frozen) has joined; it must leave, not take part beside it."""
 
 
+class JobFinished(RendezvousError):
+    """Every member of the job's last generation has left (``ReplicaFT.close()``): no replica
+    holds the training state any more, so no generation can form again. A replica (re)started
+    then is told so at once (as torchelastic's RendezvousClosedError), not after its join timeout."""
+
+
+FINISHED = P + "finished"  # set by the last member of the last generation to leave: msgpack [gen, step]
+
+
 def incarnation_key(replica: int) -> str:
     """The counter of a replica's starts (a group's: set by its first rank)."""
     return f"{P}inc/{replica}"
 
 
 def check_current(store, replica: int, incarnation: int, where: str) -> None:
-    """``StaleReplica`` if a newer start of ``replica`` exists (one store read)."""
-    raw = store.mget([incarnation_key(replica)])[0]
+    """``StaleReplica`` if a newer start of ``replica`` exists, ``JobFinished`` if the job's
+    replicas have all left (one store read)."""
+    raw, finished = store.mget([incarnation_key(replica), FINISHED])
+    if finished is not None:
+        gen, step = msgpack.unpackb(finished)
+        raise JobFinished(f"replica {replica} ({where}): the job's replicas finished at step {step} (generation "
+                          f"{gen}) and left before this replica rejoined; there is no running job to join")
     current = None if raw is None else int(raw)
     if q.stale(incarnation, current):
         raise StaleReplica(f"replica {replica} ({where}): this process (start {incarnation}) was replaced by start "
@@ -71,6 +85,18 @@ def end(store, gen: int, target: int = 0) -> str:
         return q.UNKNOWN
     store.set(f"{P}dec/{gen}", str(k).encode())
     return q.COMMIT if target and q.committed(k, target) else q.ABORT
+
+
+def leave(store, gen: int, members: int, step: int) -> int:
+    """Count this rank out of generation ``gen`` (of ``members`` ranks); the last one to leave
+    marks the job finished and ends the wait of any replica registered for ``gen + 1`` (its
+    ``skip``): nobody with state is left to write that plan. One rank leaving early is not the
+    job's end: the others form ``gen + 1`` without it and leave from there. Returns the count."""
+    count = store.add(f"{P}left/{gen}", 1)
+    if count == members:
+        store.set(FINISHED, msgpack.packb([gen, step]))
+        store.set(f"{P}skip/{gen + 1}", b"the job finished")
+    return count
 
 
 def plan_of(store, gen: int, leader_s: float, follower: bool, timeout_s: float, me: int) -> q.Plan | None:

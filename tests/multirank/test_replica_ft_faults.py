@@ -263,3 +263,28 @@ def test_a_replica_started_for_a_larger_job_is_refused_and_the_others_go_on(tmp_
     assert [p.returncode for p in procs[:3]] == [0, 0, 0] and procs[3].returncode not in (0, -9)
     assert "ConfigError" in open(extra + ".err").read()
     _check(out)
+
+
+def test_a_replica_restarted_after_the_job_finished_learns_it_at_once(tmp_path):
+    """The 3 replicas finish the job (each calls ReplicaFT.close()), then replica 0 is started
+    again against the still running store. Nobody will write a plan any more: it must leave at
+    once with a JobFinished naming the step, not register and wait out join_timeout_s (60 s)
+    for a plan that never comes, then fail with 'the plan of generation N still missing'."""
+    with _job(tmp_path) as (port, out, procs):
+        procs[:] = [base._spawn(port, r, out[r]) for r in range(base.REPLICAS)]
+        base._wait_all(procs, DEADLINE_S)
+        assert [p.returncode for p in procs] == [0, 0, 0]
+        late = str(tmp_path / "late")
+        with open(late + ".err", "w") as err:
+            procs.append(base._spawn(port, 0, late, stderr=err))
+            try:  # a deadline far below join_timeout_s (60 s), room for a loaded host's start-up
+                procs[-1].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                procs[-1].kill()
+                procs[-1].wait()
+                pytest.fail("the restarted replica was still waiting 30 s after the job had finished")
+    text = open(late + ".err").read()
+    assert procs[-1].returncode not in (0, -9), text
+    assert "JobFinished" in text and f"finished at step {base.STEPS}" in text, text
+    assert not os.path.exists(late + ".json")
+    _check(out)

@@ -123,3 +123,19 @@ def test_a_follower_skips_a_generation_whose_leader_never_wrote_its_plan():
     plan = q.Plan(6, (1, 2), 9, (1,), 1, (2,), (1, 1))
     store.set(f"{rv.P}mem/6", msgpack.packb(plan.pack()))
     assert rv.plan_of(store, 6, 0.01, True, 1.0, 1) == plan
+
+
+def test_the_job_ends_when_every_member_of_its_last_generation_has_left():
+    """One member leaving early is not the job's end (the others go on without it); once every
+    member of the last generation has left, a replica registered for the next one stops waiting
+    (skip) and one (re)starting is told the job finished, with the step, instead of waiting out
+    its join timeout for a plan nobody will write."""
+    store = Store()
+    assert rv.leave(store, 4, 3, 60) == 1  # one leaves early
+    rv.check_current(store, 0, 1, "here")
+    assert rv.plan_of(store, 5, 0.01, True, 1.0, 0) is None  # not finished: a follower's own skip
+    assert rv.leave(store, 5, 2, 60) == 1 and rv.leave(store, 5, 2, 60) == 2  # generation 5's both
+    assert rv.plan_of(store, 6, 0.01, False, 60.0, 0) is None  # the joiner's wait ends at once
+    with pytest.raises(rv.JobFinished, match=r"replica 0 \(here\): the job's replicas finished at step 60 "
+                                              r"\(generation 5\)"):
+        rv.check_current(store, 0, 1, "here")
