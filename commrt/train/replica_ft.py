@@ -141,13 +141,19 @@ class ReplicaFT(Generations):
         self.counts = Counts()
         self._alive: int | None = None  # set when this rank's last vote timed out: how many groups had voted
         self.incarnation = 0  # which start of this replica (``start``): a replaced one is refused
+        self.closed = False
         global _active
         _active = self
 
     # -- one step -------------------------------------------------------------------------
+    def start(self) -> int:
+        self._usable("start")
+        return super().start()
+
     def step(self) -> int:
         """Average this step's gradients over the generation (again among the survivors if it
         fails), apply them with the optimizer, and return the next step."""
+        self._usable("step")
         self._check_trainable()
         t0 = time.perf_counter()
         self._group_op(self.grads.prepare)
@@ -190,6 +196,18 @@ class ReplicaFT(Generations):
         self.applied += 1
         return self.applied, None
 
+    def _usable(self, call: str) -> None:
+        """``ConfigError`` for a call out of order (it failed on a None plan or a closed socket)."""
+        if self.closed:
+            raise ConfigError(f"replica {self.replica}: ReplicaFT.{call}() after close(); make a new ReplicaFT to "
+                              "rejoin the job")
+        if call == "step" and self.plan is None:
+            raise ConfigError(f"replica {self.replica}: ReplicaFT.step() before start(): start() joins the job "
+                              "and returns the step to compute first")
+        if call == "start" and self.plan is not None:
+            raise ConfigError(f"replica {self.replica}: ReplicaFT.start() twice (it is in generation "
+                              f"{self.plan.gen} already)")
+
     def _check_trainable(self) -> None:
         """The parameters that require grad are still those whose gradients are averaged: one
         unfrozen later would be stepped with this replica's own gradient (the replicas would
@@ -223,8 +241,14 @@ class ReplicaFT(Generations):
     def close(self) -> None:
         """Leave: close this generation's world and count this rank out of it (the last member
         to leave marks the job finished: ``replica_vote.leave``); a replica that serves the
-        store waits (briefly) until the others have left, so none sees its store vanish mid-vote."""
+        store waits (briefly) until the others have left, so none sees its store vanish mid-vote.
+        Twice: nothing more."""
         global _active
+        if self.closed:
+            return
+        self.closed = True
+        if isinstance(self.grads, Replicated) and self.grads.overlap is not None:
+            self.grads.overlap.disarm()  # a backward after close must not all-reduce on the closed world
         plan = self.plan
         self._close_world()
         if self.group is not None:

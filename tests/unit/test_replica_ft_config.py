@@ -227,3 +227,25 @@ def test_unfreezing_a_parameter_after_the_replicas_started_is_refused():
             ft.step()
     finally:
         ft.close()
+
+
+def test_calls_out_of_order_are_refused_with_a_config_error():
+    """step() before start() failed with an AttributeError on the missing plan; step() after
+    close(), and close() twice, with a ZMQError from the closed store socket."""
+    model = torch.nn.Linear(4, 2)
+    ft = ReplicaFT(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 1, f"127.0.0.1:{free_port()}",
+                   serve_store=True, vote_timeout_s=1.0)
+    try:
+        model(torch.ones(3, 4)).sum().backward()
+        with pytest.raises(ConfigError, match=r"replica 0: ReplicaFT.step\(\) before start\(\)"):
+            ft.step()
+        assert ft.start() == 0
+        with pytest.raises(ConfigError, match=r"ReplicaFT.start\(\) twice"):
+            ft.start()
+        assert ft.step() == 1 and [s for s, _ in ft.history] == [0]
+    finally:
+        ft.close()
+    ft.close()  # nothing more
+    model(torch.ones(3, 4)).sum().backward()
+    with pytest.raises(ConfigError, match=r"replica 0: ReplicaFT.step\(\) after close\(\)"):
+        ft.step()
