@@ -174,8 +174,10 @@ def test_the_leader_killed_while_it_forms_the_next_generation(tmp_path):
     second failure). The last survivor must go on alone (it used to wait for the plan, then end
     with RendezvousError), and both come back."""
     with _job(tmp_path) as (port, out, procs):
-        procs[:] = [base._spawn(port, 0, out[0], "--fault", "kill:lead:1"), base._spawn(port, 1, out[1], "--fault",
-                    "kill:lead:1"), base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
+        # slower alone (1 s a step): the restarted two must find the survivor still running
+        slow = ["--pause", "0.2", "--progress"]
+        procs[:] = [base._spawn(port, 0, out[0], *slow, "--fault", "kill:lead:1"), base._spawn(port, 1, out[1], *slow,
+                    "--fault", "kill:lead:1"), base._spawn(port, 2, out[2], "--die-at", str(FAULT_AT))]
         procs[2].wait(timeout=DEADLINE_S)
         deadline = time.monotonic() + DEADLINE_S
         while procs[0].poll() is None and procs[1].poll() is None:
@@ -183,18 +185,27 @@ def test_the_leader_killed_while_it_forms_the_next_generation(tmp_path):
             time.sleep(0.05)
         leader = 0 if procs[0].poll() is not None else 1
         assert procs[leader].returncode == -9 and os.path.exists(out[leader] + ".fault")
-        _await_full_less(out[1 - leader] + ".json", procs[1 - leader])
-        procs[2], procs[leader] = base._spawn(port, 2, out[2]), base._spawn(port, leader, out[leader])
+        gate = str(tmp_path / "rejoin")  # started now, they rejoin once the survivor has gone on alone
+        procs[2], procs[leader] = (base._spawn(port, 2, out[2], "--wait-for", gate),
+                                   base._spawn(port, leader, out[leader], "--wait-for", gate))
+        _await_alone(out[1 - leader] + ".progress", procs[1 - leader])
+        open(gate, "w").close()
         base._wait_all(procs, DEADLINE_S)
     assert [p.returncode for p in procs] == [0, 0, 0]
     history = _check(out)
     assert [FAULT_AT, [1 - leader]] in history and history[-1][1] == [0, 1, 2], history
 
 
-def _await_full_less(done: str, proc) -> None:
-    """A moment for the survivor to go on alone (its plan wait is 3 vote timeouts, 9 s here)."""
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(done):
+def _await_alone(progress: str, proc) -> None:
+    """Until the survivor has applied a step alone (replica_ft_job --progress). (A fixed 20 s
+    wait, then starting the two: on a loaded host the survivor finished before their imports
+    were done, and they were refused.)"""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        lines = open(progress).read().split("\n")[:-1] if os.path.exists(progress) else []
+        if any(line.split()[2] == "1" for line in lines):
+            return
+        assert time.monotonic() < deadline and proc.poll() is None, "the survivor did not go on alone"
         time.sleep(0.1)
 
 

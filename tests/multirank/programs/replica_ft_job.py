@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--progress", action="store_true", help="append 'step time members' to OUT.progress per step")
     p.add_argument("--twin", action="store_true", help="the Twin model: a parameter unused on replica 1")
     p.add_argument("--mask", action="store_true", help="a bool buffer (a causal mask), set on replica 0 only")
+    p.add_argument("--wait-for", default="", help="start only once this file exists (at most 120 s): the test "
+                   "starts the process early (its imports are slow on a loaded host) and lets it join when it must")
     p.add_argument("--fault", default="", help="WHAT:WHERE:STEP (inject_fault): kill or stop (SIGKILL / "
                    "SIGSTOP) this replica at a point of step STEP: all_reduce, vote, apply, sync, lead or open")
     a = p.parse_args()
@@ -107,6 +109,9 @@ def main() -> None:
         return _off(model, opt, a)
     if a.shards > 1:  # a replica group: the optimizer is made over this rank's flat slice
         opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    deadline = time.monotonic() + 120.0
+    while a.wait_for and not os.path.exists(a.wait_for) and time.monotonic() < deadline:
+        time.sleep(0.05)
     ft = ReplicaFT(model, opt, a.replica, a.replicas, a.store, timeout_s=20.0, vote_timeout_s=3.0,
                    shard=a.shard, shards=a.shards, overlap=not a.no_overlap)
     if a.fault:
