@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import weakref
 from typing import Any, Mapping
 
@@ -18,17 +17,18 @@ import torch
 from torch import nn
 
 from commrt import distributed as dist
-from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.errors import CommError, ConfigError
-from commrt.train import checkpoint, groups, sharding
+from commrt.train import groups, sharding
 from commrt.train.breakdown import StepBreakdown
 from commrt.train.collector import ManualGC
 from commrt.train.config import TrainConfig
 from commrt.train.gather_hooks import GatherHooks
 from commrt.train.learning_rate import LearningRate
+from commrt.train.engine_checks import GradientCheck
+from commrt.train.engine_state import EngineState
 from commrt.train.units import UnitState
 from commrt.train.zero import Zero, ZeroSettings
-from commrt.train.zero_step import drop_grads, drop_prefetches, squared_norm
+from commrt.train.zero_step import drop_grads, drop_prefetches
 
 
 def _cast(x, dtype: torch.dtype):
@@ -80,7 +80,7 @@ def _check_not_held(model: nn.Module) -> None:
                               "first (every rank), then initialize the new one")
 
 
-class Engine(GatherHooks, LearningRate):
+class Engine(GatherHooks, LearningRate, GradientCheck, EngineState):
     def __init__(self, model: nn.Module, cfg: TrainConfig, group=None):
         _check_not_held(model)  # no collective yet: every rank raises alike
         self.module, self.cfg, self.group = model, cfg, group
@@ -335,90 +335,3 @@ class Engine(GatherHooks, LearningRate):
         self.last_grad_norm = norm
         self._schedule_lr()  # the next step's (a deferred step keeps its own: zero_defer's due_spec)
         return True
-
-    def _check_gradients(self) -> tuple[list[int], float, list[float]]:
-        """One all-reduce: which ranks saw non-finite gradients, the global squared norm (NaN
-        under zero_defer, whose reductions are still in flight: only clipping would need it), and
-        every rank's learning rate for this step (a float64 sum with zeros: each exact)."""
-        z = self.zero
-        vec = torch.zeros(2 * z.world + 1, dtype=torch.float64)
-        vec[z.rank] = float(z.nonfinite)
-        vec[z.world + 1 + z.rank] = z.spec.lr
-        if z.defer:
-            vec[z.world] = math.nan
-        elif z.counts_norm:
-            vec[z.world] = sum(squared_norm(z.shard_grad(u)) for u in z.units)
-        with self.clock.span("comm_waited"):
-            dist.all_reduce(vec, ReduceOp.SUM, self.group)
-        z.nonfinite = False
-        bad = [r for r in range(z.world) if vec[r] > 0]
-        total = float(vec[z.world])
-        lrs = vec[z.world + 1:].tolist()
-        if self._norm_group is not None:
-            bad, total = self._across_parts(bad, total)
-        return bad, math.sqrt(total) if math.isfinite(total) else (math.nan if z.defer else math.inf), lrs
-
-    def reduce_norm_over(self, group) -> None:
-        """Sum the step's gradient norm and non-finite check over ``group`` too: a pipeline's
-        group, whose ranks each hold another part of the model. One stage clipping by its own
-        part's norm, or skipping a step only where its part saw a NaN, trains another model than
-        one process does. Every rank of ``group`` must then step an engine at the same steps."""
-        self._norm_group = group
-
-    def _across_parts(self, bad: list, total: float) -> tuple[list, float]:
-        g = self._norm_group
-        vec = torch.zeros(len(g.ranks) + 1, dtype=torch.float64)
-        me = dist.get_rank(g)
-        vec[me], vec[-1] = float(len(bad)), total
-        with self.clock.span("comm_waited"):
-            dist.all_reduce(vec, ReduceOp.SUM, g)
-        others = [f"{r} (with another part of the model)" for i, r in enumerate(g.ranks) if i != me and vec[i] > 0]
-        return bad + others, float(vec[-1])
-
-    # -- state ------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 parameters by name (a collective: every rank must call it); frozen
-        parameters as the model holds them, in fp32."""
-        out = {n: p.detach().float() if p.is_floating_point() else p.detach().clone()
-               for n, p in self.module.named_parameters() if not p.requires_grad}
-        for u in self.zero.units:
-            flat = self.zero.full_master(u)
-            for i, shape, off, n in zip(u.layout.params, u.shapes, u.layout.offsets, u.layout.numels):
-                out[self.names[i]] = flat[off:off + n].view(shape).clone()
-        return out
-
-    def state_dict(self) -> dict:
-        self.zero.settle_all()
-        return checkpoint.shard_state(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        self._check_open("load_state_dict")
-        self.zero.settle_all()
-        checkpoint.load_shard_states(self, [state])
-        self._dirty = False  # the load dropped the gradients
-
-    def save_checkpoint(self, directory: str) -> str:
-        self.zero.settle_all()
-        return checkpoint.save(self, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        self._check_open("load_checkpoint")
-        self.zero.settle_all()
-        checkpoint.load(self, directory)
-        self._dirty = False  # the load dropped the gradients
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state."""
-        z = self.zero
-        params = sum(u.master.numel() * 4 for u in z.units if z.stage == 3 or self.dtype != torch.float32)
-        if z.stage < 3:
-            params += sum(u.full.numel() * u.full.element_size() for u in z.units)
-        params += sum(u.secondary.numel() * u.secondary.element_size() for u in z.units if u.secondary is not None)
-        grads = sum(u.grad.numel() * u.grad.element_size() for u in z.units)
-        # zero_defer: reduced shards not yet added into u.grad (in flight or held) are live too
-        grads += sum(t.numel() * t.element_size() for t in
-                     [u.landing.args[1] for u in z.units if u.landing is not None] + [out for _, out in z.held])
-        state = sum(t.numel() * t.element_size() for u in z.units for t in u.state.values())
-        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
-        return {"parameters": params + frozen, "gradients": grads, "optimizer_state": state,
-                "gathered_peak": z.peak_live_bytes, "total": params + frozen + grads + state}
