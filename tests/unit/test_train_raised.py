@@ -9,6 +9,7 @@ from torch import nn
 import commrt
 from commrt.launch import free_port
 from commrt.train import initialize
+from tests.multirank.programs.train_edges import Boom
 
 
 @pytest.fixture
@@ -77,21 +78,6 @@ def test_stage3_a_forward_that_raised_releases_its_gathers(world1, raise_at):
     assert engine.zero.live_bytes == 0
     for name, value in engine.full_state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
-
-
-class Boom(torch.autograd.Function):
-    """The identity, whose backward raises while ``armed``."""
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            raise RuntimeError("an error in backward")
-        return g
 
 
 class Fragile(nn.Module):

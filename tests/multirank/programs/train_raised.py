@@ -12,6 +12,7 @@ from torch import nn
 import commrt
 from commrt.train import initialize
 from tests.multirank.programs.zero_job import compare, data, make_model
+from tests.multirank.programs.train_edges import Boom
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
@@ -68,21 +69,6 @@ def forward_raised_case(rank: int, world: int) -> None:
         assert engine.zero.live_bytes == 0, engine.zero.live_bytes
         compare(engine.full_state_dict(), _reference(3, world), f"stage 3 after a forward that raised at {raise_at}",
                 atol=1e-6)
-
-
-class Boom(torch.autograd.Function):
-    """The identity, whose backward raises while ``armed``."""
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            raise RuntimeError("an error in backward")
-        return g
 
 
 class Fragile(nn.Module):
