@@ -45,6 +45,12 @@ def get_num_nodes() -> int:
     return _topology().num_nodes
 
 
+def get_uniform_local_world_size() -> int:
+    """Ranks per node when every node has the same number, else 0: unlike
+    ``get_local_world_size``, the same answer on every rank, so collective code can branch on it."""
+    return _topology().per_node()
+
+
 def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
     """A group's global ranks in group-rank order (``torch.distributed.get_process_group_ranks``)."""
     if group is NON_GROUP_MEMBER:
@@ -131,6 +137,10 @@ def levels_of(rt) -> _Levels:
     levels = rt.extras.get("hierarchical")
     if levels is None:
         topo = rt.topology
+        if topo is None or topo.per_node() < 1:  # every rank sees the same layout: all raise alike
+            sizes = [len(topo.ranks_on(n)) for n in range(topo.num_nodes)] if topo else "unknown"
+            raise ConfigError(f"the world's two node levels need the same number of ranks on every node; "
+                              f"this job has node sizes {sizes}")
         mesh = _mesh(rt, (topo.num_nodes, topo.per_node()), ("inter", "intra"))
         levels = _Levels(mesh.get_group("intra"), mesh.get_group("inter"), Executor("hierarchical"))
         rt.extras["hierarchical"] = levels

@@ -48,8 +48,9 @@ def measure_levels(nbytes: int = 4 << 20, rounds: int = 3) -> dict[str, float]:
 
 
 def measure_links(nbytes: int = 4 << 20, rounds: int = 3) -> Links | None:
-    """``measure_levels`` as the sharding plan's Links; None on one node or one rank per node."""
-    if mesh.get_num_nodes() < 2 or mesh.get_local_world_size() < 2:
+    """``measure_levels`` as the sharding plan's Links; None on one node, one rank per node or
+    nodes of different sizes (decided from the whole layout, so every rank returns alike)."""
+    if mesh.get_num_nodes() < 2 or mesh.get_uniform_local_world_size() < 2:
         return None
     found = measure_levels(nbytes, rounds)
     return Links(found["intra"], found["inter"])

@@ -99,3 +99,14 @@ def test_auto_routes_that_disagree_on_size_are_a_mismatch_not_a_wait():
                                          "COMMRT_COMM_CHECK_CALL_SITES": "1"})
     caught = [line for line in out.splitlines() if "CAUGHT CollectiveMismatch" in line]
     assert len(caught) == 4, out[-6000:]
+
+
+def test_uneven_nodes_agree_on_every_rank_and_run_flat():
+    """Nodes of 3 and 1 ranks: measure_links (what "auto" sharding calls) returned None on the
+    lone rank but divided by zero on the others building a (2, 0) mesh; now every rank gets None,
+    node_groups is a ConfigError naming the node sizes, and collectives run flat."""
+    from tests.multirank.harness import run_ranks
+    _, text = run_ranks(4, "uneven_nodes", "3", "1", timeout_s=90,
+                        env={"COMMRT_COMM_TIMEOUT_S": "20", "COMMRT_COMM_BACKEND": "zmq",
+                             "COMMRT_COMM_HIERARCHICAL": "always"})
+    assert text.count("uneven passed") == 4, text[-3000:]
