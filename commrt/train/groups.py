@@ -21,9 +21,10 @@ class ShardGroups(NamedTuple):
 
 
 def ranks_per_node() -> int:
-    """Ranks on this rank's node, from the runtime's topology (torchrun's variables, or which
-    ranks share a host: the same source as ``commrt.get_local_world_size``)."""
-    return mesh.get_local_world_size()
+    """Ranks on every node of the runtime's topology (torchrun's variables, or which ranks share
+    a host), or 0 when nodes hold different numbers: the sharding plan is collective, so it
+    must see the same count on every rank, not each rank's own ``get_local_world_size``."""
+    return mesh.get_uniform_local_world_size()
 
 
 def measure_levels(nbytes: int = 4 << 20, rounds: int = 3) -> dict[str, float]:

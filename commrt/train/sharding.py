@@ -52,14 +52,15 @@ class Plan(NamedTuple):
 
 
 def plan(z: ZeroConfig, world: int, per_node: int, links: Links | None = None) -> Plan:
-    """The layout for ``world`` ranks with ``per_node`` of them on each node, or a ConfigError
-    that says which sizes would work. ``links``: the bandwidths measured at start-up, which the
+    """The layout for ``world`` ranks with ``per_node`` of them on each node (0: nodes of
+    different sizes, which "auto" treats as no nodes), or a ConfigError that says which sizes
+    would work. ``links``: the bandwidths measured at start-up, which the
     "auto" settings weigh (None: decide from the topology alone)."""
     stage, hybrid = z.stage, z.hybrid
     hpz = z.zero_hpz_partition_size
     if z.sharding_strategy == "auto":  # the group is the node; hybrid only when there are nodes
         stage = 3 if stage == 0 else stage
-        nodes = 1 < world // max(per_node, 1) and world % max(per_node, 1) == 0
+        nodes = 0 < per_node and 1 < world // per_node and world % per_node == 0
         hybrid = stage >= 2 and nodes and hierarchy_pays(links)
         log.info("sharding_strategy auto: stage %d, %s (world %d, %d ranks per node; %s)", stage,
                  "sharded inside each node, replicated across nodes" if hybrid else "sharded over every rank",
@@ -72,6 +73,9 @@ def plan(z: ZeroConfig, world: int, per_node: int, links: Links | None = None) -
     if hybrid:
         size = z.mics_shard_size if z.mics_shard_size > 0 else z.shard_group_size or per_node
         what = "mics_shard_size" if z.mics_shard_size > 0 else "the shard group size"
+        if size < 1:
+            raise ConfigError("hybrid sharding's shard group defaults to the node, but this job's nodes hold "
+                              "different numbers of ranks; set shard_group_size (or mics_shard_size)")
         _fits(size, world, what)
         return Plan(stage, size, world // size, 0)
     if hpz > 1:

@@ -104,7 +104,9 @@ def test_auto_routes_that_disagree_on_size_are_a_mismatch_not_a_wait():
 def test_uneven_nodes_agree_on_every_rank_and_run_flat():
     """Nodes of 3 and 1 ranks: measure_links (what "auto" sharding calls) returned None on the
     lone rank but divided by zero on the others building a (2, 0) mesh; now every rank gets None,
-    node_groups is a ConfigError naming the node sizes, and collectives run flat."""
+    node_groups is a ConfigError naming the node sizes, and collectives run flat. An Engine
+    with "auto" sharding planned from each rank's own node size (hybrid on the lone rank, flat
+    on the others) and the ranks built different groups: now one plan on every rank."""
     from tests.multirank.harness import run_ranks
     _, text = run_ranks(4, "uneven_nodes", "3", "1", timeout_s=90,
                         env={"COMMRT_COMM_TIMEOUT_S": "20", "COMMRT_COMM_BACKEND": "zmq",

@@ -99,6 +99,16 @@ def test_auto_picks_the_node():
     assert plan(zero(sharding_strategy="auto"), 4, 4) == Plan(3, 4, 1, 0)
 
 
+def test_nodes_of_different_sizes_are_no_nodes_to_auto():
+    """per_node 0 (what groups.ranks_per_node says on uneven nodes): "auto" shards over every
+    rank, and hybrid without a size says to give one (it divided by zero)."""
+    assert plan(zero(stage=3, sharding_strategy="auto"), 4, 0) == Plan(3, 4, 1, 0)
+    assert plan(zero(stage=3, zero_hpz_partition_size="auto"), 4, 0) == Plan(3, 4, 1, 0)
+    with pytest.raises(ConfigError, match="set shard_group_size"):
+        plan(zero(sharding_strategy="HYBRID_SHARD"), 4, 0)
+    assert plan(zero(sharding_strategy="HYBRID_SHARD", shard_group_size=2), 4, 0) == Plan(3, 2, 2, 0)
+
+
 def test_with_stage_drops_the_strategy_name():
     cfg = TrainConfig.from_dict({"zero_optimization": {"sharding_strategy": "FULL_SHARD"}})
     assert cfg.with_stage(1).zero.stage == 1

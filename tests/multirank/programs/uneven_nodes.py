@@ -46,6 +46,20 @@ def check_collectives(world: int, rank: int) -> None:
     assert np.abs(q.numpy() - np.sum(parts, 0)).max() < 0.2
 
 
+def check_engine(world: int) -> None:
+    """"auto" sharding plans from the layout: the same plan on every rank, whatever its node."""
+    from torch import nn
+    from commrt.train import initialize
+    for zero in ({"stage": 3, "sharding_strategy": "auto"}, {"stage": 3, "zero_hpz_partition_size": "auto"}):
+        engine = initialize(nn.Linear(8, 8), {"zero_optimization": zero, "optimizer": {"type": "sgd", "params": {"lr": 0.1}}})
+        mine = torch.tensor(list(engine.plan), dtype=torch.int64)
+        every = torch.empty(world * mine.numel(), dtype=torch.int64)
+        commrt.all_gather_into_tensor(every, mine, group=commrt.new_group(list(range(world))))
+        assert all(torch.equal(row, mine) for row in every.view(world, -1)), (zero, every)
+        assert tuple(engine.plan) == (3, world, 1, 0), (zero, engine.plan)  # no uniform nodes: no hierarchy
+        engine.close()
+
+
 def main() -> None:
     sizes = [int(s) for s in sys.argv[1:]]
     set_layout(sizes)
@@ -55,6 +69,7 @@ def main() -> None:
         assert commrt.get_num_nodes() == len(sizes)
         check_links()
         check_collectives(world, rank)
+        check_engine(world)
         commrt.barrier()
         print(f"rank {rank}: uneven passed", flush=True)
     finally:
