@@ -36,6 +36,7 @@ from commrt.quant import hierarchical as two_hop
 from commrt.quant.feedback import ErrorFeedback
 from commrt.quant.stats import STATS
 from commrt.quant import profile
+from commrt.topology import mesh
 
 _REDUCING = (ReduceOp.SUM, ReduceOp.AVG)
 
@@ -199,10 +200,16 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_gro
     across nodes (``inter_group``: the ranks with this local index on every node), and a
     quantized all-gather inside the node. The slow inter-node link carries each value encoded
     once per direction, 1/L of the data (L ranks per node). Every rank gets bit-identical values.
-    Error: the intra hop's sum_r s_r/2, plus the inter all_reduce's bound, plus s''/2 of the
+    A group left None is that level of the world's node groups (``mesh.node_groups``; every
+    rank makes them at the same call), never the world itself: a world "node" and a world
+    "across" would add up unrelated shards. Error: the intra hop's sum_r s_r/2, plus the inter all_reduce's bound, plus s''/2 of the
     final intra gather."""
     op = _check_op(op, "all_reduce")
     codec, x = _codec(quant, block), _values(tensor, "tensor")
+    if intra_group is None or inter_group is None:
+        levels = mesh.node_groups()  # a ConfigError on nodes of different sizes, on every rank
+        intra_group = levels[0] if intra_group is None else intra_group
+        inter_group = levels[1] if inter_group is None else inter_group
     intra_group, inter_group = world.resolve(intra_group), world.resolve(inter_group)
     L, N = intra_group.size(), inter_group.size()
     if feedback is not None:

@@ -161,6 +161,20 @@ def check_pieces(flat_world) -> None:
         two_hop.MIN_PIECE = 1 << 20
 
 
+def check_default_groups() -> None:
+    """hierarchical_all_reduce without groups runs over the world's node groups: the same bits
+    as passing them (its defaults were the world twice, which summed unrelated shards)."""
+    from commrt.topology import mesh
+    intra, inter = mesh.node_groups()
+    rank = commrt.get_rank()
+    for n, op in ((1003, "SUM"), (4096, "AVG")):
+        a = torch.from_numpy(inputs(n, 9)[rank])
+        b = a.clone()
+        cq.hierarchical_all_reduce(a, op=op, quant="int8")
+        cq.hierarchical_all_reduce(b, op=op, intra_group=intra, inter_group=inter, quant="int8")
+        assert torch.equal(a, b), f"default groups {n} {op}: {a[:4]} vs {b[:4]}"
+
+
 def main() -> None:
     commrt.init_process_group()
     try:
@@ -170,6 +184,7 @@ def main() -> None:
             check(flat_world, mode, torch.float32)
         check(flat_world, "int8", torch.bfloat16)
         check_paths(flat_world)
+        check_default_groups()
         check_nonfinite()
         check_pieces(flat_world)
         print(f"rank {commrt.get_rank()}: quant hier passed", flush=True)
