@@ -124,7 +124,7 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, quant: str
     if output.numel() != n * len(x):
         raise ValueError(f"quantized all_gather: output has {output.numel()} elements, expected {n} x {len(x)}")
     if feedback is not None:
-        feedback.begin()
+        feedback.begin(len(x))
     if (lv := two_hop.levels(group, output.numel() * 4)) is not None:
         out, hops, node_bytes = two_hop.all_gather(_host(x), codec, *lv, input, feedback)
         _settle("all_gather", hops, node_bytes, "hierarchical")
@@ -149,7 +149,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if len(x) != n * m:
         raise ValueError(f"quantized reduce_scatter: input has {len(x)} elements, expected {n} x {m}")
     if feedback is not None:
-        feedback.begin()
+        feedback.begin(len(x))
     if (lv := two_hop.levels(group, len(x) * 4)) is not None:
         acc, hops, node_bytes = two_hop.reduce_scatter(_host(x), m, op, codec, *lv, input, feedback)
         _settle("reduce_scatter", hops, node_bytes, "hierarchical")
@@ -175,7 +175,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str =
     n = group.size()
     codec, x = _codec(quant, block), _values(tensor, "tensor")
     if feedback is not None:
-        feedback.begin()
+        feedback.begin(len(x))
     if (lv := two_hop.levels(group, len(x) * 4)) is not None:
         if profile.enabled():
             profile.TAG[0] = f"{codec.name}.{len(x) * 4 >> 20}MiB."
@@ -213,7 +213,7 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, intra_group=None, inter_gro
     intra_group, inter_group = world.resolve(intra_group), world.resolve(inter_group)
     L, N = intra_group.size(), inter_group.size()
     if feedback is not None:
-        feedback.begin()
+        feedback.begin(len(x))
     bounds = chunk_bounds(len(x), L)
     me = intra_group.rank
     intra = reduce_hop(x, bounds, codec, intra_group, tensor.device, tensor.element_size(), feedback, "send")

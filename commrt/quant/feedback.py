@@ -10,9 +10,10 @@ step's value before quantizing::
 Summed over steps the sent values telescope: sum_t dequant_t = sum_t x_t + (e_0 - e_N) / (1 -
 err_beta), so the mean of N steps' results approaches the exact mean like 1/N instead of
 keeping a constant bias. Every ``reset_T`` calls the memory starts again from zero (as
-DeepSpeed does), which bounds how stale it can grow. Unlike DeepSpeed, which stores the error
-itself in int8, ours stays fp32 (exact, 4 bytes per element of state). The state lives
-where the values do: a numpy array for host values, a tensor on the device for device ones.
+DeepSpeed does), which bounds how stale it can grow; so does a call on a tensor of another
+size. Unlike DeepSpeed, which stores the error itself in int8, ours stays fp32 (exact, 4 bytes
+per element of state). The state lives where the values do: a numpy array for host values, a
+tensor on the device for device ones.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class ErrorFeedback:
             raise ValueError(f"reset_T = {reset_T!r} is invalid; it must be >= 0 (0: never reset)")
         self.err_beta, self.reset_T = float(err_beta), int(reset_T)
         self.calls = 0
+        self.numel: int | None = None  # the tensor's size at the last call
         self._err: dict = {}  # stage -> np.ndarray or torch.Tensor
 
     @classmethod
@@ -41,10 +43,15 @@ class ErrorFeedback:
             raise ValueError(f"unknown key(s) {unknown} in zeropp_loco_param; valid: ['err_beta', 'reset_T']")
         return cls(float(p.get("err_beta", 0.8)), int(p.get("reset_T", 1024)))
 
-    def begin(self) -> None:
-        """Called once per collective: counts calls and forgets everything after reset_T."""
+    def begin(self, numel: int | None = None) -> None:
+        """Called once per collective on a tensor of ``numel`` values: counts calls and forgets
+        everything after reset_T calls, or when the size changed. A stage's memory is one
+        rank's part (a shard), which can keep its length while it moves to other elements
+        (an all_reduce of 10 values on 2 ranks: rank 1's shard 5..9; of 11: 6..10)."""
         self.calls += 1
-        if self.reset_T and self.calls > self.reset_T:
+        resized = numel is not None and self.numel is not None and numel != self.numel
+        self.numel = numel if numel is not None else self.numel
+        if resized or (self.reset_T and self.calls > self.reset_T):
             self.calls = 1
             self._err.clear()
 

@@ -44,3 +44,8 @@ def test_quantized_training_tracks_fp32():
 @pytest.mark.slow
 def test_quantized_training_tracks_fp32_over_120_steps():
     _train(120)
+
+
+def test_error_feedback_starts_afresh_when_the_size_changes():
+    _, out = run_ranks(2, "quant_feedback", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=90)
+    assert out.count("quant feedback passed") == 2
