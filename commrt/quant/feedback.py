@@ -33,6 +33,7 @@ class ErrorFeedback:
         self.calls = 0
         self.numel: int | None = None  # the tensor's size at the last call
         self._err: dict = {}  # stage -> np.ndarray or torch.Tensor
+        self._call: tuple | None = None  # (calls, fresh, numel) of the call begun, until it updates
 
     @classmethod
     def from_loco(cls, loco_param: dict | None) -> "ErrorFeedback":
@@ -47,17 +48,17 @@ class ErrorFeedback:
         """Called once per collective on a tensor of ``numel`` values: counts calls and forgets
         everything after reset_T calls, or when the size changed. A stage's memory is one
         rank's part (a shard), which can keep its length while it moves to other elements
-        (an all_reduce of 10 values on 2 ranks: rank 1's shard 5..9; of 11: 6..10)."""
-        self.calls += 1
+        (an all_reduce of 10 values on 2 ranks: rank 1's shard 5..9; of 11: 6..10). Nothing
+        changes before the call's first ``update`` (exchange.commit, once every hop went
+        well): a call that raises leaves the memory and the count as they were."""
         resized = numel is not None and self.numel is not None and numel != self.numel
-        self.numel = numel if numel is not None else self.numel
-        if resized or (self.reset_T and self.calls > self.reset_T):
-            self.calls = 1
-            self._err.clear()
+        fresh = resized or bool(self.reset_T and self.calls + 1 > self.reset_T)
+        self._call = (1 if fresh else self.calls + 1, fresh, self.numel if numel is None else numel)
 
     def compensate(self, stage: str, x):
-        """x + the remembered error of ``stage`` (a new fp32/fp64 array or tensor; x is left alone)."""
-        err = self._err.get(stage)
+        """x + the remembered error of ``stage`` (a new fp32/fp64 array or tensor; x is left alone);
+        none in a call that starts afresh."""
+        err = None if self._call is not None and self._call[1] else self._err.get(stage)
         if not _fits(err, x):
             if isinstance(x, torch.Tensor):
                 return x.clone()  # fp32 / fp64 already (see torch_codec.values)
@@ -65,6 +66,11 @@ class ErrorFeedback:
         return x + err if isinstance(x, torch.Tensor) else np.add(x, err, dtype=err.dtype)
 
     def update(self, stage: str, compensated, decoded) -> None:
+        if self._call is not None:  # the call begun succeeded: count it (every update follows
+            self.calls, fresh, self.numel = self._call  # every compensate of a call)
+            self._call = None
+            if fresh:
+                self._err.clear()
         err = self._err.get(stage)
         new = compensated - decoded
         if not _fits(err, new):

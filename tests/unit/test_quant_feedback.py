@@ -40,7 +40,22 @@ def test_reset_T_forgets_the_error_every_T_calls():
         fb.update("s", fb.compensate("s", x), np.zeros(4, dtype=np.float32))
     assert fb.error("s") is not None and fb.calls == 3
     fb.begin()  # the 4th call starts again from zero, as DeepSpeed's loco_idx > reset_T
-    assert fb.error("s") is None and fb.calls == 1
+    assert np.array_equal(fb.compensate("s", x), x)
+    fb.update("s", x, np.zeros(4, dtype=np.float32))
+    assert np.allclose(fb.error("s"), 0.15) and fb.calls == 1
+
+
+def test_a_call_that_never_updates_changes_nothing():
+    """A collective that raised never reaches update: the memory and the count stay, even
+    where that call would have reset (test_quant.py checks it on real ranks)."""
+    fb = ErrorFeedback(0.5, reset_T=2)
+    x = np.full(4, 0.3, dtype=np.float32)
+    for _ in range(2):
+        fb.begin()
+        fb.update("s", fb.compensate("s", x), np.zeros(4, dtype=np.float32))
+    kept = fb.error("s")
+    fb.begin(4)  # the 3rd call would reset; it raises before any update
+    assert fb.calls == 2 and np.array_equal(fb.error("s"), kept)
 
 
 def test_loco_param_keys_and_validation():

@@ -11,6 +11,27 @@ import commrt
 import commrt.quant as cq
 
 
+def check_failed_call(rank: int) -> None:
+    """A call that raised (rank 1's NaN) leaves the memory as it was, its call count too: with
+    reset_T = 2 it counted as the second call, so the next one reset the memory."""
+    x = torch.from_numpy(np.random.default_rng(10 + rank).standard_normal(64).astype(np.float32))
+    failed, clean = cq.ErrorFeedback(0.5, reset_T=2), cq.ErrorFeedback(0.5, reset_T=2)
+    for fb in (failed, clean):
+        cq.all_reduce(x.clone(), quant="int4", block=8, feedback=fb)
+    bad = x.clone()
+    if rank == 1:
+        bad[3] = float("nan")
+    try:
+        cq.all_reduce(bad, quant="int4", block=8, feedback=failed)
+        raise AssertionError("a NaN was accepted")
+    except ValueError:
+        pass
+    a, b = x.clone(), x.clone()
+    cq.all_reduce(a, quant="int4", block=8, feedback=failed)
+    cq.all_reduce(b, quant="int4", block=8, feedback=clean)
+    assert torch.equal(a, b), f"rank {rank}: a failed call changed the memory: {a[:4]} vs {b[:4]}"
+
+
 def main() -> None:
     commrt.init_process_group()
     try:
@@ -24,6 +45,7 @@ def main() -> None:
         cq.all_reduce(a, quant="int4", block=4, feedback=seen)
         cq.all_reduce(b, quant="int4", block=4, feedback=fresh)
         assert torch.equal(a, b), f"rank {rank}: memory of 10 values used on 11: {a} vs {b}"
+        check_failed_call(rank)
         print(f"rank {rank}: quant feedback passed", flush=True)
     finally:
         commrt.destroy_process_group()
