@@ -114,8 +114,8 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, desc: dict
 
 
 def on_wire(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the transport carries it: itself, or its bytes (a bool mask buffer, an int16
-    one), the same memory, so that a broadcast into it fills ``t``."""
+    """``t`` as the transport carries it: itself, or its bytes (an int16 buffer, a dtype the wire
+    lacks), the same memory, so that a broadcast into it fills ``t``."""
     try:
         dtypes.code_of(t.dtype)
         return t
