@@ -21,3 +21,12 @@ def store():
         c.close()
     server.close()
     t.close()
+
+
+@pytest.fixture()
+def world1():
+    """A commrt world of one rank (the engine tests at world size 1)."""
+    import commrt
+    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    commrt.destroy_process_group()

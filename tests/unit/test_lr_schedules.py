@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import commrt
-from commrt.launch import free_port
 from commrt.optim.schedules import LRSchedule, lr_at
 from commrt.runtime.errors import ConfigError
 from commrt.train import TrainConfig, initialize
@@ -67,13 +66,6 @@ def test_bad_scheduler_sections_are_config_errors(raw, words):
 def test_no_scheduler_section_means_none():
     assert TrainConfig.from_dict({}).scheduler is None
     assert isinstance(sched("WarmupLR"), LRSchedule)
-
-
-@pytest.fixture
-def world1():
-    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    commrt.destroy_process_group()
 
 
 def _batch(seed):

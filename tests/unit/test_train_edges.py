@@ -8,16 +8,8 @@ import torch
 from torch import nn
 
 import commrt
-from commrt.launch import free_port
 from commrt.runtime.errors import ConfigError
 from commrt.train import EngineClosed, NonFiniteGradients, initialize
-
-
-@pytest.fixture
-def world1():
-    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    commrt.destroy_process_group()
 
 
 def _net() -> nn.Module:

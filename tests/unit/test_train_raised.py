@@ -7,16 +7,8 @@ import torch
 from torch import nn
 
 import commrt
-from commrt.launch import free_port
 from commrt.train import initialize
 from tests.multirank.programs.train_edges import Boom
-
-
-@pytest.fixture
-def world1():
-    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    commrt.destroy_process_group()
 
 
 class Raising(nn.Linear):

@@ -9,17 +9,9 @@ from torch import nn
 
 import commrt
 import commrt.train
-from commrt.launch import free_port
 from commrt.runtime.errors import ConfigError
 from commrt.train import TrainConfig, initialize
 from commrt.train.breakdown import StepBreakdown, StepClock
-
-
-@pytest.fixture
-def world1():
-    commrt.init_process_group(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    commrt.destroy_process_group()
 
 
 class Net(nn.Module):
