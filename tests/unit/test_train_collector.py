@@ -11,7 +11,7 @@ import torch
 from commrt.runtime.errors import ConfigError
 from commrt.train import TrainConfig, initialize
 from commrt.train.collector import ManualGC
-from tests.unit.test_train_world1 import Net, _batches, _loss, _plain, world1  # noqa: F401 (fixture)
+from tests.unit.test_train_world1 import Net, _batches, _loss, _plain
 
 
 class _Cycle:
@@ -93,7 +93,7 @@ def test_a_bad_interval_is_a_config_error(bad):
         ManualGC(bad)
 
 
-def test_the_engine_collects_at_its_steps_and_trains_as_without(world1):  # noqa: F811
+def test_the_engine_collects_at_its_steps_and_trains_as_without(world1):
     want = _plain(4, 0.0, "adamw")
     torch.manual_seed(0)
     cfg = TrainConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -111,7 +111,7 @@ def test_the_engine_collects_at_its_steps_and_trains_as_without(world1):  # noqa
     assert gc.isenabled()
 
 
-def test_a_pipeline_schedule_collects_at_the_end_of_its_step(world1):  # noqa: F811
+def test_a_pipeline_schedule_collects_at_the_end_of_its_step(world1):
     from commrt.pipeline import OneFOneB, PipelineStage
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     sched = OneFOneB(PipelineStage(model, 0, 1), 2, lambda out, y: torch.nn.functional.mse_loss(out, y),
