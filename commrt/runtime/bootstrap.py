@@ -180,6 +180,7 @@ def init_world(cfg: Config, spec: rendezvous.RendezvousSpec, environ=os.environ,
         if backend is not None:
             backend.close()
         if owns_store:
+            rendezvous.abort_told(store, spec.world_size, namespace, server is not None or proxy is not None)
             if server is not None:
                 server.close(linger_s=1.0)
             store.close()

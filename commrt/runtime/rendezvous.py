@@ -322,6 +322,26 @@ class Hellos:
         self._read[1] += sum(len(v) for v in raw)
 
 
+ABORT_TOLD_S = 10.0  # how long the store's and proxies' hosts serve on after an abort (see below)
+
+
+def abort_told(store, world_size: int, namespace: str, serves: bool) -> None:
+    """After a failed rendezvous, best effort: if it was aborted, count this rank as told; a rank
+    that serves the store or its node's proxy (``serves``) then keeps serving until every rank
+    has been told, for ABORT_TOLD_S at most (a rank that is dead or never comes costs that much
+    of the failing job's exit). Closing after a fixed 1 s failed a rank that was slow to ask
+    under load (CI): it named the closed store or proxy, not the rendezvous's reason."""
+    ns = namespace + "rdzv/"
+    try:
+        if store.mget([ns + "abort"])[0] is None:
+            return  # not an abort: nobody else is waiting for this rendezvous's verdict
+        store.add(ns + "told", 1, timeout_s=1.0)
+        if serves:
+            store.wait_count(ns + "told", world_size, None, ABORT_TOLD_S)
+    except Exception:  # the store itself may be what failed
+        pass
+
+
 def hello_keys(ns: str, ranks) -> list[str]:
     return [f"{ns}hello/{r}/1" for r in ranks]
 
