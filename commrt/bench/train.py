@@ -13,8 +13,9 @@ efficiency = plain step time / strategy step time (1.0: communication and engine
 A step's time is the slowest rank's; the median of the steps after ``--warmup`` of every round is
 reported, with the engine's step breakdown (``Engine.step_breakdown``, mean over those steps),
 the bytes sent per step inside / across nodes (the largest rank's; "n/a" over gloo, which commrt
-cannot count) and the peak resident memory (the largest rank's high-water mark during the run
-of that strategy, reset before each).
+cannot count), the peak resident memory (the largest rank's high-water mark during the run
+of that strategy, reset before each) and the time a step spent in Python's collector (the
+slowest rank's, mean over the steps; ``--manual-gc-interval`` moves it to step boundaries).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from commrt.apps.train_lm import TinyLM, batch, mean_breakdown
 from commrt.bench import train_peers
 from commrt.bench.report import check_json_path, write_json
 from commrt.train import TrainConfig, initialize
+from commrt.train.collector import CollectorTime, ManualGC
 from commrt.train.ddp import DataParallel
 from commrt.train.replica_ft import ReplicaFT
 from commrt.launch import free_port
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="steps per strategy per round")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                   help="Python's collector at step boundaries in every loop of the run, the plain one and "
+                   "torch's included (train/collector.py; [train] manual_gc_interval): a full collection every "
+                   "N steps; 0 (default): Python's automatic collector, at no step's choosing")
     p.add_argument("--json", help="write the rows to this file")
     return p
 
@@ -82,6 +88,8 @@ def check_args(args) -> None:
     used to fail on every rank after the launch (an unknown --stages name, stage 7, --heads not
     dividing --dim, --rounds 0: the median of no times) or, --warmup -1, to report the bytes
     and memory figures that follow the step times as a step time (merged[-1:n])."""
+    if args.manual_gc_interval < 0:
+        raise SystemExit("commrt bench train: --manual-gc-interval must be >= 0")
     if args.warmup < 0 or args.steps <= args.warmup:
         raise SystemExit("commrt bench train: need 0 <= --warmup < --steps")
     small = [f"--{k} {getattr(args, k)}" for k in ("ranks", "rounds", "dim", "heads", "vocab", "seq", "batch")
@@ -197,19 +205,25 @@ def _replica(model, loss_of):
     return step, None, "engine", close
 
 
-def _run(args, kind: str, arg, groups) -> dict:
-    """One strategy's steps: times (slowest rank), breakdowns, bytes per step, peak memory."""
+def _run(args, kind: str, arg, groups, collector: ManualGC) -> dict:
+    """One strategy's steps: times (slowest rank), breakdowns, bytes per step, peak memory, and
+    the time each step spent in Python's collector (the slowest rank's, counted in the step)."""
     step, breakdown, where, close = _setup(args, kind, arg, groups)
     rank = commrt.get_rank()
     train_peers.reset_peak_memory()
     commrt.barrier()
     sent0 = train_peers.bytes_sent(where) if where else (0, 0)
-    local, parts = [], []
+    local, parts, in_gc, full = [], [], [], 0
     for i in range(args.steps):
         tokens = batch(rank, i, args.batch, args.seq, args.vocab)
+        gc0, full0 = CollectorTime.read()
         start = time.perf_counter()
         step(tokens)
+        collector.step()  # the step's end, as a training loop calls it
         local.append(time.perf_counter() - start)
+        gc1, full1 = CollectorTime.read()
+        in_gc.append(gc1 - gc0)
+        full += (full1 - full0) if i >= args.warmup else 0
         if breakdown is not None:
             parts.append(breakdown())
     if hasattr(step, "settle"):  # counted in the run's bytes (its time is a warm-up step's to the next)
@@ -217,15 +231,17 @@ def _run(args, kind: str, arg, groups) -> dict:
     sent1 = train_peers.bytes_sent(where) if where else (0, 0)
     per_step = None if sent0 is None or sent1 is None else [(b - a) / args.steps for a, b in zip(sent0, sent1)]
     # after the loop: no extra collective inside a step; one all-reduce for times, bytes, memory
-    merged = _slowest(local + [train_peers.peak_memory_mb()] + (per_step or [0.0, 0.0]))
     n = args.steps
+    merged = _slowest(local + in_gc + [train_peers.peak_memory_mb(), float(full)] + (per_step or [0.0, 0.0]))
     return {"times": merged[args.warmup:n], "breakdowns": [b for b in parts[args.warmup:] if b is not None],
-            "peak_mb": merged[n], "bytes": None if per_step is None else merged[n + 1:],
-            "extra": close() if close is not None else None}
+            "gc": merged[n + args.warmup:2 * n], "peak_mb": merged[2 * n], "full_gcs": int(merged[2 * n + 1]),
+            "bytes": None if per_step is None else merged[2 * n + 2:], "extra": close() if close is not None else None}
 
 
 def _rank(args) -> int:
     torch.set_num_threads(1)
+    CollectorTime.install()
+    collector = ManualGC(args.manual_gc_interval)
     commrt.init_process_group()
     args.ranks = commrt.get_world_size()  # under an outside launcher -n is not what counts
     plan = strategies(args)
@@ -233,7 +249,7 @@ def _rank(args) -> int:
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in plan}
     for _ in range(args.rounds):  # alternate: load changes hit every strategy alike
         for name, kind, arg in plan:
-            runs[name].append(_run(args, kind, arg, groups))
+            runs[name].append(_run(args, kind, arg, groups, collector))
     rows = _rows(args, plan, runs)
     if commrt.get_rank() == 0:
         print(table(rows))
@@ -242,6 +258,7 @@ def _rank(args) -> int:
     if groups is not None:
         groups.close()
     commrt.destroy_process_group()
+    collector.close()
     return 0
 
 
@@ -259,6 +276,8 @@ def _rows(args, plan, runs) -> list[dict]:
                      "inter_node_mb_per_step": None if sent is None else round(sent[1] / 2**20, 3),
                      "peak_rss_mb": round(max(r["peak_mb"] for r in rs), 1),
                      "breakdown_ms": mean_breakdown(parts).as_ms() if parts else None,
+                     "gc_ms": round(1000 * statistics.mean(g for r in rs for g in r["gc"]), 2),
+                     "full_gcs": sum(r["full_gcs"] for r in rs),
                      "phases_ms": _mean_phases([r["extra"] for r in rs if r["extra"]]),
                      "round_ms": [[round(t * 1000, 1) for t in r["times"]] for r in rs]})
     return rows
@@ -272,9 +291,12 @@ def _mean_phases(extras: list[dict]) -> dict | None:
 def table(rows: list[dict]) -> str:
     def mb(v):
         return "n/a" if v is None else f"{v:.2f}"
+
+    def gc_ms(v):
+        return "n/a" if v is None else f"{v:.1f}"
     w = max([22, *(len(r["strategy"]) for r in rows)])  # "commrt HYBRID_SHARD /16" is 23
     lines = [f"{'strategy':{w}s} {'ranks':>5s} {'step ms':>9s} {'samples/s':>10s} {'efficiency':>10s} "
-             f"{'MiB/step in':>11s} {'across':>7s} {'peak RSS':>9s}  breakdown (ms)"]
+             f"{'MiB/step in':>11s} {'across':>7s} {'peak RSS':>9s} {'gc ms':>6s}  breakdown (ms)"]
     for r in rows:
         b = r["breakdown_ms"]
         text = "" if b is None else (f"fwd {b['forward']:.1f} bwd {b['backward']:.1f} opt {b['optimizer']:.1f} "
@@ -284,7 +306,7 @@ def table(rows: list[dict]) -> str:
             text = " ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
         lines.append(f"{r['strategy']:{w}s} {r['ranks']:5d} {r['step_ms']:9.1f} {r['samples_per_s']:10.1f} "
                      f"{r['efficiency']:10.3f} {mb(r['intra_node_mb_per_step']):>11s} "
-                     f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M  {text}")
+                     f"{mb(r['inter_node_mb_per_step']):>7s} {r['peak_rss_mb']:8.0f}M {gc_ms(r.get('gc_ms')):>6s}  {text}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 from commrt.runtime.errors import ConfigError
 
@@ -37,6 +38,39 @@ def check_interval(interval) -> None:
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise ConfigError(f"manual_gc_interval = {interval!r} is invalid; valid: an integer >= 0 "
                           "(0: Python's automatic collector)")
+
+
+class CollectorTime:
+    """Time Python's collector took in this process since ``start()``, by generation (a
+    ``gc.callbacks`` entry; one per process however many are made). ``read()`` returns (seconds,
+    full collections): what a step spent stopped in the collector, which the step's phases
+    otherwise count as compute (``commrt bench train``'s gc column)."""
+
+    _installed = False
+    _seconds = [0.0, 0.0, 0.0]
+    _counts = [0, 0, 0]
+    _began: dict = {}
+
+    @classmethod
+    def _callback(cls, phase: str, info: dict) -> None:
+        g = info.get("generation", 0)
+        if phase == "start":
+            cls._began[g] = time.perf_counter()
+        elif g in cls._began:
+            cls._seconds[g] += time.perf_counter() - cls._began.pop(g)
+            cls._counts[g] += 1
+
+    @classmethod
+    def install(cls) -> None:
+        with _lock:
+            if not cls._installed:
+                gc.callbacks.append(cls._callback)
+                cls._installed = True
+
+    @classmethod
+    def read(cls) -> tuple[float, int]:
+        """(seconds in every generation's collections, full collections) so far."""
+        return sum(cls._seconds), cls._counts[2]
 
 
 class ManualGC:

@@ -124,3 +124,17 @@ def test_a_pipeline_schedule_collects_at_the_end_of_its_step(world1):
         assert (ref() is None) == (step != 3), f"step {step}"  # collected at steps 1 and 2, not 3
     sched.close()
     assert gc.isenabled()
+
+
+def test_collector_time_counts_the_collections_of_this_process():
+    """``commrt bench train``'s gc column: the time a step spent stopped in Python's collector,
+    which its phases would count as compute."""
+    from commrt.train.collector import CollectorTime
+    CollectorTime.install()
+    CollectorTime.install()  # one callback however often installed
+    assert gc.callbacks.count(CollectorTime._callback) == 1
+    seconds, full = CollectorTime.read()
+    gc.collect()
+    gc.collect(0)
+    after, full_after = CollectorTime.read()
+    assert full_after == full + 1 and after > seconds
