@@ -72,7 +72,7 @@ class ZmqBackend(CollectiveCalls):
         self._ops = TCP_OPS  # SHM_OPS once connect() finds every member on this rank's node
         self._shm: shm.Channel | None = None
         self._shm_contexts: dict = {}  # op shape -> its ShmContext (see _shm_context)
-        self._segment = make_segment(c.intra_node)  # a zmq_shm.LocalSegment or None
+        self._segment = make_segment(c.intra_node, c.shm_slot_bytes)  # a zmq_shm.LocalSegment or None
 
     @property
     def addresses(self) -> list[str]:

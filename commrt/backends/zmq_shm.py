@@ -21,6 +21,7 @@ class LocalSegment:
     (the socket's) is what the address exchange publishes."""
 
     def __init__(self, slot_bytes: int):
+        self.slot_bytes = slot_bytes
         self.fd, self.mm = shm.create(slot_bytes)
         try:
             self.handoff = Handoff()
@@ -40,14 +41,15 @@ class LocalSegment:
             self.mm.close()
 
 
-def make_segment(mode: str) -> LocalSegment | None:
-    """This rank's shared-memory segment for ``[comm] intra_node`` (None: TCP only)."""
+def make_segment(mode: str, slot_bytes: int = shm.SLOT_BYTES) -> LocalSegment | None:
+    """This rank's shared-memory segment for ``[comm] intra_node`` (None: TCP only), of two
+    slots of ``[comm] shm_slot_bytes``."""
     if mode == "tcp":
         return None
     why = shm.supported()
     if why is None:
         try:
-            return LocalSegment(shm.SLOT_BYTES)
+            return LocalSegment(slot_bytes)
         except OSError as exc:
             why = f"cannot create a shared-memory segment: {exc}"
     if mode == "shm":
@@ -84,9 +86,9 @@ def open_channel(ep: Endpoint, seg: LocalSegment | None, entries: list[str],
                                    {p: names[p] for p in peers}, time.monotonic() + ep.timeout_s,
                                    lambda waiting: shm.watch_peers(ep, waiting, "connect", 0))
         for p in range(size):
-            maps.append(seg.mm if p == rank else _attach(got[p], 0, shm.SLOT_BYTES, p))
+            maps.append(seg.mm if p == rank else _attach(got[p], 0, seg.slot_bytes, p))
         ins = {p: _attach(got[p], 1, shm_p2p.RING_SLOT, p) for p in peers}
-        channel = shm.Channel(ep, maps, names, shm.SLOT_BYTES, heartbeat_s)
+        channel = shm.Channel(ep, maps, names, seg.slot_bytes, heartbeat_s)
         channel.rings = {p: (shm_p2p.OutRing(*outs[p]), shm_p2p.InRing(ins[p])) for p in peers}
         channel.attach_all()
     except BaseException:

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(fault_tolerance = 'replica': each rank a replica, ReplicaFT with torch's AdamW), "
                    "0-3 (the engine's ZeRO stages), hpz, hybrid, mics, zeropp (stage 3 with groups of --group "
                    "ranks: zero_hpz_partition_size, HYBRID_SHARD's shard_group_size, mics_shard_size, "
-                   "docs/configs/zeropp.toml's qwZ + qgZ + hpZ)")
+                   "docs/configs/zeropp.toml's qwZ + qgZ + hpZ); dp:N, 0:N, 1:N, 2:N: with gradient "
+                   "buckets of N MiB (bucket_cap_mb, reduce_bucket_size; default 25)")
     p.add_argument("--group", type=int, default=0,
                    help="ranks per group for hpz/hybrid/mics/zeropp (default: half the ranks, as two nodes)")
     p.add_argument("--peers", default="ddp-gloo,ddp-commrt,fsdp-gloo,fsdp-commrt",
@@ -125,10 +126,32 @@ def grouped_config(name: str, group: int) -> TrainConfig:
     return TrainConfig.from_dict({"zero_optimization": zero})
 
 
+def _bucket_mib(stage: str, cap: str) -> float:
+    """``dp:4`` / ``0:4`` ... ``2:4``: the gradient buckets' size in MiB (fp32)."""
+    try:
+        mib = float(cap)
+    except ValueError:
+        mib = 0.0
+    if stage not in ("dp", "0", "1", "2") or not mib > 0:
+        raise SystemExit(f"commrt bench train: --stages {stage}:{cap}: a bucket size in MiB (> 0) goes with "
+                         "dp, 0, 1 or 2")
+    return mib
+
+
 def strategies(args) -> list[tuple[str, str, object]]:
     """(row name, kind, argument) in the order every round runs them."""
     out = [("plain torch", "plain", None)]
     for s in (s.strip() for s in args.stages.split(",") if s.strip()):
+        s, _, cap = s.partition(":")
+        if cap:  # a gradient bucket size: DataParallel's bucket_cap_mb, the engine's reduce_bucket_size
+            mib = _bucket_mib(s, cap)
+            if s == "dp":
+                out.append((f"commrt DataParallel {cap}MiB", "dp", mib))
+            else:
+                cfg = TrainConfig.from_dict({"zero_optimization": {"stage": int(s),
+                                                                   "reduce_bucket_size": int(mib * (1 << 18))}})
+                out.append((f"commrt stage {int(s)} {cap}MiB", "engine", cfg))
+            continue
         named = {"dp": ("commrt DataParallel", "dp", None), "replica": ("commrt replica FT", "replica", None)}
         if s in GROUPED:
             group = args.group or max(args.ranks // 2, 1)
@@ -170,7 +193,7 @@ def _setup(args, kind: str, arg, groups):
         return _replica(model, loss_of)
     net, where = model, None
     if kind == "dp":
-        net, where = DataParallel(model), "engine"
+        net, where = DataParallel(model, **({"bucket_cap_mb": arg} if arg else {})), "engine"
     elif kind != "plain":
         net, where = train_peers.WRAPPERS[kind](model, groups.groups[arg]), arg
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

@@ -21,7 +21,7 @@ import torch
 from commrt.runtime import bootstrap, rendezvous
 from commrt.collectives.reduce_ops import ReduceOp
 from commrt.runtime.config import load_config
-from commrt.transport import Transport, shm
+from commrt.transport import Transport
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "4096,65536,1048576,16777216,67108864").split(",")]
 SAMPLES = int(os.environ.get("SAMPLES", "9"))
@@ -59,13 +59,11 @@ def main() -> int:
     transport = Transport(cfg, f"rank{rdzv.rank}")
     store, server = bootstrap.open_store(transport, rdzv, cfg.comm.timeout_s)
     rts = {}
-    default_slot = shm.SLOT_BYTES
     backends = {**BACKENDS, **{f"shm{s}": ("zmq", "shm", s) for s in SLOTS}}
     for name, (backend, intra, *slot) in backends.items():
-        shm.SLOT_BYTES = slot[0] if slot else default_slot
-        c = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=backend, intra_node=intra))
+        c = dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, backend=backend, intra_node=intra,
+                                                              shm_slot_bytes=slot[0] if slot else cfg.comm.shm_slot_bytes))
         rts[name] = bootstrap.init_world(c, rdzv, store=(store, None), namespace=f"{name}/")
-    shm.SLOT_BYTES = default_slot
     n = rdzv.world_size
     for coll in colls:
         if rdzv.rank == 0:

@@ -56,6 +56,18 @@ def test_strategies_parse_and_refuse_unknown_peers():
         strategies(parse(["--peers", "ddp-nccl"]))
 
 
+def test_bucket_sizes_make_strategies_of_their_own():
+    """dp:N / 0:N ... 2:N: the same strategy with gradient buckets of N MiB, beside the default."""
+    parse = build_parser().parse_args
+    plan = strategies(parse(["--stages", "dp,dp:4,2:8", "--peers", ""]))
+    assert [n for n, _, _ in plan] == ["plain torch", "commrt DataParallel", "commrt DataParallel 4MiB",
+                                       "commrt stage 2 8MiB"]
+    assert plan[2][2] == 4.0 and plan[3][2].zero.stage == 2 and plan[3][2].zero.reduce_bucket_size == 8 << 18
+    for bad in ("3:4", "dp:0", "dp:x", "hpz:4"):
+        with pytest.raises(SystemExit, match="a bucket size in MiB"):
+            strategies(parse(["--stages", bad]))
+
+
 def test_grouped_strategies_build_their_configs_and_refuse_bad_groups():
     parse = build_parser().parse_args
     plan = strategies(parse(["-n", "4", "--stages", "hpz,hybrid,mics,zeropp", "--peers", ""]))

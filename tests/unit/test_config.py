@@ -133,7 +133,8 @@ def test_digest_leaves_out_per_host_paths_and_timeouts():
     assert a.digest() == b.digest()
     for change in ({"security": {"mode": "curve"}}, {"comm": {"small_bytes": 1}},
                    {"comm": {"check_call_sites": True}}, {"comm": {"backend": "gloo"}},
-                   {"cluster": {"store_proxy": False}}):  # a rank expecting a proxy its leader lacks
+                   {"cluster": {"store_proxy": False}},  # a rank expecting a proxy its leader lacks
+                   {"comm": {"shm_slot_bytes": 1 << 20}}):  # ranks read each other's slots
         assert load_config(overrides=change, environ={}).digest() != a.digest(), change
 
 
@@ -190,6 +191,8 @@ def test_settings_are_read_from_the_environment_in_one_place():
 @pytest.mark.parametrize("section,key,value,needle", [
     ("comm", "chunk_bytes", 1.5, "expected an integer, got float"),
     ("comm", "small_bytes", True, "expected an integer, got bool"),
+    ("comm", "shm_slot_bytes", 4097, "a multiple of 4096 from 65536"),
+    ("comm", "shm_slot_bytes", 4096, "a multiple of 4096 from 65536"),
     ("cluster", "world_size", 2.5, "expected an integer"),
     ("cluster", "bind_host", "", "give an interface's address"),
     ("ps", "workers", -1, "must be >= 0"),

@@ -80,6 +80,11 @@ class CommConfig:
     other collectives on TCP follow the selection table (``algorithms``)."""
     max_frame_bytes: int = 64 << 20
     """Largest single frame a socket accepts (ZMQ_MAXMSGSIZE); must exceed chunk_bytes."""
+    shm_slot_bytes: int = 4 << 20
+    """The shared-memory path's step: each rank's segment holds two slots of this size, and a
+    larger payload crosses in rounds of it (fewer, larger rounds: fewer times every rank waits
+    for the slowest; each rank maps 2x this per local rank). A multiple of 4096 from 64 KiB to
+    1 GiB. All ranks must agree."""
     heartbeat_s: float = 1.0
     """ZMTP heartbeat interval: a peer silent for 3 intervals is declared lost."""
     keep_freed_memory: bool = False
@@ -126,6 +131,9 @@ class CommConfig:
             check_bytes("comm", name, getattr(self, name))
         check_seconds("comm", "timeout_s", self.timeout_s, MAX_TIMEOUT_S)
         check_seconds("comm", "heartbeat_s", self.heartbeat_s, MAX_HEARTBEAT_S)
+        if not (64 << 10 <= self.shm_slot_bytes <= 1 << 30 and self.shm_slot_bytes % 4096 == 0):
+            raise invalid("comm", "shm_slot_bytes", self.shm_slot_bytes,
+                          "it must be a multiple of 4096 from 65536 (64 KiB) to 1073741824 (1 GiB)")
         if self.max_frame_bytes < self.chunk_bytes + 4096:
             raise invalid("comm", "max_frame_bytes", self.max_frame_bytes,
                           f"it must exceed chunk_bytes ({self.chunk_bytes}) by at least 4096")

@@ -13,7 +13,7 @@ from commrt.runtime.config.quant_log import LogConfig, QuantConfig
 DIGESTED = (("comm", "backend"), ("comm", "chunk_bytes"), ("comm", "small_bytes"),
             ("comm", "max_frame_bytes"), ("comm", "check_call_sites"), ("comm", "hierarchical"),
             ("security", "mode"), ("comm", "intra_node"), ("comm", "algorithms"),
-            ("cluster", "store_proxy"))
+            ("cluster", "store_proxy"), ("comm", "shm_slot_bytes"))
 QUANT_DIGESTED = ("block", "scale_dtype", "rounding", "pieces")
 """How blocks are encoded and how the two-hop path cuts its calls; not ``profile`` or
 ``cpu_codec``, which may differ between ranks."""

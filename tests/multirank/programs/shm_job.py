@@ -2,8 +2,8 @@
 
     shm_job [SLOT_BYTES]
 
-SLOT_BYTES (default: the transport's) shrinks the segments' slots so that modest sizes run
-many pipelined rounds. Prints ``segments: NAMES`` (the group's segment names, for the test's
+SLOT_BYTES (``[comm] shm_slot_bytes``; default: the config's) shrinks the segments' slots so
+that modest sizes run many pipelined rounds. Prints ``segments: NAMES`` (the group's segment names, for the test's
 /dev/shm check) and ``shm passed``."""
 from __future__ import annotations
 
@@ -96,12 +96,12 @@ def check_bit_identical(rank: int, n: int, numel: int) -> None:
 
 def main() -> int:
     if len(sys.argv) > 1:
-        shm.SLOT_BYTES = int(sys.argv[1])
+        os.environ["COMMRT_COMM_SHM_SLOT_BYTES"] = sys.argv[1]
     print(f"pid: {os.getpid()}", flush=True)
     commrt.init_process_group()
     rank, n = commrt.get_rank(), commrt.get_world_size()
-    _channel()
-    slot = shm.SLOT_BYTES
+    slot = _channel().slot_bytes
+    assert len(sys.argv) == 1 or slot == int(sys.argv[1]), slot
     sizes = [1, 1003, 3 * slot // 8 + 5]  # the last runs several pipelined rounds in every dtype
     check_reductions(rank, n, sizes)
     check_movement(rank, n, sizes)
