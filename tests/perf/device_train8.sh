@@ -37,9 +37,11 @@ if want cpu 5; then
 fi
 if want trace 60; then
     rm -rf /tmp/tr; mkdir -p /tmp/tr
+    grep '^cpu ' /proc/stat  # user nice system idle iowait irq softirq steal: steal before and after
     COMMRT_LOG_TRACE_FILE=/tmp/tr/t.json timeout 120 "$PY" -m commrt.cli bench train -n 8 --stages dp,2 --peers '' \
         "${model[@]}" --rounds 1 || echo "trace run failed ($?)"
-    "$PY" -m tests.perf.op_skew /tmp/tr/t.json --min-bytes 65536 || echo "op_skew failed ($?)"
+    grep '^cpu ' /proc/stat
+    "$PY" -m tests.perf.op_skew /tmp/tr/t.json --min-bytes 65536 --arrivals all_reduce:26020000 || echo "op_skew failed ($?)"
 fi
 if want alone 50; then
     for slot in 4194304 16777216; do

@@ -49,10 +49,29 @@ def summary(ops: dict[tuple, dict[int, tuple]], ranks: int) -> list[dict]:
             for (g, name, nbytes), v in sorted(rows.items())]
 
 
+def arrivals(events_by_rank: dict[int, list[dict]], op: str, nbytes: int) -> None:
+    """For each op ``op`` of ``nbytes``: each rank's forward start and its arrival at the op,
+    relative to the first rank's forward start of that step (the k-th forward span before it):
+    whether a late rank started its step late or computed longer."""
+    ops = ops_by_seq(events_by_rank, nbytes)
+    rows = sorted((seq, by_rank) for (_, seq, name, b), by_rank in ops.items() if name == op and b == nbytes
+                  and len(by_rank) == len(events_by_rank))
+    fwd = {r: sorted(e["ts"] for e in ev if e.get("name") == "forward" and e.get("ph") == "X")
+           for r, ev in events_by_rank.items()}
+    print(f"# {op} of {nbytes} B: per step, rank: forward start / arrival at the op (ms after the first forward start)")
+    for seq, by_rank in rows:
+        starts = {r: max((t for t in fwd[r] if t <= by_rank[r][0]), default=by_rank[r][0]) for r in by_rank}
+        base = min(starts.values())
+        late = max(by_rank, key=lambda r: by_rank[r][0])
+        print(f"seq {seq}: " + "  ".join(f"{r}:{(starts[r] - base) / 1e3:.0f}/{(by_rank[r][0] - base) / 1e3:.0f}"
+                                          for r in sorted(by_rank)) + f"   last: rank {late}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="the [log] trace_file template, or the ranks' files")
     p.add_argument("--min-bytes", type=int, default=1 << 16)
+    p.add_argument("--arrivals", metavar="OP:BYTES", help="per step, each rank's forward start and arrival at this op")
     args = p.parse_args()
     by_rank: dict[int, list[dict]] = collections.defaultdict(list)
     for e in merge(rank_files([args.trace])):
@@ -63,6 +82,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['group']:5d} {r['op']:>16s} {r['bytes']:10d} {r['count']:5d} {r['skew_us']:10.0f} "
               f"{r['op_us']:10.0f} {r['op_us_median']:10.0f}")
+    if args.arrivals:
+        op, _, nbytes = args.arrivals.partition(":")
+        arrivals(by_rank, op, int(nbytes))
 
 
 if __name__ == "__main__":
