@@ -77,7 +77,8 @@ class Endpoint:
         self.live = Liveness(self._slice_s, heartbeat_s, timeout_s)  # which peers are gone
         self.down = self.live.down  # peer -> when its connection dropped
         self.refused_here: dict[int, tuple[int, str]] = {}  # seq -> (collective, reason) this rank refused
-        self.refusals: dict[int, OpRefused] = {}  # a peer's refusal of an op this rank has not started
+        # a peer's refusal of, or mismatch report at, an op this rank has not started
+        self.refusals: dict[int, OpRefused | MismatchReport] = {}
 
     def connect(self, addresses: dict[int, str], resolve=None) -> None:
         """Learn members' addresses (keyed by group rank); sockets are dialled on first use.
@@ -306,8 +307,9 @@ class Endpoint:
         (it fails on the refusal; the piece must not be taken for one of a later op)."""
         return h.kind != P2P and h.seq in self.refused_here
 
-    def refusal_at(self, seq: int) -> OpRefused | None:
-        """A peer's refusal of operation ``seq``, heard before this rank started it."""
+    def refusal_at(self, seq: int) -> OpRefused | MismatchReport | None:
+        """A peer's refusal of operation ``seq``, or its report of a mismatch there, heard
+        before this rank started it."""
         return self.refusals.pop(seq, None) if self.refusals else None
 
     def tell_peers(self, seq: int, lost: int | None = None, report: bytes = b"",

@@ -34,7 +34,10 @@ def is_goodbye(h: Header) -> bool:
 
 def aborted(ep, msg: Message, op: str, seq: int) -> None:
     """A peer gave up: on a lost rank (empty payload) or on a mismatch it saw (a report).
-    Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one."""
+    Or it said goodbye (``is_goodbye``): noted, so its dropped connection blames no one. A
+    report of a mismatch at a later op than ``seq`` is kept for when this rank starts that op
+    (``Endpoint.refusal_at``): its peers finished this one (a rank slow in a barrier that its
+    peers had left got their report of the next op and failed the barrier, seen under load)."""
     h = msg.header
     if is_goodbye(h):
         ep.live.left(h.src)
@@ -47,7 +50,12 @@ def aborted(ep, msg: Message, op: str, seq: int) -> None:
         ep.dropped += 1
         log.warning("rank %d dropped a malformed mismatch report from rank %d: %s", ep.rank, h.src, exc)
         return
-    raise MismatchReport(h.src, mine, theirs)
+    report = MismatchReport(h.src, mine, theirs)
+    if mine.seq > seq:  # peers that finished this op met at a later one: fail there, as they did
+        ep.refusals.setdefault(mine.seq, report)
+        ep.keep_refusals_bounded()
+        return
+    raise report
 
 
 def refused(ep, msg: Message, op: str, seq: int) -> None:

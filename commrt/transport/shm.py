@@ -26,10 +26,10 @@ import sys
 import numpy as np
 import zmq
 
-from commrt.runtime.errors import GroupClosed, PeerLost, ProtocolError
+from commrt.runtime.errors import GroupClosed, PeerLost
 from commrt.transport import notices
 from commrt.transport.wire import ABORT, COLL, REFUSE
-from commrt.transport.endpoint import Endpoint, MismatchReport, decode_report, is_goodbye
+from commrt.transport.endpoint import Endpoint
 from commrt.transport.segments import (CTL_BYTES, MAGIC, SLOT_BYTES, attach, close_fd, create, node_key,
     reserve, segment_bytes, supported)
 
@@ -237,18 +237,8 @@ class Channel:
             if h.kind == REFUSE:
                 notices.refused(ep, msg, op, seq)
                 continue
-            if h.kind != ABORT:
-                continue  # nothing else travels on a shared-memory group's collective socket
-            if is_goodbye(h):  # the peer closed the group: its dropped connection is no one's fault
-                ep.live.left(h.src)
-                continue
-            if h.nbytes == 0:
-                raise PeerLost(h.op, op, seq, f"rank {h.src} reported it lost", reported_by=h.src)
-            try:
-                mine, theirs = decode_report(msg.payload.buffer)
-            except ProtocolError:
-                continue
-            raise MismatchReport(h.src, mine, theirs)
+            if h.kind == ABORT:  # nothing else travels on a shared-memory group's collective socket
+                notices.aborted(ep, msg, op, seq)
 
     def close(self) -> None:
         """Unmap every segment (the memory goes once no peer maps it either)."""
