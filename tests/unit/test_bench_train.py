@@ -87,7 +87,8 @@ def test_grouped_strategies_build_their_configs_and_refuse_bad_groups():
 @pytest.mark.parametrize("argv,says", [
     (["--stages", "7"], "not '7'"), (["--stages", "foo"], "not 'foo'"), (["--dim", "30", "--heads", "4"], "--heads 4"),
     (["--rounds", "0"], "--rounds 0"), (["--warmup", "-1"], "--warmup"), (["--steps", "2", "--warmup", "2"], "--steps"),
-    (["--peers", "ddp-nccl"], "not 'ddp-nccl'"), (["-n", "4", "--group", "3", "--stages", "mics"], "does not divide")])
+    (["--peers", "ddp-nccl"], "not 'ddp-nccl'"), (["-n", "4", "--group", "3", "--stages", "mics"], "does not divide"),
+    (["--manual-gc-interval", "-1"], "--manual-gc-interval"), (["--stages", "dp:0"], "a bucket size")])
 def test_options_that_cannot_run_are_refused_before_the_launch(argv, says, monkeypatch):
     """Found by running each option out of range: --stages 7 (isdigit) became 'commrt stage 7' and
     failed in TrainConfig on every rank after the start-up, as did an unknown name, --heads not
