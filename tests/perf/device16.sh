@@ -20,13 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 root=$PWD
 OUT=${OUT:-/tmp/device16}; mkdir -p "$OUT"
-PY=${PY:-python3}
-if ! "$PY" -c 'import zmq' 2>/dev/null; then
-    [ -d .whl ] || { echo "no pyzmq and no .whl folder of wheels" >&2; exit 1; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. tests/perf/device_env.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 SECTIONS=${SECTIONS:-small train pipe cuda}
 t0=$(date +%s); budget=${BUDGET_S:-540}

@@ -15,12 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 root=$PWD
 OUT=${OUT:-/tmp/device_train8}; mkdir -p "$OUT"
-PY=${PY:-python3}
-if ! "$PY" -c 'import zmq' 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. tests/perf/device_env.sh
 SECTIONS=${SECTIONS:-cpu trace alone train slot}
 t0=$(date +%s); budget=${BUDGET_S:-330}
 left() { echo $(( budget - ($(date +%s) - t0) )); }
