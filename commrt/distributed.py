@@ -13,6 +13,8 @@ import operator
 import os
 from typing import Any
 
+import numpy as np
+
 from commrt import quant as _quantized
 from commrt.collectives.reduce_ops import ReduceOp, as_op
 from commrt.obs import stats
@@ -117,7 +119,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, quant: str |
     rec = _begin(g, "all_reduce", tensor, async_op)
     if quant is not None:
         return _call(rec, _quantized.all_reduce, tensor, op, g, async_op, quant)
-    return _call(rec, dispatch.all_reduce, tensor, as_op(op), g, async_op)
+    return _call(rec, dispatch.all_reduce, tensor, op if type(op) is ReduceOp else as_op(op), g, async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False,
@@ -256,6 +258,8 @@ def _begin(g: ProcessGroup, op: str, tensor, async_op: bool, peer: int = -1, p2p
         return None
     if tensor is None:
         return obs.begin(g, op, 0, None, peer, async_op, p2p)
+    if type(tensor) is np.ndarray:  # the common case in two reads (as_buffer passes it as is)
+        return obs.begin(g, op, tensor.nbytes, tensor.dtype, peer, async_op, p2p)
     t = dtypes.as_buffer(tensor, writes=False)  # only looked at: the backend checks what it writes
     return obs.begin(g, op, nbytes(t), t.dtype, peer, async_op, p2p)
 
@@ -272,6 +276,9 @@ def _call(rec, fn, *args):
         raise
     finally:
         on_turn.hook = None
+    if work is None:  # a sync op: ended here (Observer.issued, one call less on every op)
+        rec.end(None)
+        return None
     return Observer.issued(rec, work)
 
 

@@ -55,6 +55,24 @@ def widened(flat, op: ReduceOp, wb: Callable[[], None] | None, fresh: bool = Fal
     return wide, (lambda: (store(), wb and wb())) if wb else store
 
 
+def plain(obj):
+    """``flat_view``'s common case in a few attribute reads: a writable C-contiguous numpy
+    array, or a contiguous CPU tensor outside autograd, of a dtype already seen on the wire,
+    as a flat view (itself when 1-d); None for anything else, which flat_view then prepares or
+    refuses with its errors. On the path of every small op (issue 32: the per-op cost)."""
+    if type(obj) is np.ndarray:
+        flags = obj.flags
+        if flags.c_contiguous and flags.writeable and obj.dtype in dtypes.SEEN:
+            return obj if obj.ndim == 1 else obj.reshape(-1)
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.is_cpu and not obj.requires_grad \
+            and obj.dtype in dtypes.SEEN and obj.is_contiguous():
+        flat = obj if obj.dim() == 1 else obj.reshape(-1)
+        return flat if flat.stride(0) == 1 else None  # one element "contiguous" at any stride
+    return None
+
+
 def flat_view(obj, what: str = "tensor", writes: bool = True) -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards.

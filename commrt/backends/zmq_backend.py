@@ -136,21 +136,22 @@ class ZmqBackend(CollectiveCalls):
                     writeback: Callable[[], None] | None = None, nbytes: int | None = None, *,
                     reduce: int = 0, root: int = 0, declared=None) -> Work | None:
         """``declared``: the caller's dtype where ``dtype`` is a wider copy's (widened)."""
-        self._check_usable()
+        if self._broken is not None:
+            self._check_usable()
         site = _call_site() if self.cfg.comm.check_call_sites else 0
         nbytes = count * dtype.itemsize if nbytes is None else nbytes
-        run = functools.partial(self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root,
-                                declared)
-        if async_op:
+        if self._shm is None:  # the read-ahead budget bounds what arrives on the socket
             self._budget(1, nbytes)
+        if async_op:
             try:
-                return self._exec.submit(_NAMES[coll], run)
+                return self._exec.submit(_NAMES[coll], functools.partial(
+                    self._run, coll, dtype, count, body, writeback, site, nbytes, reduce, root, declared))
             except BaseException:
                 self._budget(-1, -nbytes)
                 raise
-        self._budget(1, nbytes)
         try:
-            self._exec.run(_NAMES[coll], run, self.cfg.comm.timeout_s)
+            self._exec.run(_NAMES[coll], self._run, self.cfg.comm.timeout_s,
+                           coll, dtype, count, body, writeback, site, nbytes, reduce, root, declared)
         except CommTimeout as exc:
             # gave up before starting (no seq used), behind work that stopped progressing: the
             # peers may run this op; the group cannot be trusted any more
@@ -162,26 +163,29 @@ class ZmqBackend(CollectiveCalls):
     def _run(self, coll, dtype, count, body, writeback, site, nbytes, reduce, root, declared) -> None:
         """One collective, holding the executor's turn (this thread owns the sockets)."""
         try:
-            self._check_usable()
+            if self._broken is not None:
+                self._check_usable()
             self._seq += 1
-            c = self.cfg.comm
             if self._shm is not None:
                 ctx = self._shm_context(coll, dtype, count, site, reduce, root, declared)
             else:
+                c = self.cfg.comm
                 ctx = OpContext(self._coll, self.group_id, self.rank, self.size, self._seq, coll, dtype,
                                 count, c.chunk_bytes, c.small_bytes, site, reduce, root, self._journal,
                                 self._table, declared=declared)
             try:
-                refusal = self._coll.refusal_at(self._seq)  # a peer refused this op before we began it
-                if refusal is not None:
-                    raise refusal
+                if self._coll.refusals:  # a peer refused this op before we began it
+                    refusal = self._coll.refusal_at(self._seq)
+                    if refusal is not None:
+                        raise refusal
                 body(ctx)
             except (PeerLost, CollectiveMismatch, ProtocolError, MismatchReport, OpRefused) as exc:
                 raise self._give_up(exc, ctx) from None
             if writeback is not None:
                 writeback()
         finally:
-            self._budget(-1, -nbytes)
+            if self._shm is None:
+                self._budget(-1, -nbytes)
 
     def _refused(self, coll: Coll, exc: BaseException, async_op: bool) -> BaseException:
         """Input this rank refuses (a ValueError or TypeError while preparing its buffers) takes

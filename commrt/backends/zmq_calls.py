@@ -11,9 +11,10 @@ from commrt.runtime import dtypes
 from commrt.runtime.arrays import UINT8, numel
 from commrt.collectives.context import Coll
 from commrt.collectives.reduce_ops import ReduceOp, check_defined
-from commrt.backends.base import check_same_dtype, flat_view, narrow_int, same_kind, split_bounds, widened
+from commrt.backends.base import check_same_dtype, flat_view, narrow_int, plain, same_kind, split_bounds, widened
 
 STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
+AVG = ReduceOp.AVG  # a module constant: the enum's attribute costs more than the comparison
 
 
 class CollectiveCalls:
@@ -21,6 +22,11 @@ class CollectiveCalls:
     ``_refused``)."""
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        flat = plain(tensor) if op != AVG else None  # the common case: nothing to check or widen
+        if flat is not None:
+            return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
+                                    lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, reduce=op,
+                                    declared=flat.dtype)
         try:
             t = dtypes.as_buffer(tensor)
             check_defined(op, t.dtype, "all_reduce")

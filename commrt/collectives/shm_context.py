@@ -60,22 +60,15 @@ class ShmContext(OpShape):
         self._slot = self.chan.begin(self._header)
         return self._slot
 
-    def exchange(self) -> list[int]:
-        """Publish the step and wait for every peer; check their headers against this op.
-        Returns each rank's ``aux`` word (unchecked: the caller validates it)."""
-        chan, slot, me = self.chan, self._slot, self.rank
+    def exchange(self) -> None:
+        """Publish the step and wait for every peer; check their headers against this op."""
+        chan, slot = self.chan, self._slot
         chan.publish_and_wait(self.name, self.seq)
-        aux = [0] * self.size
-        for p in range(self.size):
-            if p == me:  # our own header: written by this rank a moment ago
-                aux[p] = self._header[HDR_WORDS - 1]
-                continue
-            if not chan.same_header(p, slot):  # ours in shared memory is [chan.t, *self._words]
-                h = chan.header(p, slot)
-                if h[:-1] != [chan.t, *self._words]:
-                    raise self._mismatch(p, h)
-            aux[p] = chan.aux(p, slot)
-        return aux
+        p = chan.mismatched_peer(slot)  # one loop over live views of the headers, nothing built
+        if p is not None:
+            h = chan.header(p, slot)
+            if h[:-1] != [chan.t, *self._words]:  # ours in shared memory is [chan.t, *self._words]
+                raise self._mismatch(p, h)
 
     def _mismatch(self, p: int, h: list[int]) -> CollectiveMismatch | OpRefused:
         refused = self.chan.ep.refused_here.get(h[1])

@@ -31,6 +31,7 @@ from commrt.collectives.shm_context import ShmContext
 ONE_STEP_PEER_BYTES = 224 << 10
 WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
+AVG = ReduceOp.AVG  # a module constant: the enum's attribute costs more than the comparison
 
 
 def _rounds(total: int, per: int):
@@ -41,7 +42,8 @@ def _rounds(total: int, per: int):
 def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
     n, numel = ctx.size, numel_of(flat)
     if n > 1 and numel:
-        avg_part(flat, op, n)  # a half-precision AVG divides first (reduce_ops.divides_first)
+        if op == AVG:
+            avg_part(flat, op, n)  # a half-precision AVG divides first (reduce_ops.divides_first)
         nbytes = numel * ctx.itemsize
         small = nbytes <= min(ctx.small_bytes, ctx.chan.slot_bytes) and nbytes * (n - 1) <= ONE_STEP_PEER_BYTES
         if small and ctx.np_dtype is not None:
@@ -63,7 +65,7 @@ def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
                     _all_reduce_round(ctx, flat[a:b], op)
     elif n > 1:  # empty: one step of headers, so a peer with elements sees the mismatch (ops.py)
         barrier(ctx)
-    if op == ReduceOp.AVG:
+    if op == AVG:
         finish_avg_(flat, n)
 
 

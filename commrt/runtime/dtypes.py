@@ -15,6 +15,7 @@ NAMES = {1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int8", 6: 
 CODES = {name: code for code, name in NAMES.items()}
 NUMPY = {name: np.dtype(name) for name in CODES if name != "bfloat16"}  # numpy has no bfloat16
 _CODE_OF: dict = {}  # dtype object (torch or numpy) -> code, filled on first sight
+SEEN = _CODE_OF  # read-only to callers: ``dtype in SEEN`` is the cheapest "it may cross the wire"
 
 
 def dtype_name(dtype) -> str:

@@ -154,7 +154,8 @@ class Executor:
 
     def __init__(self, name: str):
         self.name = name
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly where nobody waits: Condition's own
+        self._cv = threading.Condition(self._lock)  # __enter__/__exit__ are Python calls
         self._queue: collections.deque[tuple[Work, Callable[[], Any]]] = collections.deque()
         self._busy = False  # an operation holds the turn
         self._closed: Callable[[str], BaseException] | None = None
@@ -162,11 +163,11 @@ class Executor:
         self.finished = 0  # operations completed: progress that waiting callers watch
         self._waiting = 0  # threads inside _cv.wait: _done wakes nobody when there are none
 
-    def run(self, name: str, fn: Callable[[], Any], timeout_s: float) -> Any:
-        """Run ``fn`` inline after every earlier operation. Time spent queued behind work that
-        progresses is not anybody's silence: the wait gives up (CommTimeout) only when no
+    def run(self, name: str, fn: Callable[..., Any], timeout_s: float, *args) -> Any:
+        """Run ``fn(*args)`` inline after every earlier operation. Time spent queued behind work
+        that progresses is not anybody's silence: the wait gives up (CommTimeout) only when no
         earlier operation finished for ``timeout_s`` (each has its own peer deadlines)."""
-        with self._cv:
+        with self._lock:
             waited = bool(self._queue or self._busy)
             if waited:
                 self._wait_turn(name, timeout_s)
@@ -179,7 +180,7 @@ class Executor:
                 if hook is not None:
                     on_turn.hook = None
                     hook()
-            return fn()
+            return fn(*args)
         finally:
             self._done()
 
@@ -203,7 +204,7 @@ class Executor:
             self._waiting -= 1
 
     def _done(self) -> None:
-        with self._cv:
+        with self._lock:
             self._busy = False
             self.finished += 1
             if self._waiting:  # most sync ops: nobody waits, and a notify costs ~0.4 us

@@ -43,7 +43,7 @@ def resolve(group) -> ProcessGroup | None:
     """``group`` as a live group of the default runtime: None means the world, a non-member's
     handle gives None (torch's collectives return None there too)."""
     if group is None:
-        return current().world
+        return (_current or current()).world  # current() only to raise its error
     if group is NON_GROUP_MEMBER:
         return None
     return live(current(), group)

@@ -14,6 +14,7 @@ them: the hierarchical collectives and the device mesh cut the world into such b
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -33,7 +34,7 @@ class Topology:
     def world_size(self) -> int:
         return len(self.node_of)
 
-    @property
+    @functools.cached_property  # read on every collective's way in (dispatch.route)
     def num_nodes(self) -> int:
         return self.node_of[-1] + 1 if self.node_of else 0
 

@@ -66,6 +66,7 @@ class Endpoint:
         self._counters = [transport.counters.peer(n) for n in names]
         self._op_sent = transport.counters.op_table()
         self._op_msgs = transport.counters.op_table(messages=True)
+        self._fanout = transport.counters.fanout_table([n for p, n in enumerate(names) if p != rank])
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._ahead = [[0, 0] for _ in names]  # per peer: messages, bytes stashed
         self.ahead_limit = (1 << 10, 64 << 20)  # (messages, bytes) per peer; the owner sets it per op
@@ -115,20 +116,22 @@ class Endpoint:
         """Account ``nbytes`` sent to ``dst`` in the transport's counters (per peer, and per
         (kind, op code, peer) for comm_stats' by-op table). Shared memory and the p2p rings
         count what their peers read here too, as if it had gone over the socket."""
-        self.count_sent_to((dst,), kind, op, nbytes)
+        c = self._counters[dst]
+        c.sent_bytes += nbytes
+        c.sent_msgs += 1
+        key = (kind, op & 0xFF, self.names[dst])
+        self._op_sent[key] = self._op_sent.get(key, 0) + nbytes
+        self._op_msgs[key] = self._op_msgs.get(key, 0) + 1
 
-    def count_sent_to(self, dsts, kind: int, op: int, nbytes: int) -> None:
-        """``count_sent`` for each of ``dsts`` in one call (what every peer of a shared-memory
-        step reads: seven peers at 8 ranks, on the small-op path)."""
-        op &= 0xFF
-        counters, names, sent, msgs = self._counters, self.names, self._op_sent, self._op_msgs
-        for dst in dsts:
-            c = counters[dst]
-            c.sent_bytes += nbytes
-            c.sent_msgs += 1
-            key = (kind, op, names[dst])
-            sent[key] = sent.get(key, 0) + nbytes
-            msgs[key] = msgs.get(key, 0) + 1
+    def count_sent_to_all(self, kind: int, op: int, nbytes: int) -> None:
+        """``count_sent`` for every peer of the group, in one update whatever their number
+        (Counters.fanout_table): what every peer of a shared-memory step reads."""
+        key = (kind, op & 0xFF)
+        row = self._fanout.get(key)
+        if row is None:
+            row = self._fanout[key] = [0, 0]
+        row[0] += nbytes
+        row[1] += 1
 
     def watch_peers(self) -> None:
         self.live.watch()

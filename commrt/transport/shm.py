@@ -96,6 +96,7 @@ class Channel:
         self._hdr = [[c[HDR_BASE + HDR_WORDS * s:HDR_BASE + HDR_WORDS * (s + 1) - 1] for s in (0, 1)]
                      for c in self.ctl]
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
+        self._peer_hdr = [[(p, self._hdr[p][s]) for p, _ in self._peers] for s in (0, 1)]
         self.peer_ranks = [p for p, _ in self._peers]
         self._peer_ctl = [c for _, c in self._peers]
         self.t = 0  # last step this rank published
@@ -169,18 +170,20 @@ class Channel:
 
     def count_all(self, op: int, nbytes: int) -> None:
         """``count`` for every peer of the group."""
-        self.ep.count_sent_to(self.peer_ranks, COLL, op, nbytes)
+        self.ep.count_sent_to_all(COLL, op, nbytes)
 
     def header(self, p: int, slot: int) -> list[int]:
         base = HDR_BASE + HDR_WORDS * slot
         return self.ctl[p][base:base + HDR_WORDS].tolist()
 
-    def same_header(self, p: int, slot: int) -> bool:
-        """Whether rank p's header in ``slot`` matches this rank's, all words but aux."""
-        return self._hdr[p][slot] == self._hdr[self.rank][slot]
-
-    def aux(self, p: int, slot: int) -> int:
-        return self.ctl[p][HDR_BASE + HDR_WORDS * (slot + 1) - 1]
+    def mismatched_peer(self, slot: int) -> int | None:
+        """The first peer whose header in ``slot`` differs from this rank's in any word but
+        aux, or None: one comparison of two live views per peer (seven at 8 ranks)."""
+        mine = self._hdr[self.rank][slot]
+        for p, h in self._peer_hdr[slot]:
+            if h != mine:
+                return p
+        return None
 
     def _wait(self, pending, op: str, seq: int) -> None:
         """Until ``pending()`` is empty: yield the core while the wait is short (most waits

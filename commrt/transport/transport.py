@@ -52,6 +52,7 @@ class Counters:
         self._lock = threading.Lock()
         self._op_tables: list[dict] = []
         self._msg_tables: list[dict] = []
+        self._fanouts: list[tuple[list[str], dict]] = []  # (peer names, fanout_table)
         self.same_node: list[bool] | None = None
         """Per global rank: on this rank's node? Set once the topology is known (bootstrap)."""
 
@@ -64,14 +65,34 @@ class Counters:
             (self._msg_tables if messages else self._op_tables).append(table)
         return table
 
+    def fanout_table(self, names: list[str]) -> dict:
+        """A new table of what one endpoint sent to every one of ``names`` alike, keyed ``(message
+        kind, op code)``, each a list [bytes per peer, messages per peer]: one update per op
+        whatever the number of peers (a shared-memory step that every peer reads: seven peers
+        at 8 ranks). Folded into the per-peer and per-op totals when they are read."""
+        table: dict = {}
+        with self._lock:
+            self._fanouts.append((list(names), table))
+        return table
+
+    def _fanned(self) -> list[tuple[list[str], list[tuple[tuple, int, int]]]]:
+        """Each fan-out table as (names, [(key, bytes, messages)]), copied (the caller holds _lock)."""
+        return [(names, [(k, v[0], v[1]) for k, v in list(t.items())]) for names, t in self._fanouts]
+
     def sent_by_op(self, messages: bool = False) -> dict[tuple, int]:
         """Every endpoint's table summed (a snapshot: approximate while ops run)."""
         with self._lock:
             tables = [dict(t) for t in (self._msg_tables if messages else self._op_tables)]  # dict(): in C
+            fanned = self._fanned()
         total: dict[tuple, int] = {}
         for t in tables:
             for k, v in t.items():
                 total[k] = total.get(k, 0) + v
+        for names, rows in fanned:
+            for (kind, op), nbytes, msgs in rows:
+                for name in names:
+                    key = (kind, op, name)
+                    total[key] = total.get(key, 0) + (msgs if messages else nbytes)
         return total
 
     def peer(self, name: str) -> PeerCounters:
@@ -83,7 +104,15 @@ class Counters:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {k: dict(vars(v)) for k, v in self._peers.items()}
+            out = {k: dict(vars(v)) for k, v in self._peers.items()}
+            fanned = self._fanned()
+        for names, rows in fanned:
+            for name in names:
+                c = out.setdefault(name, dict(vars(PeerCounters())))
+                for _, nbytes, msgs in rows:
+                    c["sent_bytes"] += nbytes
+                    c["sent_msgs"] += msgs
+        return out
 
 
 class Transport:

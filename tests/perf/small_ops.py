@@ -64,11 +64,12 @@ def layers(nbytes: int, iters: int) -> dict[str, float]:
     from commrt.collectives.context import Coll
     from commrt.collectives.reduce_ops import ReduceOp
     be = commrt.get_world_group().backend
-    chan, t = be._shm, torch.zeros(nbytes // 4)
+    chan = be._shm
+    t = np.zeros(nbytes // 4, np.float32) if os.environ.get("INPUT") == "numpy" else torch.zeros(nbytes // 4)
     if chan is None:
         return {}
     ctx = shm_ops.ShmContext(chan, be.group_id, be.rank, be.size, 1 << 40, Coll.ALL_REDUCE, t.dtype,
-                             t.numel(), 0, ReduceOp.SUM, 0, be.cfg.comm.small_bytes)
+                             t.size if isinstance(t, np.ndarray) else t.numel(), 0, ReduceOp.SUM, 0, be.cfg.comm.small_bytes)
     from array import array
     import inspect
     new = "header" in inspect.signature(chan.begin).parameters  # an older tree takes 7 words
@@ -80,14 +81,18 @@ def layers(nbytes: int, iters: int) -> dict[str, float]:
     runs = {"step": step, "shm_ops": lambda: shm_ops.all_reduce(ctx, t, ReduceOp.SUM),
             "backend": lambda: be.all_reduce(t, ReduceOp.SUM, False), "api": lambda: commrt.all_reduce(t)}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    # LAYERS_CLOCK=thread: this thread's CPU time (a loaded machine's preemption left out; the
+    # waits spin, so a peer's lateness still counts)
+    clock = time.thread_time if os.environ.get("LAYERS_CLOCK") == "thread" else time.perf_counter
     for _ in range(10):
         for name, fn in runs.items():
             commrt.barrier()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(iters // 10):
                 fn()
-            times[name].append((time.perf_counter() - start) / (iters // 10))
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[name].append((clock() - start) / (iters // 10))
+    pick = min if os.environ.get("LAYERS_STAT") == "min" else statistics.median  # min: a loaded machine
+    return {k: pick(v) for k, v in times.items()}
 
 
 def profile(t: torch.Tensor, iters: int) -> str:

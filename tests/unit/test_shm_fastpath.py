@@ -18,6 +18,7 @@ from commrt.runtime.errors import PeerLost
 from commrt.transport import shm
 from commrt.transport.endpoint import Endpoint
 from commrt.transport.liveness import Liveness
+from commrt.transport.transport import Counters
 
 SLOT = 4096
 _TORCH = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
@@ -29,15 +30,17 @@ class _Ep:
 
     def __init__(self, rank: int, size: int):
         self.rank, self.group, self.names = rank, 0, [f"rank{r}" for r in range(size)]
-        self._counters = [types.SimpleNamespace(sent_bytes=0, sent_msgs=0) for _ in range(size)]
-        self._op_sent: dict = {}
-        self._op_msgs: dict = {}
+        self.counters = Counters()  # the transport's, as the real Endpoint registers its tables
+        self._counters = [self.counters.peer(n) for n in self.names]
+        self._op_sent = self.counters.op_table()
+        self._op_msgs = self.counters.op_table(messages=True)
+        self._fanout = self.counters.fanout_table([n for p, n in enumerate(self.names) if p != rank])
         self.timeout_s, self.cancelled = 5.0, False
         self.live = Liveness(10.0, 1.0, self.timeout_s)
         self.down = self.live.down
 
     count_sent = Endpoint.count_sent  # the real accounting, over this fake's counters
-    count_sent_to = Endpoint.count_sent_to
+    count_sent_to_all = Endpoint.count_sent_to_all
 
     def watch_peers(self) -> None:
         pass
@@ -139,10 +142,22 @@ def test_sent_bytes_are_counted_per_peer(pair):
     ctx = shm_ops.ShmContext(pair, 0, 0, 2, 1, Coll.ALL_GATHER, torch.float32, 8, 0, 0, 0, 1 << 16)
     ctx.sent_to_all(3)
     ctx.sent_to_all(5)
-    ep = pair.ep
-    assert (ep._counters[1].sent_bytes, ep._counters[1].sent_msgs, ep._counters[0].sent_msgs) == (32, 2, 0)
-    assert ep._op_sent == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 32}
-    assert ep._op_msgs == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 2}
+    ctx.sent(1, 2)  # counted per peer, beside the fan-out of every peer
+    counters = pair.ep.counters
+    got = counters.snapshot()
+    assert (got["rank1"]["sent_bytes"], got["rank1"]["sent_msgs"], got["rank0"]["sent_msgs"]) == (40, 3, 0)
+    assert counters.sent_by_op() == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 40}
+    assert counters.sent_by_op(messages=True) == {(shm.COLL, int(Coll.ALL_GATHER), "rank1"): 3}
+
+
+def test_a_fanout_counts_every_peer_once_per_op():
+    counters = Counters()
+    sent = counters.fanout_table(["rank0", "rank2", "rank3"])
+    sent[(shm.COLL, 4)] = [4096, 1]
+    sent[(shm.COLL, 2)] = [64, 2]
+    assert counters.sent_by_op() == {(shm.COLL, op, f"rank{r}"): b for r in (0, 2, 3) for op, b in ((4, 4096), (2, 64))}
+    assert counters.snapshot()["rank2"] == {"sent_bytes": 4160, "sent_msgs": 3, "recv_bytes": 0, "recv_msgs": 0}
+    assert "rank1" not in counters.snapshot()
 
 
 def test_a_crowded_node_yields_for_less_long():
