@@ -131,6 +131,14 @@ def reduce_arrays_(out: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> No
         fn(out, a, out=out)
 
 
+def reduce_rows_(out: np.ndarray, rows: np.ndarray, op: ReduceOp) -> None:
+    """reduce_arrays_ over the rows of one 2-D array, in one call. numpy reduces axis 0 row
+    after row, each element on its own, as reduce_arrays_ does, so the result is the same bit
+    for bit; but a single column would make the row loop the inner one, which sums floats
+    pairwise: callers pass at least two columns (tests/unit/test_reduce_rows.py)."""
+    _UFUNC[op].reduce(rows, axis=0, out=out)
+
+
 def numpy_dtype(dtype) -> np.dtype | None:
     """numpy's type for a torch or numpy dtype, or None where numpy has none (bfloat16)."""
     return dtype if isinstance(dtype, np.dtype) else NUMPY.get(dtype_name(dtype))

@@ -21,7 +21,8 @@ from commrt.runtime.errors import CollectiveMismatch, ProtocolError
 from commrt.collectives.algorithms import chunk_bounds
 from commrt.collectives.aliasing import own_part
 from commrt.collectives.contract import describe as _describe
-from commrt.collectives.reduce_ops import ReduceOp, avg_part, copy_, finish_avg_, reduce_arrays_, reduce_in_order_
+from commrt.collectives.reduce_ops import (ReduceOp, avg_part, copy_, finish_avg_, reduce_arrays_, reduce_in_order_,
+                                           reduce_rows_)
 from commrt.collectives.shm_context import ShmContext
 
 # the one-step all_reduce has every rank read every peer's payload, freshly written by another
@@ -31,6 +32,10 @@ from commrt.collectives.shm_context import ShmContext
 ONE_STEP_PEER_BYTES = 224 << 10
 WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
+# a reduction over every row in one numpy call costs more than one call per peer below this many
+# ranks (1 KiB floats: 2 ranks 3.9 us against 2.3, 3 ranks 3.5 / 2.7, 4 ranks 3.0 / 5.1, 8 ranks
+# 5.5 / 7.2, 16 ranks 5.2 / 18.3; docs/PERFORMANCE.md, "Small ops, per peer")
+ROWS_REDUCE_FROM = 4
 AVG = ReduceOp.AVG  # a module constant: the enum's attribute costs more than the comparison
 
 
@@ -46,14 +51,8 @@ def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
             avg_part(flat, op, n)  # a half-precision AVG divides first (reduce_ops.divides_first)
         nbytes = numel * ctx.itemsize
         small = nbytes <= min(ctx.small_bytes, ctx.chan.slot_bytes) and nbytes * (n - 1) <= ONE_STEP_PEER_BYTES
-        if small and ctx.np_dtype is not None:
-            _all_reduce_one_step(ctx, as_numpy(flat), op)
-        elif small:
-            slot = ctx.begin()
-            copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
-            ctx.sent_to_all(numel)
-            ctx.exchange()
-            reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(n)], op)
+        if small:
+            _all_reduce_one_step(ctx, flat, numel, op)
         else:
             per = max(n, ctx.slot_elems // n * n)
             if ctx.np_dtype is not None:
@@ -69,17 +68,30 @@ def all_reduce(ctx: ShmContext, flat, op: ReduceOp) -> None:
         finish_avg_(flat, n)
 
 
-def _all_reduce_one_step(ctx: ShmContext, out: np.ndarray, op: ReduceOp) -> None:
-    """A small payload in one step: every rank reduces all parts in rank order. Over numpy
-    views of the slots, made once per dtype: at 4 KiB, torch's views and calls cost several
-    times the copy and the sum themselves (docs/PERFORMANCE.md, small collectives)."""
-    numel = out.size
+def _all_reduce_one_step(ctx: ShmContext, flat, numel: int, op: ReduceOp) -> None:
+    """A small payload in one step: every rank reduces all parts in rank order. Each rank
+    writes its part as a row beside the others' (Channel.rows), and the reduction is one numpy
+    call over the rows: at 4 KiB a call costs about as much as its sum, so one per peer made
+    the op's cost grow with the ranks (docs/PERFORMANCE.md, small collectives). A single
+    element, a dtype numpy lacks (bfloat16) or rows too long for a slot take the parts from
+    each rank's own slot (the same order, so the same result)."""
     slot = ctx.begin()
-    parts = ctx.chan.parts(ctx.np_dtype, numel, slot)
-    np.copyto(parts[ctx.rank], out)
+    got = ctx.chan.rows(ctx.np_dtype, numel, slot) if ctx.np_dtype is not None and numel > 1 else None
+    if got is not None:
+        every, parts = got
+        out = as_numpy(flat)
+        parts[ctx.rank][...] = out
+        ctx.sent_to_all(numel)
+        ctx.exchange()
+        if ctx.size < ROWS_REDUCE_FROM:
+            reduce_arrays_(out, parts, op)
+        else:
+            reduce_rows_(out, every, op)
+        return
+    copy_(ctx.view(ctx.rank, slot, 0, numel), flat)
     ctx.sent_to_all(numel)
     ctx.exchange()
-    reduce_arrays_(out, parts, op)
+    reduce_in_order_(flat, [ctx.view(p, slot, 0, numel) for p in range(ctx.size)], op)
 
 
 def _all_reduce_round_np(ctx: ShmContext, part: np.ndarray, op: ReduceOp) -> None:

@@ -90,7 +90,7 @@ class Channel:
         self.raw = [np.frombuffer(m, dtype=np.uint8, offset=CTL_BYTES) for m in maps]  # data, as bytes
         self._data: list | None = None  # the same as torch tensors, made when a tensor op needs them
         self._slots: dict = {}  # numpy dtype -> per rank, its two slots as arrays of that dtype
-        self._parts: dict = {}  # (dtype, numel, slot) -> every rank's first numel elements there
+        self._rows: dict = {}  # (dtype, numel, slot) -> rows(): every rank's row in rank 0's slot
         # per rank and slot, a live view of its header's words but aux: comparing two such views
         # is one C call (a small op at 8 ranks compares seven)
         self._hdr = [[c[HDR_BASE + HDR_WORDS * s:HDR_BASE + HDR_WORDS * (s + 1) - 1] for s in (0, 1)]
@@ -140,15 +140,23 @@ class Channel:
                 for a in self.raw]
         return views
 
-    def parts(self, dtype: np.dtype, numel: int, slot: int) -> list[np.ndarray]:
-        """Every rank's first ``numel`` elements of ``slot`` as ``dtype``; the views are kept
-        for the sizes a program repeats (a few dozen at most), so a small op makes none."""
+    def rows(self, dtype: np.dtype, numel: int, slot: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """The small all-reduce's parts side by side: every rank's row of ``numel`` elements in
+        group rank 0's ``slot`` (rows 64-byte aligned), as one 2-D array and as a view per rank.
+        Each rank writes its row there, so reducing every rank's part is one numpy call over
+        the array, not one per peer. None where the rows do not fit in a slot. The views are
+        kept for the sizes a program repeats (a few dozen at most): a small op makes none."""
         key = (dtype, numel, slot)
-        got = self._parts.get(key)
+        got = self._rows.get(key)
         if got is None:
-            if len(self._parts) >= MAX_CACHED_VIEWS:
-                self._parts.clear()
-            got = self._parts[key] = [s[slot][:numel] for s in self.slots(dtype)]
+            row = -(-numel * dtype.itemsize // 64) * 64
+            if row * self.size > self.slot_bytes:
+                return None
+            if len(self._rows) >= MAX_CACHED_VIEWS:
+                self._rows.clear()
+            every = np.ndarray((self.size, numel), dtype, buffer=self.raw[0], offset=slot * self.slot_bytes,
+                               strides=(row, dtype.itemsize))
+            got = self._rows[key] = (every, list(every))
         return got
 
     def publish_and_wait(self, op: str, seq: int) -> None:
@@ -250,7 +258,7 @@ class Channel:
         for v in self.ctl:
             v.release()
         self._hdr, self.ctl, self._data, self.raw, self._peers, self._peer_ctl = [], [], None, [], [], []
-        self._slots, self._parts = {}, {}
+        self._slots, self._rows, self._peer_hdr = {}, {}, []
         for m in self._maps:
             try:
                 m.close()

@@ -63,16 +63,21 @@ def pair():
 def test_cached_views_alias_the_segments_bytes(pair):
     f32 = np.dtype(np.float32)
     for slot in (0, 1):
-        parts = pair.parts(f32, 10, slot)
-        assert pair.parts(f32, 10, slot) is parts  # made once
-        for p, view in enumerate(parts):
-            assert view.shape == (10,) and view.dtype == f32
-            view[:] = np.arange(10, dtype=np.float32) + 100 * p + 1000 * slot
-            torch_view = pair.data[p][slot * SLOT:slot * SLOT + 40].view(torch.float32)
-            assert torch.equal(torch_view, torch.from_numpy(view.copy()))
+        every, views = pair.rows(f32, 10, slot)
+        assert pair.rows(f32, 10, slot)[0] is every  # made once
+        assert every.shape == (2, 10) and every.dtype == f32 and len(views) == 2
+        for p in range(2):
+            every[p] = np.arange(10, dtype=np.float32) + 100 * p + 1000 * slot
+            at = slot * SLOT + 64 * p  # rows 64-byte aligned, in rank 0's slot
+            torch_view = pair.data[0][at:at + 40].view(torch.float32)
+            assert torch.equal(torch_view, torch.from_numpy(every[p].copy()))
+        assert all(np.array_equal(v, every[p]) for p, v in enumerate(views))
+        views[1][0] = -1
+        assert every[1, 0] == -1  # views of the same memory
     for k in range(shm.MAX_CACHED_VIEWS + 5):  # bounded: a program with many sizes
-        pair.parts(f32, k + 1, 0)
-    assert len(pair._parts) <= shm.MAX_CACHED_VIEWS
+        pair.rows(f32, k + 1, 0)
+    assert len(pair._rows) <= shm.MAX_CACHED_VIEWS
+    assert pair.rows(f32, SLOT // 4, 0) is None  # two rows of a whole slot do not fit in one
 
 
 def test_a_header_is_published_word_for_word(pair):
