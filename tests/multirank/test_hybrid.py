@@ -22,10 +22,22 @@ def _check(out: str, cases: list[str], nproc: int = 4) -> None:
         assert out.count(f"OK {case}") == nproc, f"{case!r} missing:\n{out[-4000:]}"
 
 
-def test_hybrid_and_hpz_equal_single_process(tmp_path):
-    _, out = run_ranks(4, "hybrid_job", "errors", "hybrid", "checkpoint", "convergence", "bytes", timeout_s=300,
-                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)})
-    _check(out, FAST)
+@pytest.fixture(scope="module")
+def hybrid_and_defer_at_four(tmp_path_factory):
+    """One launch of 4 ranks for the two tests below (a launch costs ~8 s of imports at 4 ranks on
+    two cores): programs/hybrid_job.py's fast tier, then programs/defer_job.py's cases."""
+    tmp = tmp_path_factory.mktemp("hybrid")
+    _, out = run_ranks(4, "hybrid_job", "errors", "hybrid", "checkpoint", "convergence", "bytes", "defer",
+                       timeout_s=300, env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp)})
+    return out
+
+
+ONE_LAUNCH = pytest.mark.xdist_group("hybrid_and_defer")  # one worker runs both: the launch runs once
+
+
+@ONE_LAUNCH
+def test_hybrid_and_hpz_equal_single_process(hybrid_and_defer_at_four):
+    _check(hybrid_and_defer_at_four, FAST)
 
 
 def test_overlap_step_over_gloo(tmp_path):
@@ -50,12 +62,12 @@ DEFER = ["a unit reduced after the held ones (spare 16)", "a unit reduced after 
          "memory_report's gradients after step()"]
 
 
-def test_overlap_step_equals_the_unoverlapped_step_where_its_order_could_go_wrong(tmp_path):
+@ONE_LAUNCH
+def test_overlap_step_equals_the_unoverlapped_step_where_its_order_could_go_wrong(hybrid_and_defer_at_four):
     """programs/defer_job.py: overlap_step on and off, bit for bit, in the cases a review found
     wrong (a unit reduced after the held ones, step() twice, a learning rate set after step(), a
     landing's memory) and around settle, checkpoints and non-finite gradients."""
-    _, out = run_ranks(4, "defer_job", timeout_s=120,
-                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)})
+    out = hybrid_and_defer_at_four
     assert "FAIL " not in out, "\n".join(line for line in out.splitlines() if "FAIL " in line)
     for case in DEFER:
         assert out.count(f"OK {case}") == 4, f"{case!r} missing:\n{out[-4000:]}"

@@ -206,6 +206,9 @@ def main() -> int:
         convergence_case(rank, world)
     if "bytes" in which:
         bytes_case(rank, world)
+    if "defer" in which:  # programs/defer_job.py's cases on this world: one launch of 4 ranks less
+        from tests.multirank.programs import defer_job
+        defer_job.cases(rank, os.environ["COMMRT_TEST_TMP"])
     commrt.destroy_process_group()
     return 0
 
