@@ -1,8 +1,9 @@
 """Topology getters, the device mesh and the hierarchical collectives on a K x M layout.
 
-argv: expected nodes, ranks per node, "matrix" | "bytes" | "mesh" | "links". Every result is compared
-with a single-process reference built from every rank's (deterministic) inputs; every rank's
-result bytes are compared through a flat group spanning the world.
+argv: expected nodes, ranks per node, then "matrix" | "bytes" | "mesh" | "links" | ... (one or
+several). Every result is compared with a single-process reference built from every rank's
+(deterministic) inputs; every rank's result bytes are compared through a flat group spanning the
+world.
 """
 from __future__ import annotations
 
@@ -277,32 +278,34 @@ def check_mixed_kinds(rank: int, world: int) -> None:
 
 
 def main() -> None:
-    k, m, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    """argv[3:]: one mode, or "matrix strided" (one launch for both: each launch imports torch)."""
+    k, m, modes = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     if os.environ.get("COMMRT_TEST_SWAP_GROUP_RANK") == os.environ["RANK"]:
         os.environ["GROUP_RANK"] = "1"  # this rank claims another node: not contiguous
     if os.environ.get("COMMRT_TEST_DROP_NODE_VARS"):  # the layout must come from the hosts alone
         for name in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(name)
-    if what == "bytes":  # check_bytes's formulas are the ring's (the table takes Rabenseifner at 3 MiB)
+    if "bytes" in modes:  # check_bytes's formulas are the ring's (the table takes Rabenseifner at 3 MiB)
         os.environ["COMMRT_COMM_ALGORITHMS"] = "all_reduce=ring"
     commrt.init_process_group()
     try:
-        check_layout(k, m, train=what in ("matrix", "links"))
+        check_layout(k, m, train=bool({"matrix", "links"} & set(modes)))
         flat_world = commrt.new_group(list(range(commrt.get_world_size())))  # not the world: flat
-        if what == "mesh":
-            check_mesh(k, m)
-        elif what == "links":
-            check_links(k, m)
-        elif what == "sizes":
-            check_sizes(k, m)
-            return
-        elif what == "matrix":
-            check_matrix(flat_world)
-        elif what == "strided":
-            check_strided()
-        else:
-            check_bytes(flat_world, k, m)
-        print(f"rank {commrt.get_rank()}: hier {what} passed", flush=True)
+        for what in modes:
+            if what == "mesh":
+                check_mesh(k, m)
+            elif what == "links":
+                check_links(k, m)
+            elif what == "sizes":
+                check_sizes(k, m)
+                return
+            elif what == "matrix":
+                check_matrix(flat_world)
+            elif what == "strided":
+                check_strided()
+            else:
+                check_bytes(flat_world, k, m)
+            print(f"rank {commrt.get_rank()}: hier {what} passed", flush=True)
     finally:
         commrt.destroy_process_group()
 
