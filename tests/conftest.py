@@ -147,4 +147,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("netns"))
         if "/tests/multirank/" in str(item.fspath) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(MULTIRANK_TIMEOUT_S))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _group_ids(items)
+
+
+def _group_ids(items) -> None:
+    """What pytest-xdist's loadgroup does to the node id of a test marked ``xdist_group`` (it
+    appends ``@<group>``, and the controller sends a group's tests to one worker), where xdist's
+    own hook no longer can: it sets ``item._nodeid``, which pytest 9 does not read (the id lives
+    in ``item._id``), so every group was spread over both workers, the netns tests above and the
+    tests sharing one launch through a module fixture alike (test_hybrid, test_hierarchical,
+    test_pipeline: each launch ran on both). Does nothing where xdist's hook worked."""
+    from _pytest.nodeid import NodeId
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
