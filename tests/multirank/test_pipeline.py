@@ -96,12 +96,17 @@ def test_pipeline_of_engines_clips_and_skips_by_the_whole_model_like_a_single_pr
 EDGES_ENV = {**_env("zmq"), "COMMRT_COMM_TIMEOUT_S": "60"}  # a regression waits out 60 s: the harness stops at 45
 
 
+# The tests on the fixtures below run on one xdist worker: each fixture's launch then runs once
+# (without it both workers launched edges_at_two_ranks, ~14 s each in CI).
+EDGES = pytest.mark.xdist_group("pipeline_edges")
+
+
 @pytest.fixture(scope="module")
 def edges_at_two_ranks():
     """One launch for the 2-rank cases of programs/pipeline_edges.py (each launch costs seconds);
     every test below checks its own lines of that output."""
     _, out = run_ranks(2, "pipeline_edges", "layouts", "inplace", "mismatch", "fails=1:loss", "fails=0:forward",
-                       "fails=0:input", env=EDGES_ENV, timeout_s=45)
+                       "fails=0:input", "unsendable=complex", "unsendable=many", "mask", env=EDGES_ENV, timeout_s=45)
     return out
 
 
@@ -113,6 +118,7 @@ def edges_at_three_ranks():
     return out
 
 
+@EDGES
 def test_layouts_that_change_in_every_way_train_like_a_single_process(edges_at_two_ranks):
     """Stage 0 sends 2 to 4 tensors whose rows, dtype, count, requires_grad and size (past
     COMBINE_MAX and back) change between steps and, in one step, between micro-batches; stage 1
@@ -122,6 +128,7 @@ def test_layouts_that_change_in_every_way_train_like_a_single_process(edges_at_t
         assert edges_at_two_ranks.count(f"OK layouts {case}\n") == 2, edges_at_two_ranks[-3000:]
 
 
+@EDGES
 def test_a_stage_that_modifies_its_received_input_in_place_trains_like_a_single_process(edges_at_two_ranks):
     """Stage 1 starts with nn.ReLU(inplace=True): the received activation was an autograd leaf,
     and in-place on a leaf that requires grad is a RuntimeError that one process never meets."""
@@ -129,6 +136,7 @@ def test_a_stage_that_modifies_its_received_input_in_place_trains_like_a_single_
         assert edges_at_two_ranks.count(f"OK inplace {kind}\n") == 2, edges_at_two_ranks[-3000:]
 
 
+@EDGES
 def test_schedules_built_with_other_micro_batch_counts_are_a_config_error(edges_at_two_ranks):
     """Rank 0 built for 4 micro-batches, rank 1 for 3: rank 1's first receive raises ConfigError
     naming both counts and rank 0 gets it as StageFailed (before: rank 1 finished its step and
@@ -136,6 +144,7 @@ def test_schedules_built_with_other_micro_batch_counts_are_a_config_error(edges_
     assert edges_at_two_ranks.count("OK mismatch\n") == 2, edges_at_two_ranks[-3000:]
 
 
+@EDGES
 def test_a_stage_that_raises_is_named_on_the_others_at_once(edges_at_two_ranks, edges_at_three_ranks):
     """A rank whose step raises (its forward, its loss, its backward, its inputs refused) and
     that stays alive tells the ranks still waiting on it, which tell theirs: each raises
@@ -156,19 +165,20 @@ def test_a_stage_that_raises_over_gloo_is_named_at_once():
         assert out.count(f"OK {case}\n") == 2, out[-3000:]
 
 
-def test_an_output_that_cannot_be_sent_is_named_at_once_on_the_stage_waiting_for_it():
+@EDGES
+def test_an_output_that_cannot_be_sent_is_named_at_once_on_the_stage_waiting_for_it(edges_at_two_ranks):
     """Stage 0 returns a complex64 tensor (not a wire dtype), then 65 tensors (more than a header
     holds), with one micro-batch: its send raised before anything went but counted as sent, so
     the notice did not follow and stage 1 waited out the 60 s deadline for a PeerLost naming a
     live rank (review_pp item 2). Now rank 0 raises naming the output and rank 1 StageFailed."""
-    _, out = run_ranks(2, "pipeline_edges", "unsendable=complex", "unsendable=many", "mask", env=EDGES_ENV,
-                       timeout_s=45)
+    out = edges_at_two_ranks
     for what in ("complex", "many"):
         assert out.count(f"OK unsendable {what}\n") == 2, out[-3000:]
     for kind in ("gpipe", "1f1b"):  # a bool mask is a wire dtype (wire version 3): it crosses, and trains
         assert out.count(f"OK mask {kind}\n") == 2, out[-3000:]
 
 
+@EDGES
 def test_a_dead_stage_of_a_pipeline_subgroup_is_named_by_its_global_rank(edges_at_three_ranks):
     """A pipeline on ranks [0, 2] of 3, as a device mesh's "pp" groups are; rank 2 dies mid-step."""
     assert "OK subgroup peer lost 2\n" in edges_at_three_ranks, edges_at_three_ranks[-3000:]
