@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 
-import torch
+import numpy as np
 
 import commrt
 
 
 def ps_main() -> int:
+    import torch  # the parameter server's client takes tensors; the main job runs on numpy (no torch import)
     from commrt.ps import PSClient
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     if attempt == 0:
@@ -55,7 +56,7 @@ def main() -> int:
                 os._exit(3)
             os.kill(os.getpid(), {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM,
                                   "abort": signal.SIGABRT}[how])
-        t = torch.tensor([float(step + rank)])
+        t = np.array([float(step + rank)])
         commrt.all_reduce(t)
         state = {"step": step + 1, "value": state["value"] + float(t[0])}
         with open(path + ".tmp", "w") as fh:
