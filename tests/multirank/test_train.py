@@ -17,27 +17,47 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping", "sta
             "DataParallel overlapped = torch", "stage 3 prefetched = serial", "stage 3 prefetched = torch"])
 
 
-@pytest.mark.parametrize("backend,nproc", [("zmq", 1), ("zmq", 2), ("zmq", 3), ("zmq", 4), ("gloo", 2)])
-def test_training_layers_equal_single_process(tmp_path, backend, nproc):
-    _, out = run_ranks(nproc, "zero_job", timeout_s=180,
-                       env={"COMMRT_COMM_BACKEND": backend, "COMMRT_TEST_TMP": str(tmp_path)})
+@pytest.fixture(scope="module")
+def zmq_at_two(tmp_path_factory):
+    """zero_job's default cases and its torn checkpoints at 2 ranks over zmq, launched once (each
+    launch imports torch on every rank) for the [zmq-2] case, the torn-checkpoint test and the
+    reshard test (which loads the checkpoint this run's checkpoint_case saved, ckpt-2)."""
+    tmp = tmp_path_factory.mktemp("zero_job_zmq_2")
+    _, out = run_ranks(2, "zero_job", *DEFAULT_MODES, "torn", timeout_s=180,
+                       env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp)})
+    return tmp, out
+
+
+DEFAULT_MODES = ("zero", "checkpoint", "memory", "nonfinite", "ddp", "overlap")  # zero_job's, without arguments
+AT_TWO = pytest.mark.xdist_group("zero_job_zmq_2")  # one worker runs these: the launch runs once
+
+
+@pytest.mark.parametrize("backend,nproc", [("zmq", 1), pytest.param("zmq", 2, marks=AT_TWO), ("zmq", 3), ("zmq", 4),
+                                           ("gloo", 2)])
+def test_training_layers_equal_single_process(tmp_path, backend, nproc, request):
+    if (backend, nproc) == ("zmq", 2):
+        _, out = request.getfixturevalue("zmq_at_two")
+    else:
+        _, out = run_ranks(nproc, "zero_job", timeout_s=180,
+                           env={"COMMRT_COMM_BACKEND": backend, "COMMRT_TEST_TMP": str(tmp_path)})
     for case in CASES:
         want = 3 * nproc if case == "stage 3 modules registered out of order" else nproc  # 3 prefetch sizes
         assert out.count(f"OK {case}\n") == want, f"{case!r} missing:\n{out[-4000:]}"
 
 
-def test_checkpoint_reshards_to_another_world_size(tmp_path):
+@AT_TWO
+def test_checkpoint_reshards_to_another_world_size(tmp_path, zmq_at_two):
+    saved, _ = zmq_at_two  # a 2-rank run saved ckpt-2 (stage 2, AdamW, after 2 steps)
     env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)}
-    run_ranks(2, "zero_job", "checkpoint", env=env, timeout_s=120)
-    (tmp_path / "ckpt-3").symlink_to(tmp_path / "ckpt-2")  # the 3-rank job reads the 2-rank files
+    (tmp_path / "ckpt-3").symlink_to(saved / "ckpt-2")  # the 3-rank job reads the 2-rank files
     _, out = run_ranks(3, "zero_job", "reshard", env=env, timeout_s=120)
     assert out.count("OK resharded 2 -> 3 ranks") == 3, out[-3000:]
 
 
-def test_an_interrupted_checkpoint_save_is_refused(tmp_path):
+@AT_TWO
+def test_an_interrupted_checkpoint_save_is_refused(zmq_at_two):
     """Issue 13.20: a set mixing two saves' files, or one whose save never completed."""
-    env = {"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp_path)}
-    _, out = run_ranks(2, "zero_job", "torn", env=env, timeout_s=120)
+    _, out = zmq_at_two
     assert out.count("OK refused mixed checkpoint") == 2 and out.count("OK refused unfinished checkpoint") == 2, out[-3000:]
 
 
