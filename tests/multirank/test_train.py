@@ -19,11 +19,12 @@ CASES = (["stage 0 adamw", "stage 0 lamb", "stage 0 accumulation+clipping", "sta
 
 @pytest.fixture(scope="module")
 def zmq_at_two(tmp_path_factory):
-    """zero_job's default cases and its torn checkpoints at 2 ranks over zmq, launched once (each
-    launch imports torch on every rank) for the [zmq-2] case, the torn-checkpoint test and the
-    reshard test (which loads the checkpoint this run's checkpoint_case saved, ckpt-2)."""
+    """zero_job's default cases, its torn checkpoints and its transformer layers at 2 ranks over
+    zmq, launched once (each launch imports torch on every rank) for the [zmq-2] case, the
+    torn-checkpoint, transformer and reshard tests (the last loads the checkpoint this run's
+    checkpoint_case saved, ckpt-2)."""
     tmp = tmp_path_factory.mktemp("zero_job_zmq_2")
-    _, out = run_ranks(2, "zero_job", *DEFAULT_MODES, "torn", timeout_s=180,
+    _, out = run_ranks(2, "zero_job", *DEFAULT_MODES, "torn", "transformer", timeout_s=240,
                        env={"COMMRT_COMM_BACKEND": "zmq", "COMMRT_TEST_TMP": str(tmp)})
     return tmp, out
 
@@ -61,8 +62,9 @@ def test_an_interrupted_checkpoint_save_is_refused(zmq_at_two):
     assert out.count("OK refused mixed checkpoint") == 2 and out.count("OK refused unfinished checkpoint") == 2, out[-3000:]
 
 
-def test_stage3_and_hpz_train_torch_transformer_layers(tmp_path):
+@AT_TWO
+def test_stage3_and_hpz_train_torch_transformer_layers(zmq_at_two):
     """Issue 30.16 at 2 ranks (fp32: gathers across ranks), and 30.22's chained replica all-reduce."""
-    _, out = run_ranks(2, "zero_job", "transformer", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=180)
+    _, out = zmq_at_two
     for case in ("stage 3 transformer", "hpZ transformer", "hybrid qgZ stream = serial"):
         assert out.count(f"OK {case}\n") == 2, f"{case!r} missing:\n{out[-3000:]}"
