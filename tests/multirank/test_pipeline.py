@@ -14,9 +14,27 @@ def _env(backend):
     return {"COMMRT_COMM_BACKEND": backend}
 
 
-@pytest.mark.parametrize("backend,nproc", [("zmq", 2), ("zmq", 3), ("gloo", 2)])
-def test_tensor_lists_of_unknown_shape_and_batch_isend_irecv(backend, nproc):
-    _, out = run_ranks(nproc, "pipeline_job", "p2p", env=_env(backend), timeout_s=120)
+AT_TWO = pytest.mark.xdist_group("pipeline_job_zmq_2")  # one worker runs these: the launch below runs once
+
+
+@pytest.fixture(scope="module")
+def zmq_at_two():
+    """One launch of pipeline_job at 2 ranks over zmq for the 2-rank zmq cases of the tests
+    below (each launch imports torch on every rank)."""
+    _, out = run_ranks(2, "pipeline_job", "p2p,layouts,memory,pipedream", env=_env("zmq"), timeout_s=300)
+    return out
+
+
+def _job(request, backend: str, nproc: int, mode: str, timeout_s: float) -> str:
+    """pipeline_job ``mode``'s output: zmq_at_two's at 2 ranks over zmq, else a launch of its own."""
+    if (backend, nproc) == ("zmq", 2):
+        return request.getfixturevalue("zmq_at_two")
+    return run_ranks(nproc, "pipeline_job", mode, env=_env(backend), timeout_s=timeout_s)[1]
+
+
+@pytest.mark.parametrize("backend,nproc", [pytest.param("zmq", 2, marks=AT_TWO), ("zmq", 3), ("gloo", 2)])
+def test_tensor_lists_of_unknown_shape_and_batch_isend_irecv(backend, nproc, request):
+    out = _job(request, backend, nproc, "p2p", 120)
     assert out.count("OK p2p\n") == nproc, out[-3000:]
 
 
@@ -32,11 +50,11 @@ def test_schedules_train_like_a_single_process(backend, nproc):
     _train(backend, nproc, MICRO)
 
 
-@pytest.mark.parametrize("backend", ["zmq", "gloo"])
-def test_micro_batch_shapes_that_change_between_steps_train_like_a_single_process(backend):
+@pytest.mark.parametrize("backend", [pytest.param("zmq", marks=AT_TWO), "gloo"])
+def test_micro_batch_shapes_that_change_between_steps_train_like_a_single_process(backend, request):
     """From its second step a schedule sends each tensor list as one message sized by the layout
     of the step before (channels.py); batches of 12, 12, 9, 9, 12 rows change that layout twice."""
-    _, out = run_ranks(2, "pipeline_job", "layouts", env=_env(backend), timeout_s=120)
+    out = _job(request, backend, 2, "layouts", 120)
     for kind in KINDS:
         assert out.count(f"OK train {kind} m=4 rows=12,12,9,9,12\n") == 2, f"{kind}:\n{out[-3000:]}"
 
@@ -47,16 +65,16 @@ def test_schedules_train_like_a_single_process_at_more_ranks(backend, nproc):
     _train(backend, nproc, MICRO)
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_1f1b_keeps_at_most_num_stages_micro_batches_in_flight_and_gpipe_all(nproc):
-    _, out = run_ranks(nproc, "pipeline_job", "memory", env=_env("zmq"), timeout_s=120)
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=AT_TWO), 3])
+def test_1f1b_keeps_at_most_num_stages_micro_batches_in_flight_and_gpipe_all(nproc, request):
+    out = _job(request, "zmq", nproc, "memory", 120)
     for rank in range(nproc):  # stage r holds num_stages - r under 1F1B, all 8 under GPipe
         assert f"OK memory gpipe=8 1f1b={nproc - rank}\n" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_pipedream_equals_the_2bw_rule_only_with_weight_stashing(nproc):
-    _, out = run_ranks(nproc, "pipeline_job", "pipedream", env=_env("zmq"), timeout_s=180)
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=AT_TWO), 3])
+def test_pipedream_equals_the_2bw_rule_only_with_weight_stashing(nproc, request):
+    out = _job(request, "zmq", nproc, "pipedream", 180)
     for m in (1, 2, 4):
         assert out.count(f"OK pipedream m={m}\n") == nproc, out[-3000:]
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism with real ranks against single-process training (issue 16).
 
-``pipeline_job [p2p|train|memory|pipedream|die|twod] [micro-batch counts...]``; every check prints
-'OK <case>' or raises. The reference is plain torch on the whole batch in one process.
+``pipeline_job [MODE[,MODE...]] [micro-batch counts...]``, MODE p2p|train|layouts|memory|pipedream|
+die|twod (several in one launch: one torch import per rank); every check prints 'OK <case>' or raises. The reference is plain torch on the whole batch in one process.
 """
 from __future__ import annotations
 
@@ -293,9 +293,7 @@ def die(rank: int, world: int) -> None:
     raise AssertionError("the step finished although the last stage died")
 
 
-def main() -> int:
-    rank, world = init()
-    mode, rest = (sys.argv[1] if len(sys.argv) > 1 else "train"), [int(v) for v in sys.argv[2:]]
+def run_mode(mode: str, rest: list[int], rank: int, world: int) -> None:
     if mode == "p2p":
         p2p(rank, world)
     elif mode == "train":
@@ -314,6 +312,15 @@ def main() -> int:
         die(rank, world)
     elif mode == "twod":
         twod(rest or [3, 4])
+    else:
+        raise SystemExit(f"pipeline_job: unknown mode {mode!r}")
+
+
+def main() -> int:
+    rank, world = init()
+    modes, rest = (sys.argv[1] if len(sys.argv) > 1 else "train"), [int(v) for v in sys.argv[2:]]
+    for mode in modes.split(","):  # several modes in one launch ("p2p,memory"): one torch import per rank
+        run_mode(mode, rest, rank, world)
     commrt.destroy_process_group()
     return 0
 
