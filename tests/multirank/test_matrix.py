@@ -35,27 +35,36 @@ def test_read_only_inputs_are_read_and_read_only_outputs_refused(backend, intra)
     assert out.count("read-only inputs passed") == 2
 
 
-@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
-def test_integer_avg_does_not_wrap(backend, intra):
+@pytest.fixture(scope="module", params=[("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")], ids="-".join)
+def dtype_ops(request):
+    """programs/dtype_ops.py (int_avg, half_avg and bool_ops in one launch of 3 ranks: each launch
+    imports torch on every rank) per backend and intra-node path, once for the three tests below."""
+    backend, intra = request.param
+    _, out = run_ranks(3, "dtype_ops", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
+    return out
+
+
+DTYPE_OPS = pytest.mark.xdist_group("dtype_ops")  # one worker runs the three: each launch runs once
+
+
+@DTYPE_OPS
+def test_integer_avg_does_not_wrap(dtype_ops):
     """int8 / uint8 / int32 AVG of values whose sum over 3 ranks overflows the dtype equals the
     floored int64 average (backends.base.widened), on the TCP and shared-memory paths and gloo."""
-    _, out = run_ranks(3, "int_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
-    assert out.count("int avg passed") == 3
+    assert dtype_ops.count("int avg passed") == 3
 
 
-@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
-def test_half_precision_avg_does_not_overflow(backend, intra):
+@DTYPE_OPS
+def test_half_precision_avg_does_not_overflow(dtype_ops):
     """float16 AVG of values whose sum passes 65504 but whose mean fits equals the exact mean
     (each rank's part is divided first, reduce_ops.avg_part); random values are bit-identical
     on every rank (programs/half_avg.py). The sum used to overflow to inf."""
-    _, out = run_ranks(3, "half_avg", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
-    assert out.count("half avg passed") == 3
+    assert dtype_ops.count("half avg passed") == 3
 
 
-@pytest.mark.parametrize("backend,intra", [("zmq", "tcp"), ("zmq", "shm"), ("gloo", "auto")])
-def test_bool_tensors_and_arrays_reduce_as_logical_ops(backend, intra):
+@DTYPE_OPS
+def test_bool_tensors_and_arrays_reduce_as_logical_ops(dtype_ops):
     """bool through every collective, tensors and numpy arrays: SUM/MAX a logical or, PRODUCT/MIN
     a logical and, AVG a ValueError on every rank (programs/bool_ops.py). bool used to be refused
     by every op of the zmq backend as an unsupported dtype."""
-    _, out = run_ranks(3, "bool_ops", env={"COMMRT_COMM_BACKEND": backend, "COMMRT_COMM_INTRA_NODE": intra})
-    assert out.count("bool ops passed") == 3
+    assert dtype_ops.count("bool ops passed") == 3

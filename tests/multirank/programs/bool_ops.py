@@ -88,8 +88,8 @@ def avg_is_refused(rank: int, n: int, kind: str) -> None:
     check(t, np.array([True, False, True]), f"{kind} after the refusals")
 
 
-def main() -> None:
-    commrt.init_process_group()
+def checks() -> None:
+    """Every check, on the initialized world (programs/dtype_ops.py runs it beside the others)."""
     rank, n = commrt.get_rank(), commrt.get_world_size()
     seed = 0
     for kind in ("torch", "numpy"):
@@ -104,8 +104,13 @@ def main() -> None:
             commrt.recv(got, src=0)
             check(got, np.array([True, False, True]), "recv")
     commrt.barrier()
-    commrt.destroy_process_group()
     print(f"rank {rank}: bool ops passed", flush=True)
+
+
+def main() -> None:
+    commrt.init_process_group()
+    checks()
+    commrt.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ def same_everywhere(t, what: str) -> None:
     assert all(torch.equal(rows[0], r) for r in rows), f"{what}: ranks differ"
 
 
-def main() -> None:
-    commrt.init_process_group()
+def checks() -> None:
+    """Every check, on the initialized world (programs/dtype_ops.py runs it beside the others)."""
     rank, n = commrt.get_rank(), commrt.get_world_size()
     seed = 0
     for dtype, kind in ((torch.float16, "torch"), (torch.bfloat16, "torch"), (torch.float16, "numpy")):
@@ -78,8 +78,13 @@ def main() -> None:
             if numel:
                 same_everywhere(x, f"random all_reduce {what}")
     commrt.barrier()
-    commrt.destroy_process_group()
     print(f"rank {rank}: half avg passed", flush=True)
+
+
+def main() -> None:
+    commrt.init_process_group()
+    checks()
+    commrt.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ def inputs(dtype, numel: int, rank: int) -> np.ndarray:
     return base.astype(dtype)
 
 
-def main() -> None:
-    commrt.init_process_group()
+def checks() -> None:
+    """Every check, on the initialized world (programs/dtype_ops.py runs it beside the others)."""
     rank, n = commrt.get_rank(), commrt.get_world_size()
     for dtype in HIGH:
         parts = [inputs(dtype, 11 * n, r) for r in range(n)]
@@ -38,8 +38,13 @@ def main() -> None:
         commrt.reduce(t, dst=n - 1, op="avg")
         assert np.array_equal(t, want if rank == n - 1 else parts[rank]), f"reduce {np.dtype(dtype)}"
     commrt.barrier()
-    commrt.destroy_process_group()
     print(f"rank {rank}: int avg passed", flush=True)
+
+
+def main() -> None:
+    commrt.init_process_group()
+    checks()
+    commrt.destroy_process_group()
 
 
 if __name__ == "__main__":
