@@ -29,16 +29,26 @@ def test_a_broken_codec_fails_the_bound():
     assert "exceeds its bound" in out
 
 
-def _train(steps: int) -> str:
-    _, out = run_ranks(2, "quant_train", str(steps), env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=500)
+def _train(steps: int, *more: str) -> str:
+    _, out = run_ranks(2, "quant_train", str(steps), *more, env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=500)
     assert out.count("quant training passed") == 2
     return out
 
 
-def test_quantized_training_tracks_fp32():
+@pytest.fixture(scope="module")
+def train_24_and_feedback():
+    """24 training steps, then programs/quant_feedback.py's checks, in one launch of 2 ranks."""
+    return _train(24, "feedback")
+
+
+AT_TWO = pytest.mark.xdist_group("quant_train_at_two")  # one worker runs both: the launch runs once
+
+
+@AT_TWO
+def test_quantized_training_tracks_fp32(train_24_and_feedback):
     """DataParallel int8 / int4+feedback and ZeRO-3 qwZ+qgZ(+LoCo) train a TinyLM to within a
     fraction (5% / 10%) of the loss drop of the same training in fp32 (checked by the program)."""
-    _train(24)
+    assert train_24_and_feedback.count("quant training passed") == 2
 
 
 @pytest.mark.slow
@@ -46,6 +56,6 @@ def test_quantized_training_tracks_fp32_over_120_steps():
     _train(120)
 
 
-def test_error_feedback_starts_afresh_when_the_size_changes():
-    _, out = run_ranks(2, "quant_feedback", env={"COMMRT_COMM_BACKEND": "zmq"}, timeout_s=90)
-    assert out.count("quant feedback passed") == 2
+@AT_TWO
+def test_error_feedback_starts_afresh_when_the_size_changes(train_24_and_feedback):
+    assert train_24_and_feedback.count("quant feedback passed") == 2

@@ -32,21 +32,26 @@ def check_failed_call(rank: int) -> None:
     assert torch.equal(a, b), f"rank {rank}: a failed call changed the memory: {a[:4]} vs {b[:4]}"
 
 
+def checks() -> None:
+    """Both checks, on the initialized world of 2 (programs/quant_train.py runs them after its own)."""
+    rank = commrt.get_rank()
+    rng = np.random.default_rng(rank)
+    small = torch.from_numpy(rng.standard_normal(10).astype(np.float32))
+    big = torch.from_numpy(rng.standard_normal(11).astype(np.float32))
+    seen, fresh = cq.ErrorFeedback(0.5), cq.ErrorFeedback(0.5)
+    cq.all_reduce(small.clone(), quant="int4", block=4, feedback=seen)
+    a, b = big.clone(), big.clone()
+    cq.all_reduce(a, quant="int4", block=4, feedback=seen)
+    cq.all_reduce(b, quant="int4", block=4, feedback=fresh)
+    assert torch.equal(a, b), f"rank {rank}: memory of 10 values used on 11: {a} vs {b}"
+    check_failed_call(rank)
+    print(f"rank {rank}: quant feedback passed", flush=True)
+
+
 def main() -> None:
     commrt.init_process_group()
     try:
-        rank = commrt.get_rank()
-        rng = np.random.default_rng(rank)
-        small = torch.from_numpy(rng.standard_normal(10).astype(np.float32))
-        big = torch.from_numpy(rng.standard_normal(11).astype(np.float32))
-        seen, fresh = cq.ErrorFeedback(0.5), cq.ErrorFeedback(0.5)
-        cq.all_reduce(small.clone(), quant="int4", block=4, feedback=seen)
-        a, b = big.clone(), big.clone()
-        cq.all_reduce(a, quant="int4", block=4, feedback=seen)
-        cq.all_reduce(b, quant="int4", block=4, feedback=fresh)
-        assert torch.equal(a, b), f"rank {rank}: memory of 10 values used on 11: {a} vs {b}"
-        check_failed_call(rank)
-        print(f"rank {rank}: quant feedback passed", flush=True)
+        checks()
     finally:
         commrt.destroy_process_group()
 

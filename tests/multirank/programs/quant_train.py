@@ -107,8 +107,11 @@ def main() -> None:
         assert gap <= tol * (start - final[exact]), (quantized, final, tol)
     assert stats["all_reduce"]["calls"] > 0 and stats["reduce_scatter"]["calls"] > 0
     assert stats["all_gather"]["calls"] > 0
-    commrt.destroy_process_group()
     print(f"rank {rank}: quant training passed", flush=True)
+    if "feedback" in sys.argv[2:]:  # programs/quant_feedback.py's checks on this world: one launch less
+        from tests.multirank.programs import quant_feedback
+        quant_feedback.checks()
+    commrt.destroy_process_group()
 
 
 if __name__ == "__main__":
