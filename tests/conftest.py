@@ -158,11 +158,14 @@ def _group_ids(items) -> None:
     in ``item._id``), so every group was spread over both workers, the netns tests above and the
     tests sharing one launch through a module fixture alike (test_hybrid, test_hierarchical,
     test_pipeline: each launch ran on both). Does nothing where xdist's hook worked."""
-    from _pytest.nodeid import NodeId
     for item in items:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
         suffix = "@" + "_".join(names)
         if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            try:
+                from _pytest.nodeid import NodeId  # pytest 9's; an older pytest reads _nodeid (xdist's)
+            except ImportError:
+                return
             item._id = NodeId.parse(item.nodeid + suffix)
 
