@@ -24,11 +24,10 @@ AT_TWO = pytest.mark.xdist_group("tdist_at_two")  # one worker runs both tests b
 
 @pytest.fixture(scope="module")
 def at_two():
-    """One launch of 2 ranks for PowerSGD and the training cases (each launch imports torch).
-    PowerSGD first, in a fresh process as when it had a launch of its own: after "pipe" in the
-    same process a rank aborts in PowerSGD's case (std::system_error "Resource deadlock avoided",
-    not investigated here)."""
-    _, out = run_ranks(2, "tdist_job", *POWERSGD, *TRAINING, timeout_s=240)
+    """One launch of 2 ranks for the training cases and PowerSGD (each launch imports torch).
+    PowerSGD after the others: its gloo reference run, not first in its process, aborted a rank
+    (std::system_error "Resource deadlock avoided") until tdist_job kept its gloo groups alive."""
+    _, out = run_ranks(2, "tdist_job", *TRAINING, *POWERSGD, timeout_s=240)
     return out
 
 
