@@ -30,7 +30,7 @@ from commrt.runtime.config import load_config
 from commrt.train.replica_ft import serve
 from tests.multirank.harness import ROOT, default_signals
 
-NODES, PER_NODE, STEPS, KILL_AFTER, LR = 2, 2, 200, 3, 0.05
+NODES, PER_NODE, STEPS, KILL_AFTER, LR = 2, 2, 60, 3, 0.05  # 57 steps after the kill: node 0 is never done first
 MODEL = {"vocab": 64, "dim": 32, "layers": 1, "heads": 2, "seq": 16}
 BATCH = 4
 CONFIG = f"""
