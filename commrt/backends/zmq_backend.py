@@ -265,7 +265,11 @@ class ZmqBackend(CollectiveCalls):
                 exc = exc.in_group(self._members, self.group_id)
         elif isinstance(exc, CollectiveMismatch) and exc.reported_by is None and ctx.refused is not None:
             # what this rank ran at the refused message's seq, and what arrived
-            self._coll.tell_peers(ctx.seq, report=encode_report(*ctx.refused))
+            try:
+                report = encode_report(*ctx.refused)
+            except ValueError:  # what arrived is no header at all (a scribbled control page):
+                report = b""    # the peers learn that this rank gave up, without the report
+            self._coll.tell_peers(ctx.seq, report=report)
         elif isinstance(exc, OpRefused) and exc.reported_by is None:
             # this rank had started the op: pass it on, so the refusing rank (and any other that
             # refused it too) learns the group is unusable rather than waiting on us next time
