@@ -32,9 +32,10 @@ from commrt.collectives.shm_context import ShmContext
 ONE_STEP_PEER_BYTES = 224 << 10
 WHOLE_COPY_BYTES = 256 << 10  # below this, one copy of a round's part costs less than n - 1 calls
 MAX_AUX = 1 << 48  # a peer's all_to_all block length beyond this is garbage, not a size
-# a reduction over every row in one numpy call costs more than one call per peer below this many
-# ranks (1 KiB floats: 2 ranks 3.9 us against 2.3, 3 ranks 3.5 / 2.7, 4 ranks 3.0 / 5.1, 8 ranks
-# 5.5 / 7.2, 16 ranks 5.2 / 18.3; docs/PERFORMANCE.md, "Small ops, per peer")
+# from this many ranks the one-step all-reduce reduces every rank's row in one numpy call; below,
+# a call per part costs as little or less (4 KiB of float32, us, per part / rows: 2 ranks 2.6 /
+# 2.8, 3 ranks 2.7-3.4 / 2.9-3.5, 4 ranks 3.8 / 3.0, 8 ranks 8.3 / 3.7, 16 ranks 17.7 / 5.8;
+# `python -m tests.perf.shm_peer_cost`, docs/PERFORMANCE.md "The small all_reduce's own cost")
 ROWS_REDUCE_FROM = 4
 AVG = ReduceOp.AVG  # a module constant: the enum's attribute costs more than the comparison
 
