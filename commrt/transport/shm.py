@@ -97,7 +97,6 @@ class Channel:
                      for c in self.ctl]
         self._peers = [(p, self.ctl[p]) for p in range(self.size) if p != self.rank]
         self._peer_hdr = [[(p, self._hdr[p][s]) for p, _ in self._peers] for s in (0, 1)]
-        self.peer_ranks = [p for p, _ in self._peers]
         self._peer_ctl = [c for _, c in self._peers]
         self.t = 0  # last step this rank published
         self._yield_s = yield_window(self.size, _cores())
