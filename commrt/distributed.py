@@ -199,7 +199,8 @@ def _tag(tag, what: str) -> int:
 
 
 def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
-    tag = _tag(tag, "isend")
+    if type(tag) is not int or not 0 <= tag < MAX_TAG:  # a plain valid int passes without a call
+        tag = _tag(tag, "isend")
     g = _group(group)
     if g is None:
         return None
@@ -209,7 +210,8 @@ def isend(tensor, dst: int, group=None, tag: int = 0) -> Work | None:
 
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0) -> Work | None:
     """``src`` None: from any peer; ``work.result()`` is then the sender's group rank."""
-    tag = _tag(tag, "irecv")
+    if type(tag) is not int or not 0 <= tag < MAX_TAG:
+        tag = _tag(tag, "irecv")
     g = _group(group)
     if g is None:
         return None

@@ -69,8 +69,10 @@ class Matching:
             self._any_take_early(op.tag)
         else:
             self._on_bind(op.src)
-            self.recvs[(op.src, op.tag)].append(op)
-            self._match_early(op)
+            key = (op.src, op.tag)
+            self.recvs[key].append(op)
+            if self.early.get(key):  # what came before it (most receives are posted first)
+                self._match_early(op)
 
     def arrive(self, msg) -> bool:
         """Land ``msg`` in the receive it belongs to; False when none is posted (keep or drop it)."""

@@ -24,7 +24,7 @@ from commrt.transport import shm, shm_p2p
 from commrt.transport.endpoint import Endpoint, Message
 from commrt.transport.matching import ANY_SOURCE, Matching, Recv
 from commrt.transport.p2p_send import Send, Sender
-from commrt.transport.progress import ENGINE, CallerProgress, P2PWork, Reader
+from commrt.transport.progress import ENGINE, CallerProgress, Reader
 
 __all__ = ["ANY_SOURCE", "P2PEngine", "Recv", "Send"]
 
@@ -83,22 +83,20 @@ class P2PEngine(CallerProgress):
         """The global rank of group rank ``rank``, for errors named() does not translate."""
         return rank if self._members is None else self._members[rank]
 
-    def work(self, name: str) -> P2PWork:
-        """The handle of a transfer about to be posted here."""
-        return P2PWork(name, self, receive=name == "recv")
-
     def post(self, op: Send | Recv) -> Any:
         """A send goes out from the caller's thread when nothing to its destination is queued
         ahead of it (the engine takes over what the socket or ring does not take at once); a
         receive is matched against what has arrived, then waits for ``wait()`` or the engine."""
         op.since = time.monotonic()
-        if isinstance(op, Send):
+        if type(op) is Send:
             with self._tx:
-                self._check_open(op)
-                self._start()
+                if self._closing or self._thread is None:  # checks inline: on every message's path
+                    self._check_open(op)
+                    self._start()
                 wake = self._out.post(op)
                 settled = self._out.settled()  # only op: the engine takes its own under _tx
-            self._finish_sends(settled)
+            if settled:
+                self._finish_sends(settled)
             if wake:
                 self._wake()
             return op.work
@@ -107,7 +105,8 @@ class P2PEngine(CallerProgress):
                 self._start()  # it watches the deadlines of receives nobody waits on
         if self._reader.try_take(threading.get_ident()):
             try:
-                self._check_open(op)
+                if self._closing:
+                    self._check_open(op)
                 if not self._posted:
                     self._match_recv(op)
                     return op.work

@@ -75,16 +75,14 @@ class OutRing:
         self._data = memoryview(self._mm)[shm.CTL_BYTES:]
         self.outbox = Outbox(self._ctl, self._data[RING_BYTES:])
         self.head = 0
-
-    @property
-    def reserved(self) -> bool:
-        return self._fd is None
+        self.reserved = False  # its pages allocated (reserve_memory); read on every send to its peer
 
     def reserve_memory(self) -> None:
         """Allocate the ring's pages before the first write (OSError when memory is short)."""
         shm.reserve(self._fd)
         shm.close_fd(self._fd)
         self._fd = None
+        self.reserved = True
 
     def reserve(self, length: int) -> int | None:
         """Where ``length`` bytes (at most RING_BYTES) would go (contiguous: skip the ring's end
@@ -188,9 +186,12 @@ class Rings:
 
     def put(self, dst: int, header, payload) -> bool | None:
         """A small message into ``dst``'s mailbox (mailbox.Outbox.try_put: None = take the socket)."""
-        if dst not in self.peers or len(payload) > MAX_PAYLOAD or not self._ready(dst):
+        if dst not in self.peers or len(payload) > MAX_PAYLOAD:
             return None
-        put = self._out[dst].outbox.try_put(header, payload)
+        ring = self._out[dst]
+        if not ring.reserved and not self._ready(dst):
+            return None
+        put = ring.outbox.try_put(header, payload)
         self.mailed += put is not None
         return put
 
