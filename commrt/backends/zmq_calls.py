@@ -63,7 +63,22 @@ class CollectiveCalls:
                              f"{part} ({numel(small)}) x world size ({self.size})")
         return out, wb, inp
 
+    def _plain_pair(self, output, input, whole: str):
+        """(out, inp) flat as given (``plain``), of one kind and dtype, ``whole`` ("input" or
+        "output") world-size times the other; None where anything needs the general path."""
+        out, inp = plain(output), plain(input)
+        if out is None or inp is None or type(out) is not type(inp) or out.dtype != inp.dtype:
+            return None
+        big, small = (inp, out) if whole == "input" else (out, inp)
+        return (out, inp) if numel(big) == numel(small) * self.size else None
+
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
+        pair = self._plain_pair(output, input, "input") if op != AVG else None
+        if pair is not None:  # the common case (issue 32: the per-op cost), as all_reduce's
+            out, inp = pair
+            return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
+                                    lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, reduce=op,
+                                    declared=out.dtype)
         try:
             out, wb, inp = self._whole_and_part(output, input, "reduce_scatter_tensor", "input")
             check_defined(op, out.dtype, "reduce_scatter_tensor")
@@ -77,6 +92,11 @@ class CollectiveCalls:
                                 declared=declared)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
+        pair = self._plain_pair(output, input, "output")
+        if pair is not None:
+            out, inp = pair
+            return self._collective(Coll.ALL_GATHER, out.dtype, numel(out),
+                                    lambda ctx: self._ops.all_gather(ctx, out, inp), async_op)
         try:
             out, wb, inp = self._whole_and_part(output, input, "all_gather_into_tensor", "output")
         except (ValueError, TypeError) as exc:
@@ -85,6 +105,10 @@ class CollectiveCalls:
                                 lambda ctx: self._ops.all_gather(ctx, out, inp), async_op, wb)
 
     def broadcast(self, tensor, src, async_op=False):
+        flat = plain(tensor)
+        if flat is not None:
+            return self._collective(Coll.BROADCAST, flat.dtype, numel(flat),
+                                    lambda ctx: self._ops.broadcast(ctx, flat, src), async_op, root=src)
         # the source only reads its buffer: a read-only one is fine there (nothing to store back)
         try:
             flat, wb = flat_view(tensor, writes=self.rank != src)
