@@ -73,6 +73,23 @@ def plain(obj):
     return None
 
 
+_AVG_AS_IS: dict = {}
+
+
+def avg_as_is(dtype) -> bool:
+    """An AVG over ``dtype`` runs on the caller's buffer as it is: a float or complex (no
+    integer to widen, no bool to refuse: ``widened``, ``check_defined``). Cached per dtype: on
+    the path of every averaging op (the training engines average every gradient)."""
+    ok = _AVG_AS_IS.get(dtype)
+    if ok is None:
+        if isinstance(dtype, np.dtype):
+            ok = dtype.kind in "fc"
+        else:
+            ok = bool(dtype.is_floating_point or dtype.is_complex)
+        _AVG_AS_IS[dtype] = ok
+    return ok
+
+
 def flat_view(obj, what: str = "tensor", writes: bool = True) -> tuple[object, Callable[[], None] | None]:
     """A flat contiguous view of a CPU tensor/array, and a write-back for non-contiguous input.
     A CUDA tensor is staged: a pinned host copy, written back to the device afterwards.

@@ -11,7 +11,8 @@ from commrt.runtime import dtypes
 from commrt.runtime.arrays import UINT8, numel
 from commrt.collectives.context import Coll
 from commrt.collectives.reduce_ops import ReduceOp, check_defined
-from commrt.backends.base import check_same_dtype, flat_view, narrow_int, plain, same_kind, split_bounds, widened
+from commrt.backends.base import (avg_as_is, check_same_dtype, flat_view, narrow_int, plain, same_kind,
+                                  split_bounds, widened)
 
 STAGE_PIECES = 4  # a staged all_reduce piece is this many pipelining chunks
 AVG = ReduceOp.AVG  # a module constant: the enum's attribute costs more than the comparison
@@ -22,8 +23,8 @@ class CollectiveCalls:
     ``_refused``)."""
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
-        flat = plain(tensor) if op != AVG else None  # the common case: nothing to check or widen
-        if flat is not None:
+        flat = plain(tensor)  # the common case: nothing to check or widen
+        if flat is not None and (op != AVG or avg_as_is(flat.dtype)):
             return self._collective(Coll.ALL_REDUCE, flat.dtype, numel(flat),
                                     lambda ctx: self._ops.all_reduce(ctx, flat, op), async_op, reduce=op,
                                     declared=flat.dtype)
@@ -73,8 +74,8 @@ class CollectiveCalls:
         return (out, inp) if numel(big) == numel(small) * self.size else None
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
-        pair = self._plain_pair(output, input, "input") if op != AVG else None
-        if pair is not None:  # the common case (issue 32: the per-op cost), as all_reduce's
+        pair = self._plain_pair(output, input, "input")
+        if pair is not None and (op != AVG or avg_as_is(pair[0].dtype)):  # the common case, as all_reduce's
             out, inp = pair
             return self._collective(Coll.REDUCE_SCATTER, out.dtype, numel(inp),
                                     lambda ctx: self._ops.reduce_scatter(ctx, out, inp, op), async_op, reduce=op,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from commrt.backends.base import flat_view, plain
+from commrt.backends.base import avg_as_is, flat_view, plain
 from commrt.runtime import dtypes
 
 
@@ -54,3 +54,17 @@ def test_anything_else_goes_to_flat_view(make):
 def _read_only(a):
     a.flags.writeable = False
     return a
+
+
+@pytest.mark.parametrize("dtype, as_is", [
+    (np.dtype(np.float32), True), (np.dtype(np.float16), True), (np.dtype(np.complex64), True),
+    (np.dtype(np.int8), False), (np.dtype(np.int64), False), (np.dtype(np.bool_), False),
+    (torch.float32, True), (torch.bfloat16, True), (torch.complex64, True),
+    (torch.int8, False), (torch.uint8, False), (torch.int64, False), (torch.bool, False),
+])
+def test_an_average_runs_as_is_only_on_floats(dtype, as_is):
+    """The fast path of an AVG (all_reduce, reduce_scatter) skips ``widened`` and
+    ``check_defined``: only where neither would do anything (a narrow integer is widened, so
+    its sum cannot wrap; bool is refused), asked twice for the cache."""
+    assert avg_as_is(dtype) is as_is
+    assert avg_as_is(dtype) is as_is
