@@ -208,6 +208,35 @@ def test_a_receive_posted_behind_others_runs_none_of_their_callbacks_under_the_p
         engine._thread = None  # close() closes the sockets itself
 
 
+def test_a_wait_leaves_the_socket_to_the_next_wait_and_wakes_the_engine_only_for_callbacks(pair, monkeypatch):
+    """A pipeline posts a step's receives at its start. When a wait ended with receives still
+    posted, it woke the engine, which took the socket, and the stage's next wait had to ask for
+    it back (a thread hop per receive). Now a wait wakes the engine only for a receive with a
+    done-callback, which no wait will land. The engine thread is kept from starting, so the
+    wake-ups here are the waits' and the callbacks' own."""
+    (engine, p2p0), (_, p2p1) = pair
+    engine._thread = threading.Thread()  # never started: _start sees an engine
+    wakes = []
+    monkeypatch.setattr(engine, "_wake", lambda: wakes.append(1))
+    try:
+        a, b = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        first, second = p2p0.irecv(a, 1, tag=1), p2p0.irecv(b, 1, tag=2)
+        p2p1.isend(np.full(4, 1.0, np.float32), 0, tag=1).wait(TIMEOUT_S)
+        assert first.wait(TIMEOUT_S) and a[0] == 1.0
+        assert wakes == [], "a wait woke the engine for a receive another wait will land"
+        called = []
+        second.add_done_callback(called.append)  # kicks the engine: it must land this one
+        assert len(wakes) == 1
+        third = p2p0.irecv(np.zeros(4, np.float32), 1, tag=3)
+        p2p1.isend(np.full(4, 3.0, np.float32), 0, tag=3).wait(TIMEOUT_S)
+        assert third.wait(TIMEOUT_S)
+        assert len(wakes) == 2, "a wait left a receive with a callback to nobody"
+        p2p1.isend(np.full(4, 2.0, np.float32), 0, tag=2).wait(TIMEOUT_S)
+        assert second.wait(TIMEOUT_S) and b[0] == 2.0 and called == [second]
+    finally:
+        engine._thread = None  # close() closes the sockets itself
+
+
 def test_a_flood_of_unreceived_data_is_a_protocol_error_naming_global_ranks(pair, monkeypatch):
     """A subgroup's transport numbers peers by group rank; the flood error said "peer rank 1"
     for group [3, 8]'s rank 1, which a user reads as global rank 1, another process."""
