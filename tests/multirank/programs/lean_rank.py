@@ -4,7 +4,8 @@ all_reduce checked exactly against the single-process reference, messages per sm
 
     lean_rank scale [ITERS]        print one LEAN line per rank
     lean_rank kill VICTIM [ITERS]  the same, then VICTIM is SIGKILLed after a barrier and every
-                                   survivor must name it (PeerLost) in its next all_reduce
+                                   survivor must name it (PeerLost) in that barrier or its next
+                                   all_reduce; KILLED and CAUGHT lines carry the host's clock
     lean_rank tensor [ITERS]       the scale run on torch tensors over the same memory (the
                                    torch rank's cost, for comparison)
     lean_rank api                  every public collective and point-to-point on numpy arrays,
@@ -96,17 +97,23 @@ def scale(iters: int, wrap=lambda a: a) -> None:
 
 def kill(victim: int, iters: int) -> None:
     scale(iters)
-    commrt.barrier()
-    if RANK == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     started = time.perf_counter()
     try:
+        # the victim leaves this barrier and dies at once: what it queued last for a peer may
+        # die with it (SIGKILL), and that peer then names it here
+        commrt.barrier()
+        if RANK == victim:
+            print(f"KILLED rank {RANK} at {time.monotonic():.3f}", flush=True)  # the host's monotonic clock
+            os.kill(os.getpid(), signal.SIGKILL)
         for i in range(1000):  # the first op that needs the victim (directly or by a partner's notice)
             commrt.all_reduce(part(RANK, SMALL, i))
         print("NOT CAUGHT: 1000 all_reduces completed without the victim", flush=True)
     except commrt.PeerLost as exc:
-        print(f"CAUGHT rank {RANK} PeerLost rank {exc.rank} after {time.perf_counter() - started:.3f}s: {exc}",
-              flush=True)
+        # at: the host's monotonic clock, as the victim's KILLED line; told by: the rank whose
+        # notice it was (-: this rank saw the victim's connection drop itself)
+        by = "-" if exc.reported_by is None else exc.reported_by
+        print(f"CAUGHT rank {RANK} PeerLost rank {exc.rank} after {time.perf_counter() - started:.3f}s "
+              f"at {time.monotonic():.3f} told by {by}: {exc}", flush=True)
 
 
 def api() -> None:
