@@ -88,8 +88,11 @@ class Endpoint:
         self.peer_addresses = dict(addresses)
         self._resolve = resolve
 
-    def socket_to(self, peer: int, op: str = "a send or receive") -> zmq.Socket:
-        """The PUSH socket to ``peer``, dialled now if this is the first use."""
+    def socket_to(self, peer: int, op: str = "a send or receive", watch: bool = True) -> zmq.Socket:
+        """The PUSH socket to ``peer``, dialled now if this is the first use. ``watch`` False: no
+        liveness monitor on a new socket (a notice to every peer of a group that is unusable
+        from then on: no wait will read that peer's liveness, and the monitor was most of the
+        dial's cost, ``notices.tell_peers``)."""
         sock = self._out.get(peer)
         if sock is not None:
             return sock
@@ -100,7 +103,8 @@ class Endpoint:
             raise ValueError(f"rank {self.rank}: no address for peer rank {peer}")
         sock = self.transport.dial(zmq.PUSH, address, self.names[peer], max_frame=self._max_frame)
         sock.setsockopt(zmq.SNDHWM, HWM)
-        self.live.monitor(sock, peer)
+        if watch:
+            self.live.monitor(sock, peer)
         self._out[peer] = sock
         return sock
 

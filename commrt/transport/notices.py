@@ -111,20 +111,45 @@ def tell_peers(ep, seq: int, lost: int | None = None, report: bytes = b"",
     we lost (``lost``) or carrying a mismatch ``report``, so ranks waiting elsewhere fail
     at once with the same cause instead of timing out on us when we leave.
     ``connected_only``: only the peers we already have a connection to (a notice passed on:
-    relayed to every peer by every rank, it dialled n^2 connections; issue 32.5)."""
+    relayed to every peer by every rank, it dialled n^2 connections; issue 32.5).
+    The peers without a connection are dialled (no liveness monitor: the group is unusable from
+    now on) before any notice goes out, and no more once another rank's notice of the same loss
+    has arrived: whoever sent the first one had dialled everyone, and the ranks told start to
+    tear down. At 256 ranks on 2 cores the 8 ranks that saw the loss themselves each went on
+    dialling 240 peers with ~1% of a CPU while the ranks told exited, and named the loss up to
+    10 s after them (docs/PERFORMANCE.md, 2026-11-28)."""
     h = encode_header(Header(ABORT, ep.group, seq, ep.rank, lost or 0, 0, 0, 0, len(report)))
     try:
         peers = list(ep._out) if connected_only else ep.all_peers("an abort notice", lost)
     except CommError as exc:  # the addresses not known yet are unreadable: tell those we know
         log.warning("rank %d: abort notice to known peers only: %s", ep.rank, exc)
         peers = list(ep.peer_addresses)
+    peers = [p for p in peers if p not in (ep.rank, lost)]
+    socks = [ep._out[p] for p in peers if p in ep._out]
     for peer in peers:
-        if peer in (ep.rank, lost):
+        if peer in ep._out:
             continue
+        if lost is not None and _heard_of(ep, lost):
+            break
         try:
-            ep.socket_to(peer).send_multipart([h, report], zmq.NOBLOCK)
+            socks.append(ep.socket_to(peer, "an abort notice", watch=False))
         except (zmq.ZMQError, ValueError):
             pass
+    for sock in socks:
+        try:
+            sock.send_multipart([h, report], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+def _heard_of(ep, lost: int) -> bool:
+    """Whether another rank's notice naming ``lost`` has arrived. Reads what is queued and drops
+    it: the group is unusable from now on, and nothing will read it after this."""
+    while (msg := ep.read(zmq.NOBLOCK)) is not None:
+        h = msg.header
+        if h.kind == ABORT and h.nbytes == 0 and h.op == lost and not is_goodbye(h):
+            return True
+    return False
 
 
 def say_goodbye(ep) -> dict[int, int]:

@@ -165,6 +165,46 @@ def test_a_lost_rank_heard_from_a_peer_is_passed_on_over_existing_connections_on
             side.close()
 
 
+def test_a_first_hand_notice_dials_without_monitors_and_no_more_once_another_arrived():
+    """A rank that saw a peer die tells every peer before its own PeerLost reaches its caller.
+    The sockets it dials only for that carry no liveness monitor (no wait reads them: the group
+    is unusable after the notice), and it dials no more once another rank's notice of the same
+    loss has arrived (that rank told everyone). At 256 ranks on 2 cores the 8 ranks that saw
+    it each dialled 240 peers with monitors while the ranks told tore down, and named it last,
+    10 s after them. Real endpoints of 5 ranks in one process: rank 4 is the lost one."""
+    from commrt.runtime.config import load_config
+    from commrt.runtime.errors import PeerLost
+    from commrt.transport import Endpoint, Transport
+    from commrt.transport.wire import COLL, Coll, Header
+
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    names = [f"rank{r}" for r in range(5)]
+    sides = [Transport(cfg, n) for n in names]
+    eps = [Endpoint(sides[r], 0, r, names, "127.0.0.1", "", 1 << 20, 3.0, 10.0) for r in range(5)]
+    try:
+        table = {r: ep.address for r, ep in enumerate(eps)}
+        for ep in eps:
+            ep.connect(table)
+        eps[0].send(1, Header(COLL, 0, 1, 0, int(Coll.BARRIER), 6, 0, 0, 0), b"", op="barrier")
+        eps[1].recv(0, op="barrier", seq=1, timeout_s=10.0)  # rank 0 waits on rank 1: watched
+        eps[0].tell_peers(2, lost=4)  # seen first-hand: every peer but the lost one
+        assert sorted(eps[0]._out) == [1, 2, 3]
+        assert sorted(eps[0].live._monitors.values()) == [1], "a notice-only socket got a monitor"
+        for r in (1, 2):
+            with pytest.raises(PeerLost) as lost:
+                eps[r].recv(0, op="all_reduce", seq=2, timeout_s=10.0)
+            assert (lost.value.rank, lost.value.reported_by) == (4, 0)
+        # rank 3 sees rank 4 go too, after rank 0's notice arrived: nobody left to dial for
+        assert eps[3].inbound.poll(10_000), "rank 0's notice did not arrive"
+        eps[3].tell_peers(2, lost=4)
+        assert sorted(eps[3]._out) == [], "dialled every peer after another rank had told them"
+    finally:
+        for ep in eps:
+            ep.close()
+        for side in sides:
+            side.close()
+
+
 def test_a_backend_passes_on_what_it_heard_only_over_its_connections():
     from types import SimpleNamespace
 
