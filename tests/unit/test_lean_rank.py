@@ -2,6 +2,7 @@
 on numpy arrays, in place, without importing torch, and give what the same ops give on tensors.
 The algorithms run on threads over test_scheduled's in-memory context (real ops.py code, numpy
 buffers end to end); the import check runs a real one-rank world in a fresh interpreter."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -128,24 +129,38 @@ def test_overlap_of_numpy_views_by_address():
     assert overlaps(np.frombuffer(base, np.uint8)[8:12], base[2:3])  # another array, same bytes
 
 
+@contextlib.contextmanager
+def _endpoints(n: int):
+    """Real, connected Endpoints of ranks 0..n-1 of one group in this process (one Transport
+    each, as n processes would have); closed afterwards."""
+    from commrt.runtime.config import load_config
+    from commrt.transport import Endpoint, Transport
+
+    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
+    names = [f"rank{r}" for r in range(n)]
+    sides = [Transport(cfg, name) for name in names]
+    eps = [Endpoint(sides[r], 0, r, names, "127.0.0.1", "", 1 << 20, 3.0, 10.0) for r in range(n)]
+    try:
+        table = {r: ep.address for r, ep in enumerate(eps)}
+        for ep in eps:
+            ep.connect(table)
+        yield eps
+    finally:
+        for ep in eps:
+            ep.close()
+        for side in sides:
+            side.close()
+
+
 def test_a_lost_rank_heard_from_a_peer_is_passed_on_over_existing_connections_only():
     """Issue 32.5: a rank that sees a peer die tells every peer; a rank told passes the notice on
     only to the peers it has a connection to (at 256 ranks, every told rank dialling all others
     made 65,000 connections after one death and the last survivor heard of it after 16 s).
     Real endpoints of 4 ranks in one process: rank 3 is the lost one."""
-    from commrt.runtime.config import load_config
     from commrt.runtime.errors import PeerLost
-    from commrt.transport import Endpoint, Transport
     from commrt.transport.wire import COLL, Coll, Header
 
-    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
-    names = [f"rank{r}" for r in range(4)]
-    sides = [Transport(cfg, n) for n in names]
-    eps = [Endpoint(sides[r], 0, r, names, "127.0.0.1", "", 1 << 20, 3.0, 10.0) for r in range(4)]
-    try:
-        table = {r: ep.address for r, ep in enumerate(eps)}
-        for ep in eps:
-            ep.connect(table)
+    with _endpoints(4) as eps:
         eps[0].send(1, Header(COLL, 0, 1, 0, int(Coll.BARRIER), 6, 0, 0, 0), b"", op="barrier")
         eps[1].recv(0, op="barrier", seq=1, timeout_s=10.0)  # rank 0 now has a connection to 1 only
         eps[0].tell_peers(2, lost=3, connected_only=True)  # heard, so passed on
@@ -158,11 +173,6 @@ def test_a_lost_rank_heard_from_a_peer_is_passed_on_over_existing_connections_on
         with pytest.raises(PeerLost) as lost:
             eps[2].recv(1, op="all_reduce", seq=2, timeout_s=10.0)
         assert (lost.value.rank, lost.value.reported_by) == (3, 0)
-    finally:
-        for ep in eps:
-            ep.close()
-        for side in sides:
-            side.close()
 
 
 def test_a_first_hand_notice_dials_without_monitors_and_no_more_once_another_arrived():
@@ -172,19 +182,10 @@ def test_a_first_hand_notice_dials_without_monitors_and_no_more_once_another_arr
     loss has arrived (that rank told everyone). At 256 ranks on 2 cores the 8 ranks that saw
     it each dialled 240 peers with monitors while the ranks told tore down, and named it last,
     10 s after them. Real endpoints of 5 ranks in one process: rank 4 is the lost one."""
-    from commrt.runtime.config import load_config
     from commrt.runtime.errors import PeerLost
-    from commrt.transport import Endpoint, Transport
     from commrt.transport.wire import COLL, Coll, Header
 
-    cfg = load_config(None, {"comm": {"backend": "zmq"}, "security": {"mode": "none"}})
-    names = [f"rank{r}" for r in range(5)]
-    sides = [Transport(cfg, n) for n in names]
-    eps = [Endpoint(sides[r], 0, r, names, "127.0.0.1", "", 1 << 20, 3.0, 10.0) for r in range(5)]
-    try:
-        table = {r: ep.address for r, ep in enumerate(eps)}
-        for ep in eps:
-            ep.connect(table)
+    with _endpoints(5) as eps:
         eps[0].send(1, Header(COLL, 0, 1, 0, int(Coll.BARRIER), 6, 0, 0, 0), b"", op="barrier")
         eps[1].recv(0, op="barrier", seq=1, timeout_s=10.0)  # rank 0 waits on rank 1: watched
         eps[0].tell_peers(2, lost=4)  # seen first-hand: every peer but the lost one
@@ -198,11 +199,6 @@ def test_a_first_hand_notice_dials_without_monitors_and_no_more_once_another_arr
         assert eps[3].inbound.poll(10_000), "rank 0's notice did not arrive"
         eps[3].tell_peers(2, lost=4)
         assert sorted(eps[3]._out) == [], "dialled every peer after another rank had told them"
-    finally:
-        for ep in eps:
-            ep.close()
-        for side in sides:
-            side.close()
 
 
 def test_a_backend_passes_on_what_it_heard_only_over_its_connections():
