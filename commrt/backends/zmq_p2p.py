@@ -31,15 +31,11 @@ class PointToPoint:
         with self._lock:
             key = ("send", dst, tag)
             seq = self._seq[key] = self._seq[key] + 1
-            if n and len(steps) == 1:  # one piece: every pipeline message, most sends
-                payload = as_bytes(flat)
-                frames = [(Header(P2P, self.group_id, seq, self.rank, tag, code, n, 0, len(payload)), payload)]
-            else:
-                frames = []
-                for step, piece in enumerate(steps):
-                    payload = as_bytes(piece) if numel(piece) else b""
-                    frames.append((Header(P2P, self.group_id, seq, self.rank, tag, code, n, step,
-                                          len(payload)), payload))
+            # one piece (every pipeline message, most sends): its element count is known
+            payloads = [as_bytes(flat)] if n and len(steps) == 1 else \
+                [as_bytes(piece) if numel(piece) else b"" for piece in steps]
+            frames = [(Header(P2P, self.group_id, seq, self.rank, tag, code, n, step, len(payload)), payload)
+                      for step, payload in enumerate(payloads)]
             return self._engine.post(Send(dst, tag, seq, frames, P2PWork("send", self._engine, False)))
 
     def irecv(self, tensor, src: int | None, tag: int = 0) -> Work:
